@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# gpu-check.sh - on a machine with an NVIDIA GPU: build kiln with the CUDA
+# backend (Release), run test_cuda then the whole ctest suite, then
+# `kiln bench --device cuda --json` and the PyTorch peer (bench/peer_torch.py).
+# Logs go to $OUT when it is set (else build/gpu-check/); each stage writes its
+# own log as it runs, so a run cut short still leaves what it did.
+#
+# Environment: GPU_CHECK_QUICK=1 (peer at small sizes), GPU_CHECK_SKIP=bench,peer
+# (stages to leave out), GPU_CHECK_JOBS (default 16), GPU_CHECK_CMAKE_ARGS (more
+# cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit).
+# Exit status: nonzero when configuring, building or a test fails; the two
+# benchmarks only report (kiln bench may not support CUDA yet).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+build=$root/build
+logs=${OUT:-$build/gpu-check}
+mkdir -p "$logs"
+jobs=${GPU_CHECK_JOBS:-16}
+skip=",${GPU_CHECK_SKIP:-},"
+status=0
+
+say() { echo "[gpu-check] $*" | tee -a "$logs/summary.txt"; }
+stage() { # stage NAME SECONDS CMD...: run with a time limit, log to NAME.log
+	local name=$1 secs=$2
+	shift 2
+	local t0=$SECONDS rc
+	timeout --kill-after=10 "$secs" "$@" >"$logs/$name.log" 2>&1
+	rc=$?
+	say "$name: exit $rc after $((SECONDS - t0)) s (log: $name.log)"
+	return $rc
+}
+
+: >"$logs/summary.txt"
+say "kiln gpu-check in $root, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+{ nvidia-smi || echo "nvidia-smi failed"; } >"$logs/nvidia-smi.txt" 2>&1
+say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+
+# ---- the toolkit: headers for the build, libraries for dlopen ----------------------
+cuda_inc=""
+for d in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-13.0 /usr; do
+	if [[ -n $d && -f $d/include/cuda.h && -f $d/include/nvrtc.h && -f $d/include/cublasLt.h ]]; then
+		cuda_inc=$d/include
+		break
+	fi
+done
+# PyTorch's CUDA wheels: site-packages/nvidia/<component>/{include,lib} (12.x)
+# or nvidia/cu13/{include,lib} (13.x). Their headers are merged into one
+# directory of links; their libraries are named to kiln's loader.
+nv_dirs=$(python3 - 2>/dev/null <<'EOF'
+import os
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        for d, subdirs, files in os.walk(p):
+            if os.path.basename(d) in ("include", "lib", "lib64"):
+                print(d)
+except Exception:
+    pass
+EOF
+)
+if [[ -z $cuda_inc && -n $nv_dirs ]]; then
+	merged=$build/cuda-include
+	mkdir -p "$merged"
+	while read -r d; do
+		[[ $d == */include ]] || continue
+		for f in "$d"/*; do
+			[[ -e $merged/$(basename "$f") ]] || ln -s "$f" "$merged/"
+		done
+	done <<<"$nv_dirs"
+	if [[ -f $merged/cuda.h && -f $merged/nvrtc.h && -f $merged/cublasLt.h ]]; then
+		cuda_inc=$merged
+	fi
+fi
+if [[ -z $cuda_inc ]]; then
+	say "no CUDA headers found (cuda.h, nvrtc.h, cublasLt.h): set CUDA_HOME"
+	exit 1
+fi
+say "CUDA headers: $cuda_inc"
+find_lib() { # find_lib SONAME-PREFIX: a path from the wheels when ldconfig lacks it
+	ldconfig -p 2>/dev/null | grep -q "$1" && return 0
+	while read -r d; do
+		[[ $d == */lib || $d == */lib64 ]] || continue
+		local f
+		f=$(find "$d" -maxdepth 1 -name "$1*" 2>/dev/null | sort | tail -1)
+		[[ -n $f ]] && echo "$f" && return 0
+	done <<<"$nv_dirs"
+	[[ -n ${CUDA_HOME:-} ]] && find "$CUDA_HOME/lib64" -maxdepth 1 -name "$1*" 2>/dev/null |
+		sort | tail -1
+	return 0
+}
+add_lib() { # add_lib VAR SONAME-PREFIX
+	local p dir
+	p=$(find_lib "$2")
+	[[ -n $p ]] || return 0
+	dir=$(dirname "$p")
+	export "$1=$p"
+	export LD_LIBRARY_PATH=$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+add_lib KILN_LIBNVRTC libnvrtc.so
+add_lib KILN_LIBCUBLASLT libcublasLt.so
+say "NVRTC: ${KILN_LIBNVRTC:-from the loader path}; cuBLASLt: ${KILN_LIBCUBLASLT:-from the loader path}"
+
+# ---- build and test -------------------------------------------------------------------
+read -r -a extra <<<"${GPU_CHECK_CMAKE_ARGS:-}"
+if ! stage configure 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+	-DKILN_CUDA=ON -DKILN_CUDA_INCLUDE_DIR="$cuda_inc" "${extra[@]}"; then
+	tail -30 "$logs/configure.log"
+	exit 1
+fi
+if ! stage build 400 cmake --build "$build" -j "$jobs"; then
+	grep -E "error|Error" "$logs/build.log" | head -40
+	exit 1
+fi
+# test_cuda alone first: the GPU tests of the CUDA layer, with what they print
+stage test_cuda 300 "$build/tests/test_cuda" || status=1
+tail -25 "$logs/test_cuda.log"
+stage ctest 500 ctest --test-dir "$build" --output-on-failure -j 8 || status=1
+grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\*\*\*" "$logs/ctest.log" | head -40
+
+# ---- benchmarks: reported, never fatal ---------------------------------------------------
+if [[ $skip != *,bench,* ]]; then
+	if stage kiln_bench 300 "$build/kiln" bench --device cuda --json; then
+		cp "$logs/kiln_bench.log" "$logs/kiln_bench_cuda.jsonl"
+	else
+		say "kiln bench --device cuda did not complete (unsupported yet, or failed): see kiln_bench.log"
+	fi
+fi
+if [[ $skip != *,peer,* ]]; then
+	peer_args=()
+	[[ ${GPU_CHECK_QUICK:-0} == 1 ]] && peer_args+=(--quick)
+	if timeout --kill-after=10 400 python3 "$root/bench/peer_torch.py" "${peer_args[@]}" \
+		>"$logs/peer_torch.jsonl" 2>"$logs/peer_torch.err"; then
+		say "peer_torch: $(wc -l <"$logs/peer_torch.jsonl") rows in peer_torch.jsonl"
+	else
+		say "peer_torch did not complete (exit $?): see peer_torch.err"
+	fi
+fi
+say "done: status $status"
+exit $status

@@ -1,0 +1,566 @@
+/* render.c - walks one kernel's IR and writes it out with a renderer table:
+ * buffer pointers, the loop nest (parallel over the outer dims, a simd
+ * innermost loop where that is legal), one statement per live SSA value.
+ * Also the growable string every text producer in lower/ and codegen/ uses.
+ */
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "codegen/render.h"
+
+/* ---- kl_sb ------------------------------------------------------------------------ */
+
+static bool sb_grow(kl_sb *sb, size_t need)
+{
+	if (sb->oom)
+		return false;
+	if (sb->n + need + 1 <= sb->cap)
+		return true;
+	size_t cap = sb->cap ? sb->cap : 256;
+	while (cap < sb->n + need + 1)
+		cap *= 2;
+	char *p = realloc(sb->s, cap);
+	if (!p) {
+		sb->oom = true;
+		return false;
+	}
+	sb->s = p;
+	sb->cap = cap;
+	return true;
+}
+
+void kl__sb_printf(kl_sb *sb, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	char tmp[256];
+	int n = vsnprintf(tmp, sizeof(tmp), fmt, ap);
+	va_end(ap);
+	if (n < 0 || !sb_grow(sb, (size_t)n))
+		return;
+	if ((size_t)n < sizeof(tmp)) {
+		memcpy(sb->s + sb->n, tmp, (size_t)n + 1);
+	} else {
+		va_start(ap, fmt);
+		vsnprintf(sb->s + sb->n, (size_t)n + 1, fmt, ap);
+		va_end(ap);
+	}
+	sb->n += (size_t)n;
+}
+
+void kl__sb_puts(kl_sb *sb, const char *s)
+{
+	size_t n = strlen(s);
+	if (!sb_grow(sb, n))
+		return;
+	memcpy(sb->s + sb->n, s, n + 1);
+	sb->n += n;
+}
+
+void kl__sb_free(kl_sb *sb)
+{
+	free(sb->s);
+	memset(sb, 0, sizeof(*sb));
+}
+
+const char *kl__sb_str(const kl_sb *sb)
+{
+	return sb->s ? sb->s : "";
+}
+
+/* ---- index expressions -------------------------------------------------------------- */
+
+static void put_ix(kl_sb *sb, const kl_ixa *a, int32_t id);
+
+static void put_atom(kl_sb *sb, const kl_ixa *a, int32_t at)
+{
+	const kl_atom *t = &a->atoms[at];
+	switch (t->kind) {
+	case KL_AT_VAR:
+		kl__sb_printf(sb, "i%d", t->var);
+		return;
+	case KL_AT_DIV:
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, " / %lld", (long long)t->a);
+		return;
+	case KL_AT_MOD:
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, " %% %lld", (long long)t->a);
+		return;
+	default:
+		kl__sb_puts(sb, "kl_clampi(");
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, ", %lld, %lld)", (long long)t->a, (long long)t->b);
+		return;
+	}
+}
+
+static void put_ix(kl_sb *sb, const kl_ixa *a, int32_t id)
+{
+	const kl_ix *e = &a->ex[id];
+	if (e->nt == 0) {
+		kl__sb_printf(sb, "%lld", (long long)e->c);
+		return;
+	}
+	kl__sb_puts(sb, "(");
+	for (int i = 0; i < e->nt; i++) {
+		int64_t k = e->k[i];
+		if (i > 0)
+			kl__sb_puts(sb, k < 0 ? " - " : " + ");
+		else if (k < 0)
+			kl__sb_puts(sb, "-");
+		int64_t ak = k < 0 ? -k : k;
+		bool wrap = a->atoms[e->at[i]].kind != KL_AT_VAR &&
+		            a->atoms[e->at[i]].kind != KL_AT_CLAMP;
+		if (wrap)
+			kl__sb_puts(sb, "(");
+		put_atom(sb, a, e->at[i]);
+		if (wrap)
+			kl__sb_puts(sb, ")");
+		if (ak != 1)
+			kl__sb_printf(sb, " * %lld", (long long)ak);
+	}
+	if (e->c)
+		kl__sb_printf(sb, " %s %lld", e->c < 0 ? "-" : "+", (long long)(e->c < 0 ? -e->c : e->c));
+	kl__sb_puts(sb, ")");
+}
+
+static void put_mono(kl_sb *sb, const kl_renderer *r, const kl_mono *m)
+{
+	kl__sb_printf(sb, "%lld", (long long)m->c);
+	for (int i = 0; i < m->ns; i++) {
+		kl__sb_puts(sb, " * ");
+		kl__sb_printf(sb, r->sym_fmt, m->s[i] - 1);
+	}
+}
+
+static void put_addr(kl_sb *sb, const kl_renderer *r, const kl_ixa *a, const kir_addr *ad)
+{
+	put_ix(sb, a, ad->ix);
+	for (int i = 0; i < ad->ns; i++) {
+		kl__sb_puts(sb, " + ");
+		put_ix(sb, a, ad->six[i]);
+		kl__sb_puts(sb, " * (");
+		put_mono(sb, r, &ad->sst[i]);
+		kl__sb_puts(sb, ")");
+	}
+}
+
+static void put_extent(kl_sb *sb, const kl_renderer *r, kl_symdim d)
+{
+	if (d.sym > 0)
+		kl__sb_printf(sb, r->sym_fmt, d.sym - 1);
+	else
+		kl__sb_printf(sb, "%lld", (long long)d.v);
+}
+
+/* ---- statements ------------------------------------------------------------------------ */
+
+typedef struct rctx {
+	const kl_renderer *r;
+	const kir_kernel *k;
+	kl_sb *sb;
+	uint8_t *live;
+	int depth;
+} rctx;
+
+static void indent(rctx *c)
+{
+	for (int i = 0; i < c->depth; i++)
+		kl__sb_puts(c->sb, "\t");
+}
+
+static void vname(char *buf, size_t cap, int32_t v)
+{
+	snprintf(buf, cap, "t%d", (int)v);
+}
+
+static void emit_ins(rctx *c, int32_t id)
+{
+	const kir_ins *in = &c->k->ins[id];
+	const kl_renderer *r = c->r;
+	kl_sb *sb = c->sb;
+	char a[24], b[24], cc[24], acc[24], t[24];
+	vname(a, sizeof(a), in->a);
+	vname(b, sizeof(b), in->b);
+	vname(cc, sizeof(cc), in->c);
+	vname(t, sizeof(t), id);
+	snprintf(acc, sizeof(acc), "acc%d", (int)in->acc);
+	kl_dtype dt = (kl_dtype)in->dt;
+	indent(c);
+	switch ((kir_opc)in->opc) {
+	case KIR_LOAD: {
+		kl_sb el = {0};
+		kl__sb_printf(&el, "b%d[", (int)in->buf);
+		put_addr(&el, r, &c->k->ixa, &in->ad);
+		kl__sb_puts(&el, "]");
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		kl__sb_printf(sb, r->load_fmt[in->in_dt], kl__sb_str(&el));
+		kl__sb_puts(sb, ";\n");
+		kl__sb_free(&el);
+		return;
+	}
+	case KIR_STORE: {
+		kl__sb_printf(sb, "b%d[", (int)in->buf);
+		put_addr(sb, r, &c->k->ixa, &in->ad);
+		kl__sb_puts(sb, "] = ");
+		kl__sb_printf(sb, r->store_fmt[dt], a);
+		kl__sb_puts(sb, ";\n");
+		return;
+	}
+	case KIR_CONST:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->constant(sb, dt, in->k);
+		break;
+	case KIR_INDEX:
+		kl__sb_printf(sb, "%s %s = ", r->index_t, t);
+		put_addr(sb, r, &c->k->ixa, &in->ad);
+		break;
+	case KIR_IDXLT:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_BOOL], t);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_printf(sb, " < %lld", (long long)in->k);
+		break;
+	case KIR_UNARY:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->unary(sb, (kl_op)in->op, dt, a);
+		break;
+	case KIR_BINARY:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->binary(sb, (kl_op)in->op, (kl_dtype)in->in_dt, a, b);
+		break;
+	case KIR_WHERE:
+		kl__sb_printf(sb, "%s %s = %s ? %s : %s", r->ctype[dt], t, a, b, cc);
+		break;
+	case KIR_CAST:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->cast(sb, dt, (kl_dtype)in->in_dt, a);
+		break;
+	case KIR_RAND:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_F64], t);
+		r->rand(sb, (kl_op)in->op, in->seed, a);
+		break;
+	case KIR_ACC_INIT:
+		r->acc_init(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc);
+		kl__sb_puts(sb, "\n");
+		return;
+	case KIR_ACC:
+		r->acc_update(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc, a, b);
+		kl__sb_puts(sb, "\n");
+		return;
+	case KIR_LSTORE:
+		kl__sb_printf(sb, "lc%d[", (int)in->acc);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_printf(sb, "] = %s;\n", a);
+		return;
+	case KIR_LLOAD:
+		kl__sb_printf(sb, "%s %s = lc%d[", r->ctype[dt], t, (int)in->acc);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_puts(sb, "]");
+		break;
+	case KIR_ACC_READ:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->acc_read(sb, (kl_op)in->op, (kl_dtype)in->in_dt, dt, acc);
+		break;
+	}
+	kl__sb_puts(sb, ";\n");
+}
+
+static void emit_block(rctx *c, int blk)
+{
+	for (int32_t i = 0; i < c->k->nins; i++)
+		if (c->k->ins[i].blk == blk && c->live[i])
+			emit_ins(c, i);
+}
+
+/* which values some store or accumulator needs */
+static void liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
+{
+	uint8_t loc_live[KIR_MAX_LOCAL] = {0};
+	for (int32_t i = k->nins - 1; i >= 0; i--) {
+		const kir_ins *in = &k->ins[i];
+		bool l = live[i] || in->opc == KIR_STORE;
+		if ((in->opc == KIR_ACC || in->opc == KIR_ACC_INIT) && acc_live[in->acc])
+			l = true;
+		if (in->opc == KIR_LSTORE && loc_live[in->acc])
+			l = true;
+		if (!l)
+			continue;
+		live[i] = 1;
+		if (in->opc == KIR_ACC_READ)
+			acc_live[in->acc] = 1;
+		if (in->opc == KIR_LLOAD)
+			loc_live[in->acc] = 1;
+		int32_t ops[3] = {in->a, in->b, in->c};
+		for (int j = 0; j < 3; j++)
+			if (ops[j] >= 0)
+				live[ops[j]] = 1;
+	}
+}
+
+/* ---- loops ------------------------------------------------------------------------------ */
+
+/* "n" elements as an expression; static returns the value in *v */
+static bool extent_expr(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,
+                        double *v)
+{
+	bool stat = true;
+	*v = 1;
+	kl__sb_puts(sb, "(int64_t)1");
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(dims & (1u << d)))
+			continue;
+		*v *= (double)k->dims[d].v;
+		if (k->dims[d].sym > 0)
+			stat = false;
+		kl__sb_puts(sb, " * ");
+		put_extent(sb, r, k->dims[d]);
+	}
+	return stat;
+}
+
+static void open_loops(rctx *c, uint32_t dims)
+{
+	for (int d = 0; d < c->k->ndim; d++) {
+		if (!(dims & (1u << d)))
+			continue;
+		indent(c);
+		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
+		put_extent(c->sb, c->r, c->k->dims[d]);
+		kl__sb_printf(c->sb, "; i%d++)", d);
+		kl__sb_puts(c->sb, "\n");
+	}
+	indent(c);
+	kl__sb_puts(c->sb, "{\n");
+	c->depth++;
+}
+
+static void close_loops(rctx *c)
+{
+	c->depth--;
+	indent(c);
+	kl__sb_puts(c->sb, "}\n");
+}
+
+static int popc(uint32_t x)
+{
+	return __builtin_popcount(x);
+}
+
+static uint32_t low_bits(uint32_t dims, int n)
+{
+	uint32_t out = 0;
+	for (int d = 0; d < 32 && n > 0; d++)
+		if (dims & (1u << d)) {
+			out |= 1u << d;
+			n--;
+		}
+	return out;
+}
+
+/* pragma for a loop nest: parallel (with an if clause when the size is only
+ * known at run time) and/or simd, with reduction clauses */
+static void pragma(rctx *c, bool par, const char *ifcond, int collapse, bool simd,
+                   const char *red)
+{
+	const kl_renderer *r = c->r;
+	kl_sb extra = {0};
+	if (ifcond && par)
+		kl__sb_printf(&extra, r->if_fmt, ifcond);
+	if (red)
+		kl__sb_puts(&extra, red);
+	indent(c);
+	if (par)
+		kl__sb_printf(c->sb, simd ? r->par_for_simd_fmt : r->par_for_fmt, collapse,
+		              kl__sb_str(&extra));
+	else if (simd)
+		kl__sb_printf(c->sb, r->simd_fmt, collapse, kl__sb_str(&extra));
+	kl__sb_puts(c->sb, "\n");
+	kl__sb_free(&extra);
+}
+
+/* parallelize when worth it: returns whether, and the run-time condition */
+static bool want_par(const rctx *c, uint32_t dims, double mult, kl_sb *cond)
+{
+	double v;
+	kl_sb e = {0};
+	bool stat = extent_expr(c->r, c->k, dims, &e, &v);
+	bool par;
+	if (stat) {
+		par = v * mult >= c->r->par_threshold && v >= 2;
+	} else {
+		par = true;
+		kl__sb_printf(cond, "%s * %g >= %g", kl__sb_str(&e), mult, c->r->par_threshold);
+	}
+	kl__sb_free(&e);
+	return par;
+}
+
+static void render_pointwise(rctx *c)
+{
+	const kir_kernel *k = c->k;
+	uint32_t loops = 0;
+	for (int d = 0; d < k->ndim; d++)
+		if (k->dims[d].sym > 0 || k->dims[d].v != 1)
+			loops |= 1u << d;
+	int n = popc(loops);
+	if (n == 0) {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+		emit_block(c, 0);
+		close_loops(c);
+		return;
+	}
+	kl_sb cond = {0};
+	bool par = want_par(c, loops, 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	uint32_t outer = low_bits(loops, n - 1), inner = loops & ~outer;
+	double ov = 1;
+	bool ostat = true;
+	for (int d = 0; d < k->ndim; d++)
+		if (outer & (1u << d)) {
+			ov *= (double)k->dims[d].v;
+			ostat &= k->dims[d].sym == 0;
+		}
+	if (n == 1 || (ostat && ov < 64)) {
+		/* few rows: one collapsed parallel simd nest */
+		pragma(c, par, ifc, n, true, NULL);
+		open_loops(c, loops);
+	} else {
+		if (par)
+			pragma(c, true, ifc, n - 1, false, NULL);
+		open_loops(c, outer);
+		pragma(c, false, NULL, 1, true, NULL);
+		open_loops(c, inner);
+		emit_block(c, 0);
+		close_loops(c);
+		close_loops(c);
+		kl__sb_free(&cond);
+		return;
+	}
+	emit_block(c, 0);
+	close_loops(c);
+	kl__sb_free(&cond);
+}
+
+/* the reduction clauses of pass p; false when some accumulator it updates
+ * cannot be updated by a vectorized loop (argmax) */
+static bool pass_sums(const rctx *c, int p, kl_sb *red)
+{
+	bool ok = true;
+	for (int32_t i = 0; i < c->k->nins; i++) {
+		const kir_ins *in = &c->k->ins[i];
+		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i])
+			continue;
+		char acc[24];
+		snprintf(acc, sizeof(acc), "acc%d", (int)in->acc);
+		ok &= c->r->acc_clause(red, (kl_op)in->op, (kl_dtype)in->in_dt, acc);
+	}
+	return ok;
+}
+
+static void render_reduction(rctx *c)
+{
+	const kir_kernel *k = c->k;
+	uint32_t outer = 0, inner = 0;
+	for (int d = 0; d < k->ndim; d++) {
+		if (k->dims[d].sym == 0 && k->dims[d].v == 1)
+			continue;
+		if (k->rmask & (1u << d))
+			inner |= 1u << d;
+		else
+			outer |= 1u << d;
+	}
+	kl_sb cond = {0};
+	bool par = want_par(c, outer | inner, k->npass ? k->npass : 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	if (outer) {
+		if (par)
+			pragma(c, true, ifc, popc(outer), false, NULL);
+		open_loops(c, outer);
+	} else {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+	}
+	for (int i = 0; i < k->nlocal; i++) {
+		indent(c);
+		kl__sb_printf(c->sb, "%s lc%d[%lld];\n", c->r->ctype[k->local_dt[i]], i,
+		              (long long)k->row_n);
+	}
+	emit_block(c, 0);
+	for (int p = 1; p <= k->npass; p++) {
+		kl_sb red = {0};
+		bool sums = pass_sums(c, p, &red);
+		const char *rc = red.n ? kl__sb_str(&red) : NULL;
+		if (inner && sums)
+			/* no outer loop to share out: the pass itself runs in parallel */
+			pragma(c, !outer && par, ifc, popc(inner), true, rc);
+		if (inner)
+			open_loops(c, inner);
+		else {
+			indent(c);
+			kl__sb_puts(c->sb, "{\n");
+			c->depth++;
+		}
+		emit_block(c, 2 * p - 1);
+		close_loops(c);
+		kl__sb_free(&red);
+		emit_block(c, 2 * p);
+	}
+	close_loops(c);
+	kl__sb_free(&cond);
+}
+
+void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+{
+	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
+	c.live = calloc((size_t)k->nins + 1, 1);
+	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
+	if (!c.live || !acc_live) {
+		free(c.live);
+		free(acc_live);
+		sb->oom = true;
+		return;
+	}
+	liveness(k, c.live, acc_live);
+	free(acc_live);
+	kl__sb_printf(sb, r->kernel_fmt, name);
+	kl__sb_puts(sb, ";\n");
+	kl__sb_printf(sb, r->kernel_fmt, name);
+	kl__sb_puts(sb, "\n{\n");
+	/* typed buffer pointers, const when only read */
+	int32_t maxb = -1;
+	for (int32_t i = 0; i < k->nins; i++)
+		if (k->ins[i].buf > maxb)
+			maxb = k->ins[i].buf;
+	for (int32_t bi = 0; bi <= maxb; bi++) {
+		bool rd = false, wr = false;
+		kl_dtype dt = KL_F32;
+		for (int32_t i = 0; i < k->nins; i++) {
+			const kir_ins *in = &k->ins[i];
+			if (in->buf != bi || !c.live[i])
+				continue;
+			if (in->opc == KIR_STORE) {
+				wr = true;
+				dt = (kl_dtype)in->dt;
+			} else {
+				rd = true;
+				dt = (kl_dtype)in->in_dt;
+			}
+		}
+		if (!rd && !wr)
+			continue;
+		const char *q = wr ? "" : "const ";
+		kl__sb_printf(sb, "\t%s%s *%s b%d = (%s%s *)B[%d];\n", q, r->mtype[dt], r->restrict_kw,
+		              (int)bi, q, r->mtype[dt], (int)bi);
+	}
+	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
+	if (k->rmask == 0)
+		render_pointwise(&c);
+	else
+		render_reduction(&c);
+	kl__sb_puts(sb, "}\n\n");
+	free(c.live);
+}

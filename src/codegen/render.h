@@ -1,0 +1,73 @@
+/* render.h - turning kernel IR into source text.
+ *
+ * A renderer is a table: the spellings of one target language (type names
+ * per dtype, memory load/store conversions, the kernel signature, loop and
+ * parallel-for syntax) plus callbacks that spell one operation as an
+ * expression. render.c walks a kernel with any table; render_c.c holds the
+ * C table and the helpers every C translation unit starts with. A CUDA
+ * renderer fills the same table.
+ */
+#ifndef KILN_RENDER_H
+#define KILN_RENDER_H
+
+#include "lower/kir.h"
+
+/* ---- a growable string ------------------------------------------------------ */
+
+typedef struct kl_sb {
+	char *s;
+	size_t n, cap;
+	bool oom;
+} kl_sb;
+
+void kl__sb_printf(kl_sb *sb, const char *fmt, ...)
+#if defined(__GNUC__)
+	__attribute__((format(printf, 2, 3)))
+#endif
+	;
+void kl__sb_puts(kl_sb *sb, const char *s);
+void kl__sb_free(kl_sb *sb);
+/* the text (never NULL), owned by sb */
+const char *kl__sb_str(const kl_sb *sb);
+
+/* ---- the table --------------------------------------------------------------- */
+
+typedef struct kl_renderer {
+	const char *name;
+	const char *prelude;            /* emitted once at the top of a translation unit */
+	const char *ctype[KL_NDTYPES];  /* type values of a dtype are computed in */
+	const char *mtype[KL_NDTYPES];  /* element type in memory */
+	const char *load_fmt[KL_NDTYPES];  /* memory element (%s) to compute type */
+	const char *store_fmt[KL_NDTYPES]; /* compute value (%s) to memory element */
+	const char *kernel_fmt;         /* signature, %s = name */
+	const char *restrict_kw;
+	const char *index_t;            /* type of loop variables and indices */
+	/* "parallel for over the next n loops": %d = n, %s = an extra clause */
+	const char *par_for_fmt;
+	const char *par_for_simd_fmt;
+	const char *simd_fmt;           /* vectorizable loops: %d = n, %s = an extra clause */
+
+	const char *if_fmt;             /* clause: %s = condition */
+	const char *sym_fmt;            /* the value of symbol k: %d = k - 1 */
+	double par_threshold;           /* parallelize loops visiting at least this many elements */
+	/* expression callbacks: append the spelling of one operation */
+	void (*constant)(kl_sb *sb, kl_dtype dt, double k);
+	void (*cast)(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a);
+	void (*unary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a);
+	void (*binary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b);
+	void (*rand)(kl_sb *sb, kl_op op, uint64_t seed, const char *index);
+	/* accumulators: declaration with its initial value, update, result, and
+	 * the clause that lets a vectorized loop update it (false: it cannot) */
+	void (*acc_init)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc);
+	void (*acc_update)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *v,
+	                   const char *pos);
+	void (*acc_read)(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc);
+	bool (*acc_clause)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc);
+} kl_renderer;
+
+extern const kl_renderer kl__render_c;
+
+/* Append kernel k as a function called name to sb. */
+void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
+
+#endif /* KILN_RENDER_H */

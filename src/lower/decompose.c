@@ -1,0 +1,324 @@
+/* decompose.c - composites into primitives, before anything else looks at
+ * the graph, so that softmax, layer_norm, rms_norm, mean and var fuse
+ * exactly like the same math written out by hand.
+ *
+ * Half-precision composites compute in f32 (cast in, cast out), as torch's
+ * decompositions do. Each operand of a matrix product gets a CONTIGUOUS node
+ * (and a cast when its dtype differs): a free view unless the scheduler finds
+ * that BLAS cannot read the operand's layout, in which case it is the copy.
+ */
+#include <stdlib.h>
+
+#include "lower/lower_int.h"
+
+typedef struct dctx {
+	kl_lctx *L;
+	int32_t cap_orig;
+	int32_t cur; /* source node being decomposed */
+	bool oom;
+} dctx;
+
+static int32_t add(dctx *d, const kl_node *n)
+{
+	if (d->oom)
+		return -1;
+	kl_lctx *L = d->L;
+	if (L->g.n == d->cap_orig) {
+		int32_t cap = d->cap_orig ? d->cap_orig * 2 : 64;
+		int32_t *p = realloc(L->orig, sizeof(*p) * (size_t)cap);
+		if (!p) {
+			d->oom = true;
+			return -1;
+		}
+		L->orig = p;
+		d->cap_orig = cap;
+	}
+	int32_t id = kl__graph_add(&L->g, n);
+	if (id < 0) {
+		d->oom = true;
+		return -1;
+	}
+	L->orig[id] = d->cur;
+	return id;
+}
+
+static const kl_node *nd(dctx *d, int32_t n)
+{
+	return &d->L->g.nodes[n];
+}
+
+static kl_node mk(kl_op op, kl_dtype dt, int ndim, const int64_t *shape, int nin)
+{
+	kl_node n;
+	memset(&n, 0, sizeof(n));
+	n.op = (uint16_t)op;
+	n.dtype = (uint8_t)dt;
+	n.ndim = (uint8_t)ndim;
+	n.nin = (uint8_t)nin;
+	for (int i = 0; i < ndim; i++)
+		n.shape[i] = shape[i];
+	return n;
+}
+
+static int32_t cast(dctx *d, int32_t x, kl_dtype dt)
+{
+	if (x < 0 || nd(d, x)->dtype == dt)
+		return x;
+	kl_node n = mk(KL_OP_CAST, dt, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+static int32_t un(dctx *d, kl_op op, int32_t x)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+static int32_t bin(dctx *d, kl_op op, int32_t x, int32_t y)
+{
+	if (x < 0 || y < 0)
+		return -1;
+	const kl_node *a = nd(d, x), *b = nd(d, y);
+	int ndim;
+	int64_t shape[KL_MAX_DIMS];
+	if (!kl__broadcast(a->ndim, a->shape, b->ndim, b->shape, &ndim, shape)) {
+		d->oom = true; /* cannot happen for well-formed composites */
+		return -1;
+	}
+	kl_node n = mk(op, kl_promote_types((kl_dtype)a->dtype, (kl_dtype)b->dtype), ndim, shape, 2);
+	n.in[0] = x;
+	n.in[1] = y;
+	return add(d, &n);
+}
+
+static int32_t bin_s(dctx *d, kl_op op, int32_t x, double s)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	n.a.scalar_rhs = 1;
+	n.a.s[0] = s;
+	return add(d, &n);
+}
+
+static int32_t red(dctx *d, kl_op op, int32_t x, uint32_t axes, bool keepdim)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *a = nd(d, x);
+	int64_t shape[KL_MAX_DIMS];
+	int ndim = 0;
+	for (int i = 0; i < a->ndim; i++) {
+		if (!(axes & (1u << i)))
+			shape[ndim++] = a->shape[i];
+		else if (keepdim)
+			shape[ndim++] = 1;
+	}
+	kl_node n = mk(op, (kl_dtype)a->dtype, ndim, shape, 1);
+	n.in[0] = x;
+	n.a.axes = axes;
+	n.a.keepdim = keepdim;
+	return add(d, &n);
+}
+
+static double count(const kl_node *x, uint32_t axes)
+{
+	double c = 1;
+	for (int i = 0; i < x->ndim; i++)
+		if (axes & (1u << i))
+			c *= (double)x->shape[i];
+	return c;
+}
+
+/* the dtype a composite over dtype dt computes in */
+static kl_dtype work_dt(kl_dtype dt)
+{
+	return (dt == KL_F16 || dt == KL_BF16 || !kl_dtype_is_float(dt)) ? KL_F32 : dt;
+}
+
+static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
+{
+	int32_t s = red(d, KL_OP_SUM, x, axes, keepdim);
+	return bin_s(d, KL_OP_MUL, s, 1.0 / count(nd(d, x), axes));
+}
+
+/* a product with a dynamic dim: BLAS steps have static shapes, so it becomes
+ * sum(a[..., m, 1, k] * b^T[..., 1, n, k], -1), a generated kernel */
+static bool sym_product(dctx *d, const kl_node *s)
+{
+	const int32_t *sym = d->L->src_sym;
+	if (!sym)
+		return false;
+	int32_t ids[3] = {d->cur, s->in[0], s->in[1]};
+	for (int i = 0; i < 3; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (sym[ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, ndim, shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_dtype D = (kl_dtype)s->dtype;
+	int k = s->ndim; /* [..., m, n] */
+	int64_t full[KL_MAX_DIMS], sh[KL_MAX_DIMS];
+	memcpy(full, s->shape, sizeof(int64_t) * (size_t)k);
+	int64_t kk = nd(d, in[0])->shape[k - 1];
+	full[k] = kk;
+	/* a: [..., m, k] -> [..., m, 1, k] -> [..., m, n, k] */
+	int32_t a = cast(d, in[0], D);
+	memcpy(sh, full, sizeof(sh));
+	sh[k - 1] = 1;
+	a = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, a, k + 1, sh), k + 1, full);
+	/* b: [..., k, n] -> [..., n, k] -> [..., 1, n, k] -> [..., m, n, k] */
+	int32_t b = cast(d, in[1], D);
+	if (b < 0 || a < 0)
+		return -1;
+	kl_node p = mk(KL_OP_PERMUTE, D, k, nd(d, b)->shape, 1);
+	for (int i = 0; i < k; i++)
+		p.a.v[i] = i;
+	p.a.v[k - 2] = k - 1;
+	p.a.v[k - 1] = k - 2;
+	p.shape[k - 2] = nd(d, b)->shape[k - 1];
+	p.shape[k - 1] = nd(d, b)->shape[k - 2];
+	p.in[0] = b;
+	b = add(d, &p);
+	memcpy(sh, full, sizeof(sh));
+	sh[k - 2] = 1;
+	b = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, b, k + 1, sh), k + 1, full);
+	return red(d, KL_OP_SUM, bin(d, KL_OP_MUL, a, b), 1u << k, false);
+}
+
+static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_dtype D = (kl_dtype)s->dtype, C = work_dt(D);
+	switch ((kl_op)s->op) {
+	case KL_OP_SOFTMAX:
+	case KL_OP_LOG_SOFTMAX: {
+		uint32_t ax = 1u << s->a.axis;
+		int32_t x = cast(d, in[0], C);
+		int32_t m = red(d, KL_OP_MAX, x, ax, true);
+		int32_t z = bin(d, KL_OP_SUB, x, m);
+		int32_t e = un(d, KL_OP_EXP, z);
+		int32_t sum = red(d, KL_OP_SUM, e, ax, true);
+		int32_t y = s->op == KL_OP_SOFTMAX ? bin(d, KL_OP_DIV, e, sum)
+		                                   : bin(d, KL_OP_SUB, z, un(d, KL_OP_LOG, sum));
+		return cast(d, y, D);
+	}
+	case KL_OP_LAYER_NORM:
+	case KL_OP_RMS_NORM: {
+		int32_t w = -1, b = -1, k = 1;
+		if (s->a.flags & KL_F_HAS_WEIGHT)
+			w = in[k++];
+		if (s->a.flags & KL_F_HAS_BIAS)
+			b = in[k++];
+		if (!s->a.flags && s->nin > 1) {
+			w = in[1];
+			b = s->nin > 2 ? in[2] : -1;
+		}
+		uint32_t ax = 1u << (s->ndim - 1);
+		int32_t x = cast(d, in[0], C), y;
+		if (s->op == KL_OP_LAYER_NORM) {
+			int32_t mu = mean(d, x, ax, true);
+			int32_t z = bin(d, KL_OP_SUB, x, mu);
+			int32_t var = mean(d, bin(d, KL_OP_MUL, z, z), ax, true);
+			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, var, s->a.s[0]));
+			y = bin(d, KL_OP_MUL, z, r);
+		} else {
+			int32_t ms = mean(d, bin(d, KL_OP_MUL, x, x), ax, true);
+			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, ms, s->a.s[0]));
+			y = bin(d, KL_OP_MUL, x, r);
+		}
+		if (w >= 0)
+			y = bin(d, KL_OP_MUL, y, cast(d, w, C));
+		if (b >= 0)
+			y = bin(d, KL_OP_ADD, y, cast(d, b, C));
+		return cast(d, y, D);
+	}
+	case KL_OP_MEAN: {
+		int32_t x = cast(d, in[0], C);
+		return cast(d, mean(d, x, s->a.axes, s->a.keepdim), D);
+	}
+	case KL_OP_VAR: {
+		int32_t x = cast(d, in[0], C);
+		int32_t mu = mean(d, x, s->a.axes, true);
+		int32_t z = bin(d, KL_OP_SUB, x, mu);
+		int32_t ss = red(d, KL_OP_SUM, bin(d, KL_OP_MUL, z, z), s->a.axes, s->a.keepdim);
+		double n = count(nd(d, x), s->a.axes) - s->a.correction;
+		return cast(d, bin_s(d, KL_OP_MUL, ss, 1.0 / n), D);
+	}
+	case KL_OP_MATMUL: {
+		if (sym_product(d, s))
+			return product(d, s, in);
+		kl_node n = *s;
+		for (int i = 0; i < 2; i++) {
+			int32_t x = cast(d, in[i], D);
+			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			c.in[0] = x;
+			n.in[i] = add(d, &c);
+		}
+		return add(d, &n);
+	}
+	default: {
+		kl_node n = *s;
+		for (int i = 0; i < s->nin; i++)
+			n.in[i] = in[i];
+		return add(d, &n);
+	}
+	}
+}
+
+kl_status kl__decompose(kl_lctx *L)
+{
+	const kl_graph *g = L->src;
+	dctx d = {.L = L};
+	kl__graph_init(&L->g);
+	int32_t *map = malloc(sizeof(*map) * (size_t)(g->n + 1));
+	if (!map)
+		return KL_ENOMEM;
+	for (int32_t i = 0; i < g->n && !d.oom; i++) {
+		const kl_node *s = &g->nodes[i];
+		int32_t in[KL_NODE_MAX_IN];
+		for (int j = 0; j < s->nin; j++)
+			in[j] = map[s->in[j]];
+		d.cur = i;
+		map[i] = decompose_one(&d, s, in);
+	}
+	for (int32_t i = 0; i < g->ninputs && !d.oom; i++)
+		if (kl__graph_add_input(&L->g, map[g->inputs[i]]))
+			d.oom = true;
+	/* an output that is an input or a view gets a node of its own: it is
+	 * either returned as a view (aliased) or copied by a kernel */
+	for (int32_t i = 0; i < g->noutputs && !d.oom; i++) {
+		int32_t o = map[g->outputs[i]];
+		if (o >= 0 && (nd(&d, o)->op == KL_OP_INPUT || kl__is_view((kl_op)nd(&d, o)->op))) {
+			d.cur = g->outputs[i];
+			kl_node c = mk(KL_OP_CONTIGUOUS, (kl_dtype)nd(&d, o)->dtype, nd(&d, o)->ndim,
+			               nd(&d, o)->shape, 1);
+			c.in[0] = o;
+			o = add(&d, &c);
+		}
+		if (o < 0 || kl__graph_add_output(&L->g, o))
+			d.oom = true;
+	}
+	free(map);
+	if (d.oom) {
+		snprintf(L->err, L->errcap, "kl__lower: out of memory decomposing the graph");
+		return KL_ENOMEM;
+	}
+	return KL_OK;
+}

@@ -1,0 +1,104 @@
+/* lower_int.h - what the passes of lowering share: the decomposed graph, its
+ * symbols, the kernel groups the scheduler forms, and the entry points of
+ * each pass (decompose.c, symbolic.c, fuse.c, kbuild.c, program.c).
+ */
+#ifndef KILN_LOWER_INT_H
+#define KILN_LOWER_INT_H
+
+#include "codegen/render.h"
+#include "lower/kir.h"
+#include "lower/lower.h"
+
+/* A kernel being formed: an iteration space F with reduced dims rmask, and
+ * its members in topological order. A member is "home" (this kernel
+ * computes it and stores it if anyone else needs it) or a copy (recomputed
+ * here because that is cheaper than a round trip through memory). */
+typedef struct kl_group {
+	bool alive;
+	bool matmul; /* a library product: the one member is the MATMUL node */
+	int ndim;
+	int64_t F[KL_MAX_DIMS];
+	int32_t Fsym[KL_MAX_DIMS];
+	uint32_t rmask;
+	int32_t *m;
+	uint8_t *copy;
+	int32_t nm, cap;
+	int32_t first; /* first home member, names the kernel in the log */
+} kl_group;
+
+typedef struct kl_lctx {
+	const kl_lower_opts *o;
+	const kl_graph *src; /* the caller's graph */
+	kl_graph g;          /* decomposed */
+	int32_t *orig;       /* g node -> src node */
+	int32_t *src_sym;    /* symbols of src (NULL: static), decides how products lower */
+	int32_t *sym;        /* g.n * KL_MAX_DIMS */
+	int32_t nsyms;
+	int32_t sym_input[KL_MAX_DIMS * 4], sym_dim[KL_MAX_DIMS * 4];
+	int32_t *ncons;      /* consumers per node (live ones) */
+	uint8_t *live;       /* contributes to an output */
+	int32_t *out_of;     /* node -> first graph output it is, -1 */
+	int32_t *alias_of;   /* graph output -> buffer it aliases, -1 */
+	uint8_t *mat;        /* movement node that must be stored (output copy, matmul operand) */
+	int32_t *home;       /* node -> group, -1 */
+	kl_group *gr;
+	int32_t ngr, cap_gr;
+	uint8_t *mem;        /* scratch: membership in the group being built (1 home, 2 copy) */
+	int32_t *lvl;        /* scratch: reduction levels while building */
+	int32_t *bufof;      /* node -> buffer id, -1 (final build) */
+	uint8_t *stored;     /* home member whose value others need (final build) */
+	int32_t *order;      /* live groups in execution order */
+	int32_t norder;
+	kl_sb log;
+	char *err;
+	size_t errcap;
+} kl_lctx;
+
+/* decompose.c: L->g and L->orig from src */
+kl_status kl__decompose(kl_lctx *L);
+
+/* symbolic.c: L->sym etc. over L->g (dyn_masks may be NULL: all static) */
+kl_status kl__symbolize_lowered(kl_lctx *L);
+
+/* fuse.c: form the groups (L->gr), decide what is stored */
+kl_status kl__schedule(kl_lctx *L);
+/* "add#7" or "exp#3(softmax)" for log lines */
+const char *kl__node_label(const kl_lctx *L, int32_t n, char *buf, size_t cap);
+
+/* kbuild.c: the kernel IR of group gi. validate: evaluate every home member
+ * (no buffers assigned yet) to decide whether the group is legal. Returns
+ * false with the reason in why. */
+bool kl__kbuild(kl_lctx *L, const kl_group *G, bool validate, kir_kernel *k, char *why, size_t cap);
+/* distinct nodes the last kl__kbuild loaded (buffers the kernel reads) */
+int kl__kbuild_loads(const kir_kernel *k);
+/* Index of the input of movement node m given an index J of m (ids in a). */
+bool kl__move_index(const kl_lctx *L, kl_ixa *a, int32_t m, const int32_t *J, int32_t *I);
+/* Strides (elements) of the buffer a node's value lives in, when read. */
+void kl__base_strides(const kl_lctx *L, int32_t n, kl_mono *st);
+/* Element strides and offset of node n as a view of the buffer of the
+ * non-movement node it reads through (*base); false when it is not a
+ * strided view (a reshape that needs division) or strides are symbolic. */
+bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, int64_t *offset);
+
+static inline const kl_node *kl__nd(const kl_lctx *L, int32_t n)
+{
+	return &L->g.nodes[n];
+}
+static inline bool kl__is_reduction(const kl_node *x)
+{
+	return kl__ops[x->op].cat == KL_CAT_REDUCE && x->a.axes != 0;
+}
+static inline bool kl__is_view(kl_op op)
+{
+	return kl__ops[op].cat == KL_CAT_MOVEMENT && op != KL_OP_CONCAT;
+}
+/* follow views down to the node whose buffer they read (a view that is
+ * itself materialized is read from its own buffer) */
+static inline int32_t kl__resolve(const kl_lctx *L, int32_t n)
+{
+	while (kl__is_view((kl_op)L->g.nodes[n].op) && !L->mat[n])
+		n = L->g.nodes[n].in[0];
+	return n;
+}
+
+#endif /* KILN_LOWER_INT_H */

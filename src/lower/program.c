@@ -1,0 +1,418 @@
+/* program.c - kl__lower: runs the passes (decompose, symbolize, schedule) and
+ * assembles what the runtime executes: the buffer table, one step per kernel
+ * or library product in execution order, and the C source of every kernel.
+ */
+#include <stdlib.h>
+
+#include "lower/lower_int.h"
+
+void kl__program_free(kl_program *p)
+{
+	if (!p)
+		return;
+	free(p->bufs);
+	free(p->steps);
+	for (int32_t i = 0; i < p->nkernels; i++)
+		free(p->kernel_names[i]);
+	free(p->kernel_names);
+	free(p->source);
+	free(p->fusion_log);
+	memset(p, 0, sizeof(*p));
+}
+
+static void lctx_free(kl_lctx *L)
+{
+	kl__graph_free(&L->g);
+	free(L->orig);
+	free(L->src_sym);
+	free(L->sym);
+	free(L->ncons);
+	free(L->live);
+	free(L->out_of);
+	free(L->alias_of);
+	free(L->mat);
+	free(L->home);
+	for (int32_t i = 0; i < L->ngr; i++) {
+		free(L->gr[i].m);
+		free(L->gr[i].copy);
+	}
+	free(L->gr);
+	free(L->mem);
+	free(L->lvl);
+	free(L->bufof);
+	free(L->stored);
+	free(L->order);
+	kl__sb_free(&L->log);
+}
+
+static double numel_of(const kl_node *x)
+{
+	double n = 1;
+	for (int d = 0; d < x->ndim; d++)
+		n *= (double)x->shape[d];
+	return n;
+}
+
+static double bytes_of(const kl_program *P, int32_t b)
+{
+	const kl_buf *bf = &P->bufs[b];
+	double n = (double)kl_dtype_size(bf->dtype);
+	for (int d = 0; d < bf->ndim; d++)
+		n *= (double)bf->shape[d].v;
+	return n;
+}
+
+static char *dupstr(const char *s)
+{
+	size_t n = strlen(s) + 1;
+	char *p = malloc(n);
+	if (p)
+		memcpy(p, s, n);
+	return p;
+}
+
+/* ---- buffers ------------------------------------------------------------------------ */
+
+static void fill_buf(const kl_lctx *L, kl_buf *b, int32_t n, kl_buf_role role, int32_t index)
+{
+	const kl_node *x = &L->g.nodes[n];
+	memset(b, 0, sizeof(*b));
+	b->role = role;
+	b->index = index;
+	b->dtype = (kl_dtype)x->dtype;
+	b->ndim = x->ndim;
+	for (int d = 0; d < x->ndim; d++) {
+		b->shape[d].v = x->shape[d];
+		b->shape[d].sym = L->sym[n * KL_MAX_DIMS + d];
+	}
+	b->alias = -1;
+}
+
+static kl_status make_bufs(kl_lctx *L, kl_program *P)
+{
+	const kl_graph *g = &L->g;
+	int32_t cap = g->ninputs + g->noutputs + 16;
+	P->bufs = malloc(sizeof(kl_buf) * (size_t)cap);
+	L->bufof = malloc(sizeof(int32_t) * ((size_t)g->n + 1));
+	if (!P->bufs || !L->bufof)
+		return KL_ENOMEM;
+	for (int32_t n = 0; n < g->n; n++)
+		L->bufof[n] = -1;
+	for (int32_t i = 0; i < g->ninputs; i++) {
+		fill_buf(L, &P->bufs[i], g->inputs[i], KL_BUF_INPUT, i);
+		L->bufof[g->inputs[i]] = i;
+	}
+	for (int32_t j = 0; j < g->noutputs; j++) {
+		int32_t o = g->outputs[j], b = g->ninputs + j;
+		fill_buf(L, &P->bufs[b], o, KL_BUF_OUTPUT, j);
+		if (L->alias_of[j] < 0) {
+			L->bufof[o] = b;
+			continue;
+		}
+		kl_buf *bf = &P->bufs[b];
+		bf->alias = L->alias_of[j];
+		int32_t base;
+		if (L->out_of[o] >= 0 && L->out_of[o] != j) { /* the same node twice */
+			kl__contig_strides(bf->ndim, g->nodes[o].shape, bf->view_strides);
+			bf->view_offset = 0;
+		} else if (!kl__view_of(L, o, &base, bf->view_strides, &bf->view_offset)) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: output %d alias", j);
+			return KL_EINVAL;
+		}
+	}
+	P->nbufs = g->ninputs + g->noutputs;
+	for (int32_t k = 0; k < L->norder; k++) {
+		const kl_group *G = &L->gr[L->order[k]];
+		for (int32_t i = 0; i < G->nm; i++) {
+			int32_t n = G->m[i];
+			if (G->copy[i] || !L->stored[n] || L->bufof[n] >= 0)
+				continue;
+			if (P->nbufs == cap) {
+				cap *= 2;
+				kl_buf *p = realloc(P->bufs, sizeof(kl_buf) * (size_t)cap);
+				if (!p)
+					return KL_ENOMEM;
+				P->bufs = p;
+			}
+			fill_buf(L, &P->bufs[P->nbufs], n, KL_BUF_TEMP, -1);
+			L->bufof[n] = P->nbufs++;
+		}
+	}
+	return KL_OK;
+}
+
+/* ---- steps -------------------------------------------------------------------------- */
+
+static void add_node(kl_step *sp, int32_t orig)
+{
+	for (int32_t i = 0; i < sp->nnodes; i++)
+		if (sp->nodes[i] == orig)
+			return;
+	if (sp->nnodes < KL_STEP_MAX_NODES)
+		sp->nodes[sp->nnodes++] = orig;
+}
+
+static void add_id(int32_t *ids, int32_t *n, int32_t cap, int32_t b)
+{
+	for (int32_t i = 0; i < *n; i++)
+		if (ids[i] == b)
+			return;
+	if (*n < cap)
+		ids[(*n)++] = b;
+}
+
+/* A [.., rows, cols] operand as strides of its buffer */
+static bool operand(const kl_lctx *L, int32_t c, int32_t *buf, int64_t *st, int64_t *off)
+{
+	int32_t base;
+	if (L->mat[c]) {
+		base = c;
+		kl__contig_strides(L->g.nodes[c].ndim, L->g.nodes[c].shape, st);
+		*off = 0;
+	} else if (!kl__view_of(L, c, &base, st, off)) {
+		return false;
+	}
+	*buf = L->bufof[base];
+	return *buf >= 0;
+}
+
+static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
+{
+	const kl_node *x = &L->g.nodes[n];
+	kl_matmul_step *mm = &sp->mm;
+	int k = x->ndim;
+	int64_t sa[KL_MAX_DIMS], sb[KL_MAX_DIMS], sc[KL_MAX_DIMS];
+	if (!operand(L, x->in[0], &mm->a, sa, &mm->a_off) ||
+	    !operand(L, x->in[1], &mm->b, sb, &mm->b_off)) {
+		snprintf(L->err, L->errcap, "kl__lower: internal error: matmul operand layout");
+		return KL_EINVAL;
+	}
+	mm->c = L->bufof[n];
+	kl__contig_strides(k, x->shape, sc);
+	mm->m = x->shape[k - 2];
+	mm->n = x->shape[k - 1];
+	mm->k = L->g.nodes[x->in[0]].shape[k - 1];
+	mm->a_rs = sa[k - 2];
+	mm->a_cs = sa[k - 1];
+	mm->b_rs = sb[k - 2];
+	mm->b_cs = sb[k - 1];
+	mm->ldc = mm->n;
+	mm->alpha = 1;
+	mm->beta = 0;
+	double batch = 1;
+	bool b_shared = true; /* B is the same matrix for every batch */
+	for (int d = 0; d < k - 2; d++) {
+		if (x->shape[d] == 1)
+			continue;
+		int i = mm->nbatch++;
+		mm->batch[i] = x->shape[d];
+		mm->a_bstride[i] = sa[d];
+		mm->b_bstride[i] = sb[d];
+		mm->c_bstride[i] = sc[d];
+		batch *= (double)x->shape[d];
+		b_shared &= sb[d] == 0;
+	}
+	/* [batch.., m, k] @ [k, n] whose A rows run on across batches: one product */
+	if (mm->nbatch > 0 && b_shared && mm->a_cs == 1) {
+		bool rows = true;
+		int64_t want = mm->a_rs * mm->m;
+		for (int i = mm->nbatch - 1; i >= 0 && rows; i--) {
+			rows = mm->a_bstride[i] == want;
+			want *= mm->batch[i];
+		}
+		if (rows) {
+			mm->m = (int64_t)((double)mm->m * batch);
+			mm->nbatch = 0;
+		}
+	}
+	add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->a);
+	add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->b);
+	sp->writes[0] = mm->c;
+	sp->nwrites = 1;
+	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
+	double kk = (double)mm->k;
+	sp->flops = 2.0 * batch * (double)x->shape[k - 2] * (double)mm->n * kk;
+	sp->bytes = bytes_of(P, mm->a) + bytes_of(P, mm->b) + numel_of(x) * es;
+	if (mm->nbatch)
+		snprintf(sp->what, sizeof(sp->what), "bmm %.0fx%lldx%lldx%lld", batch,
+		         (long long)mm->m, (long long)mm->n, (long long)mm->k);
+	else
+		snprintf(sp->what, sizeof(sp->what), "matmul %lldx%lldx%lld", (long long)mm->m,
+		         (long long)mm->n, (long long)mm->k);
+	return KL_OK;
+}
+
+static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
+{
+	static const kl_op rows[] = {KL_OP_SOFTMAX, KL_OP_LOG_SOFTMAX, KL_OP_LAYER_NORM,
+	                             KL_OP_RMS_NORM};
+	if (G->rmask) {
+		for (int32_t i = 0; i < G->nm; i++) {
+			kl_op so = (kl_op)L->src->nodes[L->orig[G->m[i]]].op;
+			for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++)
+				if (so == rows[r]) {
+					snprintf(sp->what, sizeof(sp->what), "row %s", kl__ops[so].name);
+					return;
+				}
+			if (so == KL_OP_MATMUL) {
+				snprintf(sp->what, sizeof(sp->what), "matmul (generated, dynamic)");
+				return;
+			}
+		}
+		for (int32_t i = 0; i < G->nm; i++) {
+			const kl_node *x = &L->g.nodes[G->m[i]];
+			if (kl__is_reduction(x)) {
+				kl_op so = (kl_op)L->src->nodes[L->orig[G->m[i]]].op;
+				snprintf(sp->what, sizeof(sp->what), "reduce %s", kl__ops[so].name);
+				return;
+			}
+		}
+	}
+	bool copy = true;
+	for (int32_t i = 0; i < G->nm; i++)
+		copy &= kl__is_view((kl_op)L->g.nodes[G->m[i]].op);
+	snprintf(sp->what, sizeof(sp->what), "%s", copy ? "copy" : "pointwise");
+}
+
+static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp,
+                             kl_sb *src)
+{
+	kir_kernel k;
+	char why[256];
+	if (!kl__kbuild(L, G, false, &k, why, sizeof(why))) {
+		char l[64];
+		snprintf(L->err, L->errcap, "kl__lower: internal error: kernel of %s: %s",
+		         kl__node_label(L, G->first, l, sizeof(l)), why);
+		kl__kir_free(&k);
+		return KL_EINVAL;
+	}
+	char name[32];
+	snprintf(name, sizeof(name), "k%d", (int)P->nkernels);
+	kl__render_kernel(&kl__render_c, &k, name, src);
+	char **names = realloc(P->kernel_names, sizeof(char *) * ((size_t)P->nkernels + 1));
+	if (!names) {
+		kl__kir_free(&k);
+		return KL_ENOMEM;
+	}
+	P->kernel_names = names;
+	names[P->nkernels] = dupstr(name);
+	if (!names[P->nkernels]) {
+		kl__kir_free(&k);
+		return KL_ENOMEM;
+	}
+	sp->kind = KL_STEP_KERNEL;
+	sp->kernel = P->nkernels++;
+	for (int32_t i = 0; i < k.nins; i++) {
+		const kir_ins *in = &k.ins[i];
+		if (in->opc == KIR_LOAD)
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, in->buf);
+		else if (in->opc == KIR_STORE)
+			add_id(sp->writes, &sp->nwrites, 2, in->buf);
+	}
+	kl__kir_free(&k);
+	for (int32_t i = 0; i < sp->nreads; i++)
+		sp->bytes += bytes_of(P, sp->reads[i]);
+	for (int32_t i = 0; i < sp->nwrites; i++)
+		sp->bytes += bytes_of(P, sp->writes[i]);
+	for (int32_t i = 0; i < G->nm; i++) {
+		const kl_node *x = &L->g.nodes[G->m[i]];
+		add_node(sp, L->orig[G->m[i]]);
+		if (kl__is_view((kl_op)x->op))
+			continue;
+		sp->flops += kl__is_reduction(x) ? numel_of(&L->g.nodes[x->in[0]]) : numel_of(x);
+	}
+	describe(L, G, sp);
+	return KL_OK;
+}
+
+static kl_status assemble(kl_lctx *L, kl_program *P)
+{
+	kl_status st = make_bufs(L, P);
+	if (st != KL_OK)
+		return st;
+	P->steps = calloc((size_t)L->norder + 1, sizeof(kl_step));
+	if (!P->steps)
+		return KL_ENOMEM;
+	kl_sb src = {0};
+	kl__sb_puts(&src, "/* generated by kiln: one translation unit for the kernels of a graph */\n");
+	kl__sb_puts(&src, kl__render_c.prelude);
+	for (int32_t k = 0; k < L->norder && st == KL_OK; k++) {
+		const kl_group *G = &L->gr[L->order[k]];
+		kl_step *sp = &P->steps[P->nsteps++];
+		if (G->matmul) {
+			sp->kind = KL_STEP_MATMUL;
+			sp->kernel = -1;
+			add_node(sp, L->orig[G->m[0]]);
+			st = matmul_step(L, P, G->m[0], sp);
+		} else {
+			st = kernel_step(L, P, G, sp, &src);
+		}
+	}
+	if (st == KL_OK && src.oom)
+		st = KL_ENOMEM;
+	if (st == KL_OK) {
+		P->source = src.s;
+		src.s = NULL;
+	}
+	kl__sb_free(&src);
+	P->nsyms = L->nsyms;
+	memcpy(P->sym_input, L->sym_input, sizeof(P->sym_input));
+	memcpy(P->sym_dim, L->sym_dim, sizeof(P->sym_dim));
+	return st;
+}
+
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
+{
+	memset(out, 0, sizeof(*out));
+	char dummy[8];
+	if (!err || !errcap) {
+		err = dummy;
+		errcap = sizeof(dummy);
+	}
+	err[0] = 0;
+	kl_lctx L;
+	memset(&L, 0, sizeof(L));
+	L.o = o;
+	L.src = g;
+	L.err = err;
+	L.errcap = errcap;
+	kl_status st = KL_OK;
+	if (o->target != KL_TARGET_C) {
+		snprintf(err, errcap, "kl__lower: no CUDA renderer yet: only the C target generates "
+		                      "kernels");
+		return KL_EUNSUPPORTED;
+	}
+	if (o->dyn_masks) {
+		L.src_sym = calloc((size_t)g->n * KL_MAX_DIMS + 1, sizeof(int32_t));
+		int32_t si[KL_MAX_DIMS * 4], sd[KL_MAX_DIMS * 4];
+		char why[256];
+		if (!L.src_sym) {
+			st = KL_ENOMEM;
+			goto done;
+		}
+		int ns = kl__graph_symbolize(g, o->dyn_masks, L.src_sym, si, sd, why, sizeof(why));
+		if (ns < 0) {
+			snprintf(err, errcap, "kl__lower: cannot keep dims dynamic: %s", why);
+			st = KL_EUNSUPPORTED;
+			goto done;
+		}
+	}
+	st = kl__decompose(&L);
+	if (st == KL_OK)
+		st = kl__symbolize_lowered(&L);
+	if (st == KL_OK)
+		st = kl__schedule(&L);
+	if (st == KL_OK)
+		st = assemble(&L, out);
+	if (st == KL_OK && L.log.n) {
+		out->fusion_log = L.log.s;
+		L.log.s = NULL;
+	}
+done:
+	if (st == KL_ENOMEM && !err[0])
+		snprintf(err, errcap, "kl__lower: out of memory");
+	if (st != KL_OK)
+		kl__program_free(out);
+	lctx_free(&L);
+	return st;
+}

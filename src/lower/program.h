@@ -1,0 +1,96 @@
+/* program.h - what lowering hands the runtime: the buffers of a compiled
+ * graph, the steps that fill them, and the source of the generated kernels.
+ *
+ * This is the contract between `lower`/`codegen` (which build a program from
+ * a graph) and `runtime` (which compiles its source once, plans its memory,
+ * caches it on disk and executes it). It is plain data so that it hashes,
+ * serializes (disk cache, AOT packages) and prints.
+ */
+#ifndef KILN_PROGRAM_H
+#define KILN_PROGRAM_H
+
+#include "graph/graph.h"
+
+typedef enum kl_buf_role {
+	KL_BUF_INPUT,  /* graph input #index, bound at each call (any strides it was traced with) */
+	KL_BUF_OUTPUT, /* graph output #index, fresh dense tensor per call */
+	KL_BUF_TEMP    /* intermediate, dense; placed by the memory planner */
+} kl_buf_role;
+
+/* A dimension is a constant, or symbol k (a dynamic input dim) when sym > 0:
+ * its value at run time is ints[sym - 1] of the call. */
+typedef struct kl_symdim {
+	int64_t v;   /* value at trace time (the constant when sym == 0) */
+	int32_t sym; /* 0: static; k: symbol k */
+} kl_symdim;
+
+typedef struct kl_buf {
+	kl_buf_role role;
+	int32_t index; /* input / output number for INPUT and OUTPUT */
+	kl_dtype dtype;
+	int ndim;
+	kl_symdim shape[KL_MAX_DIMS];
+	/* OUTPUT: an output may alias an INPUT (returned unchanged) or another
+	 * output; alias >= 0 names that buffer, the runtime then returns a view. */
+	int32_t alias;
+	int64_t view_strides[KL_MAX_DIMS]; /* alias: the view's strides */
+	int64_t view_offset;
+} kl_buf;
+
+typedef enum kl_step_kind {
+	KL_STEP_KERNEL, /* generated kernel: fn(bufs, ints) */
+	KL_STEP_MATMUL  /* library matrix product (BLAS / cuBLASLt) */
+} kl_step_kind;
+
+/* C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] over a batch, where each
+ * operand is addressed by element strides; batch index b spans up to
+ * KL_MAX_DIMS-2 batch dims with their own strides per operand. */
+typedef struct kl_matmul_step {
+	int32_t a, b, c; /* buffer ids */
+	int64_t m, n, k;
+	int nbatch;
+	int64_t batch[KL_MAX_DIMS];
+	int64_t a_bstride[KL_MAX_DIMS], b_bstride[KL_MAX_DIMS], c_bstride[KL_MAX_DIMS];
+	int64_t a_off, b_off, c_off;  /* element offsets of the first matrix */
+	int64_t a_rs, a_cs, b_rs, b_cs; /* row/col strides of A (m x k) and B (k x n) */
+	int64_t ldc;
+	double alpha, beta;
+} kl_matmul_step;
+
+#define KL_STEP_MAX_NODES 64
+
+typedef struct kl_step {
+	kl_step_kind kind;
+	int32_t kernel;      /* KERNEL: index into program.kernel_names */
+	kl_matmul_step mm;   /* MATMUL */
+	/* buffers this step reads and writes (for liveness and explain) */
+	int32_t reads[KL_NODE_MAX_IN * 2];
+	int32_t nreads;
+	int32_t writes[2];
+	int32_t nwrites;
+	/* the graph nodes this step computes (fused into it) */
+	int32_t nodes[KL_STEP_MAX_NODES];
+	int32_t nnodes;
+	double bytes; /* bytes read + written, each buffer once */
+	double flops;
+	char what[64]; /* short description: "pointwise", "row softmax", "matmul 64x64x64" */
+} kl_step;
+
+typedef struct kl_program {
+	kl_buf *bufs;
+	int32_t nbufs;
+	kl_step *steps;
+	int32_t nsteps;
+	int32_t nsyms;          /* symbols used by dims (ints[] length) */
+	/* symbol k's value = dim sym_dim[k-1] of graph input sym_input[k-1] */
+	int32_t sym_input[KL_MAX_DIMS * 4];
+	int32_t sym_dim[KL_MAX_DIMS * 4];
+	char **kernel_names;    /* generated function names: "k0", "k1", ... */
+	int32_t nkernels;
+	char *source;           /* all kernels of the graph: one translation unit */
+	char *fusion_log;       /* every fusion refused, with its reason (malloc'd, may be NULL) */
+} kl_program;
+
+void kl__program_free(kl_program *p);
+
+#endif

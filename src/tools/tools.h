@@ -1,0 +1,52 @@
+/* tools.h - what the files of the `kiln` command share: the subcommands' entry
+ * points and the bench harness's workload table. The command uses the public
+ * API (kiln.h) only, like any other program built on libkiln.
+ */
+#ifndef KILN_TOOLS_H
+#define KILN_TOOLS_H
+
+#include <stdbool.h>
+
+#include "kiln.h"
+
+/* ---- subcommands ---------------------------------------------------------- */
+
+int kt_bench_main(int argc, char **argv);
+
+/* ---- bench: modes and workloads ---------------------------------------- */
+
+/* How a workload's body is run. Each mode is a row of the harness's mode
+ * table (bench.c); a workload lists the modes it supports as a bit set. */
+typedef enum kt_mode { KT_MODE_EAGER = 0, KT_NMODES } kt_mode;
+#define KT_MODE_BIT(m) (1u << (m))
+
+/* The work one call of a workload does. bytes is the least traffic any
+ * implementation needs (each input read once, each output written once), so
+ * GB/s compares modes fairly and shows how far a mode is from the memory
+ * roofline; flops counts multiply-adds as two. */
+typedef struct kt_cost {
+	double bytes;
+	double flops;
+	bool memory_bound; /* report GB/s; otherwise TFLOP/s */
+} kt_cost;
+
+#define KT_MAX_INPUTS 8
+
+typedef struct kt_workload {
+	const char *name;
+	const char *what; /* one line for --list */
+	unsigned modes;   /* KT_MODE_BIT per supported mode */
+	int nin, nout;
+	/* Make the inputs (from kl_randn, never zeros) and state the cost of one
+	 * call. in[] receives nin references the harness releases. */
+	kl_status (*setup)(kl_ctx *ctx, kl_tensor **in, kt_cost *cost);
+	/* One call. Written as a kl_fn_body so that compiled modes can hand it to
+	 * kl_compile unchanged; eager mode runs it inside a scope, which frees
+	 * its intermediates and outputs. */
+	kl_fn_body body;
+} kt_workload;
+
+extern const kt_workload kt_workloads[];
+extern const int kt_nworkloads;
+
+#endif /* KILN_TOOLS_H */
