@@ -42,7 +42,10 @@ int main(void)
 		err = err < 0 ? -err : err;
 		maxerr = err > maxerr ? err : maxerr;
 	}
-	printf("relu(a*b + c)[0, :] = %.6f %.6f %.6f %.6f\n", hy[0], hy[1], hy[2], hy[3]);
+	printf("relu(a*b + c) =\n");
+	for (int r = 0; r < N; r++)
+		printf("  %9.6f %9.6f %9.6f %9.6f\n", hy[r * N], hy[r * N + 1], hy[r * N + 2],
+		       hy[r * N + 3]);
 	printf("max error vs plain C: %.3g\n", maxerr);
 	rc = maxerr <= 1e-5 ? 0 : 1;
 	printf("%s\n", rc ? "eager: MISMATCH" : "eager: ok");

@@ -33,7 +33,8 @@ num='-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?'
 grep -Eq '^\{"workload":"memory_bandwidth","device":"cpu","mode":"copy","ms":'"$num"'.*"gbps":' \
 	"$work/json" || fail "no memory_bandwidth line"
 for w in "${names[@]}"; do
-	line=$(grep -E "^\{\"workload\":\"$w\",\"device\":\"cpu\",\"mode\":\"eager\"," "$work/json") ||
+	prefix="{\"workload\":\"$w\",\"device\":\"cpu\",\"mode\":\"eager\","
+	line=$(grep -F "$prefix" "$work/json") ||
 		fail "no eager line for $w"
 	for key in ms iters first_call_ms speedup checksum; do
 		grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "$w: no numeric $key in $line"

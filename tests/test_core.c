@@ -88,12 +88,18 @@ static void test_ctx_and_version(void **state)
 	assert_string_equal(kl_status_name(KL_ESTATE), "KL_ESTATE");
 	assert_string_equal(kl_status_name(KL_EUNSUPPORTED), "KL_EUNSUPPORTED");
 
-	kl_ctx *bad = kl_ctx_new(&(kl_ctx_opts){.device = KL_CUDA});
-	assert_null(bad);
-	assert_int_equal(kl_last_status(NULL), KL_EUNSUPPORTED);
-	assert_string_equal(
-	        kl_last_error(NULL),
-	        "kl_ctx_new: no CUDA backend in this build (kiln 0.1.0 runs on the CPU)");
+	/* Without a GPU (or without the CUDA backend) a CUDA context fails with
+	 * a message that says what is missing; on a GPU machine it opens. */
+	kl_ctx *gpu = kl_ctx_new(&(kl_ctx_opts){.device = KL_CUDA});
+	if (gpu) {
+		kl_ctx_free(gpu);
+	} else {
+		assert_int_equal(kl_last_status(NULL), KL_EDEVICE);
+		assert_non_null(strstr(kl_last_error(NULL), "kl_ctx_new: "));
+		assert_non_null(strstr(kl_last_error(NULL), "CUDA"));
+	}
+	assert_null(kl_ctx_new(&(kl_ctx_opts){.device = (kl_device)7}));
+	assert_int_equal(kl_last_status(NULL), KL_EINVAL);
 	assert_null(kl_ctx_new(&(kl_ctx_opts){.nthreads = -1}));
 	assert_int_equal(kl_last_status(NULL), KL_EINVAL);
 
@@ -714,8 +720,9 @@ static void test_printer(void **state)
 	             "        [1089, 1090, 1091,  ..., 1097, 1098, 1099]], dtype=i32)\n");
 	/* long rows wrap at 80 columns */
 	char *w = print_to_string(kl_arange(ctx, KL_I32, 0, 40, 1));
-	assert_non_null(strchr(w, '\n'));
-	assert_true(strchr(w, '\n') - w <= 80);
+	size_t first_line = strcspn(w, "\n");
+	assert_true(w[first_line] == '\n');
+	assert_true(first_line <= 80);
 	free(w);
 	assert_int_equal(kl_print(a, NULL), KL_EINVAL);
 	kl_clear_error(ctx);

@@ -145,8 +145,15 @@ static bool compile_c(const char *src, const char *name, char *so, size_t cap)
 	if (pid == 0) {
 		FILE *l = freopen(log, "w", stderr);
 		(void)l;
+#if defined(__SANITIZE_ADDRESS__)
+		/* under the sanitizers the kernels are checked too: out of bounds, UB */
+		execl(cc, cc, "-O1", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
+		      "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-o", so,
+		      cpath, (char *)NULL);
+#else
 		execl(cc, cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
 		      "-Wall", "-Werror", "-o", so, cpath, (char *)NULL);
+#endif
 		_exit(127);
 	}
 	int status = 0;
@@ -225,7 +232,8 @@ static void run_program(const kl_program *P, void *so, const char *prefix, const
 		if (bf->role == KL_BUF_INPUT) {
 			B[b] = kl__tensor_data(tr->in_tensors[bf->index]);
 		} else if (bf->alias < 0) {
-			size_t n = (size_t)buf_numel(bf, S) * kl_dtype_size(bf->dtype) + 16;
+			size_t n = (size_t)buf_numel(bf, S) * kl_dtype_size(bf->dtype);
+			n = n ? n : 1;
 			B[b] = malloc(n);
 			assert_non_null(B[b]);
 			memset(B[b], 0xff, n); /* poison: NaN for floats */
@@ -285,6 +293,7 @@ typedef struct dcase {
 	kl_trace *run; /* dynamic shapes: run on these inputs (another size), else NULL */
 	kl_program P[2]; /* fusion off, on */
 	bool lowered[2];
+	bool same; /* both programs have the same source: compiled once */
 	double factor;
 } dcase;
 
@@ -367,6 +376,10 @@ static char *combined_source(void)
 		for (int k = 0; k < 2; k++) {
 			if (!cases[i].lowered[k])
 				continue;
+			cases[i].same = cases[i].lowered[0] && cases[i].lowered[1] &&
+			                !strcmp(cases[i].P[0].source, cases[i].P[1].source);
+			if (k == 1 && cases[i].same)
+				continue;
 			const char *s = strstr(cases[i].P[k].source, kl__render_c.prelude);
 			assert_non_null(s);
 			s += strlen(kl__render_c.prelude);
@@ -432,7 +445,7 @@ static int run_cases(const char *name)
 				if (!c->lowered[k])
 					continue;
 				char prefix[32];
-				snprintf(prefix, sizeof(prefix), "p%d_%d_", i, k);
+				snprintf(prefix, sizeof(prefix), "p%d_%d_", i, c->same ? 0 : k);
 				double *outs[8] = {NULL};
 				if (getenv("KILN_TEST_VERBOSE")) {
 					fprintf(stderr, "%s (fusion %s):\n", c->what, k ? "on" : "off");
@@ -442,7 +455,7 @@ static int run_cases(const char *name)
 				for (int j = 0; j < g->noutputs; j++) {
 					const kl_node *o = &g->nodes[g->outputs[j]];
 					char what[160];
-					snprintf(what, sizeof(what), "%s out %d (fusion %s)", c->what, j,
+					snprintf(what, sizeof(what), "%.96s out %d (fusion %s)", c->what, j,
 					         k ? "on" : "off");
 					if (!kltest_compare(what, (kl_dtype)o->dtype, o->ndim, o->shape,
 					                    outs[j], ref[j], c->factor)) {
@@ -761,6 +774,8 @@ static void test_diff_pointwise(void **state)
 			add_case(what, b_binary, &o, 2, in, factor_of(dt), NULL);
 			/* mixed dtypes promote */
 			kl_dtype other = all_dt[(t + 3) % NDT];
+			if (t % 2 == 1 && op != KL_OP_ADD && op != KL_OP_LT)
+				other = dt; /* the pair is covered by another op */
 			snprintf(what, sizeof(what), "%s %s,%s", kl__ops[op].name, kl_dtype_name(dt),
 			         kl_dtype_name(other));
 			in[0] = rnd(dt, SHP(2, 3, 4), op == KL_OP_POW ? KLTEST_POS : KLTEST_NORMAL,
@@ -768,8 +783,8 @@ static void test_diff_pointwise(void **state)
 			in[1] = rnd(other, SHP(3, 1), op == KL_OP_POW ? KLTEST_SMALLINT : KLTEST_POS,
 			            KLTEST_CONTIG);
 			add_case(what, b_binary, &o, 2, in, factor_of(dt), NULL);
-			double scalars[3] = {2.0, -1.5, 0.1};
-			for (int k = 0; k < 3; k++) {
+			double scalars[2] = {2.0, (t + (int)op) % 2 ? -1.5 : 0.1};
+			for (int k = 0; k < 2; k++) {
 				opp so = {.op = op, .mode = 1, .s = scalars[k]};
 				if (op == KL_OP_POW && k == 1)
 					so.s = -2;
@@ -800,6 +815,8 @@ static void test_diff_pointwise(void **state)
 			                         ? KLTEST_POS
 			                         : KLTEST_SPECIAL;
 			for (int mode = 0; mode < 2; mode++) {
+				if (mode && dt != KL_F32 && dt != KL_F16 && dt != KL_I64)
+					continue;
 				char what[96];
 				opp o = {.op = op, .mode = mode};
 				snprintf(what, sizeof(what), "%s %s%s", kl__ops[op].name,
@@ -921,6 +938,8 @@ static void test_diff_reduce(void **state)
 					         .keep = (a + (size_t)mode) % 2 == 1, .s = (double)(a % 2)};
 					memcpy(o.ax, axes[a].ax, sizeof(axes[a].ax));
 					if (op == KL_OP_ARGMAX && axes[a].nax != 1)
+						continue;
+					if (mode && dt != KL_F32 && dt != KL_F16 && dt != KL_I32)
 						continue;
 					char what[96];
 					snprintf(what, sizeof(what), "%s %s axes#%zu keep %d mode %d",

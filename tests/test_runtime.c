@@ -240,7 +240,7 @@ static void remove_tree(const char *dir)
 /* A private, empty cache directory for one test. */
 static void use_cache_dir(const char *name, char *out, size_t cap)
 {
-	static char base[PATH_MAX];
+	static char base[PATH_MAX / 2];
 	if (!base[0]) {
 		const char *env = getenv("KILN_CACHE_DIR");
 		if (env && *env)

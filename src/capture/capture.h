@@ -71,7 +71,7 @@ struct kl_fn {
 	int compiles; /* compile events: the first, then every recompile */
 	bool eager;   /* over the recompile limit: fn runs eagerly */
 	kl_guard_tally tally[8];
-	char last_fail[160];
+	char last_fail[256];
 	long calls, eager_calls, replays;
 	int last_kernels;
 };

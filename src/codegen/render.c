@@ -156,12 +156,17 @@ static void put_extent(kl_sb *sb, const kl_renderer *r, kl_symdim d)
 
 /* ---- statements ------------------------------------------------------------------------ */
 
+/* columns of a column reduction handled together (accumulator arrays) */
+#define COL_TILE 64
+
 typedef struct rctx {
 	const kl_renderer *r;
 	const kir_kernel *k;
 	kl_sb *sb;
 	uint8_t *live;
 	int depth;
+	bool col;  /* column order: accumulators are arrays indexed by jj */
+	int col_d; /* the dim whose points are the columns */
 } rctx;
 
 static void indent(rctx *c)
@@ -240,12 +245,30 @@ static void emit_ins(rctx *c, int32_t id)
 		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_F64], t);
 		r->rand(sb, (kl_op)in->op, in->seed, a);
 		break;
-	case KIR_ACC_INIT:
-		r->acc_init(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc);
+	case KIR_ACC_INIT: {
+		kl_accvar v[2];
+		int nv = r->acc_vars((kl_op)in->op, (kl_dtype)in->in_dt, v);
+		for (int i = 0; i < nv; i++) {
+			if (c->col)
+				kl__sb_printf(sb, "%s%s %s%s[%d];", i ? " " : "", v[i].type, acc,
+				              v[i].suffix, COL_TILE);
+			else
+				kl__sb_printf(sb, "%s%s %s%s = %s;", i ? " " : "", v[i].type, acc,
+				              v[i].suffix, v[i].init);
+		}
 		kl__sb_puts(sb, "\n");
+		if (c->col) { /* one accumulator per column of the tile */
+			indent(c);
+			kl__sb_puts(sb, "for (int64_t jj = 0; jj < jn; jj++) {");
+			for (int i = 0; i < nv; i++)
+				kl__sb_printf(sb, " %s%s[jj] = %s;", acc, v[i].suffix, v[i].init);
+			kl__sb_puts(sb, " }\n");
+		}
 		return;
+	}
 	case KIR_ACC:
-		r->acc_update(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc, a, b);
+		r->acc_update(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc, c->col ? "[jj]" : "", a,
+		              b);
 		kl__sb_puts(sb, "\n");
 		return;
 	case KIR_LSTORE:
@@ -260,7 +283,7 @@ static void emit_ins(rctx *c, int32_t id)
 		break;
 	case KIR_ACC_READ:
 		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
-		r->acc_read(sb, (kl_op)in->op, (kl_dtype)in->in_dt, dt, acc);
+		r->acc_read(sb, (kl_op)in->op, (kl_dtype)in->in_dt, dt, acc, c->col ? "[jj]" : "");
 		break;
 	}
 	kl__sb_puts(sb, ";\n");
@@ -460,8 +483,149 @@ static bool pass_sums(const rctx *c, int p, kl_sb *red)
 	return ok;
 }
 
+/* instructions of block 0 that live instructions of the blocks in mask need */
+static void needed_from(const rctx *c, uint32_t mask, uint8_t *need)
+{
+	const kir_kernel *k = c->k;
+	memset(need, 0, (size_t)k->nins);
+	for (int32_t i = k->nins - 1; i >= 0; i--) {
+		const kir_ins *in = &k->ins[i];
+		if (!c->live[i] || in->opc == KIR_ACC_INIT)
+			continue;
+		if (!(in->blk < 32 && (mask & (1u << in->blk))) && !need[i])
+			continue;
+		need[i] = 1;
+		int32_t ops[3] = {in->a, in->b, in->c};
+		for (int j = 0; j < 3; j++)
+			if (ops[j] >= 0 && k->ins[ops[j]].blk == 0)
+				need[ops[j]] = 1;
+	}
+}
+
+static void emit_needed(rctx *c, const uint8_t *need, int blk)
+{
+	for (int32_t i = 0; i < c->k->nins; i++)
+		if (c->k->ins[i].blk == blk && c->live[i] && need[i])
+			emit_ins(c, i);
+}
+
+/* A reduction over dims before the innermost one (a column sum): the rows
+ * would be walked with a large stride, so the loop order turns around:
+ * accumulators for a tile of columns, the reduced dims outside, the
+ * columns inside (contiguous, vectorized). One pass only. */
+static int column_dim(const rctx *c)
+{
+	const kir_kernel *k = c->k;
+	if (k->npass != 1 || k->nlocal)
+		return -1;
+	for (int d = k->ndim - 1; d >= 0; d--) {
+		if (k->dims[d].sym == 0 && k->dims[d].v == 1)
+			continue;
+		if (k->rmask & (1u << d))
+			return -1;
+		bool reduced_before = false;
+		for (int e = 0; e < d; e++)
+			reduced_before |= (k->rmask & (1u << e)) &&
+			                  (k->dims[e].sym > 0 || k->dims[e].v > 1);
+		return reduced_before ? d : -1;
+	}
+	return -1;
+}
+
+static void render_columns(rctx *c, int J)
+{
+	const kir_kernel *k = c->k;
+	uint32_t outer = 0, inner = 0;
+	for (int d = 0; d < k->ndim; d++) {
+		if ((k->dims[d].sym == 0 && k->dims[d].v == 1) || d == J)
+			continue;
+		if (k->rmask & (1u << d))
+			inner |= 1u << d;
+		else
+			outer |= 1u << d;
+	}
+	c->col = true;
+	uint8_t *need = malloc((size_t)k->nins + 1);
+	if (!need) {
+		c->sb->oom = true;
+		return;
+	}
+	kl_sb cond = {0}, ext = {0};
+	bool par = want_par(c, outer | inner | (1u << J), 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	put_extent(&ext, c->r, k->dims[J]);
+	if (par)
+		pragma(c, true, ifc, popc(outer) + 1, false, NULL);
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(outer & (1u << d)))
+			continue;
+		indent(c);
+		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
+		put_extent(c->sb, c->r, k->dims[d]);
+		kl__sb_printf(c->sb, "; i%d++)\n", d);
+	}
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jt = 0; jt < %s; jt += %d)\n", kl__sb_str(&ext), COL_TILE);
+	indent(c);
+	kl__sb_puts(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t jn = %s - jt < %d ? %s - jt : %d;\n", kl__sb_str(&ext),
+	              COL_TILE, kl__sb_str(&ext), COL_TILE);
+	for (int32_t i = 0; i < k->nins; i++)
+		if (k->ins[i].opc == KIR_ACC_INIT && c->live[i])
+			emit_ins(c, i);
+	/* the reduced dims, and inside them the columns */
+	if (inner)
+		open_loops(c, inner);
+	else {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+	}
+	pragma(c, false, NULL, 1, true, NULL);
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
+	indent(c);
+	kl__sb_printf(c->sb, "(void)i%d;\n", J);
+	needed_from(c, 1u << 1, need);
+	emit_needed(c, need, 0);
+	emit_block(c, 1);
+	close_loops(c);
+	close_loops(c);
+	/* the results of the tile */
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
+	indent(c);
+	kl__sb_printf(c->sb, "(void)i%d;\n", J);
+	needed_from(c, 1u << 2, need);
+	emit_needed(c, need, 0);
+	emit_block(c, 2);
+	close_loops(c);
+	close_loops(c);
+	c->col = false;
+	free(need);
+	kl__sb_free(&cond);
+	kl__sb_free(&ext);
+}
+
 static void render_reduction(rctx *c)
 {
+	int J = column_dim(c);
+	if (J >= 0) {
+		render_columns(c, J);
+		return;
+	}
 	const kir_kernel *k = c->k;
 	uint32_t outer = 0, inner = 0;
 	for (int d = 0; d < k->ndim; d++) {
@@ -490,11 +654,16 @@ static void render_reduction(rctx *c)
 		              (long long)k->row_n);
 	}
 	emit_block(c, 0);
+	/* reduced over an empty dim: the passes visit nothing, and a collapsed
+	 * nest with no iterations trips some compilers */
+	bool no_rows = false;
+	for (int d = 0; d < k->ndim; d++)
+		no_rows |= (inner & (1u << d)) && k->dims[d].sym == 0 && k->dims[d].v == 0;
 	for (int p = 1; p <= k->npass; p++) {
 		kl_sb red = {0};
 		bool sums = pass_sums(c, p, &red);
 		const char *rc = red.n ? kl__sb_str(&red) : NULL;
-		if (inner && sums)
+		if (inner && sums && !no_rows)
 			/* no outer loop to share out: the pass itself runs in parallel */
 			pragma(c, !outer && par, ifc, popc(inner), true, rc);
 		if (inner)
@@ -530,6 +699,16 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 	kl__sb_puts(sb, ";\n");
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, "\n{\n");
+	/* nothing to visit when an iterated dim is empty (a reduced one still
+	 * leaves the results to write); then emit no loop a compiler could trip on */
+	bool empty = false;
+	for (int d = 0; d < k->ndim; d++)
+		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));
+	if (empty) { /* nothing to visit (and no loop a compiler could trip on) */
+		kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n}\n\n");
+		free(c.live);
+		return;
+	}
 	/* typed buffer pointers, const when only read */
 	int32_t maxb = -1;
 	for (int32_t i = 0; i < k->nins; i++)
@@ -553,8 +732,8 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 		if (!rd && !wr)
 			continue;
 		const char *q = wr ? "" : "const ";
-		kl__sb_printf(sb, "\t%s%s *%s b%d = (%s%s *)B[%d];\n", q, r->mtype[dt], r->restrict_kw,
-		              (int)bi, q, r->mtype[dt], (int)bi);
+		kl__sb_printf(sb, "\t%s%s *%s b%d = (%s%s *)B[%d];\n\t(void)b%d;\n", q, r->mtype[dt],
+		              r->restrict_kw, (int)bi, q, r->mtype[dt], (int)bi, (int)bi);
 	}
 	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
 	if (k->rmask == 0)

@@ -32,6 +32,10 @@ const char *kl__sb_str(const kl_sb *sb);
 
 /* ---- the table --------------------------------------------------------------- */
 
+typedef struct kl_accvar {
+	const char *suffix, *type, *init;
+} kl_accvar;
+
 typedef struct kl_renderer {
 	const char *name;
 	const char *prelude;            /* emitted once at the top of a translation unit */
@@ -56,12 +60,16 @@ typedef struct kl_renderer {
 	void (*unary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a);
 	void (*binary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b);
 	void (*rand)(kl_sb *sb, kl_op op, uint64_t seed, const char *index);
-	/* accumulators: declaration with its initial value, update, result, and
-	 * the clause that lets a vectorized loop update it (false: it cannot) */
-	void (*acc_init)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc);
-	void (*acc_update)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *v,
-	                   const char *pos);
-	void (*acc_read)(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc);
+	/* Accumulators. A reduction keeps up to two variables (the value and a
+	 * NaN flag or position), named acc + suffix + ix, where ix is "" for a
+	 * scalar or "[j]" for one of an array (a column of reductions):
+	 * their types and initial values, the update, the result, and the
+	 * clause that lets a vectorized loop update them (false: it cannot). */
+	int (*acc_vars)(kl_op op, kl_dtype in, kl_accvar *vars);
+	void (*acc_update)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *ix,
+	                   const char *v, const char *pos);
+	void (*acc_read)(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc,
+	                 const char *ix);
 	bool (*acc_clause)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc);
 } kl_renderer;
 

@@ -16,11 +16,19 @@ static const char prelude[] =
 	"#include <math.h>\n"
 	"#include <stdint.h>\n"
 	"#include <string.h>\n"
-	"#if defined(__GNUC__) && !defined(__clang__)\n"
+	"/* a simd loop the vectorizer declines is not an error */\n"
+	"#if defined(__clang__)\n"
+	"#pragma clang diagnostic ignored \"-Wpass-failed\"\n"
+	"#elif defined(__GNUC__)\n"
 	"#pragma GCC diagnostic ignored \"-Wopenmp-simd\"\n"
 	"#endif\n"
+	"#if defined(__GNUC__)\n"
+	"#define KL_FN static inline __attribute__((unused))\n"
+	"#else\n"
+	"#define KL_FN static inline\n"
+	"#endif\n"
 	"\n"
-	"static inline float kl_h2f(uint16_t h)\n"
+	"KL_FN float kl_h2f(uint16_t h)\n"
 	"{\n"
 	"\tuint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;\n"
 	"\tif (e == 0) {\n"
@@ -32,7 +40,7 @@ static const char prelude[] =
 	"\tmemcpy(&f, &x, 4);\n"
 	"\treturn f;\n"
 	"}\n"
-	"static inline uint16_t kl_f2h(float f)\n"
+	"KL_FN uint16_t kl_f2h(float f)\n"
 	"{\n"
 	"\tuint32_t x;\n"
 	"\tmemcpy(&x, &f, 4);\n"
@@ -53,14 +61,14 @@ static const char prelude[] =
 	"\ta += 0x0fffu + ((a >> 13) & 1u);\n"
 	"\treturn (uint16_t)(s | (a >> 13));\n"
 	"}\n"
-	"static inline float kl_bf2f(uint16_t h)\n"
+	"KL_FN float kl_bf2f(uint16_t h)\n"
 	"{\n"
 	"\tuint32_t x = (uint32_t)h << 16;\n"
 	"\tfloat f;\n"
 	"\tmemcpy(&f, &x, 4);\n"
 	"\treturn f;\n"
 	"}\n"
-	"static inline uint16_t kl_f2bf(float f)\n"
+	"KL_FN uint16_t kl_f2bf(float f)\n"
 	"{\n"
 	"\tuint32_t x;\n"
 	"\tmemcpy(&x, &f, 4);\n"
@@ -69,37 +77,37 @@ static const char prelude[] =
 	"\tx += 0x7fffu + ((x >> 16) & 1u);\n"
 	"\treturn (uint16_t)(x >> 16);\n"
 	"}\n"
-	"static inline float kl_maxf(float a, float b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n"
-	"static inline float kl_minf(float a, float b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n"
-	"static inline double kl_maxd(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n"
-	"static inline double kl_mind(double a, double b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n"
-	"static inline float kl_sigmoidf(float x)\n"
+	"KL_FN float kl_maxf(float a, float b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n"
+	"KL_FN float kl_minf(float a, float b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n"
+	"KL_FN double kl_maxd(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n"
+	"KL_FN double kl_mind(double a, double b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n"
+	"KL_FN float kl_sigmoidf(float x)\n"
 	"{\n"
 	"\tif (x >= 0.0f)\n"
 	"\t\treturn 1.0f / (1.0f + expf(-x));\n"
 	"\tfloat z = expf(x);\n"
 	"\treturn z / (1.0f + z);\n"
 	"}\n"
-	"static inline double kl_sigmoidd(double x)\n"
+	"KL_FN double kl_sigmoidd(double x)\n"
 	"{\n"
 	"\tif (x >= 0.0)\n"
 	"\t\treturn 1.0 / (1.0 + exp(-x));\n"
 	"\tdouble z = exp(x);\n"
 	"\treturn z / (1.0 + z);\n"
 	"}\n"
-	"static inline float kl_siluf(float x) { return x * kl_sigmoidf(x); }\n"
-	"static inline double kl_silud(double x) { return x * kl_sigmoidd(x); }\n"
-	"static inline float kl_geluf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }\n"
-	"static inline double kl_gelud(double x) { return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440)); }\n"
-	"static inline float kl_gelu_tanhf(float x)\n"
+	"KL_FN float kl_siluf(float x) { return x * kl_sigmoidf(x); }\n"
+	"KL_FN double kl_silud(double x) { return x * kl_sigmoidd(x); }\n"
+	"KL_FN float kl_geluf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }\n"
+	"KL_FN double kl_gelud(double x) { return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440)); }\n"
+	"KL_FN float kl_gelu_tanhf(float x)\n"
 	"{\n"
 	"\treturn 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));\n"
 	"}\n"
-	"static inline double kl_gelu_tanhd(double x)\n"
+	"KL_FN double kl_gelu_tanhd(double x)\n"
 	"{\n"
 	"\treturn 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));\n"
 	"}\n"
-	"static inline int32_t kl_f2i32(double v)\n"
+	"KL_FN int32_t kl_f2i32(double v)\n"
 	"{\n"
 	"\tif (v != v)\n"
 	"\t\treturn 0;\n"
@@ -109,8 +117,8 @@ static const char prelude[] =
 	"\t\treturn INT32_MIN;\n"
 	"\treturn (int32_t)v;\n"
 	"}\n"
-	"static inline int32_t kl_sati32(int64_t v) { return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v; }\n"
-	"static inline int64_t kl_f2i64(double v)\n"
+	"KL_FN int32_t kl_sati32(int64_t v) { return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v; }\n"
+	"KL_FN int64_t kl_f2i64(double v)\n"
 	"{\n"
 	"\tif (v != v)\n"
 	"\t\treturn 0;\n"
@@ -120,7 +128,7 @@ static const char prelude[] =
 	"\t\treturn INT64_MIN;\n"
 	"\treturn (int64_t)v;\n"
 	"}\n"
-	"static inline int64_t kl_powi(int64_t a, int64_t b)\n"
+	"KL_FN int64_t kl_powi(int64_t a, int64_t b)\n"
 	"{\n"
 	"\tif (b < 0)\n"
 	"\t\treturn a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;\n"
@@ -133,11 +141,11 @@ static const char prelude[] =
 	"\t}\n"
 	"\treturn (int64_t)r;\n"
 	"}\n"
-	"static inline int64_t kl_divi(int64_t a, int64_t b) { return b == 0 ? 0 : (b == -1 ? (int64_t)(0ull - (uint64_t)a) : a / b); }\n"
-	"static inline int32_t kl_absi32(int32_t a) { return a < 0 ? (int32_t)(0u - (uint32_t)a) : a; }\n"
-	"static inline int64_t kl_absi64(int64_t a) { return a < 0 ? (int64_t)(0ull - (uint64_t)a) : a; }\n"
-	"static inline int64_t kl_clampi(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }\n"
-	"static inline void kl_philox(uint64_t seed, uint64_t ctr, uint32_t o[4])\n"
+	"KL_FN int64_t kl_divi(int64_t a, int64_t b) { return b == 0 ? 0 : (b == -1 ? (int64_t)(0ull - (uint64_t)a) : a / b); }\n"
+	"KL_FN int32_t kl_absi32(int32_t a) { return a < 0 ? (int32_t)(0u - (uint32_t)a) : a; }\n"
+	"KL_FN int64_t kl_absi64(int64_t a) { return a < 0 ? (int64_t)(0ull - (uint64_t)a) : a; }\n"
+	"KL_FN int64_t kl_clampi(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }\n"
+	"KL_FN void kl_philox(uint64_t seed, uint64_t ctr, uint32_t o[4])\n"
 	"{\n"
 	"\tuint32_t c0 = (uint32_t)ctr, c1 = (uint32_t)(ctr >> 32), c2 = 0, c3 = 0;\n"
 	"\tuint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);\n"
@@ -156,13 +164,13 @@ static const char prelude[] =
 	"\to[2] = c2;\n"
 	"\to[3] = c3;\n"
 	"}\n"
-	"static inline double kl_rand_uniform(uint64_t seed, uint64_t i)\n"
+	"KL_FN double kl_rand_uniform(uint64_t seed, uint64_t i)\n"
 	"{\n"
 	"\tuint32_t o[4];\n"
 	"\tkl_philox(seed, i, o);\n"
 	"\treturn (double)(o[0] >> 8) * (1.0 / 16777216.0);\n"
 	"}\n"
-	"static inline double kl_rand_normal(uint64_t seed, uint64_t i)\n"
+	"KL_FN double kl_rand_normal(uint64_t seed, uint64_t i)\n"
 	"{\n"
 	"\tuint32_t o[4];\n"
 	"\tkl_philox(seed, i, o);\n"
@@ -425,75 +433,90 @@ static bool int_like(kl_dtype dt)
 
 /* Float max/min keep a NaN flag beside the value so that the loop stays a
  * plain max (vectorizable as an OpenMP reduction) while NaN still wins. */
-static void c_acc_init(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
+static int c_acc_vars(kl_op op, kl_dtype in, kl_accvar *v)
 {
 	bool fl = !int_like(in);
 	const char *t = kl__render_c.ctype[in];
-	const char *v = "0";
 	switch (op) {
 	case KL_OP_SUM:
-		kl__sb_printf(sb, "%s %s = 0;", fl ? "double" : "uint64_t", acc);
-		return;
+		v[0] = (kl_accvar){"", fl ? "double" : "uint64_t", "0"};
+		return 1;
 	case KL_OP_MAX:
 	case KL_OP_ARGMAX:
-		v = fl ? "-INFINITY" : in == KL_I32 ? "INT32_MIN" : in == KL_I64 ? "INT64_MIN" : "-1";
+		v[0] = (kl_accvar){"", t,
+		                   fl                ? "-INFINITY"
+		                   : in == KL_I32    ? "INT32_MIN"
+		                   : in == KL_I64    ? "INT64_MIN"
+		                                     : "-1"};
 		break;
 	case KL_OP_MIN:
-		v = fl ? "INFINITY" : in == KL_I32 ? "INT32_MAX" : in == KL_I64 ? "INT64_MAX" : "2";
+		v[0] = (kl_accvar){"", t,
+		                   fl                ? "INFINITY"
+		                   : in == KL_I32    ? "INT32_MAX"
+		                   : in == KL_I64    ? "INT64_MAX"
+		                                     : "2"};
 		break;
 	default:
-		break;
+		v[0] = (kl_accvar){"", t, "0"};
+		return 1;
 	}
-	kl__sb_printf(sb, "%s %s = %s;", t, acc, v);
-	if (op == KL_OP_ARGMAX)
-		kl__sb_printf(sb, " int64_t %si = 0;", acc);
-	else if (fl)
-		kl__sb_printf(sb, " int %sn = 0;", acc);
+	if (op == KL_OP_ARGMAX) {
+		v[1] = (kl_accvar){"i", "int64_t", "0"};
+		return 2;
+	}
+	if (fl) {
+		v[1] = (kl_accvar){"n", "int", "0"};
+		return 2;
+	}
+	return 1;
 }
 
-static void c_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *v,
-                         const char *pos)
+static void c_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *ix,
+                         const char *v, const char *pos)
 {
 	bool fl = !int_like(in);
+	char a[64], n[64];
+	snprintf(a, sizeof(a), "%s%s", acc, ix);
+	snprintf(n, sizeof(n), "%s%s%s", acc, op == KL_OP_ARGMAX ? "i" : "n", ix);
 	switch (op) {
 	case KL_OP_SUM:
 		if (fl)
-			kl__sb_printf(sb, "%s += (double)%s;", acc, v);
+			kl__sb_printf(sb, "%s += (double)%s;", a, v);
 		else
-			kl__sb_printf(sb, "%s += (uint64_t)(int64_t)%s;", acc, v);
+			kl__sb_printf(sb, "%s += (uint64_t)(int64_t)%s;", a, v);
 		return;
 	case KL_OP_MAX:
 	case KL_OP_MIN:
-		kl__sb_printf(sb, "%s = %s %s %s ? %s : %s;", acc, v, op == KL_OP_MAX ? ">" : "<", acc,
-		              v, acc);
+		kl__sb_printf(sb, "%s = %s %s %s ? %s : %s;", a, v, op == KL_OP_MAX ? ">" : "<", a, v,
+		              a);
 		if (fl)
-			kl__sb_printf(sb, " %sn |= %s != %s;", acc, v, v);
+			kl__sb_printf(sb, " %s |= %s != %s;", n, v, v);
 		return;
 	case KL_OP_ARGMAX:
 		/* the first maximum; the first NaN wins and stays */
 		if (fl)
-			kl__sb_printf(sb, "if (%s == %s && (%s != %s || %s > %s)) { %s = %s; %si = %s; }",
-			              acc, acc, v, v, v, acc, acc, v, acc, pos);
+			kl__sb_printf(sb, "if (%s == %s && (%s != %s || %s > %s)) { %s = %s; %s = %s; }",
+			              a, a, v, v, v, a, a, v, n, pos);
 		else
-			kl__sb_printf(sb, "if (%s > %s) { %s = %s; %si = %s; }", v, acc, acc, v, acc,
-			              pos);
+			kl__sb_printf(sb, "if (%s > %s) { %s = %s; %s = %s; }", v, a, a, v, n, pos);
 		return;
 	default:
 		return;
 	}
 }
 
-static void c_acc_read(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc)
+static void c_acc_read(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc,
+                       const char *ix)
 {
 	const char *t = kl__render_c.ctype[dt];
 	if (op == KL_OP_ARGMAX)
-		kl__sb_printf(sb, "%si", acc);
+		kl__sb_printf(sb, "%si%s", acc, ix);
 	else if (dt == KL_BOOL)
-		kl__sb_printf(sb, "(%s != 0)", acc);
+		kl__sb_printf(sb, "(%s%s != 0)", acc, ix);
 	else if ((op == KL_OP_MAX || op == KL_OP_MIN) && !int_like(in))
-		kl__sb_printf(sb, "%sn ? (%s)NAN : (%s)%s", acc, t, t, acc);
+		kl__sb_printf(sb, "%sn%s ? (%s)NAN : (%s)%s%s", acc, ix, t, t, acc, ix);
 	else
-		kl__sb_printf(sb, "(%s)%s", t, acc);
+		kl__sb_printf(sb, "(%s)%s%s", t, acc, ix);
 }
 
 static bool c_acc_clause(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
@@ -541,7 +564,7 @@ const kl_renderer kl__render_c = {
 	.unary = c_unary,
 	.binary = c_binary,
 	.rand = c_rand,
-	.acc_init = c_acc_init,
+	.acc_vars = c_acc_vars,
 	.acc_update = c_acc_update,
 	.acc_read = c_acc_read,
 	.acc_clause = c_acc_clause,

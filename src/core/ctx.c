@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "backend/cuda/backend.h"
 #include "core/core.h"
 
 /* Failures that have no context to hold them: kl_ctx_new, and ops whose
@@ -88,13 +89,7 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 	kl_ctx_opts o = {0};
 	if (opts)
 		o = *opts;
-	if (o.device == KL_CUDA) {
-		kl__err(NULL, KL_EUNSUPPORTED,
-		        "kl_ctx_new: no CUDA backend in this build (kiln " KL_VERSION_STRING
-		        " runs on the CPU)");
-		return NULL;
-	}
-	if (o.device != KL_CPU) {
+	if (o.device != KL_CPU && o.device != KL_CUDA) {
 		kl__err(NULL, KL_EINVAL, "kl_ctx_new: unknown device %d", (int)o.device);
 		return NULL;
 	}
@@ -113,6 +108,11 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
 	ctx->be = &kl__cpu_backend;
 	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
+	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index) != KL_OK) {
+		kl__err(NULL, ctx->status, "kl_ctx_new: %s", ctx->err);
+		free(ctx);
+		return NULL;
+	}
 	return ctx;
 }
 
@@ -142,6 +142,7 @@ void kl_ctx_free(kl_ctx *ctx)
 	for (int i = 0; i < ctx->nscopes; i++)
 		free(ctx->scopes[i].items);
 	free(ctx->scopes);
+	kl__cuda_ctx_fini(ctx);
 	free(ctx);
 }
 

@@ -23,7 +23,7 @@
 
 /* ---- index expressions ---------------------------------------------------- */
 
-#define KL_IX_MAXT 24
+#define KL_IX_MAXT 32
 #define KL_IX_UNKNOWN INT64_MAX /* an upper bound that is not known (symbolic) */
 
 typedef enum kl_atom_kind {
@@ -97,7 +97,7 @@ typedef struct kir_addr {
 
 /* Dense (row-major) strides of a shape whose dims may be symbols. */
 void kl__mono_dense(int ndim, const int64_t *shape, const int32_t *sym, kl_mono *st);
-/* ix of I . strides (ndim terms); -1 when the arena failed */
+/* The address of index I in a buffer with strides st; false when the arena failed. */
 bool kl__ix_linearize(kl_ixa *a, int ndim, const int32_t *I, const kl_mono *st, kir_addr *out);
 
 /* ---- instructions ---------------------------------------------------------- */
@@ -111,7 +111,7 @@ typedef enum kir_opc {
 	KIR_UNARY,    /* op(a) in dt */
 	KIR_BINARY,   /* op(a, b) in dt (a, b already dt); compares: a, b in in_dt, dt BOOL */
 	KIR_WHERE,    /* a (bool) ? b : c */
-	KIR_CAST,     /* a from in_dt to dt */
+	KIR_CAST,     /* a from in_dt to dt (to f16/bf16: rounded, still held as f32) */
 	KIR_RAND,     /* f64 uniform (op RAND) or normal (op RANDN) of (seed, a) */
 	KIR_ACC_INIT, /* accumulator acc of reduction op over values of in_dt */
 	KIR_ACC,      /* accumulate a into acc; b: the element's position (ARGMAX) */
@@ -147,7 +147,6 @@ typedef struct kir_kernel {
 	kir_ins *ins;
 	int32_t nins, cap;
 	int32_t nacc;
-	double work;    /* trace-time elements visited, for the parallel threshold */
 	int nloads;     /* distinct graph nodes loaded (buffers read) */
 	int nlocal;     /* row-local arrays, each row_n elements of local_dt */
 	uint8_t local_dt[KIR_MAX_LOCAL];

@@ -35,7 +35,6 @@ typedef struct kl_lctx {
 	int32_t *sym;        /* g.n * KL_MAX_DIMS */
 	int32_t nsyms;
 	int32_t sym_input[KL_MAX_DIMS * 4], sym_dim[KL_MAX_DIMS * 4];
-	int32_t *ncons;      /* consumers per node (live ones) */
 	uint8_t *live;       /* contributes to an output */
 	int32_t *out_of;     /* node -> first graph output it is, -1 */
 	int32_t *alias_of;   /* graph output -> buffer it aliases, -1 */

@@ -26,7 +26,6 @@ static void lctx_free(kl_lctx *L)
 	free(L->orig);
 	free(L->src_sym);
 	free(L->sym);
-	free(L->ncons);
 	free(L->live);
 	free(L->out_of);
 	free(L->alias_of);

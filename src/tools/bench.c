@@ -164,8 +164,8 @@ static double copy_bandwidth(int nthreads, double *bytes_out, double *ms_out, in
 
 static void print_table_header(void)
 {
-	printf(TABLE_FMT, "workload", "device", "mode", "ms", "iter/s", "vs eager", "rate",
-	       "of bw", "first ms");
+	printf(TABLE_FMT, "workload", "device", "mode", "ms", "iter/s", "vs eager", "rate", "of bw",
+	       "first ms");
 }
 
 static void print_row_table(const kt_row *r)
@@ -207,7 +207,8 @@ static void print_row_json(const kt_row *r)
 	if (r->tflops > 0)
 		printf(",\"tflops\":%.6g", r->tflops);
 	if (r->copy_gbps > 0 && r->gbps > 0 && strcmp(r->mode, "copy") != 0)
-		printf(",\"copy_gbps\":%.6g,\"bw_frac\":%.4g", r->copy_gbps, r->gbps / r->copy_gbps);
+		printf(",\"copy_gbps\":%.6g,\"bw_frac\":%.4g", r->copy_gbps,
+		       r->gbps / r->copy_gbps);
 	if (r->bytes > 0)
 		printf(",\"bytes\":%.0f", r->bytes);
 	if (r->flops > 0)
@@ -284,8 +285,9 @@ static int run_mode(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_row *
 	}
 	double start = now_ms();
 	for (;;) {
-		if (o->iters ? n == o->iters
-		             : (n >= MIN_ITERS && now_ms() - start >= MIN_TIME_MS) || n == MAX_ITERS)
+		if (o->iters
+		            ? n == o->iters
+		            : (n >= MIN_ITERS && now_ms() - start >= MIN_TIME_MS) || n == MAX_ITERS)
 			break;
 		if (n == cap) {
 			double *nt = realloc(t, (size_t)cap * 2 * sizeof(*t));
@@ -331,8 +333,8 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 		int rc = run_mode(&r, &kt_modes[m], o, &row);
 		if (rc != 0) {
 			if (rc < 0)
-				fprintf(stderr, "kiln bench: %s (%s): %s\n", w->name, kt_modes[m].name,
-				        kl_last_error(ctx));
+				fprintf(stderr, "kiln bench: %s (%s): %s\n", w->name,
+				        kt_modes[m].name, kl_last_error(ctx));
 			kl_clear_error(ctx);
 			failures++;
 			continue;
@@ -361,21 +363,22 @@ out:
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: kiln bench [--device cpu|cuda] [--json] [--workload NAME]... [--iters N]\n"
-	           "                  [--threads N] [--list]\n"
-	           "\n"
-	           "Times each workload in each mode it supports: a first call, then the median\n"
-	           "of repeated calls (>= %.1f s and >= %d calls, or exactly N with --iters).\n"
-	           "Memory-bound rows report GB/s of the least traffic the workload needs, beside\n"
-	           "the machine's copy bandwidth; contractions report TFLOP/s.\n"
-	           "\n"
-	           "  --device D     cpu (default) or cuda\n"
-	           "  --json         one JSON object per line instead of a table\n"
-	           "  --workload W   only W (repeat, or a comma-separated list); see --list\n"
-	           "  --iters N      exactly N timed calls after the first\n"
-	           "  --threads N    CPU worker threads (default: all cores)\n"
-	           "  --list         list the workloads and exit\n",
-	       MIN_TIME_MS / 1e3, MIN_ITERS);
+	fprintf(f,
+	        "usage: kiln bench [--device cpu|cuda] [--json] [--workload NAME]... [--iters N]\n"
+	        "                  [--threads N] [--list]\n"
+	        "\n"
+	        "Times each workload in each mode it supports: a first call, then the median\n"
+	        "of repeated calls (>= %.1f s and >= %d calls, or exactly N with --iters).\n"
+	        "Memory-bound rows report GB/s of the least traffic the workload needs, beside\n"
+	        "the machine's copy bandwidth; contractions report TFLOP/s.\n"
+	        "\n"
+	        "  --device D     cpu (default) or cuda\n"
+	        "  --json         one JSON object per line instead of a table\n"
+	        "  --workload W   only W (repeat, or a comma-separated list); see --list\n"
+	        "  --iters N      exactly N timed calls after the first\n"
+	        "  --threads N    CPU worker threads (default: all cores)\n"
+	        "  --list         list the workloads and exit\n",
+	        MIN_TIME_MS / 1e3, MIN_ITERS);
 }
 
 static bool parse_count(const char *s, int *out)
@@ -392,7 +395,8 @@ static bool parse_count(const char *s, int *out)
 static const kt_workload *find_workload(const char *name, size_t len)
 {
 	for (int i = 0; i < kt_nworkloads; i++)
-		if (strlen(kt_workloads[i].name) == len && !strncmp(kt_workloads[i].name, name, len))
+		if (strlen(kt_workloads[i].name) == len &&
+		    !strncmp(kt_workloads[i].name, name, len))
 			return &kt_workloads[i];
 	return NULL;
 }
@@ -427,28 +431,32 @@ static int parse_opts(int argc, char **argv, kt_opts *o)
 			else if (!strcmp(v, "cuda"))
 				o->device = KL_CUDA;
 			else
-				return fprintf(stderr, "kiln bench: unknown device '%s' (cpu, cuda)\n", v),
+				return fprintf(stderr,
+				               "kiln bench: unknown device '%s' (cpu, cuda)\n", v),
 				       -1;
 		} else if ((v = opt_value(argc, argv, &i, "--iters"))) {
 			if (!parse_count(v, &o->iters))
-				return fprintf(stderr, "kiln bench: --iters wants a count, not '%s'\n",
-				               v),
+				return fprintf(stderr,
+				               "kiln bench: --iters wants a count, not '%s'\n", v),
 				       -1;
 		} else if ((v = opt_value(argc, argv, &i, "--threads"))) {
 			if (!parse_count(v, &o->threads))
-				return fprintf(stderr, "kiln bench: --threads wants a count, not '%s'\n",
+				return fprintf(stderr,
+				               "kiln bench: --threads wants a count, not '%s'\n",
 				               v),
 				       -1;
 		} else if ((v = opt_value(argc, argv, &i, "--workload"))) {
 			for (const char *p = v; *p;) {
 				size_t len = strcspn(p, ",");
 				if (!find_workload(p, len)) {
-					fprintf(stderr, "kiln bench: unknown workload '%.*s' (see --list)\n",
+					fprintf(stderr, "kiln bench: unknown workload '%.*s'"
+					                " (see --list)\n",
 					        (int)len, p);
 					return -1;
 				}
 				if (o->nonly == (int)(sizeof(o->only) / sizeof(o->only[0])))
-					return fprintf(stderr, "kiln bench: too many --workload\n"), -1;
+					return fprintf(stderr, "kiln bench: too many --workload\n"),
+					       -1;
 				o->only[o->nonly++] = find_workload(p, len)->name;
 				p += len + (p[len] == ',');
 			}
@@ -498,16 +506,21 @@ int kt_bench_main(int argc, char **argv)
 	double copy_gbps = copy_bandwidth(threads, &copy_bytes, &copy_ms, &copy_reps);
 	if (o.json) {
 		if (copy_gbps > 0) {
-			kt_row bw = {.workload = "memory_bandwidth", .device = "cpu", .mode = "copy",
-			             .iters = copy_reps, .ms = copy_ms, .gbps = copy_gbps,
-			             .copy_gbps = copy_gbps, .bytes = copy_bytes};
+			kt_row bw = {.workload = "memory_bandwidth",
+			             .device = "cpu",
+			             .mode = "copy",
+			             .iters = copy_reps,
+			             .ms = copy_ms,
+			             .gbps = copy_gbps,
+			             .copy_gbps = copy_gbps,
+			             .bytes = copy_bytes};
 			print_row(&o, &bw);
 		}
 	} else {
 		printf("kiln %s bench: device %s, %d threads\n", kl_version(), dev, threads);
 		if (copy_gbps > 0)
-			printf("memory bandwidth: %.2f GB/s (256 MiB memcpy on %d threads, bytes read + "
-			       "written)\n\n",
+			printf("memory bandwidth: %.2f GB/s (256 MiB memcpy on %d threads, "
+			       "bytes read + written)\n\n",
 			       copy_gbps, threads);
 		else
 			printf("memory bandwidth: not measured (no memory for the buffers)\n\n");

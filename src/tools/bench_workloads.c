@@ -55,8 +55,8 @@ static kl_status relu_fma_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 {
 	for (int i = 0; i < 3; i++)
 		in[i] = randn2(ctx, PW_ROWS, PW_COLS, 101 + (uint64_t)i);
-	*cost = (kt_cost){.bytes = 4 * PW_BYTES, .flops = 3.0 * PW_ROWS * PW_COLS,
-	                  .memory_bound = true};
+	*cost = (kt_cost){
+	        .bytes = 4 * PW_BYTES, .flops = 3.0 * PW_ROWS * PW_COLS, .memory_bound = true};
 	return setup_status(ctx, in, 3);
 }
 
@@ -75,8 +75,8 @@ static kl_status pointwise8_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 {
 	for (int i = 0; i < 3; i++)
 		in[i] = randn2(ctx, PW_ROWS, PW_COLS, 201 + (uint64_t)i);
-	*cost = (kt_cost){.bytes = 4 * PW_BYTES, .flops = 8.0 * PW_ROWS * PW_COLS,
-	                  .memory_bound = true};
+	*cost = (kt_cost){
+	        .bytes = 4 * PW_BYTES, .flops = 8.0 * PW_ROWS * PW_COLS, .memory_bound = true};
 	return setup_status(ctx, in, 3);
 }
 
@@ -95,13 +95,13 @@ static kl_status pointwise8_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_
 static kl_status softmax_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 {
 	in[0] = randn2(ctx, PW_ROWS, PW_COLS, 301);
-	*cost = (kt_cost){.bytes = 2 * PW_BYTES, .flops = 5.0 * PW_ROWS * PW_COLS,
-	                  .memory_bound = true};
+	*cost = (kt_cost){
+	        .bytes = 2 * PW_BYTES, .flops = 5.0 * PW_ROWS * PW_COLS, .memory_bound = true};
 	return setup_status(ctx, in, 1);
 }
 
-static kl_status softmax_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
-                              int nout, void *user)
+static kl_status softmax_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                              void *user)
 {
 	out[0] = kl_softmax(in[0], -1);
 	return body_status(ctx, out);
@@ -113,7 +113,8 @@ static kl_status layer_norm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 	in[1] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 402);
 	in[2] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 403);
 	*cost = (kt_cost){.bytes = 2 * PW_BYTES + 2.0 * PW_COLS * sizeof(float),
-	                  .flops = 8.0 * PW_ROWS * PW_COLS, .memory_bound = true};
+	                  .flops = 8.0 * PW_ROWS * PW_COLS,
+	                  .memory_bound = true};
 	return setup_status(ctx, in, 3);
 }
 
@@ -129,7 +130,8 @@ static kl_status rms_norm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 	in[0] = randn2(ctx, PW_ROWS, PW_COLS, 501);
 	in[1] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 502);
 	*cost = (kt_cost){.bytes = 2 * PW_BYTES + (double)PW_COLS * sizeof(float),
-	                  .flops = 4.0 * PW_ROWS * PW_COLS, .memory_bound = true};
+	                  .flops = 4.0 * PW_ROWS * PW_COLS,
+	                  .memory_bound = true};
 	return setup_status(ctx, in, 2);
 }
 
@@ -157,8 +159,8 @@ static kl_status sgemm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 	in[0] = randn2(ctx, GEMM_N, GEMM_N, 601);
 	in[1] = randn2(ctx, GEMM_N, GEMM_N, 602);
 	double n = GEMM_N;
-	*cost = (kt_cost){.bytes = 3 * n * n * sizeof(float), .flops = 2 * n * n * n,
-	                  .memory_bound = false};
+	*cost = (kt_cost){
+	        .bytes = 3 * n * n * sizeof(float), .flops = 2 * n * n * n, .memory_bound = false};
 	return setup_status(ctx, in, 2);
 }
 
@@ -178,12 +180,13 @@ static kl_status swiglu_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 	in[3] = randn_weight(ctx, FFN_DIM, FFN_HIDDEN, 704);
 	double tok = (double)FFN_BATCH * FFN_SEQ, d = FFN_DIM, h = FFN_HIDDEN;
 	*cost = (kt_cost){.bytes = (2 * tok * d + 3 * d * h) * sizeof(float),
-	                  .flops = 3 * 2 * tok * d * h + 5 * tok * h, .memory_bound = false};
+	                  .flops = 3 * 2 * tok * d * h + 5 * tok * h,
+	                  .memory_bound = false};
 	return setup_status(ctx, in, 4);
 }
 
-static kl_status swiglu_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
-                             int nout, void *user)
+static kl_status swiglu_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                             void *user)
 {
 	kl_tensor *x = in[0];
 	kl_tensor *gate = kl_silu(kl_linear(x, in[1], NULL));
@@ -203,10 +206,10 @@ const kt_workload kt_workloads[] = {
 	{"softmax", "softmax over rows, 4096x4096 f32", EAGER, 1, 1, softmax_setup, softmax_body},
 	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", EAGER, 3, 1,
 	 layer_norm_setup, layer_norm_body},
-	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", EAGER, 2, 1, rms_norm_setup,
-	 rms_norm_body},
-	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32", EAGER,
-	 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", EAGER, 2, 1,
+	 rms_norm_setup, rms_norm_body},
+	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32",
+	 EAGER, 2, 1, rms_norm_setup, rms_norm_prims_body},
 	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", EAGER, 2, 1, sgemm_setup, sgemm_body},
 	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", EAGER, 4, 1,
 	 swiglu_setup, swiglu_body},

@@ -21,10 +21,11 @@ static void usage(FILE *f)
 	fprintf(f, "usage: kiln [--version] [--help] <command> [args]\n\ncommands:\n");
 	for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
 		fprintf(f, "  %-8s %s\n", commands[i].name, commands[i].what);
-	fprintf(f, "\nenvironment:\n"
-	           "  KILN_CACHE_DIR  where compiled kernels are cached (default $XDG_CACHE_HOME/kiln)\n"
-	           "  KILN_LOGS       comma-separated log categories: graph_breaks, recompiles,\n"
-	           "                  fusion, output_code, cache, cudagraphs, autotune, graph, all\n");
+	fprintf(f,
+	        "\nenvironment:\n"
+	        "  KILN_CACHE_DIR  the kernel cache (default $XDG_CACHE_HOME/kiln)\n"
+	        "  KILN_LOGS       comma-separated log categories: graph_breaks, recompiles,\n"
+	        "                  fusion, output_code, cache, cudagraphs, autotune, graph, all\n");
 }
 
 int main(int argc, char **argv)

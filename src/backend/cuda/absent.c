@@ -7,7 +7,7 @@
 kl_status kl__cuda_ctx_init(kl_ctx *ctx, int index)
 {
 	return kl__err(ctx, KL_EDEVICE,
-	               "kl_ctx_new: CUDA device %d requested, but this kiln was built without the "
+	               "CUDA device %d requested, but this kiln was built without the "
 	               "CUDA backend (KILN_CUDA=OFF: the CUDA toolkit headers were not found at "
 	               "configure time)",
 	               index);
