@@ -328,6 +328,13 @@ static void test_reduction_edges(void **state)
 	const double *in2[] = {VALS(1, 0, 1, 1, 0), VALS(2147483647, 2147483647)};
 	expect(&g, in2, 2, IN(bs, is), SH(1, 1),
 	       (const double *const[]){VALS(3), VALS(4294967294.0)}, 0);
+	/* one infinity makes the sum infinite (not NaN); both signs make NaN */
+	kl__graph_init(&g);
+	int32_t f = input(&g, KL_F64, 2, SH(3, 3));
+	int32_t fs = op1(&g, KL_OP_SUM, KL_F64, 1, SH(3), f, (kl_attrs){.axes = 2});
+	const double *in3[] = {VALS(1, INFINITY, 2, -INFINITY, 1, 1, INFINITY, -INFINITY, 0)};
+	expect(&g, in3, 1, IN(fs), SH(3),
+	       (const double *const[]){VALS(INFINITY, -INFINITY, NAN)}, 0);
 }
 
 /* ---- movement -------------------------------------------------------------- */

@@ -395,7 +395,9 @@ static double sum_exact(const double *x, int64_t n)
 			c += (x[i] - t) + s;
 		s = t;
 	}
-	return s + c;
+	/* the compensation is meaningless once the sum left the finite range
+	 * (inf - inf would turn a true +-inf into NaN) */
+	return isfinite(s) ? s + c : s;
 }
 
 static double reduce_row(const kl_node *n, const double *x, int64_t len)
