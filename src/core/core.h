@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <string.h>
 
+#include "core/half.h"
 #include "graph/graph.h"
 #include "kiln.h"
 
@@ -141,10 +142,6 @@ void kl__tensor_discard(kl_tensor *t);
 
 /* ---- scalars, dtype conversion -------------------------------------------- */
 
-float kl__f16_to_f32(uint16_t h);
-uint16_t kl__f32_to_f16(float f); /* round to nearest even */
-float kl__bf16_to_f32(uint16_t h);
-uint16_t kl__f32_to_bf16(float f); /* round to nearest even, NaN kept */
 /* element i (in elements) of memory p of dtype dt, as a double */
 double kl__load(const void *p, kl_dtype dt, int64_t i);
 /* store v as dtype dt (rounding / truncation toward zero for integers,

@@ -55,13 +55,13 @@ const char *kl__cpu_opname(const kl_node *n)
 		break;                                                                         \
 	case KL_F16:                                                                           \
 		KL_STRIDED_LOOP(stride, {                                                      \
-			float v = kl__cpu_h2f(((const uint16_t *)src)[i * st_]);               \
+			float v = kl__f16_to_f32(((const uint16_t *)src)[i * st_]);               \
 			dst[i] = CONV;                                                         \
 		});                                                                            \
 		break;                                                                         \
 	case KL_BF16:                                                                          \
 		KL_STRIDED_LOOP(stride, {                                                      \
-			float v = kl__cpu_b2f(((const uint16_t *)src)[i * st_]);               \
+			float v = kl__bf16_to_f32(((const uint16_t *)src)[i * st_]);               \
 			dst[i] = CONV;                                                         \
 		});                                                                            \
 		break;                                                                         \
@@ -148,17 +148,17 @@ void kl__cpu_load_ct(kl_cpu_ct ct, void *dst, const void *src, kl_dtype dt, int6
 
 void kl__cpu_store_f32(void *dst, kl_dtype dt, int64_t stride, const float *src, int64_t n)
 {
-	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__cpu_f2h, kl__cpu_f2b);
+	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__f32_to_f16, kl__f32_to_bf16);
 }
 
 void kl__cpu_store_f64(void *dst, kl_dtype dt, int64_t stride, const double *src, int64_t n)
 {
-	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__cpu_d2h, kl__cpu_d2b);
+	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__f64_to_f16, kl__f64_to_bf16);
 }
 
 #define KL_ID_I64(v) (v)
-#define KL_I64_F16(v) kl__cpu_d2h((double)(v))
-#define KL_I64_BF16(v) kl__cpu_d2b((double)(v))
+#define KL_I64_F16(v) kl__f64_to_f16((double)(v))
+#define KL_I64_BF16(v) kl__f64_to_bf16((double)(v))
 
 void kl__cpu_store_i64(void *dst, kl_dtype dt, int64_t stride, const int64_t *src, int64_t n)
 {

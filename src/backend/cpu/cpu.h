@@ -23,97 +23,6 @@
 
 int kl__cpu_threads(const kl_ctx *ctx);
 
-/* ---- f16 / bf16 ------------------------------------------------------------
- * Inline copies of the conversions for loops that run them per element.
- * core's out-of-line kl__f16_to_f32 & co. give the same bits (round to
- * nearest even, NaN kept as a quiet NaN); these exist only so that the
- * compiler can inline them. Only this backend includes this header. */
-
-static inline uint32_t kl__cpu_fbits(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
-
-static inline float kl__cpu_bitsf(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
-
-static inline float kl__cpu_h2f(uint16_t h)
-{
-	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-	uint32_t em = h & 0x7fffu;
-	if (em >= 0x7c00u) /* inf, NaN: all-ones exponent, mantissa moved up */
-		return kl__cpu_bitsf(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
-	if (em < 0x0400u) { /* zero, subnormal: exact as mantissa * 2^-24 */
-		float f = (float)em * 0x1p-24f;
-		return sign ? -f : f;
-	}
-	return kl__cpu_bitsf(sign | ((em << 13) + ((uint32_t)(127 - 15) << 23)));
-}
-
-static inline uint16_t kl__cpu_f2h(float f)
-{
-	uint32_t x = kl__cpu_fbits(f);
-	uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-	uint32_t ax = x & 0x7fffffffu;
-	if (ax > 0x7f800000u) /* NaN: keep the top payload bits, force quiet */
-		return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
-	if (ax >= 0x477ff000u) /* >= 65520 rounds to infinity */
-		return (uint16_t)(sign | 0x7c00u);
-	if (ax < 0x38800000u) {
-		/* below 2^-14: adding 0.5 makes the FPU round at the f16
-		 * subnormal spacing (2^-24 is the ulp of 0.5f) */
-		float a = kl__cpu_bitsf(ax) + 0.5f;
-		return (uint16_t)(sign | (kl__cpu_fbits(a) - 0x3f000000u));
-	}
-	/* rebias the exponent and round the 13 dropped bits to nearest even */
-	ax += 0xc8000fffu + ((ax >> 13) & 1u);
-	return (uint16_t)(sign | (ax >> 13));
-}
-
-static inline float kl__cpu_b2f(uint16_t h)
-{
-	return kl__cpu_bitsf((uint32_t)h << 16);
-}
-
-static inline uint16_t kl__cpu_f2b(float f)
-{
-	uint32_t x = kl__cpu_fbits(f);
-	if ((x & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((x >> 16) | 0x40u);
-	x += 0x7fffu + ((x >> 16) & 1u);
-	return (uint16_t)(x >> 16);
-}
-
-/* double to f16/bf16 in one correct rounding, as kl__store does it: round
- * to float with the sticky "round to odd" rule first, so that the second
- * rounding cannot land on a false tie. */
-static inline float kl__cpu_d2f_odd(double v)
-{
-	float f = (float)v;
-	if (!(v == v) || (double)f == v)
-		return f;
-	uint32_t u = kl__cpu_fbits(f);
-	if (fabs((double)f) > fabs(v))
-		u--; /* step the magnitude toward zero: truncation */
-	return kl__cpu_bitsf(u | 1u);
-}
-
-static inline uint16_t kl__cpu_d2h(double v)
-{
-	return kl__cpu_f2h(kl__cpu_d2f_odd(v));
-}
-
-static inline uint16_t kl__cpu_d2b(double v)
-{
-	return kl__cpu_f2b(kl__cpu_d2f_odd(v));
-}
-
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
  * short exact head and a tail); e^r by Taylor to degree 7, whose truncation
@@ -139,8 +48,8 @@ static inline float kl__cpu_expf(float x)
 	float nz = nf == nf ? nf : 0.0f; /* NaN: p is NaN already */
 	int32_t n = (int32_t)nz;
 	int32_t n1 = n / 2, n2 = n - n1;
-	float s1 = kl__cpu_bitsf((uint32_t)(n1 + 127) << 23);
-	float s2 = kl__cpu_bitsf((uint32_t)(n2 + 127) << 23);
+	float s1 = kl__bits_f32((uint32_t)(n1 + 127) << 23);
+	float s2 = kl__bits_f32((uint32_t)(n2 + 127) << 23);
 	return p * s1 * s2;
 }
 
