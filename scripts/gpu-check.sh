@@ -102,6 +102,10 @@ add_lib KILN_LIBCUBLASLT libcublasLt.so
 say "NVRTC: ${KILN_LIBNVRTC:-from the loader path}; cuBLASLt: ${KILN_LIBCUBLASLT:-from the loader path}"
 
 # ---- build and test -------------------------------------------------------------------
+# shellcheck source=scripts/gpu-deps.sh
+. "$root/scripts/gpu-deps.sh"
+gpu_deps_setup "$root" "$build" >"$logs/deps.log" 2>&1 || { say "deps: $(tail -1 "$logs/deps.log")"; exit 1; }
+say "deps: $(head -1 "$logs/deps.log")"
 read -r -a extra <<<"${GPU_CHECK_CMAKE_ARGS:-}"
 if ! stage configure 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
 	-DKILN_CUDA=ON -DKILN_CUDA_INCLUDE_DIR="$cuda_inc" "${extra[@]}"; then
