@@ -25,9 +25,10 @@ gpu_deps_setup() {
 	done
 	local ml=$d/usr/lib/x86_64-linux-gnu
 	export LD_LIBRARY_PATH=$ml/openblas-pthread:$ml${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-	export PKG_CONFIG_PATH=$ml/openblas-pthread/pkgconfig:$ml/pkgconfig
-	export PKG_CONFIG_LIBDIR=$PKG_CONFIG_PATH
-	export PKG_CONFIG_SYSROOT_DIR=$d
+	# point the carried .pc files at where they were unpacked (a sysroot
+	# setting would also rewrite the paths of kiln's own installed kiln.pc)
+	sed -i "s|/usr/|$d/usr/|g" "$ml/openblas-pthread/pkgconfig/openblas.pc" "$ml/pkgconfig/cmocka.pc"
+	export PKG_CONFIG_PATH=$ml/openblas-pthread/pkgconfig:$ml/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 	if ! command -v pkg-config >/dev/null 2>&1; then
 		export PATH=$d/usr/bin:$PATH
 	fi
