@@ -126,7 +126,9 @@ static const char *find_cc(void)
 	return NULL;
 }
 
-/* cc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -Wall -Werror, as the runtime */
+/* cc -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -shared -fPIC -std=c11
+ * -Wall -Werror ... -lm, as the runtime (-lm also brings libmvec, whose vector expf and
+ * tanhf the generated C declares) */
 static bool compile_c(const char *src, const char *name, char *so, size_t cap)
 {
 	const char *cc = find_cc();
@@ -149,10 +151,11 @@ static bool compile_c(const char *src, const char *name, char *so, size_t cap)
 		/* under the sanitizers the kernels are checked too: out of bounds, UB */
 		execl(cc, cc, "-O1", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
 		      "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-o", so,
-		      cpath, (char *)NULL);
+		      cpath, "-lm", (char *)NULL);
 #else
-		execl(cc, cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-		      "-Wall", "-Werror", "-o", so, cpath, (char *)NULL);
+		execl(cc, cc, "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+		      "-fno-trapping-math", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
+		      "-o", so, cpath, "-lm", (char *)NULL);
 #endif
 		_exit(127);
 	}

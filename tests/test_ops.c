@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cmocka.h>
 
@@ -104,9 +105,21 @@ static void expect_dtype(const char *what, kl_tensor *out, kl_dtype dt)
 
 #define EXPECT_ERROR(expr, ...) expect_ok(KLTEST_EXPECT_ERROR(ctx, expr, __VA_ARGS__))
 
+/* KILN_TEST_DEVICE=cuda runs every table on CUDA device 0 (ctest's
+ * test_ops_cuda); without a usable device that run is skipped (77). */
 static int setup(void **state)
 {
 	(void)state;
+	const char *dev = getenv("KILN_TEST_DEVICE");
+	if (dev && strcmp(dev, "cuda") == 0) {
+		kl_ctx_opts o = {.device = KL_CUDA};
+		ctx = kl_ctx_new(&o);
+		if (!ctx) {
+			print_message("test_ops: CUDA run skipped: %s\n", kl_last_error(NULL));
+			exit(77);
+		}
+		return 0;
+	}
 	ctx = kl_ctx_new(NULL);
 	return ctx ? 0 : -1;
 }
@@ -1560,5 +1573,8 @@ int main(void)
 		cmocka_unit_test_setup(test_dtype_rules, reset),
 		cmocka_unit_test_setup(test_errors, reset),
 	};
+	/* ctest runs the CUDA tables one per process, in parallel */
+	if (getenv("KILN_TEST_FILTER"))
+		cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -289,6 +289,12 @@ static void emit_ins(rctx *c, int32_t id)
 	kl__sb_puts(sb, ";\n");
 }
 
+void kl__render_ins(const kl_renderer *r, const kir_kernel *k, int32_t id, int depth, kl_sb *sb)
+{
+	rctx c = {.r = r, .k = k, .sb = sb, .depth = depth};
+	emit_ins(&c, id);
+}
+
 static void emit_block(rctx *c, int blk)
 {
 	for (int32_t i = 0; i < c->k->nins; i++)
@@ -297,7 +303,7 @@ static void emit_block(rctx *c, int blk)
 }
 
 /* which values some store or accumulator needs */
-static void liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
+void kl__render_liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
 {
 	uint8_t loc_live[KIR_MAX_LOCAL] = {0};
 	for (int32_t i = k->nins - 1; i >= 0; i--) {
@@ -340,6 +346,17 @@ static bool extent_expr(const kl_renderer *r, const kir_kernel *k, uint32_t dims
 		put_extent(sb, r, k->dims[d]);
 	}
 	return stat;
+}
+
+bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,
+                       double *v)
+{
+	return extent_expr(r, k, dims, sb, v);
+}
+
+void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb)
+{
+	put_extent(sb, r, k->dims[d]);
 }
 
 static void open_loops(rctx *c, uint32_t dims)
@@ -684,6 +701,10 @@ static void render_reduction(rctx *c)
 
 void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
+	if (r->walk) {
+		r->walk(r, k, name, sb);
+		return;
+	}
 	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
 	c.live = calloc((size_t)k->nins + 1, 1);
 	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
@@ -693,7 +714,7 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 		sb->oom = true;
 		return;
 	}
-	liveness(k, c.live, acc_live);
+	kl__render_liveness(k, c.live, acc_live);
 	free(acc_live);
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, ";\n");

@@ -71,9 +71,25 @@ typedef struct kl_renderer {
 	void (*acc_read)(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc,
 	                 const char *ix);
 	bool (*acc_clause)(kl_sb *sb, kl_op op, kl_dtype in, const char *acc);
+	/* A target whose loops look nothing like the CPU's (CUDA: grid-stride
+	 * loops, a thread group per row) walks kernels itself; NULL: render.c's
+	 * loop nests. */
+	void (*walk)(const struct kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
 } kl_renderer;
 
 extern const kl_renderer kl__render_c;
+extern const kl_renderer kl__render_cuda;
+
+/* For walkers: which instructions some store needs (live, acc_live sized
+ * nins and nacc, zeroed), and one instruction as a statement at depth tabs
+ * (not LSTORE/LLOAD, whose arrays a walker lays out itself). */
+void kl__render_liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live);
+void kl__render_ins(const kl_renderer *r, const kir_kernel *k, int32_t id, int depth, kl_sb *sb);
+/* "(int64_t)1 * d0 * S[1] ..." for the dims in mask; static ones multiply into *v */
+bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,
+                       double *v);
+/* the extent of dim d: its constant or symbol */
+void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb);
 
 /* Append kernel k as a function called name to sb. */
 void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);

@@ -7,6 +7,7 @@
  * (and a cast when its dtype differs): a free view unless the scheduler finds
  * that BLAS cannot read the operand's layout, in which case it is the copy.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "lower/lower_int.h"
@@ -259,10 +260,15 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		int32_t z = bin(d, KL_OP_SUB, x, mu);
 		int32_t ss = red(d, KL_OP_SUM, bin(d, KL_OP_MUL, z, z), s->a.axes, s->a.keepdim);
 		double n = count(nd(d, x), s->a.axes) - s->a.correction;
-		return cast(d, bin_s(d, KL_OP_MUL, ss, 1.0 / n), D);
+		/* torch's divisor max(0, n - correction): inf, or NaN for ss == 0 */
+		return cast(d, bin_s(d, KL_OP_MUL, ss, n > 0 ? 1.0 / n : (double)INFINITY), D);
 	}
 	case KL_OP_MATMUL: {
-		if (sym_product(d, s))
+		/* cuBLASLt has no integer products: on CUDA they are a generated
+		 * multiply and sum (operands of the result's rank) */
+		bool int_cuda = d->L->o->target == KL_TARGET_CUDA && (D == KL_I32 || D == KL_I64) &&
+		                nd(d, in[0])->ndim == s->ndim && nd(d, in[1])->ndim == s->ndim;
+		if (sym_product(d, s) || int_cuda)
 			return product(d, s, in);
 		kl_node n = *s;
 		for (int i = 0; i < 2; i++) {

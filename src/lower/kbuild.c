@@ -412,7 +412,16 @@ static int32_t eval_source(kb *b, int32_t n, const int32_t *I)
 		in.op = x->op;
 		in.seed = x->a.seed;
 		in.a = i;
-		return want(b, emit(b, in), cd);
+		int32_t v = emit(b, in);
+		if (x->dtype != KL_F16 && x->dtype != KL_BF16)
+			return want(b, v, cd);
+		/* the reference rounds the double once to the 16-bit float (not
+		 * through f32), and keeps rand below 1 (kl__rand_uniform_as) */
+		v = want(b, v, (kl_dtype)x->dtype);
+		if (x->op == KL_OP_RAND)
+			v = binary(b, KL_OP_MINIMUM, KL_F32, KL_F32, v,
+			           konst(b, KL_F32, x->dtype == KL_F16 ? 1.0 - 0x1p-11 : 1.0 - 0x1p-8));
+		return v;
 	}
 	default:
 		kb_fail(b, "internal: %s is not a source", kl__ops[x->op].name);

@@ -113,7 +113,7 @@ static kl_status key_of(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cf
 	                    /* the CPU runs every mode alike: they share entries */
 	                    ctx->device == KL_CPU ? 0u : (uint32_t)cfg->mode};
 	h = kl__hash_bytes(h, head, sizeof head);
-	uint64_t cc = ctx->device == KL_CPU ? kl__jit_cc_identity() : 0;
+	uint64_t cc = ctx->device == KL_CPU ? kl__jit_cc_identity() : kl__cuda_rt_identity(ctx);
 	h = kl__hash_bytes(h, &cc, sizeof cc);
 	uint64_t gh;
 	if (!symbolic_hash(g, sym, &gh))
@@ -146,6 +146,10 @@ void kl__compiled_free(kl_compiled *c)
 {
 	if (!c)
 		return;
+	if (c->dev) {
+		kl__cuda_rt_free(c);
+		c->arena = NULL; /* the device arena went with it */
+	}
 	kl__jit_unload(c->dl);
 	free(c->fns);
 	kl__program_free(&c->prog);
@@ -222,7 +226,16 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		memset(&c->prog, 0, sizeof c->prog);
 		return KL_EFORMAT;
 	}
-	if (c->prog.nkernels > 0) {
+	if (c->cuda) {
+		st = kl__cuda_rt_load(ctx, c, dir, so_hash, so_size);
+		if (st != KL_OK) {
+			kl_clear_error(ctx);
+			kl__cuda_rt_free(c);
+			kl__program_free(&c->prog);
+			memset(&c->prog, 0, sizeof c->prog);
+			return KL_EFORMAT;
+		}
+	} else if (c->prog.nkernels > 0) {
 		entry_names(c->key, so_hash, plan, so, sizeof so);
 		uint64_t h, n;
 		const char *why = NULL;
@@ -310,7 +323,11 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 	char work[PATH_MAX], so_tmp[PATH_MAX], plan[96], so[96], final[PATH_MAX];
 	uint64_t so_hash = 0, so_size = 0;
 	kl_status st = KL_OK;
-	if (c->prog.nkernels > 0) {
+	if (c->cuda) {
+		st = kl__cuda_rt_build(ctx, c, dir, &so_hash, &so_size);
+		if (st != KL_OK)
+			return st;
+	} else if (c->prog.nkernels > 0) {
 		st = kl__cache_workdir(ctx, dir, work, sizeof work);
 		if (st != KL_OK)
 			return st;
@@ -390,10 +407,8 @@ static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
 
 kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg)
 {
-	if (ctx->device != KL_CPU) {
-		kl__err(ctx, KL_EUNSUPPORTED,
-		        "kl_compile: no compiled runtime for %s in this build",
-		        ctx->device == KL_CUDA ? "CUDA" : "this device");
+	if (ctx->device != KL_CPU && ctx->device != KL_CUDA) {
+		kl__err(ctx, KL_EUNSUPPORTED, "kl_compile: no compiled runtime for this device");
 		return NULL;
 	}
 	kl_compiled *c = calloc(1, sizeof *c);
@@ -404,6 +419,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 	}
 	c->mode = cfg->mode;
 	c->fusion = cfg->fusion;
+	c->cuda = ctx->device == KL_CUDA;
 	c->nin = g->ninputs;
 	c->nout = g->noutputs;
 	c->in_strides = calloc((size_t)(c->nin ? c->nin : 1), sizeof *c->in_strides);

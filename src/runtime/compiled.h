@@ -49,6 +49,9 @@ typedef struct kl_compiled {
 	/* the shared object and its kernels */
 	void *dl;
 	kl_kernel_fn *fns;
+	/* CUDA contexts: module, functions, device arena, graph (rt_cuda.c) */
+	bool cuda;
+	struct kl_cuda_rt *dev;
 	/* memory: the plan for plan_syms, its arena, scratch for library calls */
 	kl_memplan plan;
 	int64_t plan_syms[KL_MAX_DIMS * 4];
@@ -87,6 +90,28 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
 long kl__jit_compiles(void);
 long kl__rt_lowerings(void);
 long kl__rt_cache_hits(void);
+
+/* ---- the CUDA half (backend/cuda/rt_cuda.c; absent.c without CUDA) --------- */
+
+/* A hash of what a cubin depends on besides the source: the device's
+ * architecture and the NVRTC version. */
+uint64_t kl__cuda_rt_identity(kl_ctx *ctx);
+/* Compile c's source with NVRTC for ctx's device, store the image in the
+ * disk cache (dir may be NULL) and load it; *bin_hash / *bin_size name it in
+ * the plan entry. */
+kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t *bin_hash,
+                            uint64_t *bin_size);
+/* Load c's image from the disk cache; KL_EFORMAT when absent or corrupt. */
+kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
+                           uint64_t bin_size);
+/* A device arena of at least bytes; *base receives its address. */
+kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base);
+/* Run every step on the stream (B: device addresses per buffer), through
+ * a CUDA graph under reduce-overhead / max-autotune. */
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms);
+/* Whether the last run replayed a captured graph. */
+bool kl__cuda_rt_replaying(const kl_compiled *c);
+void kl__cuda_rt_free(kl_compiled *c);
 
 /* ---- programs as data ------------------------------------------------------ */
 

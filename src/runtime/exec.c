@@ -400,6 +400,12 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 		c->plan = mp;
 		memcpy(c->plan_syms, syms, sizeof(int64_t) * (size_t)c->prog.nsyms);
 	}
+	if (c->cuda) {
+		kl_status st = kl__cuda_rt_arena(ctx, c, c->plan.arena_bytes, &c->arena);
+		if (st == KL_OK && c->plan.arena_bytes > c->arena_cap)
+			c->arena_cap = c->plan.arena_bytes;
+		return st;
+	}
 	if (c->plan.arena_bytes > c->arena_cap || !c->arena) {
 		void *a = NULL;
 		size_t want = c->plan.arena_bytes ? c->plan.arena_bytes : KL_ARENA_ALIGN;
@@ -461,7 +467,9 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 			B[b] = NULL;
 	}
 	st = bind_outputs(ctx, c, inputs, outputs, syms, B);
-	if (st == KL_OK) {
+	if (st == KL_OK && c->cuda) {
+		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms);
+	} else if (st == KL_OK) {
 		if (ctx->nthreads > 0)
 			omp_set_num_threads(ctx->nthreads);
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
@@ -483,8 +491,8 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 		return st;
 	}
 	c->runs++;
-	c->last_launches = (int)p->nsteps;
-	c->launches += (uint64_t)p->nsteps;
+	c->last_launches = c->cuda && kl__cuda_rt_replaying(c) ? 1 : (int)p->nsteps;
+	c->launches += (uint64_t)c->last_launches;
 	return KL_OK;
 }
 

@@ -23,9 +23,14 @@
 
 extern char **environ;
 
-/* Fixed flags: the cache key hashes this list, so changing it rebuilds. */
-static const char *const cc_flags[] = {"-O3",     "-march=native", "-fopenmp",
-                                       "-shared", "-fPIC",         "-std=c11"};
+/* Fixed flags: the cache key hashes this list, so changing it rebuilds.
+ * -fno-math-errno lets sqrtf become one instruction (no errno path) and
+ * -fno-trapping-math lets if-conversion blend selects whose arms could trap,
+ * so more simd loops vectorize; neither changes a value, and libkiln is built
+ * with both. -lm (after the source) also links libmvec, whose vector expf
+ * and tanhf the generated C declares. */
+static const char *const cc_flags[] = {"-O3",    "-march=native",   "-fopenmp", "-fno-math-errno",
+                                       "-fno-trapping-math", "-shared", "-fPIC",    "-std=c11"};
 #define NFLAGS ((int)(sizeof cc_flags / sizeof cc_flags[0]))
 
 static atomic_long jit_compiles;

@@ -198,20 +198,24 @@ static kl_status swiglu_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tens
 /* ---- the table ---------------------------------------------------------------- */
 
 #define EAGER KT_MODE_BIT(KT_MODE_EAGER)
+#define COMPILED                                                                            \
+	(KT_MODE_BIT(KT_MODE_DEFAULT) | KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD) |                  \
+	 KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
+#define ALL (EAGER | COMPILED)
 
 const kt_workload kt_workloads[] = {
-	{"relu_fma", "relu(a*b + c), 4096x4096 f32", EAGER, 3, 1, relu_fma_setup, relu_fma_body},
-	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", EAGER, 3, 1,
+	{"relu_fma", "relu(a*b + c), 4096x4096 f32", ALL, 3, 1, relu_fma_setup, relu_fma_body},
+	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", ALL, 3, 1,
 	 pointwise8_setup, pointwise8_body},
-	{"softmax", "softmax over rows, 4096x4096 f32", EAGER, 1, 1, softmax_setup, softmax_body},
-	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", EAGER, 3, 1,
+	{"softmax", "softmax over rows, 4096x4096 f32", ALL, 1, 1, softmax_setup, softmax_body},
+	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", ALL, 3, 1,
 	 layer_norm_setup, layer_norm_body},
-	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", EAGER, 2, 1,
+	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", ALL, 2, 1,
 	 rms_norm_setup, rms_norm_body},
 	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32",
-	 EAGER, 2, 1, rms_norm_setup, rms_norm_prims_body},
-	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", EAGER, 2, 1, sgemm_setup, sgemm_body},
-	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", EAGER, 4, 1,
+	 ALL, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", ALL, 2, 1, sgemm_setup, sgemm_body},
+	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", ALL, 4, 1,
 	 swiglu_setup, swiglu_body},
 };
 

@@ -14,6 +14,8 @@ typedef struct kt_command {
 
 static const kt_command commands[] = {
 	{"bench", "time the benchmark workloads (kiln bench --help)", kt_bench_main},
+	{"explain", "compile example programs and explain them (kiln explain --help)",
+	 kt_explain_main},
 };
 
 static void usage(FILE *f)

@@ -12,12 +12,20 @@
 /* ---- subcommands ---------------------------------------------------------- */
 
 int kt_bench_main(int argc, char **argv);
+int kt_explain_main(int argc, char **argv);
 
 /* ---- bench: modes and workloads ---------------------------------------- */
 
 /* How a workload's body is run. Each mode is a row of the harness's mode
- * table (bench.c); a workload lists the modes it supports as a bit set. */
-typedef enum kt_mode { KT_MODE_EAGER = 0, KT_NMODES } kt_mode;
+ * table (bench.c); a workload lists the modes it supports as a bit set. The
+ * compiled modes hand the body to kl_compile with the kl_mode of their name. */
+typedef enum kt_mode {
+	KT_MODE_EAGER = 0,
+	KT_MODE_DEFAULT,         /* kl_compile, KL_MODE_DEFAULT */
+	KT_MODE_REDUCE_OVERHEAD, /* KL_MODE_REDUCE_OVERHEAD: on the CPU, as default */
+	KT_MODE_MAX_AUTOTUNE,    /* KL_MODE_MAX_AUTOTUNE: on the CPU, as default */
+	KT_NMODES
+} kt_mode;
 #define KT_MODE_BIT(m) (1u << (m))
 
 /* The work one call of a workload does. bytes is the least traffic any

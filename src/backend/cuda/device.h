@@ -49,6 +49,7 @@ typedef struct kl_cuda_dev {
 	kl_pool pool;
 	bool capturing;         /* inside kl__cuda_capture_begin/end */
 	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made on first use */
+	struct kl_eager_cache *eager; /* backend.c: compiled one-node programs by key */
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -96,6 +97,7 @@ typedef struct kl_nvrtc_opts {
 	bool fast_math;     /* --use_fast_math */
 	bool lineinfo;      /* -lineinfo, for ncu and compute-sanitizer */
 	int max_regs;       /* --maxrregcount, 0 = compiler's choice */
+	bool no_fmad;       /* --fmad=false: a * b + c rounds twice, as generated C does */
 } kl_nvrtc_opts;
 
 /* A compiled module image: a cubin, or PTX (text, NUL-terminated) when the

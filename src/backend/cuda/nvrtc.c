@@ -115,6 +115,8 @@ kl_status kl__nvrtc_compile(kl_ctx *ctx, const char *src, const char *name,
 		argv[argc++] = "--use_fast_math";
 	if (opts->lineinfo)
 		argv[argc++] = "-lineinfo";
+	if (opts->no_fmad)
+		argv[argc++] = "--fmad=false";
 	if (opts->max_regs > 0) {
 		snprintf(regopt, sizeof regopt, "--maxrregcount=%d", opts->max_regs);
 		argv[argc++] = regopt;

@@ -1,0 +1,474 @@
+/* test_cuda_gen.c - the second backend end to end: CUDA C generated for a set
+ * of graphs (pointwise, reductions, row kernels, every dtype, fusion on and
+ * off) must compile with NVRTC for sm_90 (no GPU needed); with a GPU, every
+ * op eagerly on CUDA and compiled graphs against the float64 reference.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "kltest.h"
+#include "lower/lower.h"
+
+#ifdef KILN_HAVE_CUDA
+#include "backend/cuda/device.h"
+
+typedef int (*build_fn)(kl_tensor *const *in, kl_tensor **out, const void *p);
+
+static kl_trace *trace(kl_ctx *ctx, build_fn f, kl_tensor *const *in, const void *p)
+{
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *outs[8] = {NULL};
+	int nout = f(in, outs, p);
+	kl_trace *tr = kl__trace_end(ctx, nout, outs);
+	kl_scope_end(ctx);
+	return tr;
+}
+
+/* ---- graphs ---------------------------------------------------------------------- */
+
+static int b_fma_relu(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_relu(kl_add(kl_mul(in[0], in[1]), in[2]));
+	return 1;
+}
+
+static int b_softmax(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_softmax(in[0], -1);
+	return 1;
+}
+
+static int b_log_softmax(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_log_softmax(in[0], 1);
+	return 1;
+}
+
+static int b_layer_norm(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_layer_norm(in[0], in[1], in[2], 1e-5);
+	return 1;
+}
+
+static int b_rms_norm(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_rms_norm(in[0], in[1], 1e-6);
+	return 1;
+}
+
+/* every unary and binary op, casts, compares, where, rand */
+static int b_zoo(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0], *b = in[1];
+	kl_tensor *t = kl_add(kl_sub(a, b), kl_mul(kl_div(a, b), kl_pow(kl_abs(a), b)));
+	t = kl_add(t, kl_maximum(kl_exp(a), kl_log(kl_abs(b))));
+	t = kl_add(t, kl_minimum(kl_sqrt(kl_abs(a)), kl_rsqrt(kl_abs(b))));
+	t = kl_add(t, kl_add(kl_sin(a), kl_cos(b)));
+	t = kl_add(t, kl_add(kl_tanh(a), kl_sigmoid(b)));
+	t = kl_add(t, kl_add(kl_gelu(a), kl_gelu_tanh(b)));
+	t = kl_add(t, kl_add(kl_silu(a), kl_neg(kl_relu(b))));
+	t = kl_where(kl_gt(a, b), t, kl_clamp(a, -1, 1));
+	out[0] = t;
+	out[1] = kl_cast(kl_le(a, b), KL_I32);
+	out[2] = kl_cast(kl_cast(a, KL_I64), KL_F32);
+	return 3;
+}
+
+static int b_ints(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0], *b = in[1];
+	out[0] = kl_add(kl_mul(a, b), kl_sub(kl_neg(a), kl_abs(b)));
+	out[1] = kl_maximum(kl_pow(a, kl_abs(b)), kl_minimum(a, kl_relu(b)));
+	out[2] = kl_sum(a, 1, (int[]){1}, false);
+	out[3] = kl_argmax(b, 1, false);
+	out[4] = kl_div(a, b);
+	out[5] = kl_matmul(a, kl_transpose(b, 0, 1)); /* no cuBLASLt: generated */
+	return 6;
+}
+
+static int b_reduce(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0];
+	out[0] = kl_sum(a, 1, (int[]){1}, false);
+	out[1] = kl_max(a, 1, (int[]){0}, true);
+	out[2] = kl_min(a, 2, (int[]){0, 1}, false);
+	out[3] = kl_argmax(a, 0, false);
+	kl_dtype dt = kl_tensor_dtype(a);
+	if (dt == KL_I32 || dt == KL_I64)
+		return 4;
+	out[4] = kl_mean(a, 1, (int[]){1}, false);
+	out[5] = kl_var(a, 1, (int[]){1}, 1, false);
+	return 6;
+}
+
+static int b_move(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0];
+	kl_tensor *t = kl_contiguous(kl_transpose(a, 0, 1));
+	out[0] = kl_concat(2, (kl_tensor *[]){t, kl_slice(t, 0, 0, 4, 1)}, 0);
+	out[1] = kl_reshape(kl_exp(a), 1, (int64_t[]){kl_numel(a)});
+	return 2;
+}
+
+static int b_create(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_ctx *ctx = kl_tensor_ctx(in[0]);
+	kl_dtype dt = kl_tensor_dtype(in[0]);
+	out[0] = kl_add(in[0], kl_rand(ctx, dt, 2, (int64_t[]){37, 45}, 7));
+	out[1] = kl_add(in[0], kl_randn(ctx, dt, 2, (int64_t[]){37, 45}, 9));
+	out[2] = kl_arange(ctx, dt, 0, 50, 1);
+	out[3] = kl_full(ctx, dt, 1, (int64_t[]){3}, 2.5);
+	return 4;
+}
+
+typedef struct gcase {
+	const char *name;
+	build_fn f;
+	int nin;
+	int ndim[3];
+	int64_t shape[3][3];
+	bool floats_only;
+	bool ints_only;
+	int kernels; /* fused kernel count expected (0: not checked) */
+} gcase;
+
+static const gcase CASES[] = {
+        {"relu(a*b+c)", b_fma_relu, 3, {2, 2, 1}, {{33, 70}, {33, 70}, {70}}, false, false, 1},
+        {"softmax", b_softmax, 1, {2}, {{17, 300}}, true, false, 1},
+        {"softmax long", b_softmax, 1, {2}, {{3, 9000}}, true, false, 1},
+        {"softmax short", b_softmax, 1, {3}, {{4, 5, 10}}, true, false, 1},
+        {"log_softmax", b_log_softmax, 1, {3}, {{5, 40, 3}}, true, false, 0},
+        {"layer_norm", b_layer_norm, 3, {2, 1, 1}, {{9, 768}, {768}, {768}}, true, false, 1},
+        {"rms_norm", b_rms_norm, 2, {2, 1}, {{9, 100}, {100}}, true, false, 1},
+        {"zoo", b_zoo, 2, {2, 2}, {{31, 19}, {31, 19}}, true, false, 0},
+        {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0},
+        {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0},
+        {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0},
+        {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0},
+};
+
+static const kl_dtype ALL_DT[] = {KL_F32, KL_F16, KL_BF16, KL_F64, KL_I32, KL_I64, KL_BOOL};
+
+static bool dt_fits(const gcase *c, kl_dtype dt)
+{
+	bool fl = dt == KL_F32 || dt == KL_F16 || dt == KL_BF16 || dt == KL_F64;
+	if (c->floats_only)
+		return fl;
+	if (c->ints_only)
+		return dt == KL_I32 || dt == KL_I64;
+	return dt != KL_BOOL || c->f == b_move;
+}
+
+static bool nvrtc_ok(void)
+{
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_status s = kl__cuda_load_nvrtc(ctx);
+	if (s != KL_OK)
+		print_message("test_cuda_gen: skipped, NVRTC is not loadable here: %s\n",
+		              kl_last_error(ctx));
+	kl_ctx_free(ctx);
+	return s == KL_OK;
+}
+
+static void make_inputs(kl_ctx *ctx, const gcase *c, kl_dtype dt, uint64_t seed, kl_tensor **in)
+{
+	for (int i = 0; i < c->nin; i++) {
+		in[i] = kltest_rand(ctx, dt, c->ndim[i], c->shape[i],
+		                    c->f == b_zoo ? KLTEST_POS : KLTEST_NORMAL, KLTEST_CONTIG,
+		                    seed + (uint64_t)i);
+		assert_non_null(in[i]);
+	}
+}
+
+/* The CUDA source of every case in every dtype, fused and not, compiles for
+ * sm_90; fused row kernels and pointwise chains are one kernel each. */
+static void test_cuda_source_compiles(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	int compiled = 0;
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++) {
+		const gcase *c = &CASES[ci];
+		for (size_t di = 0; di < sizeof(ALL_DT) / sizeof(ALL_DT[0]); di++) {
+			kl_dtype dt = ALL_DT[di];
+			if (!dt_fits(c, dt))
+				continue;
+			kl_tensor *in[3] = {NULL};
+			make_inputs(ctx, c, dt, 100 + ci, in);
+			kl_trace *tr = trace(ctx, c->f, in, NULL);
+			if (!tr)
+				fail_msg("%s %s: trace failed: %s", c->name, kl_dtype_name(dt),
+				         kl_last_error(ctx));
+			for (int fu = 0; fu < 2; fu++) {
+				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = fu == 1};
+				kl_program P;
+				char err[512];
+				kl_status st = kl__lower(&tr->g, &o, &P, err, sizeof err);
+				if (st != KL_OK)
+					fail_msg("%s %s: lower: %s", c->name, kl_dtype_name(dt),
+					         err);
+				for (int32_t s = 0; c->f == b_ints && s < P.nsteps; s++)
+					if (P.steps[s].kind == KL_STEP_MATMUL)
+						fail_msg(
+						        "ints %s: an integer product went to cuBLASLt",
+						        kl_dtype_name(dt));
+				if (fu && c->kernels && dt == KL_F32) {
+					int nk = 0;
+					for (int32_t s = 0; s < P.nsteps; s++)
+						nk += P.steps[s].kind == KL_STEP_KERNEL;
+					if (nk != c->kernels)
+						fail_msg("%s: %d kernels, want %d", c->name, nk,
+						         c->kernels);
+				}
+				if (getenv("KILN_TEST_DUMP") &&
+				    strstr(c->name, getenv("KILN_TEST_DUMP")))
+					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
+					        kl_dtype_name(dt), fu,
+					        strstr(P.source, "struct kl_args"));
+				kl_cuda_image im;
+				kl_nvrtc_opts no = {.arch = 90};
+				st = kl__nvrtc_compile(ctx, P.source, c->name, &no, &im);
+				if (st != KL_OK) {
+					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
+					        im.log ? im.log : "");
+					fail_msg("%s %s fusion %d: %s", c->name, kl_dtype_name(dt),
+					         fu, kl_last_error(ctx));
+				}
+				assert_memory_equal(im.data, "\177ELF", 4);
+				kl__cuda_image_free(&im);
+				kl__program_free(&P);
+				compiled++;
+			}
+			kl__trace_free(tr);
+			for (int i = 0; i < c->nin; i++)
+				kl_release(in[i]);
+		}
+	}
+	print_message("test_cuda_gen: %d generated CUDA translation units compiled for sm_90\n",
+	              compiled);
+	kl_ctx_free(ctx);
+}
+
+/* ---- with a GPU -------------------------------------------------------------------- */
+
+static kl_ctx *gctx;
+static char gwhy[KL_ERR_CAP];
+
+static int gpu_setup(void **state)
+{
+	(void)state;
+	kl_ctx_opts o = {.device = KL_CUDA};
+	gctx = kl_ctx_new(&o);
+	if (!gctx) {
+		snprintf(gwhy, sizeof gwhy, "%s", kl_last_error(NULL));
+		print_message("test_cuda_gen: GPU tests skipped: %s\n", gwhy);
+	}
+	return 0;
+}
+
+static int gpu_teardown(void **state)
+{
+	(void)state;
+	kl_ctx_free(gctx);
+	gctx = NULL;
+	return 0;
+}
+
+#define NEED_GPU()                                                                        \
+	do {                                                                              \
+		if (!gctx) {                                                              \
+			print_message("test_cuda_gen: %s skipped: %s\n", __func__, gwhy); \
+			skip();                                                           \
+		}                                                                         \
+	} while (0)
+
+typedef struct body_arg {
+	build_fn f;
+	int which;
+} body_arg;
+
+/* output `which` of a case, as a kltest op */
+static kl_tensor *apply_one(kl_tensor *const *in, const void *param)
+{
+	const body_arg *b = param;
+	kl_tensor *outs[8] = {NULL};
+	int n = b->f(in, outs, NULL);
+	return b->which < n ? outs[b->which] : NULL;
+}
+
+static kl_status body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                      void *user)
+{
+	(void)nin;
+	const body_arg *b = user;
+	int n = b->f(in, out, NULL);
+	return n == nout ? KL_OK : kl_last_status(ctx);
+}
+
+static int n_outputs(const gcase *c, kl_tensor *const *in)
+{
+	kl_tensor *outs[8] = {NULL};
+	kl_scope_begin(gctx);
+	int n = c->f(in, outs, NULL);
+	kl_scope_end(gctx);
+	return n;
+}
+
+/* compiled (mode) vs the float64 reference, output by output; twice with
+ * fresh inputs, so that a replayed graph must see the new data */
+static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t seed)
+{
+	body_arg ba = {c->f, 0};
+	kl_compile_opts co = {.mode = mode};
+	kl_tensor *in[3] = {NULL};
+	make_inputs(gctx, c, dt, seed, in);
+	int nout = n_outputs(c, in);
+	kl_fn *fn = kl_compile(gctx, body, &ba, c->nin, nout, &co);
+	assert_non_null(fn);
+	for (int call = 0; call < 4; call++) {
+		if (call) {
+			for (int i = 0; i < c->nin; i++)
+				kl_release(in[i]);
+			make_inputs(gctx, c, dt, seed + 17 * (uint64_t)call, in);
+		}
+		kl_tensor *out[8] = {NULL};
+		if (kl_fn_call(fn, in, out) != KL_OK)
+			fail_msg("%s %s mode %d call %d: %s", c->name, kl_dtype_name(dt), (int)mode,
+			         call, kl_last_error(gctx));
+		if (call == 0 && c->kernels && mode == KL_MODE_DEFAULT && dt == KL_F32 &&
+		    kl_fn_last_kernels(fn) != c->kernels)
+			fail_msg("%s: %d kernels launched, want %d", c->name,
+			         kl_fn_last_kernels(fn), c->kernels);
+		if (call == 3 && mode == KL_MODE_REDUCE_OVERHEAD &&
+		    !getenv("KILN_DISABLE_CUDAGRAPHS"))
+			assert_int_equal(kl_fn_last_kernels(fn), 1);
+		for (int j = 0; j < nout; j++) {
+			body_arg one = {c->f, j};
+			int nd;
+			int64_t shape[KL_MAX_DIMS];
+			kl_dtype rdt;
+			double *ref = kltest_reference(gctx, c->name, apply_one, in, &one, &nd,
+			                               shape, &rdt);
+			assert_non_null(ref);
+			double *got = kltest_read(out[j]);
+			assert_non_null(got);
+			char what[128];
+			snprintf(what, sizeof what, "%s %s mode %d call %d output %d", c->name,
+			         kl_dtype_name(dt), (int)mode, call, j);
+			bool ok = kl_tensor_dtype(out[j]) == rdt &&
+			          kltest_compare(what, rdt, nd, shape, got, ref, 8);
+			free(ref);
+			free(got);
+			kl_release(out[j]);
+			if (!ok)
+				fail_msg("%s differs from the reference", what);
+		}
+	}
+	for (int i = 0; i < c->nin; i++)
+		kl_release(in[i]);
+	kl_fn_free(fn);
+}
+
+static void test_gpu_compiled(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
+		for (size_t di = 0; di < sizeof(ALL_DT) / sizeof(ALL_DT[0]); di++)
+			if (dt_fits(&CASES[ci], ALL_DT[di]))
+				check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, 500 + ci);
+}
+
+static void test_gpu_reduce_overhead(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	const kl_dtype dts[] = {KL_F32, KL_BF16};
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
+		for (size_t di = 0; di < 2; di++)
+			if (dt_fits(&CASES[ci], dts[di]))
+				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD,
+				               900 + ci);
+}
+
+/* every case eagerly: each op through its own generated one-node kernel */
+static void test_gpu_eager(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
+		for (size_t di = 0; di < sizeof(ALL_DT) / sizeof(ALL_DT[0]); di++) {
+			const gcase *c = &CASES[ci];
+			kl_dtype dt = ALL_DT[di];
+			if (!dt_fits(c, dt))
+				continue;
+			kl_tensor *in[3] = {NULL};
+			make_inputs(gctx, c, dt, 700 + ci, in);
+			int nout = n_outputs(c, in);
+			for (int j = 0; j < nout; j++) {
+				body_arg one = {c->f, j};
+				char what[128];
+				snprintf(what, sizeof what, "eager %s %s output %d", c->name,
+				         kl_dtype_name(dt), j);
+				if (!kltest_check_op(gctx, what, apply_one, c->nin, in, &one, 8))
+					fail_msg("%s differs from the reference", what);
+			}
+			for (int i = 0; i < c->nin; i++)
+				kl_release(in[i]);
+		}
+}
+
+int main(void)
+{
+	const struct CMUnitTest host[] = {
+	        cmocka_unit_test(test_cuda_source_compiles),
+	};
+	const struct CMUnitTest gpu[] = {
+	        cmocka_unit_test(test_gpu_eager),
+	        cmocka_unit_test(test_gpu_compiled),
+	        cmocka_unit_test(test_gpu_reduce_overhead),
+	};
+	int fails = cmocka_run_group_tests_name("cuda_gen_host", host, NULL, NULL);
+	fails += cmocka_run_group_tests_name("cuda_gen_gpu", gpu, gpu_setup, gpu_teardown);
+	return fails;
+}
+
+#else /* !KILN_HAVE_CUDA */
+
+static void test_cuda_gen_absent(void **state)
+{
+	(void)state;
+	print_message("test_cuda_gen: skipped: kiln was built without the CUDA backend "
+	              "(KILN_CUDA=OFF): no NVRTC to compile generated CUDA C with\n");
+	skip();
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {cmocka_unit_test(test_cuda_gen_absent)};
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#endif
