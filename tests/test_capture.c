@@ -868,6 +868,75 @@ static void test_warm_process(void **state)
 	assert_non_null(strstr(buf, "[kiln:cache] hit plan-"));
 }
 
+/* Conversions at the edges of a dtype agree between eager and compiled code:
+ * an i32 fill past INT32_MAX saturates, and f64 -> f16/bf16 rounds once
+ * (1 + 2^-11 + 2^-40 is above the f16 tie, so it rounds up; through float
+ * it would land on the tie and round to even, down). */
+static kl_status edge_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	out[0] = kl_cast(in[0], KL_F16);
+	out[1] = kl_cast(in[0], KL_BF16);
+	out[2] = kl_add(kl_full(ctx, KL_I32, 1, (int64_t[]){3}, 1e10), kl_cast(in[1], KL_I32));
+	out[3] = kl_add_scalar(kl_full(ctx, KL_I32, 1, (int64_t[]){3}, -1e10), 0);
+	for (int i = 0; i < 4; i++)
+		if (!out[i])
+			return kl_last_status(ctx);
+	return KL_OK;
+}
+
+static void test_conversion_edges(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	double xv[3] = {1 + 0x1p-11 + 0x1p-40, -(1 + 0x1p-11 + 0x1p-40), 1 + 0x1p-8 + 0x1p-45};
+	kl_tensor *x = kl_from_host(ctx, KL_F64, 1, (int64_t[]){3}, xv);
+	kl_tensor *z = kl_zeros(ctx, KL_F64, 1, (int64_t[]){3});
+	kl_tensor *in[2] = {x, z};
+	kl_tensor *eager[4], *comp[4];
+	kl_scope_begin(ctx);
+	assert_int_equal(edge_body(ctx, in, 2, eager, 4, NULL), KL_OK);
+	for (int i = 0; i < 4; i++)
+		kl_retain(eager[i]);
+	kl_scope_end(ctx);
+	kl_fn *f = kl_compile(ctx, edge_body, NULL, 2, 4, NULL);
+	assert_non_null(f);
+	assert_int_equal(kl_fn_call(f, in, comp), KL_OK);
+	uint16_t h[3], e16[3];
+	assert_int_equal(kl_to_host(comp[0], h, sizeof h), KL_OK);
+	assert_int_equal(kl_to_host(eager[0], e16, sizeof e16), KL_OK);
+	for (int i = 0; i < 3; i++) {
+		assert_int_equal(h[i], e16[i]);
+		assert_int_equal(h[i], kl__f64_to_f16(xv[i]));
+	}
+	assert_int_equal(h[0], 0x3c01); /* 1 + 2^-10, not 1.0 */
+	assert_int_equal(kl_to_host(comp[1], h, sizeof h), KL_OK);
+	assert_int_equal(kl_to_host(eager[1], e16, sizeof e16), KL_OK);
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(h[i], e16[i]);
+	assert_int_equal(h[2], kl__f64_to_bf16(xv[2]));
+	for (int k = 2; k < 4; k++) {
+		int32_t got[3], want[3];
+		assert_int_equal(kl_to_host(comp[k], got, sizeof got), KL_OK);
+		assert_int_equal(kl_to_host(eager[k], want, sizeof want), KL_OK);
+		for (int i = 0; i < 3; i++) {
+			assert_int_equal(got[i], want[i]);
+			assert_int_equal(got[i], k == 2 ? INT32_MAX : INT32_MIN);
+		}
+	}
+	for (int i = 0; i < 4; i++) {
+		kl_release(eager[i]);
+		kl_release(comp[i]);
+	}
+	kl_fn_free(f);
+	kl_release(x);
+	kl_release(z);
+	kl_ctx_free(ctx);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc >= 2 && !strcmp(argv[1], "--warm-child"))
@@ -882,6 +951,7 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_errors),
 	        cmocka_unit_test(test_logs),
 	        cmocka_unit_test(test_warm_process),
+	        cmocka_unit_test(test_conversion_edges),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

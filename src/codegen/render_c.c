@@ -30,6 +30,21 @@ static const char prelude[] =
 	"#endif\n"
 	"\n"
 	KL_RENDER_HELPERS
+	/* double -> float rounded to odd, so that rounding that to f16/bf16 is
+	 * the correct rounding of the double (as kl__f64_to_f16 does) */
+	"KL_FN float kl_d2f_odd(double v)\n"
+	"{\n"
+	"\tfloat f = (float)v;\n"
+	"\tif (v != v || (double)f == v)\n"
+	"\t\treturn f;\n"
+	"\tuint32_t u;\n"
+	"\tmemcpy(&u, &f, 4);\n"
+	"\tif (fabs((double)f) > fabs(v))\n"
+	"\t\tu--;\n"
+	"\tu |= 1u;\n"
+	"\tmemcpy(&f, &u, 4);\n"
+	"\treturn f;\n"
+	"}\n"
 	/* libm's expf and tanhf are a call per element, which keeps the simd
 	 * loops around them scalar: glibc declares the vector forms libmvec has
 	 * (within 4 ulp, NaN and inf as the scalar ones) only under -ffast-math,
@@ -80,11 +95,13 @@ static void c_constant(kl_sb *sb, kl_dtype dt, double k)
 		else
 			v = (int64_t)k;
 		if (dt == KL_I32) {
-			int32_t w = (int32_t)(uint32_t)(uint64_t)v;
-			if (w == INT32_MIN)
+			/* saturate like every float -> int conversion (kl__store) */
+			if (v <= INT32_MIN)
 				kl__sb_puts(sb, "INT32_MIN");
+			else if (v >= INT32_MAX)
+				kl__sb_puts(sb, "INT32_MAX");
 			else
-				kl__sb_printf(sb, "((int32_t)%d)", (int)w);
+				kl__sb_printf(sb, "((int32_t)%d)", (int)v);
 		} else if (v == INT64_MIN) {
 			kl__sb_puts(sb, "INT64_MIN");
 		} else {
@@ -114,7 +131,10 @@ static void c_cast(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a)
 	case KL_F16:
 	case KL_BF16:
 		kl__sb_puts(sb, to == KL_F16 ? "kl_h2f(kl_f2h(" : "kl_bf2f(kl_f2bf(");
-		to_float(sb, from, a);
+		if (from == KL_F64) /* one correct rounding, not two */
+			kl__sb_printf(sb, "kl_d2f_odd(%s)", a);
+		else
+			to_float(sb, from, a);
 		kl__sb_puts(sb, "))");
 		return;
 	case KL_F32:

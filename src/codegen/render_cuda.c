@@ -96,13 +96,8 @@ static const char prelude[] =
 
 /* ---- expressions: the C renderer's spellings ------------------------------------- */
 
-/* an i32 constant saturates like a float -> int cast (the reference's fill) */
 static void cu_constant(kl_sb *sb, kl_dtype dt, double k)
 {
-	if (dt == KL_I32 && !isnan(k) && (k >= 2147483647.0 || k <= -2147483648.0)) {
-		kl__sb_puts(sb, k > 0 ? "INT32_MAX" : "INT32_MIN");
-		return;
-	}
 	kl__render_c.constant(sb, dt, k);
 }
 
