@@ -129,8 +129,8 @@ int kt_explain_main(int argc, char **argv)
 			names[nnames++] = a;
 		}
 	}
-	const kt_workload *todo[128];
-	int ntodo = 0;
+	const kt_workload *queue[128];
+	int nqueue = 0;
 	for (int n = 0; n < nnames; n++) {
 		const kt_workload *w = !strcmp(names[n], demo.name) ? &demo : NULL;
 		for (int i = 0; !w && i < kt_nworkloads; i++)
@@ -140,12 +140,12 @@ int kt_explain_main(int argc, char **argv)
 			fprintf(stderr, "kiln explain: unknown workload '%s'\n", names[n]);
 			return 2;
 		}
-		todo[ntodo++] = w;
+		queue[nqueue++] = w;
 	}
 	if (nnames == 0) {
-		todo[ntodo++] = &demo;
-		for (int i = 0; i < kt_nworkloads && ntodo < 128; i++)
-			todo[ntodo++] = &kt_workloads[i];
+		queue[nqueue++] = &demo;
+		for (int i = 0; i < kt_nworkloads && nqueue < 128; i++)
+			queue[nqueue++] = &kt_workloads[i];
 	}
 	kl_ctx *ctx = kl_ctx_new(&copts);
 	if (!ctx) {
@@ -153,8 +153,8 @@ int kt_explain_main(int argc, char **argv)
 		return 1;
 	}
 	int rc = 0;
-	for (int i = 0; i < ntodo; i++)
-		rc |= explain_one(ctx, todo[i], &opts);
+	for (int i = 0; i < nqueue; i++)
+		rc |= explain_one(ctx, queue[i], &opts);
 	kl_ctx_free(ctx);
 	return rc;
 }
