@@ -90,6 +90,13 @@ kl_device kl_ctx_device(const kl_ctx *ctx);
 const char *kl_last_error(const kl_ctx *ctx);
 kl_status kl_last_status(const kl_ctx *ctx);
 void kl_clear_error(kl_ctx *ctx);
+/* Set ctx's error (printf-style message) and return status, for code built on
+ * the public API (the nn layer, extensions) to report failures the same way. */
+kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+	__attribute__((format(printf, 3, 4)))
+#endif
+	;
 const char *kl_status_name(kl_status s);
 const char *kl_version(void);
 
@@ -289,6 +296,31 @@ int kl_fn_last_kernels(const kl_fn *f);
  * it is a graph break (the tensors it receives are materialized). */
 typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
+
+/* ---- safetensors (nn layer) ---------------------------------------------
+ * The safetensors file format: an 8-byte little-endian header length N, N
+ * bytes of JSON naming each tensor's dtype, shape and byte range, then the
+ * data. Dtypes F32 F64 F16 BF16 I32 I64 BOOL map to kiln's; others are
+ * rejected. Data is little-endian (kiln assumes a little-endian host). A
+ * malformed file gives KL_EFORMAT, an unreadable one KL_EIO. */
+
+typedef struct kl_safetensors kl_safetensors; /* an opened, validated file */
+/* Read and validate the header; NULL and an error on failure. */
+kl_safetensors *kl_safetensors_open(kl_ctx *ctx, const char *path);
+int kl_safetensors_count(const kl_safetensors *st);
+const char *kl_safetensors_name(const kl_safetensors *st, int i); /* in file order */
+/* A new tensor on st's context holding the named tensor's data, or NULL and
+ * an error ("no tensor 'x' in <file>"). */
+kl_tensor *kl_safetensors_get(kl_safetensors *st, const char *name);
+/* A "__metadata__" value, or NULL. */
+const char *kl_safetensors_metadata(const kl_safetensors *st, const char *key);
+void kl_safetensors_close(kl_safetensors *st);
+/* Write n named tensors (any layout; written dense) atomically: a temporary
+ * file in the same directory, fsync, rename, so an existing file is replaced
+ * only by a complete one. Names must be unique, non-empty, valid UTF-8
+ * without control characters. */
+kl_status kl_safetensors_save(kl_ctx *ctx, const char *path, int n, const char *const *names,
+                              kl_tensor *const *ts);
 
 #ifdef __cplusplus
 }

@@ -33,6 +33,16 @@ kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 	return status;
 }
 
+kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
+{
+	char msg[KL_ERR_CAP];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	return kl__err(ctx, status, "%s", msg);
+}
+
 const char *kl_last_error(const kl_ctx *ctx)
 {
 	return ctx ? ctx->err : tl_err;
