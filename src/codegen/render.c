@@ -303,7 +303,7 @@ static void emit_block(rctx *c, int blk)
 }
 
 /* which values some store or accumulator needs */
-void kl__render_liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
+static void liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
 {
 	uint8_t loc_live[KIR_MAX_LOCAL] = {0};
 	for (int32_t i = k->nins - 1; i >= 0; i--) {
@@ -325,6 +325,20 @@ void kl__render_liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
 			if (ops[j] >= 0)
 				live[ops[j]] = 1;
 	}
+}
+
+uint8_t *kl__render_live(const kir_kernel *k)
+{
+	uint8_t *live = calloc((size_t)k->nins + 1, 1);
+	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
+	if (live && acc_live) {
+		liveness(k, live, acc_live);
+	} else {
+		free(live);
+		live = NULL;
+	}
+	free(acc_live);
+	return live;
 }
 
 /* ---- loops ------------------------------------------------------------------------------ */
@@ -706,16 +720,10 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 		return;
 	}
 	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
-	c.live = calloc((size_t)k->nins + 1, 1);
-	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
-	if (!c.live || !acc_live) {
-		free(c.live);
-		free(acc_live);
+	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
 		return;
 	}
-	kl__render_liveness(k, c.live, acc_live);
-	free(acc_live);
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, ";\n");
 	kl__sb_printf(sb, r->kernel_fmt, name);

@@ -80,10 +80,10 @@ typedef struct kl_renderer {
 extern const kl_renderer kl__render_c;
 extern const kl_renderer kl__render_cuda;
 
-/* For walkers: which instructions some store needs (live, acc_live sized
- * nins and nacc, zeroed), and one instruction as a statement at depth tabs
- * (not LSTORE/LLOAD, whose arrays a walker lays out itself). */
-void kl__render_liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live);
+/* For walkers: which instructions some store needs (a malloc'd flag per
+ * instruction, NULL when out of memory), and one instruction as a statement
+ * at depth tabs (not LSTORE/LLOAD, whose arrays a walker lays out itself). */
+uint8_t *kl__render_live(const kir_kernel *k);
 void kl__render_ins(const kl_renderer *r, const kir_kernel *k, int32_t id, int depth, kl_sb *sb);
 /* "(int64_t)1 * d0 * S[1] ..." for the dims in mask; static ones multiply into *v */
 bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,

@@ -409,16 +409,10 @@ static void render_rows(cctx *c)
 static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
 	cctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
-	c.live = calloc((size_t)k->nins + 1, 1);
-	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
-	if (!c.live || !acc_live) {
-		free(c.live);
-		free(acc_live);
+	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
 		return;
 	}
-	kl__render_liveness(k, c.live, acc_live);
-	free(acc_live);
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, "\n{\n");
 	bool empty = false;
