@@ -341,6 +341,36 @@ uint8_t *kl__render_live(const kir_kernel *k)
 	return live;
 }
 
+void kl__render_buf_decls(const kl_renderer *r, const kir_kernel *k, const uint8_t *live,
+                          kl_sb *sb)
+{
+	int32_t maxb = -1;
+	for (int32_t i = 0; i < k->nins; i++)
+		if (k->ins[i].buf > maxb)
+			maxb = k->ins[i].buf;
+	for (int32_t bi = 0; bi <= maxb; bi++) {
+		bool rd = false, wr = false;
+		kl_dtype dt = KL_F32;
+		for (int32_t i = 0; i < k->nins; i++) {
+			const kir_ins *in = &k->ins[i];
+			if (in->buf != bi || !live[i]) /* only loads and stores name a buffer */
+				continue;
+			if (in->opc == KIR_STORE) {
+				wr = true;
+				dt = (kl_dtype)in->dt;
+			} else {
+				rd = true;
+				dt = (kl_dtype)in->in_dt;
+			}
+		}
+		if (!rd && !wr)
+			continue;
+		const char *q = wr ? "" : "const ";
+		kl__sb_printf(sb, r->buf_decl_fmt, q, r->mtype[dt], (int)bi, q, r->mtype[dt], (int)bi,
+		              (int)bi);
+	}
+}
+
 /* ---- loops ------------------------------------------------------------------------------ */
 
 /* "n" elements as an expression; static returns the value in *v */
@@ -738,32 +768,7 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 		free(c.live);
 		return;
 	}
-	/* typed buffer pointers, const when only read */
-	int32_t maxb = -1;
-	for (int32_t i = 0; i < k->nins; i++)
-		if (k->ins[i].buf > maxb)
-			maxb = k->ins[i].buf;
-	for (int32_t bi = 0; bi <= maxb; bi++) {
-		bool rd = false, wr = false;
-		kl_dtype dt = KL_F32;
-		for (int32_t i = 0; i < k->nins; i++) {
-			const kir_ins *in = &k->ins[i];
-			if (in->buf != bi || !c.live[i])
-				continue;
-			if (in->opc == KIR_STORE) {
-				wr = true;
-				dt = (kl_dtype)in->dt;
-			} else {
-				rd = true;
-				dt = (kl_dtype)in->in_dt;
-			}
-		}
-		if (!rd && !wr)
-			continue;
-		const char *q = wr ? "" : "const ";
-		kl__sb_printf(sb, "\t%s%s *%s b%d = (%s%s *)B[%d];\n\t(void)b%d;\n", q, r->mtype[dt],
-		              r->restrict_kw, (int)bi, q, r->mtype[dt], (int)bi, (int)bi);
-	}
+	kl__render_buf_decls(r, k, c.live, sb);
 	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
 	if (k->rmask == 0)
 		render_pointwise(&c);

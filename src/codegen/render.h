@@ -44,7 +44,9 @@ typedef struct kl_renderer {
 	const char *load_fmt[KL_NDTYPES];  /* memory element (%s) to compute type */
 	const char *store_fmt[KL_NDTYPES]; /* compute value (%s) to memory element */
 	const char *kernel_fmt;         /* signature, %s = name */
-	const char *restrict_kw;
+	/* declares buffer pointer b<i>; printf args: const-qualifier, memory
+	 * type, i, const-qualifier, memory type, i, i (a format may skip the last) */
+	const char *buf_decl_fmt;
 	const char *index_t;            /* type of loop variables and indices */
 	/* "parallel for over the next n loops": %d = n, %s = an extra clause */
 	const char *par_for_fmt;
@@ -84,6 +86,10 @@ extern const kl_renderer kl__render_cuda;
  * instruction, NULL when out of memory), and one instruction as a statement
  * at depth tabs (not LSTORE/LLOAD, whose arrays a walker lays out itself). */
 uint8_t *kl__render_live(const kir_kernel *k);
+/* Declare each buffer some live load or store of k touches, typed, const
+ * when only read, through r->buf_decl_fmt. */
+void kl__render_buf_decls(const kl_renderer *r, const kir_kernel *k, const uint8_t *live,
+                          kl_sb *sb);
 void kl__render_ins(const kl_renderer *r, const kir_kernel *k, int32_t id, int depth, kl_sb *sb);
 /* "(int64_t)1 * d0 * S[1] ..." for the dims in mask; static ones multiply into *v */
 bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,

@@ -436,7 +436,7 @@ const kl_renderer kl__render_c = {
 	              [KL_BF16] = "kl_f2bf(%s)", [KL_I32] = "%s", [KL_I64] = "%s",
 	              [KL_BOOL] = "(uint8_t)(%s != 0)"},
 	.kernel_fmt = "void %s(void *const *B, const int64_t *S)",
-	.restrict_kw = "restrict",
+	.buf_decl_fmt = "\t%s%s *restrict b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
 	.index_t = "int64_t",
 	.par_for_fmt = "#pragma omp parallel for collapse(%d)%s",
 	.par_for_simd_fmt = "#pragma omp parallel for simd collapse(%d)%s",

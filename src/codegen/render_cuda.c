@@ -419,32 +419,7 @@ static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
 	for (int d = 0; d < k->ndim; d++)
 		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));
 	if (!empty) {
-		int32_t maxb = -1;
-		for (int32_t i = 0; i < k->nins; i++)
-			if (k->ins[i].buf > maxb)
-				maxb = k->ins[i].buf;
-		for (int32_t bi = 0; bi <= maxb; bi++) {
-			bool rd = false, wr = false;
-			kl_dtype dt = KL_F32;
-			for (int32_t i = 0; i < k->nins; i++) {
-				const kir_ins *in = &k->ins[i];
-				if (in->buf != bi || !c.live[i] ||
-				    (in->opc != KIR_LOAD && in->opc != KIR_STORE))
-					continue;
-				if (in->opc == KIR_STORE) {
-					wr = true;
-					dt = (kl_dtype)in->dt;
-				} else {
-					rd = true;
-					dt = (kl_dtype)in->in_dt;
-				}
-			}
-			if (!rd && !wr)
-				continue;
-			const char *q = wr ? "" : "const ";
-			kl__sb_printf(sb, "\t%s%s *__restrict__ b%d = (%s%s *)A.b[%d];\n", q,
-			              r->mtype[dt], (int)bi, q, r->mtype[dt], (int)bi);
-		}
+		kl__render_buf_decls(r, k, c.live, sb);
 		if (k->rmask == 0)
 			render_pointwise(&c);
 		else
@@ -486,7 +461,7 @@ const kl_renderer kl__render_cuda = {
                       [KL_I64] = "%s",
                       [KL_BOOL] = "(uint8_t)(%s != 0)"},
         .kernel_fmt = "extern \"C\" __global__ void __launch_bounds__(256) %s(const kl_args A)",
-        .restrict_kw = "__restrict__",
+        .buf_decl_fmt = "\t%s%s *__restrict__ b%d = (%s%s *)A.b[%d];\n",
         .index_t = "int64_t",
         .par_for_fmt = "",
         .par_for_simd_fmt = "",
