@@ -649,6 +649,19 @@ static void test_source_and_log(void **state)
 	kl__trace_free(tr);
 	kl_release(in[0]);
 	kl_release(in[1]);
+
+	/* a large row result streams out (the threshold is 8 MiB of f32); a small
+	 * one is stored in place */
+	for (int big = 0; big < 2; big++) {
+		kl_tensor *x = rnd(KL_F32, SHP(big ? 2304 : 16, 1024), KLTEST_NORMAL, KLTEST_CONTIG);
+		tr = trace(b_softmax, &x, NULL);
+		assert_non_null(tr);
+		assert_int_equal(lower(&tr->g, true, NULL, &P), KL_OK);
+		assert_true((strstr(P.source, "kl_stream_f32(&b") != NULL) == (big == 1));
+		kl__program_free(&P);
+		kl__trace_free(tr);
+		kl_release(x);
+	}
 }
 
 /* ---- every op, fusion on and off, against the reference --------------------------------- */
@@ -1103,6 +1116,18 @@ static void test_diff_composite(void **state)
 	o.mode = 2;
 	in[0] = rnd(KL_BF16, SHP(4, 4096), KLTEST_NORMAL, KLTEST_CONTIG);
 	add_case("layer_norm long rows", b_composite, &o, 1, in, 16.0, NULL);
+	/* results past the C renderer's streaming threshold (8 MiB of f32): rows
+	 * leave through non-temporal stores; 1021 columns leave every row but
+	 * the first unaligned and a tail of 5 */
+	for (int m = 0; m < 3; m++) {
+		o.mode = m == 0 ? 0 : 2;
+		o.dt = KL_F32;
+		int64_t cols = m == 2 ? 1024 : 1021;
+		int64_t rows = (9 << 20) / (4 * cols);
+		in[0] = rnd(KL_F32, SHP(rows, cols), KLTEST_NORMAL, KLTEST_CONTIG);
+		add_case(m == 0 ? "softmax streamed rows" : "layer_norm streamed rows", b_composite,
+		         &o, 1, in, 16.0, NULL);
+	}
 	int f = run_cases("composite");
 	assert_int_equal(f, 0);
 }

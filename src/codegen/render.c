@@ -167,7 +167,19 @@ typedef struct rctx {
 	int depth;
 	bool col;  /* column order: accumulators are arrays indexed by jj */
 	int col_d; /* the dim whose points are the columns */
+	/* stores of the last pass written to row array ss<i> then streamed */
+	int32_t stream[KIR_MAX_LOCAL];
+	int nstream;
+	int stream_var; /* the reduced dim the rows run along */
 } rctx;
+
+static int stream_slot(const rctx *c, int32_t id)
+{
+	for (int i = 0; i < c->nstream; i++)
+		if (c->stream[i] == id)
+			return i;
+	return -1;
+}
 
 static void indent(rctx *c)
 {
@@ -206,6 +218,11 @@ static void emit_ins(rctx *c, int32_t id)
 		return;
 	}
 	case KIR_STORE: {
+		int ss = stream_slot(c, id);
+		if (ss >= 0) { /* the row's own position: the address is i<J> + base */
+			kl__sb_printf(sb, "ss%d[i%d] = %s;\n", ss, c->stream_var, a);
+			return;
+		}
 		kl__sb_printf(sb, "b%d[", (int)in->buf);
 		put_addr(sb, r, &c->k->ixa, &in->ad);
 		kl__sb_puts(sb, "] = ");
@@ -680,6 +697,66 @@ static void render_columns(rctx *c, int J)
 	kl__sb_free(&ext);
 }
 
+/* Stores of the last pass that write f32 rows contiguously along the one
+ * reduced dim J (address: a base over the outer dims, plus iJ) go to a row
+ * array and out through the target's streaming copy, when the whole result
+ * is large enough that read-for-ownership would cost (stream_min_bytes). */
+static void plan_stream(rctx *c, uint32_t outer, uint32_t inner)
+{
+	const kir_kernel *k = c->k;
+	c->nstream = 0;
+	if (c->r->stream_min_bytes <= 0 || k->npass < 2 || popc(inner) != 1)
+		return;
+	int J = 0;
+	while (!(inner & (1u << J)))
+		J++;
+	if (k->dims[J].sym > 0 || k->dims[J].v < 16 || k->dims[J].v > KIR_ROW_CACHE)
+		return;
+	double bytes = (double)k->dims[J].v * 4;
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(outer & (1u << d)))
+			continue;
+		if (k->dims[d].sym > 0)
+			return;
+		bytes *= (double)k->dims[d].v;
+	}
+	if (bytes < c->r->stream_min_bytes)
+		return;
+	for (int32_t i = 0; i < k->nins && c->nstream < KIR_MAX_LOCAL; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->opc != KIR_STORE || in->blk != 2 * k->npass - 1 || !c->live[i] ||
+		    in->dt != KL_F32 || in->ad.ns)
+			continue;
+		const kl_ix *e = kl__ix_get(&k->ixa, in->ad.ix);
+		bool unit = false, other = false;
+		for (int t = 0; t < e->nt; t++) {
+			const kl_atom *at = &k->ixa.atoms[e->at[t]];
+			if (at->kind == KL_AT_VAR && at->var == J && e->k[t] == 1)
+				unit = true;
+			else if (at->vars & (1u << J))
+				other = true;
+		}
+		if (unit && !other)
+			c->stream[c->nstream++] = i;
+	}
+	c->stream_var = J;
+}
+
+/* after the last pass: each streamed row from its array to memory */
+static void flush_stream(rctx *c)
+{
+	const kir_kernel *k = c->k;
+	for (int i = 0; i < c->nstream; i++) {
+		const kir_ins *in = &k->ins[c->stream[i]];
+		indent(c);
+		kl__sb_printf(c->sb, "{ int64_t i%d = 0; kl_stream_f32(&b%d[", c->stream_var,
+		              (int)in->buf);
+		put_addr(c->sb, c->r, &k->ixa, &in->ad);
+		kl__sb_printf(c->sb, "], ss%d, %lld); }\n", i,
+		              (long long)k->dims[c->stream_var].v);
+	}
+}
+
 static void render_reduction(rctx *c)
 {
 	int J = column_dim(c);
@@ -714,6 +791,12 @@ static void render_reduction(rctx *c)
 		kl__sb_printf(c->sb, "%s lc%d[%lld];\n", c->r->ctype[k->local_dt[i]], i,
 		              (long long)k->row_n);
 	}
+	plan_stream(c, outer, inner);
+	for (int i = 0; i < c->nstream; i++) {
+		indent(c);
+		kl__sb_printf(c->sb, "_Alignas(64) %s ss%d[%lld];\n", c->r->ctype[KL_F32], i,
+		              (long long)k->dims[c->stream_var].v);
+	}
 	emit_block(c, 0);
 	/* reduced over an empty dim: the passes visit nothing, and a collapsed
 	 * nest with no iterations trips some compilers */
@@ -736,10 +819,13 @@ static void render_reduction(rctx *c)
 		}
 		emit_block(c, 2 * p - 1);
 		close_loops(c);
+		if (p == k->npass)
+			flush_stream(c);
 		kl__sb_free(&red);
 		emit_block(c, 2 * p);
 	}
 	close_loops(c);
+	c->nstream = 0;
 	kl__sb_free(&cond);
 }
 

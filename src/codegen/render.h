@@ -56,6 +56,11 @@ typedef struct kl_renderer {
 	const char *if_fmt;             /* clause: %s = condition */
 	const char *sym_fmt;            /* the value of symbol k: %d = k - 1 */
 	double par_threshold;           /* parallelize loops visiting at least this many elements */
+	/* A row kernel's f32 output rows of at least this many bytes in all
+	 * (0: never) are written through a row-local array and then streamed
+	 * out with non-temporal stores by the prelude's kl_stream_f32(dst, src,
+	 * n), so that a large result costs no read-for-ownership. */
+	double stream_min_bytes;
 	/* expression callbacks: append the spelling of one operation */
 	void (*constant)(kl_sb *sb, kl_dtype dt, double k);
 	void (*cast)(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a);

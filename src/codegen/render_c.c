@@ -58,7 +58,30 @@ static const char prelude[] =
 	"#pragma omp declare simd notinbranch\n"
 	"float tanhf(float);\n"
 	"#endif\n"
-	"#endif\n";
+	"#endif\n"
+	/* a row out with non-temporal stores (no read-for-ownership of the
+	 * destination), fenced so the stores are visible when the kernel returns */
+	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"
+	"{\n"
+	"\tint64_t i = 0;\n"
+	"#if defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))\n"
+	"\ttypedef float kl_v8f __attribute__((vector_size(32)));\n"
+	"\tfor (; i < n && ((uintptr_t)(d + i) & 31u); i++)\n"
+	"\t\td[i] = s[i];\n"
+	"\tfor (; i + 8 <= n; i += 8) {\n"
+	"\t\tkl_v8f v;\n"
+	"\t\tmemcpy(&v, s + i, sizeof v);\n"
+	"#if defined(__clang__)\n"
+	"\t\t__builtin_nontemporal_store(v, (kl_v8f *)(void *)(d + i));\n"
+	"#else\n"
+	"\t\t__builtin_ia32_movntps256(d + i, v);\n"
+	"#endif\n"
+	"\t}\n"
+	"\t__builtin_ia32_sfence();\n"
+	"#endif\n"
+	"\tfor (; i < n; i++)\n"
+	"\t\td[i] = s[i];\n"
+	"}\n";
 
 static bool is_f(kl_dtype dt)
 {
@@ -444,6 +467,9 @@ const kl_renderer kl__render_c = {
 	.if_fmt = " if(%s)",
 	.sym_fmt = "S[%d]",
 	.par_threshold = 32768,
+	/* past the last-level cache a result row streams out (8 MiB: above what
+	 * this class of machine keeps in L3 per socket slice) */
+	.stream_min_bytes = 8.0 * 1024 * 1024,
 	.constant = c_constant,
 	.cast = c_cast,
 	.unary = c_unary,
