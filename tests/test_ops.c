@@ -1352,8 +1352,11 @@ static void test_creation(void **state)
 					             kl_dtype_name(dt));
 					continue;
 				}
-				/* element i is a function of (seed, i) only, exactly */
-				check(w, ap_make, &p, 0, NULL, 0);
+				/* element i is a function of (seed, i) only, exactly; except
+				 * that a device's double log/cos (CUDA's libdevice) may differ
+				 * from the host libm's in the last bit: randn f64 is held to
+				 * the f64 tolerance, every narrower result rounds the same */
+				check(w, ap_make, &p, 0, NULL, k == 4 && dt == KL_F64 ? 1 : 0);
 				kl_tensor *t = ap_make(NULL, &p);
 				double *v = kltest_read(t);
 				assert_non_null(v);
