@@ -7,7 +7,10 @@
  *
  * Weights are initialized as PyTorch does (seeded), or loaded from a
  * safetensors file holding the state dict of an nn.ModuleList of the seed's
- * DecoderLayer under "layers.<i>." (torch's names for model.layers[i]).
+ * DecoderLayer under "layers.<i>." (torch's names for model.layers[i]); a
+ * file of one DecoderLayer's state dict (no "layers.0." keys, such as
+ * tests/fixtures/decoder_small_f32.safetensors) gives every layer the same
+ * weights.
  * Each mode runs a warm-up, then --iters timed calls; the result of every
  * compiled mode is checked against eager's.
  */
@@ -179,11 +182,15 @@ int main(int argc, char **argv)
 	kl_fn *fns[2] = {NULL, NULL};
 	if (!s.layers || (weights && !st))
 		goto fail;
+	bool stacked = false;
+	for (int i = 0; st && i < kl_safetensors_count(st); i++)
+		stacked |= strncmp(kl_safetensors_name(st, i), "layers.0.", 9) == 0;
 	for (int i = 0; i < s.n; i++) {
 		if (kl_nn_decoder_init(&s.layers[i], ctx, d, heads, ffn, dt, 1000 + (uint64_t)i))
 			goto fail;
-		char prefix[32];
-		snprintf(prefix, sizeof prefix, "layers.%d.", i);
+		char prefix[32] = "";
+		if (stacked)
+			snprintf(prefix, sizeof prefix, "layers.%d.", i);
 		if (st && kl_nn_load(&s.layers[i].base, st, prefix) != KL_OK)
 			goto fail;
 	}
