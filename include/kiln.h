@@ -231,6 +231,14 @@ kl_tensor *kl_expand(kl_tensor *a, int ndim, const int64_t *shape);
 kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t step);
 kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis);
 kl_tensor *kl_contiguous(kl_tensor *a);
+/* index_select on dim 0: out[i..., j...] = table[idx[i...], j...], idx i32 or
+ * i64 of any shape, result shape idx.shape + table.shape[1:] (a copy). An
+ * index outside [0, rows) is an error when its value is on the host (CPU
+ * eager, or a CPU tensor at trace time); a generated kernel (compiled code,
+ * CUDA eager) clamps it to [0, rows - 1] instead. */
+kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx);
+/* torch.nn.functional.embedding(idx, weight): kl_gather(weight, idx) */
+kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
 
 /* ---- contractions -------------------------------------------------------- */
 

@@ -34,7 +34,8 @@ fi
 
 # Nothing may reach back into the build or source tree: build from a copy.
 mkdir "$work/examples"
-cp "$src/examples/CMakeLists.txt" "$src/examples/eager.c" "$work/examples/"
+cp "$src/examples/CMakeLists.txt" "$src/examples/eager.c" "$src/examples/decoder_stack.c" \
+	"$work/examples/"
 
 check_output() { # name file
 	grep -qx 'relu(a\*b + c) =' "$2" || fail "$1: no result printed"

@@ -141,6 +141,18 @@ static int b_create(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 4;
 }
 
+/* embedding-style lookups: computed indices, a view as the table, a reduction after */
+static int b_gather(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_ctx *ctx = kl_tensor_ctx(in[0]);
+	kl_tensor *t = in[0]; /* [8, 12] */
+	out[0] = kl_gather(t, kl_arange(ctx, KL_I64, 7, -1, -1));
+	out[1] = kl_sum(kl_gather(kl_transpose(t, 0, 1), kl_arange(ctx, KL_I32, 0, 12, 2)), 1,
+	                (int[]){-1}, false);
+	return 2;
+}
+
 typedef struct gcase {
 	const char *name;
 	build_fn f;
@@ -164,6 +176,7 @@ static const gcase CASES[] = {
         {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0},
         {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0},
         {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0},
+        {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0},
         {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0},
 };
 

@@ -1036,10 +1036,65 @@ static int b_movement2(kl_tensor *const *in, kl_tensor **out, const void *p)
 	}
 }
 
+/* table [R, C], idx [3, 4] with values in [0, R) */
+static int b_gather(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	const opp *o = p;
+	kl_tensor *t = in[0], *ix = in[1];
+	switch (o->mode) {
+	case 0: out[0] = kl_gather(t, ix); return 1;
+	case 1: /* a computed table (another kernel) and a consumer fused after */
+		out[0] = kl_add_scalar(kl_gather(kl_neg(t), ix), 1.0);
+		return 1;
+	case 2: /* a view as the table is stored first; indices through a view */
+		out[0] = kl_gather(kl_slice(kl_transpose(kl_transpose(t, 0, 1), 0, 1), 1, 1, 4, 1),
+		                   kl_transpose(ix, 0, 1));
+		return 1;
+	case 3: /* read inside a row reduction, and a 1-D table */
+		out[0] = kl_sum(kl_gather(t, ix), 1, (int[]){-1}, false);
+		out[1] = kl_gather(kl_reshape(t, 1, (int64_t[]){-1}), ix);
+		return 2;
+	default: /* computed indices */
+		out[0] = kl_gather(t, kl_sub(kl_mul_scalar(ix, 2), ix));
+		return 1;
+	}
+}
+
+static kl_tensor *gather_idx(int64_t rows, int64_t n0, int64_t n1, kl_dtype dt)
+{
+	double v[64];
+	for (int64_t e = 0; e < n0 * n1; e++)
+		v[e] = (double)((e * 7 + 3) % rows);
+	kl_tensor *t = kltest_from_values(ctx, dt, 2, (int64_t[]){n0, n1}, v, KLTEST_CONTIG);
+	assert_non_null(t);
+	return t;
+}
+
 static void test_diff_movement(void **state)
 {
 	(void)state;
 	fails = 0;
+	for (int mode = 0; mode < 5; mode++)
+		for (int t = 0; t < NDT; t++) {
+			if (all_dt[t] == KL_BOOL && mode != 0 && mode != 2)
+				continue;
+			opp o = {.mode = mode};
+			char what[96];
+			snprintf(what, sizeof(what), "gather %d %s", mode, kl_dtype_name(all_dt[t]));
+			kl_tensor *in[2] = {rnd(all_dt[t], SHP(9, 5), KLTEST_NORMAL,
+			                        (kltest_layout)(mode % 3)),
+			                    gather_idx(9, 3, 4, t % 2 ? KL_I32 : KL_I64)};
+			add_case(what, b_gather, &o, 2, in, 4.0, NULL);
+		}
+	{
+		opp o = {.mode = 1};
+		kl_tensor *in[2] = {rnd(KL_F32, SHP(9, 5), KLTEST_NORMAL, KLTEST_CONTIG),
+		                    gather_idx(9, 3, 4, KL_I64)};
+		kl_tensor *run_in[2] = {rnd(KL_F32, SHP(12, 7), KLTEST_NORMAL, KLTEST_CONTIG),
+		                        gather_idx(12, 5, 4, KL_I64)};
+		add_dyn_case("gather dynamic rows, width and count", b_gather, &o, 2, in, run_in,
+		             (uint32_t[]){3, 1});
+	}
 	for (int mode = 0; mode < 16; mode++)
 		for (int t = 0; t < NDT; t++) {
 			if (t % 3 != mode % 3 && t != 0)

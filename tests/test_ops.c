@@ -953,6 +953,106 @@ static void test_concat(void **state)
 	done();
 }
 
+/* ---- gather (embedding lookup) ---------------------------------------------- */
+
+static kl_tensor *ap_gather(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_gather(in[0], in[1]);
+}
+
+static void test_gather(void **state)
+{
+	(void)state;
+	static const struct {
+		shp t, i;
+	} cases[] = {
+		{{2, {7, 3}}, {1, {4}}},    {{1, {5}}, {2, {2, 3}}},      {{3, {6, 2, 3}}, {0, {0}}},
+		{{2, {9, 4}}, {1, {0}}},    {{2, {1, 5}}, {2, {3, 2}}},   {{2, {300, 64}}, {2, {4, 50}}},
+		{{3, {4, 1, 2}}, {3, {2, 2, 2}}},
+	};
+	static const kl_dtype dts[] = {KL_F32, KL_F64, KL_F16, KL_BF16, KL_I32, KL_I64, KL_BOOL};
+	uint64_t rs = 77;
+	char w[96];
+	for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+		for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++) {
+			int l = (int)(c + t) % 3;
+			kl_dtype idt = (c + t) % 2 ? KL_I64 : KL_I32;
+			shp ts = cases[c].t, is = cases[c].i;
+			kl_tensor *tab = mk(dts[t], ts, KLTEST_SPECIAL, lay(l));
+			int64_t ni = kl__numel(is.n, is.d), rows = ts.d[0];
+			double *iv = malloc(sizeof(double) * (size_t)(ni + 1));
+			assert_non_null(iv);
+			for (int64_t e = 0; e < ni; e++)
+				iv[e] = (double)(int64_t)(kltest_uniform(&rs) * (double)rows);
+			kl_tensor *idx = kltest_from_values(ctx, idt, is.n, is.d, iv, lay(l + 1));
+			assert_non_null(idx);
+			double *tv = kltest_read(tab);
+			assert_non_null(tv);
+			/* host model: row iv[e] of the table for each index */
+			int64_t row = kl__numel(ts.n - 1, ts.d + 1);
+			int on = is.n; /* idx dims, then the table's row dims */
+			int64_t od[KL_MAX_DIMS];
+			memcpy(od, is.d, sizeof(int64_t) * (size_t)is.n);
+			for (int d = 1; d < ts.n; d++)
+				od[on++] = ts.d[d];
+			double *want = malloc(sizeof(double) * (size_t)(ni * row + 1));
+			assert_non_null(want);
+			for (int64_t e = 0; e < ni; e++)
+				memcpy(want + e * row, tv + (int64_t)iv[e] * row,
+				       sizeof(double) * (size_t)row);
+			kl_tensor *in[2] = {tab, idx};
+			snprintf(w, sizeof w, "kl_gather case#%d %s idx %s (host model)", (int)c,
+			         kl_dtype_name(dts[t]), kl_dtype_name(idt));
+			expect_tensor(w, ap_gather(in, NULL), dts[t], on, od, want, 0);
+			snprintf(w, sizeof w, "kl_gather case#%d %s idx %s", (int)c,
+			         kl_dtype_name(dts[t]), kl_dtype_name(idt));
+			check(w, ap_gather, NULL, 2, in, 0);
+			free(iv);
+			free(tv);
+			free(want);
+		}
+	/* embedding is gather with torch's argument order */
+	kl_tensor *wt = mk(KL_F32, (shp){2, {10, 4}}, KLTEST_NORMAL, KLTEST_CONTIG);
+	kl_tensor *ix = kltest_from_values(ctx, KL_I64, 1, (int64_t[]){3},
+	                                   (double[]){9, 0, 9}, KLTEST_CONTIG);
+	double *wv = kltest_read(wt);
+	assert_non_null(wv);
+	double want[12];
+	for (int e = 0; e < 3; e++)
+		memcpy(want + e * 4, wv + (e == 1 ? 0 : 9) * 4, sizeof(double) * 4);
+	expect_tensor("kl_embedding", kl_embedding(ix, wt), KL_F32, 2, (int64_t[]){3, 4}, want,
+	              0);
+	/* indices out of range are errors naming the value, never a crash */
+	kl_tensor *bad = kltest_from_values(ctx, KL_I32, 1, (int64_t[]){2}, (double[]){3, 10},
+	                                    KLTEST_CONTIG);
+	kl_tensor *neg = kltest_from_values(ctx, KL_I64, 1, (int64_t[]){1}, (double[]){-1},
+	                                    KLTEST_CONTIG);
+	kl_tensor *fl = mk(KL_F32, (shp){1, {2}}, KLTEST_NORMAL, KLTEST_CONTIG);
+	kl_tensor *s0 = kl_scalar(ctx, KL_F32, 1.0);
+	kl_tensor *e0 = mk(KL_F32, (shp){2, {0, 3}}, KLTEST_NORMAL, KLTEST_CONTIG);
+	if (kl_ctx_device(ctx) == KL_CPU) {
+		EXPECT_ERROR(kl_gather(wt, bad), "kl_gather", "index 10", "10 rows");
+		EXPECT_ERROR(kl_embedding(neg, wt), "kl_gather", "index -1");
+	} else {
+		/* device indices are not seen by the host: the kernel clamps them */
+		double cl[8];
+		memcpy(cl, wv + 3 * 4, sizeof(double) * 4);
+		memcpy(cl + 4, wv + 9 * 4, sizeof(double) * 4);
+		expect_tensor("kl_gather clamped", kl_gather(wt, bad), KL_F32, 2,
+		              (int64_t[]){2, 4}, cl, 0);
+	}
+	EXPECT_ERROR(kl_gather(wt, fl), "kl_gather", "f32", "i32 or i64");
+	EXPECT_ERROR(kl_gather(s0, ix), "kl_gather", "[]");
+	EXPECT_ERROR(kl_gather(e0, ix), "kl_gather", "[0,3]", "no rows");
+	EXPECT_ERROR(kl_gather(NULL, ix), "kl_gather", "NULL");
+	free(wv);
+	kl_tensor *made[] = {wt, ix, bad, neg, fl, s0, e0};
+	for (size_t i = 0; i < sizeof made / sizeof made[0]; i++)
+		kl_release(made[i]);
+	done();
+}
+
 /* ---- matmul and linear ------------------------------------------------------ */
 
 /* torch.matmul on the host, in double: 1-D operands become [1,K] / [K,1],
@@ -1568,6 +1668,7 @@ int main(void)
 		cmocka_unit_test_setup(test_argmax, reset),
 		cmocka_unit_test_setup(test_movement, reset),
 		cmocka_unit_test_setup(test_concat, reset),
+		cmocka_unit_test_setup(test_gather, reset),
 		cmocka_unit_test_setup(test_matmul, reset),
 		cmocka_unit_test_setup(test_linear, reset),
 		cmocka_unit_test_setup(test_softmax, reset),

@@ -687,6 +687,66 @@ kl_tensor *kl_contiguous(kl_tensor *a)
 	return kl__dispatch(ctx, &n, &a);
 }
 
+/* index_select on dim 0. The indices are checked here whenever their values
+ * are on the host (a materialized CPU tensor, eager or at trace time), and by
+ * the CPU backend; a generated kernel clamps an index to [0, rows - 1]. */
+kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
+{
+	kl_tensor *in[2] = {table, idx};
+	kl_ctx *ctx = ctx_of("gather", 2, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (idx->dtype != KL_I32 && idx->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: indices have dtype %s, need i32 or i64",
+		        kl_dtype_name(idx->dtype));
+		return NULL;
+	}
+	if (table->ndim < 1 || idx->ndim + table->ndim - 1 > KL_MAX_DIMS) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: table %s and indices %s: the table needs a "
+		        "dim and the result at most %d", shp(b0, table), shp(b1, idx), KL_MAX_DIMS);
+		return NULL;
+	}
+	int64_t nidx = kl__numel(idx->ndim, idx->shape), rows = table->shape[0];
+	if (rows == 0 && nidx > 0) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: table %s has no rows to index with %s",
+		        shp(b0, table), shp(b1, idx));
+		return NULL;
+	}
+	if (idx->st && ctx->device == KL_CPU) {
+		const char *p = kl__tensor_data(idx);
+		for (int64_t e = 0; e < nidx; e++) {
+			int64_t off = 0, r = e;
+			for (int d = idx->ndim - 1; d >= 0; d--) {
+				off += (r % idx->shape[d]) * idx->strides[d];
+				r /= idx->shape[d];
+			}
+			int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
+			                                 : ((const int64_t *)(const void *)p)[off];
+			if (v < 0 || v >= rows) {
+				kl__err(ctx, KL_EINVAL, "kl_gather: index %lld (element %lld) out of "
+				        "range for a table of %lld rows", (long long)v, (long long)e,
+				        (long long)rows);
+				return NULL;
+			}
+		}
+	}
+	int64_t shape[KL_MAX_DIMS];
+	int nd = 0;
+	for (int d = 0; d < idx->ndim; d++)
+		shape[nd++] = idx->shape[d];
+	for (int d = 1; d < table->ndim; d++)
+		shape[nd++] = table->shape[d];
+	kl_node n;
+	node_init(&n, KL_OP_GATHER, table->dtype, nd, shape, 2);
+	return kl__dispatch(ctx, &n, in);
+}
+
+kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight)
+{
+	return kl_gather(weight, idx);
+}
+
 /* Inputs of another dtype are cast to the promoted one first; more inputs
  * than a node holds become a chain (each link takes the previous result
  * and up to KL_NODE_MAX_IN - 1 more). */

@@ -210,6 +210,15 @@ static void emit_ins(rctx *c, int32_t id)
 		kl_sb el = {0};
 		kl__sb_printf(&el, "b%d[", (int)in->buf);
 		put_addr(&el, r, &c->k->ixa, &in->ad);
+		if (in->a >= 0) { /* a gather: the row index clamped into the table */
+			kl__sb_printf(&el, " + (%s < 0 ? 0 : %s >= (", a, a);
+			put_mono(&el, r, &in->grows);
+			kl__sb_printf(&el, ") ? (");
+			put_mono(&el, r, &in->grows);
+			kl__sb_printf(&el, ") - 1 : %s) * (", a);
+			put_mono(&el, r, &in->gst);
+			kl__sb_puts(&el, ")");
+		}
 		kl__sb_puts(&el, "]");
 		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
 		kl__sb_printf(sb, r->load_fmt[in->in_dt], kl__sb_str(&el));

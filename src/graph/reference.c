@@ -513,6 +513,36 @@ static kl_status eval_reduce(ref_state *st, const kl_node *n, double *out)
 
 /* ---- movement ------------------------------------------------------------- */
 
+/* out[i, j] = table[idx[i], j] with i over idx's elements, j over a row */
+static kl_status eval_gather(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 2)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 2", n->nin);
+	const kl_node *t = &st->g->nodes[n->in[0]], *x = &st->g->nodes[n->in[1]];
+	bool ok = t->ndim >= 1 && is_int((kl_dtype)x->dtype) && x->ndim + t->ndim - 1 == n->ndim;
+	for (int d = 0; ok && d < x->ndim; d++)
+		ok = x->shape[d] == n->shape[d];
+	for (int d = 1; ok && d < t->ndim; d++)
+		ok = t->shape[d] == n->shape[x->ndim + d - 1];
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "table %s, indices %s (%s), node %s",
+		                shp(b1, sizeof b1, t), shp(b2, sizeof b2, x),
+		                kl_dtype_name((kl_dtype)x->dtype), shp(b3, sizeof b3, n));
+	const double *tab = st->val[n->in[0]], *ix = st->val[n->in[1]];
+	int64_t nrow = t->shape[0], row = node_numel(t) / (nrow ? nrow : 1);
+	int64_t ni = node_numel(x);
+	for (int64_t i = 0; i < ni; i++) {
+		double v = ix[i];
+		if (!(v >= 0 && v < (double)nrow))
+			return ref_fail(st, KL_EINVAL, "index %.17g (element %lld) out of range for "
+			                "a table of %lld rows", v, (long long)i, (long long)nrow);
+		int64_t r = (int64_t)v;
+		memcpy(out + i * row, tab + r * row, sizeof(double) * (size_t)row);
+	}
+	return KL_OK;
+}
+
 static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96];
@@ -552,6 +582,8 @@ static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
 		}
 		return KL_OK;
 	}
+	if (n->op == KL_OP_GATHER)
+		return eval_gather(st, n, out);
 	if (n->nin != 1)
 		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
 	const kl_node *x = &st->g->nodes[n->in[0]];

@@ -550,6 +550,11 @@ static void prepare(kl_lctx *L)
 		L->mat[o] = 1;
 		L->out_of[o] = j;
 	}
+	/* a gather's table is read at a row only known at run time: from a buffer */
+	for (int32_t n = 0; n < g->n; n++)
+		if (g->nodes[n].op == KL_OP_GATHER && L->live[n] &&
+		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
+			L->mat[g->nodes[n].in[0]] = 1;
 	/* operands of products BLAS cannot address are copied first */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];

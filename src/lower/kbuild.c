@@ -466,6 +466,53 @@ static int32_t eval_concat(kb *b, int32_t n, const int32_t *I)
 	return r;
 }
 
+/* table[idx[I[0..k-1]], I[k..]]: one load whose row is a value */
+static int32_t eval_gather(kb *b, int32_t n, const int32_t *I)
+{
+	const kl_node *x = nd(b, n);
+	int32_t tn = x->in[0], xn = x->in[1];
+	const kl_node *t = nd(b, tn);
+	int k = nd(b, xn)->ndim;
+	char l[64];
+	if (b->L->mem[tn] || (kl__is_view((kl_op)t->op) && !b->L->mat[tn])) {
+		kb_fail(b, "the table of %s must be read from memory", lab(b, n, l, sizeof(l)));
+		return -1;
+	}
+	int32_t row = want(b, eval(b, xn, I), KL_I64);
+	if (row < 0)
+		return -1;
+	int32_t J[KL_MAX_DIMS];
+	J[0] = b->zero;
+	for (int d = 1; d < t->ndim; d++)
+		J[d] = I[k + d - 1];
+	kl_mono st[KL_MAX_DIMS];
+	kl__base_strides(b->L, tn, st);
+	kir_ins in = ins0(KIR_LOAD, kl__compute_dt((kl_dtype)t->dtype));
+	in.in_dt = t->dtype;
+	in.a = row;
+	in.gst = st[0];
+	int32_t s0 = b->L->sym[tn * KL_MAX_DIMS];
+	in.grows = s0 > 0 ? (kl_mono){.c = 1, .ns = 1, .s = {(int8_t)s0}}
+	                  : (kl_mono){.c = t->shape[0], .ns = 0};
+	if (!kl__ix_linearize(&b->k->ixa, t->ndim, J, st, &in.ad)) {
+		kb_fail(b, "index expression too complex");
+		return -1;
+	}
+	if (!b->validate) {
+		in.buf = b->L->bufof[tn];
+		if (in.buf < 0) {
+			kb_fail(b, "internal: %s is read but has no buffer", lab(b, tn, l, sizeof(l)));
+			return -1;
+		}
+	}
+	bool seen = false;
+	for (int32_t i = 0; i < b->nmemo && !seen; i++)
+		seen = b->memo[i].node == tn;
+	if (!seen)
+		b->k->nloads++;
+	return emit(b, in);
+}
+
 static int32_t eval_member(kb *b, int32_t n, const int32_t *I)
 {
 	const kl_node *x = nd(b, n);
@@ -493,6 +540,8 @@ static int32_t eval_member(kb *b, int32_t n, const int32_t *I)
 	case KL_CAT_MOVEMENT: {
 		if (op == KL_OP_CONCAT)
 			return eval_concat(b, n, I);
+		if (op == KL_OP_GATHER)
+			return eval_gather(b, n, I);
 		int32_t J[KL_MAX_DIMS];
 		if (!kl__move_index(b->L, &b->k->ixa, n, I, J)) {
 			kb_fail(b, "index expression too complex");

@@ -103,7 +103,7 @@ bool kl__ix_linearize(kl_ixa *a, int ndim, const int32_t *I, const kl_mono *st, 
 /* ---- instructions ---------------------------------------------------------- */
 
 typedef enum kir_opc {
-	KIR_LOAD,     /* buf at ad, converted to dt's compute type */
+	KIR_LOAD,     /* buf at ad, converted to dt's compute type (a >= 0: a gather, below) */
 	KIR_STORE,    /* a into buf at ad (dt: the buffer's dtype) */
 	KIR_CONST,    /* k as dt */
 	KIR_INDEX,    /* the int64 value of address ad */
@@ -136,6 +136,9 @@ typedef struct kir_ins {
 	double k;
 	uint64_t seed;
 	kir_addr ad;
+	/* KIR_LOAD with a >= 0 (a gather): the address is ad plus
+	 * clamp(a, 0, grows - 1) * gst, a the row index (an int value) */
+	kl_mono gst, grows;
 } kir_ins;
 
 typedef struct kir_kernel {

@@ -89,7 +89,7 @@ static inline bool kl__is_reduction(const kl_node *x)
 }
 static inline bool kl__is_view(kl_op op)
 {
-	return kl__ops[op].cat == KL_CAT_MOVEMENT && op != KL_OP_CONCAT;
+	return kl__ops[op].cat == KL_CAT_MOVEMENT && op != KL_OP_CONCAT && op != KL_OP_GATHER;
 }
 /* follow views down to the node whose buffer they read (a view that is
  * itself materialized is read from its own buffer) */

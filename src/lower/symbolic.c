@@ -203,6 +203,14 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 	case KL_OP_CONTIGUOUS:
 		same(u, x->in[0], n);
 		return;
+	case KL_OP_GATHER: { /* idx's dims lead, the table's row dims follow */
+		int k = u->g->nodes[x->in[1]].ndim;
+		for (int d = 0; d < k; d++)
+			join(u, x->in[1], d, n, d);
+		for (int d = 1; d < u->g->nodes[x->in[0]].ndim; d++)
+			join(u, x->in[0], d, n, k + d - 1);
+		return;
+	}
 	default:
 		return;
 	}

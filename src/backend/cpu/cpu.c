@@ -170,6 +170,8 @@ static kl_status cpu_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, k
 			return kl__cpu_contiguous(ctx, n, in, out);
 		if (n->op == KL_OP_CONCAT)
 			return kl__cpu_concat(ctx, n, in, out);
+		if (n->op == KL_OP_GATHER)
+			return kl__cpu_gather(ctx, n, in, out);
 		break;
 	}
 	return kl__err(ctx, KL_EUNSUPPORTED, "kl_%s: not an op the cpu backend executes (views and "

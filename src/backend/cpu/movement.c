@@ -260,3 +260,69 @@ kl_status kl__cpu_concat(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	}
 	return KL_OK;
 }
+
+/* The index of element e (row-major over idx's shape) read through its strides. */
+static int64_t gather_index(const kl_tensor *idx, int64_t e)
+{
+	int64_t off = 0;
+	for (int d = idx->ndim - 1; d >= 0; d--) {
+		int64_t i = e % idx->shape[d];
+		e /= idx->shape[d];
+		off += i * idx->strides[d];
+	}
+	const char *p = kl__tensor_data(idx);
+	if (idx->dtype == KL_I32)
+		return ((const int32_t *)(const void *)p)[off];
+	return ((const int64_t *)(const void *)p)[off];
+}
+
+kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 2 || !in[0] || !in[1] || !in[0]->st || !in[1]->st)
+		return kl__err(ctx, KL_EINVAL, "kl_gather: cpu kernel expects two materialized "
+		               "inputs");
+	const kl_tensor *tab = in[0], *idx = in[1];
+	bool ok = tab->ndim >= 1 && (idx->dtype == KL_I32 || idx->dtype == KL_I64) &&
+	          idx->ndim + tab->ndim - 1 == n->ndim && tab->dtype == out->dtype;
+	for (int d = 0; ok && d < idx->ndim; d++)
+		ok = idx->shape[d] == n->shape[d];
+	for (int d = 1; ok && d < tab->ndim; d++)
+		ok = tab->shape[d] == n->shape[idx->ndim + d - 1];
+	if (!ok)
+		return kl__err(ctx, KL_EINVAL, "kl_gather: table %s %s and indices %s %s do not "
+		               "give %s", kl__shape_str(b1, sizeof b1, tab->ndim, tab->shape),
+		               kl_dtype_name(tab->dtype),
+		               kl__shape_str(b2, sizeof b2, idx->ndim, idx->shape),
+		               kl_dtype_name(idx->dtype),
+		               kl__shape_str(b3, sizeof b3, n->ndim, n->shape));
+	int64_t nidx = kl__numel(idx->ndim, idx->shape), rows = tab->shape[0];
+	/* every index is checked before anything is written */
+	for (int64_t e = 0; e < nidx; e++) {
+		int64_t v = gather_index(idx, e);
+		if (v < 0 || v >= rows)
+			return kl__err(ctx, KL_EINVAL, "kl_gather: index %lld (element %lld) out of "
+			               "range for a table of %lld rows", (long long)v, (long long)e,
+			               (long long)rows);
+	}
+	/* one row of the table: shape [1] for a 1-D table (strided_copy of one element) */
+	int rnd = tab->ndim - 1 > 0 ? tab->ndim - 1 : 1;
+	int64_t rshape[KL_MAX_DIMS], rst[KL_MAX_DIMS], ost[KL_MAX_DIMS];
+	rshape[0] = 1;
+	rst[0] = 1;
+	for (int d = 1; d < tab->ndim; d++) {
+		rshape[d - 1] = tab->shape[d];
+		rst[d - 1] = tab->strides[d];
+	}
+	kl__contig_strides(rnd, rshape, ost);
+	int64_t rowlen = kl__numel(rnd, rshape);
+	size_t es = kl_dtype_size(tab->dtype);
+	char *o = kl__tensor_data(out);
+	const char *t = kl__tensor_data(tab);
+	for (int64_t e = 0; e < nidx; e++) {
+		int64_t v = gather_index(idx, e);
+		strided_copy(ctx, o + e * rowlen * (int64_t)es, out->dtype, ost,
+		             t + v * tab->strides[0] * (int64_t)es, tab->dtype, rst, rnd, rshape);
+	}
+	return KL_OK;
+}

@@ -182,7 +182,8 @@ static kl_status one_node_graph(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 		y.in[i] = i;
 	memset(y.strides, 0, sizeof y.strides);
 	int32_t id = kl__graph_add(g, &y);
-	if (id >= 0 && kl__ops[n->op].cat == KL_CAT_MOVEMENT && n->op != KL_OP_CONCAT) {
+	if (id >= 0 && kl__ops[n->op].cat == KL_CAT_MOVEMENT && n->op != KL_OP_CONCAT &&
+	    n->op != KL_OP_GATHER) {
 		/* a view as a graph's output would alias its input: a cast to its
 		 * own dtype makes the kernel that gathers it into out */
 		kl_node c;
