@@ -254,6 +254,11 @@ kl_tensor *kl_log_softmax(kl_tensor *a, int axis);
 /* normalize over the last dim; weight and bias ([last dim]) may be NULL */
 kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps);
 kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
+/* Scaled dot-product attention, one fused op: softmax(q k^T * scale) v over
+ * q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] with equal batch dims and
+ * one float dtype (mixed ones promote). causal: query i sees key j iff
+ * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv]. */
+kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
 
 /* ---- compilation (kl_compile) -------------------------------------------- */
 

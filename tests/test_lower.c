@@ -23,6 +23,7 @@
 #include "codegen/render.h"
 #include "core/core.h"
 #include "graph/reference.h"
+#include "backend/cpu/cpu.h"
 #include "kltest.h"
 #include "lower/lower.h"
 #include "runtime/compiled.h"
@@ -247,6 +248,12 @@ static void run_program(const kl_program *P, void *so, const char *prefix, const
 		const kl_step *sp = &P->steps[s];
 		if (sp->kind == KL_STEP_MATMUL) {
 			naive_matmul(P, &sp->mm, B);
+			continue;
+		}
+		if (sp->kind == KL_STEP_ATTENTION) {
+			const kl_attn_step *at = &sp->at;
+			assert_true(kl__cpu_attention(at, P->bufs[at->o].dtype, B[at->q], B[at->k],
+			                              B[at->v], B[at->o]));
 			continue;
 		}
 		char name[64];

@@ -1067,3 +1067,62 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
 {
 	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
 }
+
+kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
+{
+	kl_tensor *in[3] = {q, k, v};
+	kl_ctx *ctx = ctx_of("sdpa", 3, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB], b2[SB];
+	kl_dtype dt = kl_promote_types(kl_promote_types(q->dtype, k->dtype), v->dtype);
+	if (!kl_dtype_is_float(dt)) {
+		not_float(ctx, "sdpa", dt);
+		return NULL;
+	}
+	if (!isfinite(scale)) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa: scale %g must be finite", scale);
+		return NULL;
+	}
+	int nd = q->ndim;
+	bool ok = nd >= 2 && k->ndim == nd && v->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = k->shape[d] == q->shape[d] && v->shape[d] == q->shape[d];
+	if (!ok) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_sdpa: q %s, k %s and v %s need the same rank (>= 2) and batch dims",
+		        shp(b0, q), shp(b1, k), shp(b2, v));
+		return NULL;
+	}
+	if (k->shape[nd - 1] != q->shape[nd - 1] || v->shape[nd - 2] != k->shape[nd - 2]) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_sdpa: q %s, k %s and v %s do not match (q and k share the head dim "
+		        "%lld, k and v the key count %lld)",
+		        shp(b0, q), shp(b1, k), shp(b2, v), (long long)q->shape[nd - 1],
+		        (long long)k->shape[nd - 2]);
+		return NULL;
+	}
+	kl_tensor *args[3] = {q, k, v};
+	bool owned[3] = {false, false, false};
+	kl_tensor *r = NULL;
+	for (int i = 0; i < 3; i++)
+		if (in[i]->dtype != dt) {
+			args[i] = kl_cast(in[i], dt);
+			if (!args[i])
+				goto done;
+			owned[i] = true;
+		}
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, q->shape, sizeof(int64_t) * (size_t)nd);
+	shape[nd - 1] = v->shape[nd - 1];
+	kl_node n;
+	node_init(&n, KL_OP_ATTENTION, dt, nd, shape, 3);
+	n.a.s[0] = scale;
+	n.a.flags = causal ? KL_F_CAUSAL : 0;
+	r = kl__dispatch(ctx, &n, args);
+done:
+	for (int i = 0; i < 3; i++)
+		if (owned[i])
+			kl__tensor_discard(args[i]);
+	return r;
+}

@@ -177,6 +177,10 @@ static void print_attrs(const kl_node *n, FILE *f)
 		}
 		break;
 	case KL_CAT_COMPOSITE:
+		if (n->op == KL_OP_ATTENTION) {
+			fprintf(f, " scale=%.9g causal=%d", a->s[0], (a->flags & KL_F_CAUSAL) != 0);
+			break;
+		}
 		fprintf(f, " axis=%d", (int)a->axis);
 		if (n->op == KL_OP_LAYER_NORM || n->op == KL_OP_RMS_NORM)
 			fprintf(f, " eps=%.9g flags=%u", a->s[0], (unsigned)a->flags);

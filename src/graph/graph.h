@@ -50,12 +50,13 @@ static inline bool kl__op_pointwise(kl_op op)
 /* attrs.flags */
 #define KL_F_HAS_WEIGHT 1u /* layer_norm / rms_norm: a weight input follows x */
 #define KL_F_HAS_BIAS 2u   /* layer_norm: a bias input follows */
+#define KL_F_CAUSAL 4u     /* sdpa: causal mask, aligned to the last key */
 
 /* Inline attributes; which fields mean what is said per op in ops.def.
  * Unused fields stay zero so that hashing and comparing the whole struct
  * is exact. */
 typedef struct kl_attrs {
-	double s[2];             /* scalars: rhs scalar, clamp lo/hi, eps, fill, arange start/step */
+	double s[2];             /* scalars: rhs scalar, clamp lo/hi, eps, fill, arange start/step, sdpa scale */
 	int64_t v[KL_MAX_DIMS];  /* perm, slice start/stop/step */
 	uint64_t seed;           /* rand, randn */
 	uint32_t axes;           /* reductions: bit i = input dim i */

@@ -400,6 +400,18 @@ static double sum_exact(const double *x, int64_t n)
 	return isfinite(s) ? s + c : s;
 }
 
+/* sum of x[i] * y[i], compensated like sum_exact */
+static double sum_exact_dot(const double *x, const double *y, int64_t n)
+{
+	double acc = 0, c = 0;
+	for (int64_t i = 0; i < n; i++) {
+		double p = x[i] * y[i], t = acc + p;
+		c += fabs(acc) >= fabs(p) ? (acc - t) + p : (p - t) + acc;
+		acc = t;
+	}
+	return acc + c;
+}
+
 static double reduce_row(const kl_node *n, const double *x, int64_t len)
 {
 	kl_dtype dt = (kl_dtype)n->dtype;
@@ -706,6 +718,67 @@ static kl_status eval_matmul(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
+/* softmax(q k^T * scale [+ causal mask]) v, in double; a query row with no
+ * allowed key is NaN, as the same math written out gives (0 / 0) */
+static kl_status eval_attention(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 3)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 3", n->nin);
+	const kl_node *q = &st->g->nodes[n->in[0]], *k = &st->g->nodes[n->in[1]],
+	              *v = &st->g->nodes[n->in[2]];
+	int nd = n->ndim;
+	bool ok = nd >= 2 && q->ndim == nd && k->ndim == nd && v->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = q->shape[d] == n->shape[d] && k->shape[d] == n->shape[d] &&
+		     v->shape[d] == n->shape[d];
+	if (ok)
+		ok = q->shape[nd - 2] == n->shape[nd - 2] && k->shape[nd - 1] == q->shape[nd - 1] &&
+		     v->shape[nd - 2] == k->shape[nd - 2] && v->shape[nd - 1] == n->shape[nd - 1];
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "q %s, k %s and v %s do not give %s",
+		                shp(b1, sizeof b1, q), shp(b2, sizeof b2, k), shp(b3, sizeof b3, v),
+		                shp(b3, sizeof b3, n));
+	int64_t Tq = q->shape[nd - 2], Tk = k->shape[nd - 2], D = q->shape[nd - 1],
+	        Dv = v->shape[nd - 1];
+	int64_t batch = kl__numel(nd - 2, n->shape);
+	bool causal = (n->a.flags & KL_F_CAUSAL) != 0;
+	double scale = n->a.s[0];
+	double *p = malloc(sizeof(double) * (size_t)(Tk > 0 ? Tk : 1));
+	if (!p)
+		return ref_fail(st, KL_ENOMEM, "out of memory");
+	const double *Q = st->val[n->in[0]], *K = st->val[n->in[1]], *V = st->val[n->in[2]];
+	for (int64_t b = 0; b < batch; b++) {
+		const double *Qb = Q + b * Tq * D, *Kb = K + b * Tk * D, *Vb = V + b * Tk * Dv;
+		double *O = out + b * Tq * Dv;
+		for (int64_t i = 0; i < Tq; i++) {
+			int64_t last = causal ? i + (Tk - Tq) : Tk - 1; /* last allowed key */
+			if (last > Tk - 1)
+				last = Tk - 1;
+			double m = -INFINITY;
+			for (int64_t j = 0; j <= last; j++) {
+				p[j] = scale * sum_exact_dot(Qb + i * D, Kb + j * D, D);
+				if (p[j] > m || isnan(p[j]))
+					m = isnan(m) ? m : p[j];
+			}
+			for (int64_t j = 0; j <= last; j++)
+				p[j] = exp(p[j] - m);
+			double l = last >= 0 ? sum_exact(p, last + 1) : 0;
+			for (int64_t c = 0; c < Dv; c++) {
+				double acc = 0, cc = 0;
+				for (int64_t j = 0; j <= last; j++) {
+					double t = p[j] * Vb[j * Dv + c], u = acc + t;
+					cc += fabs(acc) >= fabs(t) ? (acc - u) + t : (t - u) + acc;
+					acc = u;
+				}
+				O[i * Dv + c] = last >= 0 ? (acc + cc) / l : NAN;
+			}
+		}
+	}
+	free(p);
+	return KL_OK;
+}
+
 static kl_status eval_softmax(ref_state *st, const kl_node *n, double *out)
 {
 	if (n->nin != 1)
@@ -869,7 +942,8 @@ static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs
 	case KL_CAT_MOVEMENT: s = eval_movement(st, n, out); break;
 	case KL_CAT_CONTRACT: s = eval_matmul(st, n, out); break;
 	case KL_CAT_COMPOSITE:
-		s = (n->op == KL_OP_SOFTMAX || n->op == KL_OP_LOG_SOFTMAX)
+		s = n->op == KL_OP_ATTENTION ? eval_attention(st, n, out)
+		    : (n->op == KL_OP_SOFTMAX || n->op == KL_OP_LOG_SOFTMAX)
 		            ? eval_softmax(st, n, out)
 		            : eval_norm(st, n, out);
 		break;

@@ -204,6 +204,107 @@ static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 	return red(d, KL_OP_SUM, bin(d, KL_OP_MUL, a, b), 1u << k, false);
 }
 
+static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in);
+
+static bool any_sym(const dctx *d, const int32_t *src_ids, int n)
+{
+	const int32_t *sym = d->L->src_sym;
+	for (int i = 0; sym && i < n; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (sym[src_ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+/* a product of lowered a and b through the MATMUL rules (src ids for the
+ * dynamic-dim check) */
+static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
+{
+	if (a < 0 || b < 0)
+		return -1;
+	const kl_node *x = nd(d, a), *y = nd(d, b);
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, x->shape, sizeof(shape));
+	shape[x->ndim - 1] = y->shape[y->ndim - 1];
+	kl_node m = mk(KL_OP_MATMUL, (kl_dtype)x->dtype, x->ndim, shape, 2);
+	m.in[0] = sa;
+	m.in[1] = sb;
+	int32_t in[2] = {a, b};
+	return decompose_one(d, &m, in);
+}
+
+/* sdpa: one ATTENTION node whose operands are dense-row views (CONTIGUOUS:
+ * a copy only when the scheduler finds the layout unreadable), or, when the
+ * target lacks the step, its dims are dynamic or the CUDA kernels do not
+ * cover its head dim, the same math in primitives:
+ * softmax(where(causal, q k^T * scale, -inf)) v. src_in: src ids of q, k, v. */
+static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int32_t *src_in)
+{
+	kl_dtype D = (kl_dtype)s->dtype;
+	int rk = s->ndim;
+	int32_t ids[4] = {d->cur, src_in[0], src_in[1], src_in[2]};
+	int64_t hd = nd(d, in[0])->shape[rk - 1];
+	bool cuda_wide = d->L->o->target == KL_TARGET_CUDA && (hd > 256 || s->shape[rk - 1] > 256);
+	if (!d->L->o->no_attention && !cuda_wide && !any_sym(d, ids, 4)) {
+		kl_node n = *s;
+		n.op = KL_OP_ATTENTION;
+		n.nin = 3;
+		for (int i = 0; i < 3; i++) {
+			int32_t x = cast(d, in[i], D);
+			if (x < 0)
+				return -1;
+			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			c.in[0] = x;
+			n.in[i] = add(d, &c);
+		}
+		return add(d, &n);
+	}
+	int32_t q = cast(d, in[0], D), k = cast(d, in[1], D), v = cast(d, in[2], D);
+	if (k < 0)
+		return -1;
+	kl_node p = mk(KL_OP_PERMUTE, D, rk, nd(d, k)->shape, 1);
+	for (int i = 0; i < rk; i++)
+		p.a.v[i] = i;
+	p.a.v[rk - 2] = rk - 1;
+	p.a.v[rk - 1] = rk - 2;
+	p.shape[rk - 2] = nd(d, k)->shape[rk - 1];
+	p.shape[rk - 1] = nd(d, k)->shape[rk - 2];
+	p.in[0] = k;
+	int32_t kt = add(d, &p);
+	int32_t sc = bin_s(d, KL_OP_MUL, product_of(d, q, kt, src_in[0], src_in[1]), s->a.s[0]);
+	if (sc < 0)
+		return -1;
+	if (s->a.flags & KL_F_CAUSAL) {
+		int64_t tq = nd(d, sc)->shape[rk - 2], tk = nd(d, sc)->shape[rk - 1];
+		int64_t sh[2] = {tq, 1};
+		kl_node ai = mk(KL_OP_ARANGE, KL_I64, 1, &tq, 0);
+		ai.a.s[1] = 1;
+		kl_node aj = mk(KL_OP_ARANGE, KL_I64, 1, &tk, 0);
+		aj.a.s[1] = 1;
+		/* key j allowed iff i + (tk - tq) >= j */
+		int32_t i = bin_s(d, KL_OP_ADD, view(d, KL_OP_RESHAPE, add(d, &ai), 2, sh),
+		                  (double)(tk - tq));
+		int32_t msk = bin(d, KL_OP_GE, i, add(d, &aj));
+		if (msk >= 0)
+			d->L->g.nodes[msk].dtype = KL_BOOL;
+		kl_node f = mk(KL_OP_FULL, D, 0, NULL, 0);
+		f.a.s[0] = -INFINITY;
+		int32_t fill = add(d, &f);
+		if (msk < 0 || fill < 0)
+			return -1;
+		kl_node w = mk(KL_OP_WHERE, D, rk, nd(d, sc)->shape, 3);
+		w.in[0] = msk;
+		w.in[1] = sc;
+		w.in[2] = fill;
+		sc = add(d, &w);
+	}
+	kl_node sm = mk(KL_OP_SOFTMAX, D, rk, sc >= 0 ? nd(d, sc)->shape : s->shape, 1);
+	sm.a.axis = rk - 1;
+	int32_t pin[1] = {sc};
+	int32_t pr = sc >= 0 ? decompose_one(d, &sm, pin) : -1;
+	return product_of(d, pr, v, src_in[0], src_in[2]);
+}
+
 static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 {
 	kl_dtype D = (kl_dtype)s->dtype, C = work_dt(D);
@@ -279,6 +380,8 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		}
 		return add(d, &n);
 	}
+	case KL_OP_ATTENTION:
+		return attention(d, s, in, s->in);
 	default: {
 		kl_node n = *s;
 		for (int i = 0; i < s->nin; i++)
@@ -302,6 +405,17 @@ kl_status kl__decompose(kl_lctx *L)
 		for (int j = 0; j < s->nin; j++)
 			in[j] = map[s->in[j]];
 		d.cur = i;
+		const kl_attn_match *am = L->am ? &L->am[i] : NULL;
+		if (am && am->q >= 0) {
+			/* hand-written attention ending here (attention.c) */
+			kl_node a = mk(KL_OP_ATTENTION, (kl_dtype)s->dtype, s->ndim, s->shape, 3);
+			a.a.s[0] = am->scale;
+			a.a.flags = am->causal ? KL_F_CAUSAL : 0;
+			int32_t src_in[3] = {am->q, am->k, am->v};
+			int32_t ain[3] = {map[am->q], map[am->k], map[am->v]};
+			map[i] = attention(&d, &a, ain, src_in);
+			continue;
+		}
 		map[i] = decompose_one(&d, s, in);
 	}
 	for (int32_t i = 0; i < g->ninputs && !d.oom; i++)

@@ -30,8 +30,7 @@ const char *kl__node_label(const kl_lctx *L, int32_t n, char *buf, size_t cap)
 	return buf;
 }
 
-static void logf_(kl_lctx *L, const char *fmt, ...) KL_PRINTF(2, 3);
-static void logf_(kl_lctx *L, const char *fmt, ...)
+void kl__lower_logf(kl_lctx *L, const char *fmt, ...)
 {
 	char line[512];
 	va_list ap;
@@ -555,15 +554,19 @@ static void prepare(kl_lctx *L)
 		if (g->nodes[n].op == KL_OP_GATHER && L->live[n] &&
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
-	/* operands of products BLAS cannot address are copied first */
+	/* operands of products BLAS cannot address are copied first; attention
+	 * reads rows whose elements are adjacent */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
-		if (x->op != KL_OP_MATMUL || !L->live[n])
+		bool att = x->op == KL_OP_ATTENTION;
+		if ((x->op != KL_OP_MATMUL && !att) || !L->live[n])
 			continue;
-		for (int i = 0; i < 2; i++) {
+		for (int i = 0; i < x->nin; i++) {
 			int32_t c = x->in[i], base;
 			int64_t st[KL_MAX_DIMS], off;
-			if (!kl__view_of(L, c, &base, st, &off))
+			if (!kl__view_of(L, c, &base, st, &off) ||
+			    (att && g->nodes[c].shape[g->nodes[c].ndim - 1] > 1 &&
+			     st[g->nodes[c].ndim - 1] != 1))
 				L->mat[c] = 1;
 		}
 	}
@@ -584,7 +587,7 @@ static bool schedule_node(sched *s, int32_t n)
 	L->home[n] = si;
 	if (!g_push(S, n, false))
 		return false;
-	if (x->op == KL_OP_MATMUL) {
+	if (x->op == KL_OP_MATMUL || x->op == KL_OP_ATTENTION) {
 		S->matmul = true;
 		return true;
 	}
@@ -607,9 +610,11 @@ static bool schedule_node(sched *s, int32_t n)
 		if (pg == si || !L->gr[pg].alive)
 			continue;
 		if (L->gr[pg].matmul) {
-			logf_(L, "refused %s into %s: %s", kl__node_label(L, n, l1, sizeof(l1)),
+			kl__lower_logf(L, "refused %s into %s: %s", kl__node_label(L, n, l1, sizeof(l1)),
 			      kl__node_label(L, L->gr[pg].first, l2, sizeof(l2)),
-			      L->o->target == KL_TARGET_C
+			      L->g.nodes[L->gr[pg].first].op == KL_OP_ATTENTION
+			              ? "the attention step has no epilogues"
+			      : L->o->target == KL_TARGET_C
 			              ? "the C target has no GEMM epilogues (BLAS computes the product)"
 			              : "cuBLASLt epilogues are not implemented yet");
 			continue;
@@ -619,7 +624,7 @@ static bool schedule_node(sched *s, int32_t n)
 			continue;
 		}
 		if (L->o->fusion)
-			logf_(L, "refused %s into the kernel of %s: %s",
+			kl__lower_logf(L, "refused %s into the kernel of %s: %s",
 			      kl__node_label(L, n, l1, sizeof(l1)),
 			      kl__node_label(L, L->gr[pg].first, l2, sizeof(l2)), why);
 	}
@@ -632,7 +637,7 @@ static bool schedule_node(sched *s, int32_t n)
 			continue;
 		if (try_copy(s, si, b, why, sizeof(why)))
 			continue;
-		logf_(L, "%s reads %s from memory, not recomputed: %s",
+		kl__lower_logf(L, "%s reads %s from memory, not recomputed: %s",
 		      kl__node_label(L, n, l1, sizeof(l1)), kl__node_label(L, b, l2, sizeof(l2)), why);
 	}
 	return true;
@@ -705,7 +710,7 @@ static kl_status finish(sched *s)
 				g_free(G);
 				changed = true;
 			} else if (nst > MAX_WRITES && !G->matmul) {
-				logf_(L, "split the kernel of %s: it would store %d values (at most %d)",
+				kl__lower_logf(L, "split the kernel of %s: it would store %d values (at most %d)",
 				      kl__node_label(L, G->first, l, sizeof(l)), nst, MAX_WRITES);
 				if (!dissolve(L, gi))
 					return KL_ENOMEM;
@@ -800,7 +805,7 @@ kl_status kl__schedule(kl_lctx *L)
 	}
 	prepare(L);
 	if (!L->o->fusion)
-		logf_(L, "fusion is off: every op is its own kernel");
+		kl__lower_logf(L, "fusion is off: every op is its own kernel");
 	for (int32_t i = 0; i < g->n; i++) {
 		const kl_node *x = &g->nodes[i];
 		if (!L->live[i] || x->op == KL_OP_INPUT || (kl__is_view((kl_op)x->op) && !L->mat[i]))

@@ -15,7 +15,7 @@
  * here because that is cheaper than a round trip through memory). */
 typedef struct kl_group {
 	bool alive;
-	bool matmul; /* a library product: the one member is the MATMUL node */
+	bool matmul; /* a library step: the one member is the MATMUL (or ATTENTION) node */
 	int ndim;
 	int64_t F[KL_MAX_DIMS];
 	int32_t Fsym[KL_MAX_DIMS];
@@ -26,11 +26,21 @@ typedef struct kl_group {
 	int32_t first; /* first home member, names the kernel in the log */
 } kl_group;
 
+/* a hand-written attention that ends at a product (attention.c) */
+typedef struct kl_attn_match {
+	int32_t q, k, v; /* src nodes; q < 0: no match */
+	double scale;
+	bool causal;
+	int32_t chain[8]; /* the src nodes it replaces, the product first */
+	int nchain;
+} kl_attn_match;
+
 typedef struct kl_lctx {
 	const kl_lower_opts *o;
 	const kl_graph *src; /* the caller's graph */
 	kl_graph g;          /* decomposed */
 	int32_t *orig;       /* g node -> src node */
+	kl_attn_match *am;   /* per src node: attention ending at this product */
 	int32_t *src_sym;    /* symbols of src (NULL: static), decides how products lower */
 	int32_t *sym;        /* g.n * KL_MAX_DIMS */
 	int32_t nsyms;
@@ -52,6 +62,12 @@ typedef struct kl_lctx {
 	char *err;
 	size_t errcap;
 } kl_lctx;
+
+/* one line of the fusion log (and KL_LOG_FUSION) */
+void kl__lower_logf(kl_lctx *L, const char *fmt, ...) KL_PRINTF(2, 3);
+
+/* attention.c: L->am, hand-written attention in src (logged either way) */
+kl_status kl__attention_match(kl_lctx *L);
 
 /* decompose.c: L->g and L->orig from src */
 kl_status kl__decompose(kl_lctx *L);

@@ -24,6 +24,7 @@ static void lctx_free(kl_lctx *L)
 {
 	kl__graph_free(&L->g);
 	free(L->orig);
+	free(L->am);
 	free(L->src_sym);
 	free(L->sym);
 	free(L->live);
@@ -241,6 +242,86 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
 	return KL_OK;
 }
 
+/* the src nodes an attention step computes: a hand-written pattern's chain */
+static void add_attention_nodes(const kl_lctx *L, int32_t n, kl_step *sp)
+{
+	int32_t o = L->orig[n];
+	const kl_attn_match *am = L->am ? &L->am[o] : NULL;
+	if (am && am->q >= 0)
+		for (int i = 0; i < am->nchain; i++)
+			add_node(sp, am->chain[i]);
+	else
+		add_node(sp, o);
+}
+
+static kl_status attention_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
+{
+	const kl_node *x = &L->g.nodes[n];
+	kl_attn_step *a = &sp->at;
+	int r = x->ndim;
+	int64_t st[3][KL_MAX_DIMS], off[3], so[KL_MAX_DIMS];
+	int32_t ids[3];
+	for (int i = 0; i < 3; i++)
+		if (!operand(L, x->in[i], &ids[i], st[i], &off[i])) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: attention operand layout");
+			return KL_EINVAL;
+		}
+	a->q = ids[0];
+	a->k = ids[1];
+	a->v = ids[2];
+	a->o = L->bufof[n];
+	kl__contig_strides(r, x->shape, so);
+	a->tq = x->shape[r - 2];
+	a->dv = x->shape[r - 1];
+	a->tk = L->g.nodes[x->in[1]].shape[r - 2];
+	a->d = L->g.nodes[x->in[0]].shape[r - 1];
+	a->q_off = off[0];
+	a->k_off = off[1];
+	a->v_off = off[2];
+	a->q_rs = st[0][r - 2];
+	a->q_cs = st[0][r - 1];
+	a->k_rs = st[1][r - 2];
+	a->k_cs = st[1][r - 1];
+	a->v_rs = st[2][r - 2];
+	a->v_cs = st[2][r - 1];
+	a->o_rs = a->dv;
+	a->scale = x->a.s[0];
+	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
+	double batch = 1;
+	for (int d = 0; d < r - 2; d++) {
+		if (x->shape[d] == 1)
+			continue;
+		int i = a->nbatch++;
+		a->batch[i] = x->shape[d];
+		a->q_bs[i] = st[0][d];
+		a->k_bs[i] = st[1][d];
+		a->v_bs[i] = st[2][d];
+		a->o_bs[i] = so[d];
+		batch *= (double)x->shape[d];
+	}
+	for (int i = 0; i < 3; i++)
+		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
+	sp->writes[0] = a->o;
+	sp->nwrites = 1;
+	/* two products; a causal mask skips about half of them */
+	double pairs = (double)a->tq * (double)a->tk;
+	if (a->causal) {
+		double lo = (double)(a->tk - a->tq); /* query i sees min(tk, max(0, i + lo + 1)) keys */
+		pairs = 0;
+		for (int64_t i = 0; i < a->tq; i++) {
+			double c = (double)i + lo + 1;
+			pairs += c < 0 ? 0 : c > (double)a->tk ? (double)a->tk : c;
+		}
+	}
+	sp->flops = 2.0 * batch * pairs * (double)(a->d + a->dv);
+	for (int i = 0; i < 3; i++)
+		sp->bytes += bytes_of(P, ids[i]);
+	sp->bytes += bytes_of(P, a->o);
+	snprintf(sp->what, sizeof(sp->what), "attention %.0fx%lldx%lldx%lld%s", batch,
+	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "");
+	return KL_OK;
+}
+
 static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
 {
 	static const kl_op rows[] = {KL_OP_SOFTMAX, KL_OP_LOG_SOFTMAX, KL_OP_LAYER_NORM,
@@ -353,7 +434,12 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 	for (int32_t k = 0; k < L->norder && st == KL_OK; k++) {
 		const kl_group *G = &L->gr[L->order[k]];
 		kl_step *sp = &P->steps[P->nsteps++];
-		if (G->matmul) {
+		if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION) {
+			sp->kind = KL_STEP_ATTENTION;
+			sp->kernel = -1;
+			add_attention_nodes(L, G->m[0], sp);
+			st = attention_step(L, P, G->m[0], sp);
+		} else if (G->matmul) {
 			sp->kind = KL_STEP_MATMUL;
 			sp->kernel = -1;
 			add_node(sp, L->orig[G->m[0]]);
@@ -410,7 +496,9 @@ kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, 
 			goto done;
 		}
 	}
-	st = kl__decompose(&L);
+	st = kl__attention_match(&L);
+	if (st == KL_OK)
+		st = kl__decompose(&L);
 	if (st == KL_OK)
 		st = kl__symbolize_lowered(&L);
 	if (st == KL_OK)

@@ -39,7 +39,8 @@ typedef struct kl_buf {
 
 typedef enum kl_step_kind {
 	KL_STEP_KERNEL, /* generated kernel: fn(bufs, ints) */
-	KL_STEP_MATMUL  /* library matrix product (BLAS / cuBLASLt) */
+	KL_STEP_MATMUL, /* library matrix product (BLAS / cuBLASLt) */
+	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention.c; CUDA: backend/cuda/attention.c) */
 } kl_step_kind;
 
 /* C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] over a batch, where each
@@ -57,12 +58,30 @@ typedef struct kl_matmul_step {
 	double alpha, beta;
 } kl_matmul_step;
 
+/* O[b] = softmax(Q[b] K[b]^T * scale [+ causal mask]) V[b]: Q is tq x d, K
+ * tk x d, V tk x dv, O tq x dv (dense rows, o_rs = dv). Operands are addressed
+ * by element offset, row and column strides and per batch-dim strides; the
+ * batch spans nbatch dims. causal: key j is allowed for query i iff
+ * j <= i + (tk - tq). All four buffers have one float dtype. */
+typedef struct kl_attn_step {
+	int32_t q, k, v, o; /* buffer ids */
+	int64_t tq, tk, d, dv;
+	int nbatch;
+	int64_t batch[KL_MAX_DIMS];
+	int64_t q_bs[KL_MAX_DIMS], k_bs[KL_MAX_DIMS], v_bs[KL_MAX_DIMS], o_bs[KL_MAX_DIMS];
+	int64_t q_off, k_off, v_off;
+	int64_t q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
+	double scale;
+	int32_t causal;
+} kl_attn_step;
+
 #define KL_STEP_MAX_NODES 64
 
 typedef struct kl_step {
 	kl_step_kind kind;
 	int32_t kernel;      /* KERNEL: index into program.kernel_names */
 	kl_matmul_step mm;   /* MATMUL */
+	kl_attn_step at;     /* ATTENTION */
 	/* buffers this step reads and writes (for liveness and explain) */
 	int32_t reads[KL_NODE_MAX_IN * 2];
 	int32_t nreads;

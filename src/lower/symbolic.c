@@ -150,6 +150,20 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 		return;
 	}
 	case KL_CAT_COMPOSITE:
+		if (op == KL_OP_ATTENTION) {
+			int32_t q = x->in[0], k = x->in[1], v = x->in[2];
+			int r = x->ndim;
+			for (int d = 0; d < r - 2; d++) {
+				join(u, q, d, n, d);
+				join(u, k, d, n, d);
+				join(u, v, d, n, d);
+			}
+			join(u, q, r - 2, n, r - 2);
+			join(u, q, r - 1, k, r - 1);
+			join(u, k, r - 2, v, r - 2);
+			join(u, v, r - 1, n, r - 1);
+			return;
+		}
 		same(u, x->in[0], n);
 		if (op == KL_OP_LAYER_NORM || op == KL_OP_RMS_NORM) {
 			fix(u, n, x->ndim - 1, n);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "backend/cpu/cpu.h"
 #include "runtime/rt.h"
 
 /* ---- matrix products ----------------------------------------------------------- */
@@ -476,6 +477,12 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 			const kl_step *sp = &p->steps[s];
 			if (sp->kind == KL_STEP_KERNEL)
 				c->fns[sp->kernel]((void *const *)B, syms);
+			else if (sp->kind == KL_STEP_ATTENTION)
+				st = kl__cpu_attention(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q],
+				                       B[sp->at.k], B[sp->at.v], B[sp->at.o])
+				             ? KL_OK
+				             : kl__err(ctx, KL_ENOMEM,
+				                       "kl_fn_call: out of memory for attention tiles");
 			else
 				st = run_matmul(ctx, c, sp, B);
 		}
@@ -516,6 +523,7 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	int nk = 0, nm = 0;
 	for (int32_t s = 0; s < p->nsteps; s++)
 		p->steps[s].kind == KL_STEP_KERNEL ? nk++ : nm++;
+	/* library calls: products and attention steps */
 	char b1[32], b2[32], b3[32], b4[32];
 	fprintf(f, "%s%d steps per call: %d generated kernels, %d library calls%s%s\n", ind,
 	        (int)p->nsteps, nk, nm, c->fusion ? "" : " (fusion off)",
@@ -531,7 +539,9 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		const kl_step *sp = &p->steps[s];
 		fprintf(f, "%s  [%d] %s %s:", ind, (int)s,
-		        sp->kind == KL_STEP_KERNEL ? p->kernel_names[sp->kernel] : "blas",
+		        sp->kind == KL_STEP_KERNEL      ? p->kernel_names[sp->kernel]
+		        : sp->kind == KL_STEP_ATTENTION ? "attn"
+		                                        : "blas",
 		        sp->what[0] ? sp->what
 		                    : (sp->kind == KL_STEP_KERNEL ? "kernel" : "matmul"));
 		for (int i = 0; i < sp->nnodes; i++) {

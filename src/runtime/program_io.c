@@ -10,7 +10,7 @@
 #include "runtime/rt.h"
 
 #define PROG_MAGIC "KLPROG01"
-#define PROG_FORMAT 1u
+#define PROG_FORMAT 2u /* 2: attention steps */
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -131,6 +131,51 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 	return KL_OK;
 }
 
+static bool float_dt(kl_dtype dt)
+{
+	return dt == KL_F32 || dt == KL_F64 || dt == KL_F16 || dt == KL_BF16;
+}
+
+static kl_status check_attention(const kl_program *p, int32_t s, char *err, size_t cap)
+{
+	const kl_attn_step *a = &p->steps[s].at;
+	int32_t ids[4] = {a->q, a->k, a->v, a->o};
+	for (int i = 0; i < 4; i++)
+		if (ids[i] < 0 || ids[i] >= p->nbufs)
+			return fail(err, cap, "step %d: attention operand %d out of range", s, ids[i]);
+	kl_dtype dt = p->bufs[a->o].dtype;
+	for (int i = 0; i < 4; i++) {
+		if (p->bufs[ids[i]].dtype != dt || !float_dt(dt))
+			return fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
+			            s);
+		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
+			if (p->bufs[ids[i]].shape[d].sym)
+				return fail(err, cap, "step %d: attention over a symbolic dim", s);
+	}
+	const kl_buf *o = &p->bufs[a->o];
+	if (o->role == KL_BUF_INPUT || (o->role == KL_BUF_OUTPUT && o->alias >= 0))
+		return fail(err, cap, "step %d: attention writes an input or a view", s);
+	if (a->tq < 0 || a->tk < 0 || a->d < 0 || a->dv < 0 || a->nbatch < 0 ||
+	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) || (a->causal != 0 && a->causal != 1) ||
+	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0)
+		return fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
+	for (int i = 0; i < a->nbatch; i++)
+		if (a->batch[i] < 0)
+			return fail(err, cap, "step %d: attention batch out of range", s);
+	int64_t ext[4] = {
+	        operand_extent(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d, a->q_cs),
+	        operand_extent(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d, a->k_cs),
+	        operand_extent(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv, a->v_cs),
+	        operand_extent(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1)};
+	for (int i = 0; i < 4; i++) {
+		int64_t n = buf_numel(&p->bufs[ids[i]]);
+		if (ext[i] == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext[i] >= n))
+			return fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
+			            s, "qkvo"[i], (long long)ext[i], (long long)n);
+	}
+	return KL_OK;
+}
+
 kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
                                size_t cap)
 {
@@ -245,6 +290,10 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			st = check_matmul(p, s, err, cap);
 			if (st == KL_OK)
 				written[sp->mm.c] = true;
+		} else if (sp->kind == KL_STEP_ATTENTION) {
+			st = check_attention(p, s, err, cap);
+			if (st == KL_OK)
+				written[sp->at.o] = true;
 		} else
 			st = fail(err, cap, "step %d: unknown kind %d", s, (int)sp->kind);
 	}
@@ -373,6 +422,27 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 			w_i64(&w, rest[i]);
 		w_f64(&w, mm->alpha);
 		w_f64(&w, mm->beta);
+		if (sp->kind == KL_STEP_ATTENTION) {
+			const kl_attn_step *a = &sp->at;
+			int32_t ids[4] = {a->q, a->k, a->v, a->o};
+			for (int i = 0; i < 4; i++)
+				w_i32(&w, ids[i]);
+			int64_t dims[14] = {a->tq,   a->tk,   a->d,    a->dv,   a->q_off,
+			                    a->k_off, a->v_off, a->q_rs, a->q_cs, a->k_rs,
+			                    a->k_cs, a->v_rs, a->v_cs, a->o_rs};
+			for (int i = 0; i < 14; i++)
+				w_i64(&w, dims[i]);
+			w_i32(&w, a->nbatch);
+			for (int i = 0; i < a->nbatch && i < KL_MAX_DIMS; i++) {
+				w_i64(&w, a->batch[i]);
+				w_i64(&w, a->q_bs[i]);
+				w_i64(&w, a->k_bs[i]);
+				w_i64(&w, a->v_bs[i]);
+				w_i64(&w, a->o_bs[i]);
+			}
+			w_f64(&w, a->scale);
+			w_i32(&w, a->causal);
+		}
 		w_i32(&w, sp->nreads);
 		for (int i = 0; i < sp->nreads && i < KL_NODE_MAX_IN * 2; i++)
 			w_i32(&w, sp->reads[i]);
@@ -574,6 +644,28 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		mm->ldc = r_i64(&r);
 		mm->alpha = r_f64(&r);
 		mm->beta = r_f64(&r);
+		if (sp->kind == KL_STEP_ATTENTION) {
+			kl_attn_step *a = &sp->at;
+			a->q = r_i32(&r);
+			a->k = r_i32(&r);
+			a->v = r_i32(&r);
+			a->o = r_i32(&r);
+			int64_t *dims[14] = {&a->tq,   &a->tk,   &a->d,    &a->dv,   &a->q_off,
+			                     &a->k_off, &a->v_off, &a->q_rs, &a->q_cs, &a->k_rs,
+			                     &a->k_cs, &a->v_rs, &a->v_cs, &a->o_rs};
+			for (int i = 0; i < 14; i++)
+				*dims[i] = r_i64(&r);
+			a->nbatch = r_count(&r, KL_MAX_DIMS - 2, 40);
+			for (int i = 0; i < a->nbatch; i++) {
+				a->batch[i] = r_i64(&r);
+				a->q_bs[i] = r_i64(&r);
+				a->k_bs[i] = r_i64(&r);
+				a->v_bs[i] = r_i64(&r);
+				a->o_bs[i] = r_i64(&r);
+			}
+			a->scale = r_f64(&r);
+			a->causal = r_i32(&r);
+		}
 		sp->nreads = r_count(&r, KL_NODE_MAX_IN * 2, 4);
 		for (int i = 0; i < sp->nreads; i++)
 			sp->reads[i] = r_i32(&r);

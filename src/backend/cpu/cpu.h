@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "lower/program.h"
 
 /* Below this many elements a parallel region costs more than it saves. */
 #define KL_CPU_PAR_MIN 32768
@@ -138,6 +139,11 @@ int kl__cpu_coalesce(int ndim, int64_t *shape, int nops, int64_t (*st)[KL_MAX_DI
 /* ---- kernel families ---------------------------------------------------- */
 
 kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* attention.c: one attention step over q, k, v, o (their buffers' bases);
+ * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
+bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
+                       const void *v, void *o);
+kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                              kl_tensor *out);

@@ -211,8 +211,9 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 	 * kernel serves every size of an op, dtype and layout */
 	uint32_t masks[KL_NODE_MAX_IN];
 	bool dyn = false;
-	/* (a product with symbolic dims becomes a generated loop, not cuBLASLt) */
-	for (int i = 0; i < n->nin && n->op != KL_OP_MATMUL; i++) {
+	/* (a product with symbolic dims becomes a generated loop, not cuBLASLt;
+	 * attention, its primitives: both stay static) */
+	for (int i = 0; i < n->nin && n->op != KL_OP_MATMUL && n->op != KL_OP_ATTENTION; i++) {
 		bool dense = kl__strides_contiguous(in[i]->ndim, in[i]->shape, in[i]->strides);
 		masks[i] = dense && in[i]->ndim ? (uint32_t)((1ull << in[i]->ndim) - 1) : 0;
 		dyn |= masks[i] != 0;

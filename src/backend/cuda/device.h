@@ -50,6 +50,7 @@ typedef struct kl_cuda_dev {
 	bool capturing;         /* inside kl__cuda_capture_begin/end */
 	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made on first use */
 	struct kl_eager_cache *eager; /* backend.c: compiled one-node programs by key */
+	struct kl_cuda_attn *attn;    /* attention.c: compiled attention kernels, workspace */
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -211,6 +212,22 @@ kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *
                              kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c);
 /* Frees the handle, cached plans and workspace (device close does this). */
 void kl__lt_release(kl_cuda_dev *d);
+
+/* ---- attention (attention.c, attention_src.c) -------------------------------------- */
+
+/* The fixed CUDA source of the attention kernels (variants by macros). */
+extern const char kl__cuda_attention_src[];
+/* That source for one variant: dtype, and head_dim 64 or 128 for the
+ * tensor-core kernel (f16/bf16) or 0 for the general kernels; malloc'd, NULL
+ * for a variant that does not exist (or out of memory). */
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim);
+/* One attention step (lower/program.h) on the stream; q, k, v, o are the
+ * buffers' bases. */
+kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
+                                  kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
+                                  CUdeviceptr o);
+/* Frees the kernels and the workspace (device close does this). */
+void kl__cuda_attention_release(kl_cuda_dev *d);
 
 /* ---- CUDA graphs ----------------------------------------------------------------- */
 

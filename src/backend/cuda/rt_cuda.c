@@ -243,6 +243,15 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			        (CUdeviceptr)(uintptr_t)B[mm->c]);
 			continue;
 		}
+		if (sp->kind == KL_STEP_ATTENTION) {
+			const kl_attn_step *at = &sp->at;
+			st = kl__cuda_attention_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
+			                             (CUdeviceptr)(uintptr_t)B[at->q],
+			                             (CUdeviceptr)(uintptr_t)B[at->k],
+			                             (CUdeviceptr)(uintptr_t)B[at->v],
+			                             (CUdeviceptr)(uintptr_t)B[at->o]);
+			continue;
+		}
 		int64_t work = 0;
 		for (int32_t w = 0; w < sp->nwrites; w++) {
 			int64_t n = buf_numel(&p->bufs[sp->writes[w]], syms);

@@ -1,0 +1,245 @@
+/* attention.c - attention steps on the GPU: picks a kernel of
+ * attention_src.c for the step's dtype, head dim and layout, compiles that
+ * variant once per device (NVRTC, kept until the device closes) and launches
+ * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte
+ * aligned operands take the tensor-core kernel; one query row per batch
+ * (decode) splits the keys across warps and merges them; everything else
+ * takes the general kernel. KILN_ATTENTION_SIMPLE=1 forces the general one.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "backend/cuda/device.h"
+
+/* kl_at_args of attention_src.c, field for field */
+typedef struct kl_at_args {
+	CUdeviceptr q, k, v, o, ws;
+	long long tq, tk, d, dv;
+	long long q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
+	long long rows;
+	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6];
+	double scale;
+	float scale_log2;
+	int nb, causal, nsplit;
+} kl_at_args;
+
+#define BM 64
+#define BN 64
+
+enum { VAR_GENERAL, VAR_D64, VAR_D128, NVAR };
+
+typedef struct kl_cuda_attn {
+	kl_cuda_module *mod[4][NVAR];
+	CUfunction fn[4][NVAR][2]; /* general: rows, combine; mma: the kernel */
+	CUdeviceptr ws;
+	size_t ws_cap;
+	/* outgrown workspaces: a captured CUDA graph may still address one, so
+	 * they live until the device closes (sizes double: few of them) */
+	CUdeviceptr old[48];
+	int nold;
+} kl_cuda_attn;
+
+static int dt_code(kl_dtype dt)
+{
+	switch (dt) {
+	case KL_F32: return 0;
+	case KL_F64: return 1;
+	case KL_F16: return 2;
+	case KL_BF16: return 3;
+	default: return -1;
+	}
+}
+
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim)
+{
+	int c = dt_code(dt);
+	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)))
+		return NULL;
+	size_t n = strlen(kl__cuda_attention_src) + 64;
+	char *s = malloc(n);
+	if (s)
+		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n%s", c, head_dim,
+		         kl__cuda_attention_src);
+	return s;
+}
+
+static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction *out)
+{
+	if (!d->attn && !(d->attn = calloc(1, sizeof *d->attn)))
+		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+	kl_cuda_attn *A = d->attn;
+	if (!A->mod[c][var]) {
+		static const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
+		static const int hds[NVAR] = {0, 64, 128};
+		char *src = kl__cuda_attention_source(dts[c], hds[var]);
+		if (!src)
+			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+		kl_cuda_module *m = NULL;
+		kl_status st = kl__cuda_module_build(ctx, d, src, "kiln_attention.cu", &m);
+		free(src);
+		if (st != KL_OK)
+			return st;
+		CUfunction f[2] = {NULL, NULL};
+		if (var == VAR_GENERAL) {
+			st = kl__cuda_module_fn(ctx, m, "kl_attn_rows", &f[0]);
+			if (st == KL_OK)
+				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
+		} else {
+			st = kl__cuda_module_fn(ctx, m, "kl_attn_mma", &f[0]);
+		}
+		if (st != KL_OK) {
+			kl__cuda_module_free(m);
+			return st;
+		}
+		A->mod[c][var] = m;
+		A->fn[c][var][0] = f[0];
+		A->fn[c][var][1] = f[1];
+	}
+	out[0] = A->fn[c][var][0];
+	out[1] = A->fn[c][var][1];
+	return KL_OK;
+}
+
+void kl__cuda_attention_release(kl_cuda_dev *d)
+{
+	kl_cuda_attn *A = d->attn;
+	if (!A)
+		return;
+	for (int c = 0; c < 4; c++)
+		for (int v = 0; v < NVAR; v++)
+			kl__cuda_module_free(A->mod[c][v]);
+	if (A->ws)
+		kl__cuda_free(NULL, d, A->ws);
+	for (int i = 0; i < A->nold; i++)
+		kl__cuda_free(NULL, d, A->old[i]);
+	free(A);
+	d->attn = NULL;
+}
+
+static bool al16(CUdeviceptr p)
+{
+	return (p & 15) == 0;
+}
+
+/* can the tensor-core kernel take a? (pointers already at their offsets) */
+static int mma_variant(const kl_at_args *a, const kl_attn_step *s, kl_dtype dt)
+{
+	const char *e = getenv("KILN_ATTENTION_SIMPLE");
+	if ((e && atoi(e) == 1) || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
+	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
+	    s->tq < 2 || a->rows / s->tq > 65535 || (s->tq + BM - 1) / BM > 0x7fffffff)
+		return -1;
+	if (!al16(a->q) || !al16(a->k) || !al16(a->v) || !al16(a->o) || s->q_rs % 8 ||
+	    s->k_rs % 8 || s->v_rs % 8)
+		return -1;
+	for (int i = 0; i < s->nbatch; i++)
+		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
+			return -1;
+	return s->d == 64 ? VAR_D64 : VAR_D128;
+}
+
+kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
+                                  kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
+                                  CUdeviceptr o)
+{
+	int c = dt_code(dt);
+	if (c < 0 || s->nbatch > 6)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: dtype %s or %d batch dims on CUDA",
+		               kl_dtype_name(dt), s->nbatch);
+	if (s->d > 256 || s->dv > 256)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa: head dims %lld and %lld: the CUDA kernels take at most 256",
+		               (long long)s->d, (long long)s->dv);
+	kl_at_args a;
+	memset(&a, 0, sizeof a);
+	size_t es = kl_dtype_size(dt);
+	a.q = q + (CUdeviceptr)(s->q_off * (int64_t)es);
+	a.k = k + (CUdeviceptr)(s->k_off * (int64_t)es);
+	a.v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
+	a.o = o;
+	a.tq = s->tq;
+	a.tk = s->tk;
+	a.d = s->d;
+	a.dv = s->dv;
+	a.q_rs = s->q_rs;
+	a.q_cs = s->q_cs;
+	a.k_rs = s->k_rs;
+	a.k_cs = s->k_cs;
+	a.v_rs = s->v_rs;
+	a.v_cs = s->v_cs;
+	a.o_rs = s->o_rs;
+	a.nb = s->nbatch;
+	int64_t nbt = 1;
+	for (int i = 0; i < s->nbatch; i++) {
+		a.batch[i] = s->batch[i];
+		a.q_bs[i] = s->q_bs[i];
+		a.k_bs[i] = s->k_bs[i];
+		a.v_bs[i] = s->v_bs[i];
+		a.o_bs[i] = s->o_bs[i];
+		nbt *= s->batch[i];
+	}
+	a.rows = nbt * s->tq;
+	a.scale = s->scale;
+	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
+	a.causal = s->causal;
+	a.nsplit = 1;
+	if (a.rows == 0 || s->dv == 0)
+		return KL_OK;
+	void *argv[1] = {&a};
+	CUfunction f[2];
+	int var = mma_variant(&a, s, dt);
+	kl_status st;
+	if (var > 0) {
+		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+			return st;
+		unsigned grid[3] = {(unsigned)((s->tq + BM - 1) / BM), (unsigned)nbt, 1};
+		unsigned block[3] = {128, 1, 1};
+		unsigned smem = (unsigned)((BM + 4 * BN) * s->d * 2);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
+	}
+	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
+		return st;
+	/* few rows (decode): split the keys so that every SM has warps */
+	int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 1) * 32;
+	if (a.rows < want && s->tk > 64) {
+		int64_t ns = (s->tk + 63) / 64, room = want / a.rows;
+		ns = ns < room ? ns : room;
+		a.nsplit = (int)(ns < 1 ? 1 : ns > 64 ? 64 : ns);
+	}
+	if (a.nsplit > 1) {
+		size_t need = (size_t)a.rows * (size_t)a.nsplit * (size_t)(s->dv + 2) *
+		              (dt == KL_F64 ? 8 : 4);
+		kl_cuda_attn *A = d->attn;
+		if (need > A->ws_cap) {
+			if (d->capturing)
+				return kl__err(ctx, KL_EUNSUPPORTED,
+				               "kl_sdpa: the split-key workspace would grow during "
+				               "CUDA graph capture");
+			size_t cap = (size_t)1 << 20;
+			while (cap < need)
+				cap *= 2;
+			if (A->ws && A->nold == (int)(sizeof A->old / sizeof A->old[0]))
+				return kl__err(ctx, KL_ENOMEM, "kl_sdpa: split-key workspace grew too often");
+			CUdeviceptr p = 0;
+			if ((st = kl__cuda_malloc(ctx, d, cap, &p)) != KL_OK)
+				return st;
+			if (A->ws)
+				A->old[A->nold++] = A->ws;
+			A->ws = p;
+			A->ws_cap = cap;
+		}
+		a.ws = A->ws;
+	}
+	unsigned block[3] = {128, 1, 1};
+	int64_t items = a.rows * a.nsplit;
+	if ((items + 3) / 4 > 0x7fffffff)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: %lld query rows exceed one grid",
+		               (long long)a.rows);
+	unsigned grid[3] = {(unsigned)((items + 3) / 4), 1, 1};
+	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv);
+	if (st == KL_OK && a.nsplit > 1) {
+		unsigned g2[3] = {(unsigned)((a.rows + 3) / 4), 1, 1};
+		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv);
+	}
+	return st;
+}
