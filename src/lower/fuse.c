@@ -8,7 +8,9 @@
  * Merges never create a cycle between kernels and respect the limits of a
  * step (reads, writes, nodes); the kernel IR builder has the last word on
  * legality. Every refusal is logged with its reason. Matrix products are
- * library steps; their consumers start new kernels on the C target.
+ * library steps; a consumer chain of scale, bias, residual and activation
+ * folds into the product's epilogue (epilogue.c says which nodes qualify),
+ * other consumers start new kernels.
  */
 #include <stdarg.h>
 #include <stdlib.h>
@@ -572,6 +574,125 @@ static void prepare(kl_lctx *L)
 	}
 }
 
+/* ---- matrix product epilogues ---------------------------------------------------------- */
+
+static const char *epart_name(kl_epart k, const kl_node *x)
+{
+	switch (k) {
+	case KL_EPART_ALPHA:
+		return "a scale";
+	case KL_EPART_BIAS:
+		return "the bias";
+	case KL_EPART_RESID:
+		return "the residual";
+	default:
+		return kl__ops[x->op].name;
+	}
+}
+
+/* Can n run in the epilogue of matmul group gi, whose last value it reads?
+ * The product computes act(alpha * A@B + beta * R + bias): a scale comes
+ * first, the adds before the activation, each part once. */
+static bool epilogue_ok(kl_lctx *L, int32_t n, int32_t gi, kl_epart *part, char *why, size_t cap)
+{
+	const kl_group *G = &L->gr[gi];
+	int32_t tail = G->m[G->nm - 1], mm = G->m[0];
+	const kl_node *x = kl__nd(L, n), *pm = kl__nd(L, mm);
+	kl_dtype dt = (kl_dtype)pm->dtype;
+	char l[64];
+	kl__node_label(L, tail, l, sizeof l);
+	if (L->nuse[tail] != 1) {
+		snprintf(why, cap, "%s has %d users (its value must be stored)", l,
+		         (int)L->nuse[tail]);
+		return false;
+	}
+	if (L->out_of[tail] >= 0) {
+		snprintf(why, cap, "%s is a graph output, stored before any epilogue", l);
+		return false;
+	}
+	if (kl__nd(L, pm->in[0])->shape[pm->ndim - 1] == 0) {
+		snprintf(why, cap, "the product is empty (k = 0)");
+		return false;
+	}
+	int32_t other;
+	*part = kl__epilogue_part(L, n, tail, &other, why, cap);
+	if (*part == KL_EPART_NONE)
+		return false;
+	/* parts already there that this one cannot follow */
+	uint8_t after = *part == KL_EPART_ALPHA ? KL_EPART_BIAS | KL_EPART_RESID | KL_EPART_ACT
+	                                       : *part | KL_EPART_ACT;
+	if (G->epi & after) {
+		snprintf(why, cap, "%s cannot follow what the epilogue already holds (it computes "
+		         "act(alpha * A@B + beta * R + bias), each part once)",
+		         epart_name(*part, x));
+		return false;
+	}
+	bool act = *part == KL_EPART_ACT;
+	if (L->o->target == KL_TARGET_C) {
+		if (dt != KL_F32 && dt != KL_F64) {
+			snprintf(why, cap, "the C target runs epilogues after f32/f64 BLAS only (a %s "
+			         "product goes through f32 copies)", kl_dtype_name(dt));
+			return false;
+		}
+		return true;
+	}
+	if (dt == KL_F64 && (*part == KL_EPART_BIAS || act)) {
+		snprintf(why, cap, "cuBLASLt bias and activation epilogues are used for f16/bf16/f32 "
+		         "products only");
+		return false;
+	}
+	if (act && kl__epilogue_act(x) == KL_MM_ACT_GELU) {
+		snprintf(why, cap, "cuBLASLt's GELU epilogue is the tanh approximation; gelu (erf) "
+		         "stays a generated kernel");
+		return false;
+	}
+	return true;
+}
+
+/* Fold n into the epilogue of a product it reads, when it can be; log why
+ * not for each product it reads. */
+static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
+{
+	const kl_node *x = kl__nd(L, n);
+	char why[384], l1[64], l2[64];
+	int32_t seen[KL_NODE_MAX_IN];
+	int ns = 0;
+	*folded = false;
+	for (int i = 0; i < x->nin; i++) {
+		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
+		if (h < 0 || !L->gr[h].matmul)
+			continue;
+		bool dup = false;
+		for (int j = 0; j < ns && !dup; j++)
+			dup = seen[j] == h;
+		if (dup)
+			continue;
+		seen[ns++] = h;
+		if (*folded || !L->o->fusion)
+			continue;
+		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION) {
+			kl__lower_logf(L, "refused epilogue %s into %s: the attention step has no epilogues",
+			               kl__node_label(L, n, l1, sizeof l1),
+			               kl__node_label(L, L->gr[h].first, l2, sizeof l2));
+			continue;
+		}
+		kl_epart part;
+		if (!epilogue_ok(L, n, h, &part, why, sizeof why)) {
+			kl__lower_logf(L, "refused epilogue %s into %s: %s",
+			      kl__node_label(L, n, l1, sizeof l1),
+			      kl__node_label(L, L->gr[h].first, l2, sizeof l2), why);
+			continue;
+		}
+		kl_group *G = &L->gr[h];
+		if (!g_push(G, n, false))
+			return false;
+		G->epi |= (uint8_t)part;
+		L->home[n] = h;
+		*folded = true;
+	}
+	return true;
+}
+
 /* ---- the greedy pass -------------------------------------------------------------- */
 
 static bool schedule_node(sched *s, int32_t n)
@@ -579,6 +700,13 @@ static bool schedule_node(sched *s, int32_t n)
 	kl_lctx *L = s->L;
 	const kl_node *x = &L->g.nodes[n];
 	char why[384], l1[64], l2[64];
+	if (x->op != KL_OP_MATMUL && x->op != KL_OP_ATTENTION) {
+		bool folded;
+		if (!try_epilogue(L, n, &folded))
+			return false;
+		if (folded)
+			return true;
+	}
 	int32_t si = g_new(L);
 	if (si < 0)
 		return false;
@@ -609,16 +737,8 @@ static bool schedule_node(sched *s, int32_t n)
 		int32_t pg = prods[j];
 		if (pg == si || !L->gr[pg].alive)
 			continue;
-		if (L->gr[pg].matmul) {
-			kl__lower_logf(L, "refused %s into %s: %s", kl__node_label(L, n, l1, sizeof(l1)),
-			      kl__node_label(L, L->gr[pg].first, l2, sizeof(l2)),
-			      L->g.nodes[L->gr[pg].first].op == KL_OP_ATTENTION
-			              ? "the attention step has no epilogues"
-			      : L->o->target == KL_TARGET_C
-			              ? "the C target has no GEMM epilogues (BLAS computes the product)"
-			              : "cuBLASLt epilogues are not implemented yet");
-			continue;
-		}
+		if (L->gr[pg].matmul)
+			continue; /* try_epilogue said why not */
 		if (try_merge(s, pg, si, why, sizeof(why))) {
 			si = pg;
 			continue;
@@ -785,6 +905,7 @@ kl_status kl__schedule(kl_lctx *L)
 	L->mat = calloc(n, 1);
 	L->mem = calloc(n, 1);
 	L->stored = calloc(n, 1);
+	L->nuse = calloc(n, sizeof(int32_t));
 	L->home = malloc(sizeof(int32_t) * n);
 	L->out_of = malloc(sizeof(int32_t) * n);
 	L->lvl = malloc(sizeof(int32_t) * n);
@@ -795,7 +916,7 @@ kl_status kl__schedule(kl_lctx *L)
 	s.v.mark = calloc(n * 3 + 64, sizeof(uint32_t));
 	s.v.stack = malloc(sizeof(int32_t) * (n * 3 + 64));
 	kl_status st = KL_ENOMEM;
-	if (!L->live || !L->mat || !L->mem || !L->stored || !L->home || !L->out_of || !L->lvl ||
+	if (!L->live || !L->nuse || !L->mat || !L->mem || !L->stored || !L->home || !L->out_of || !L->lvl ||
 	    !L->alias_of || !s.ext || !s.v.mark || !s.v.stack)
 		goto done;
 	for (size_t i = 0; i < n; i++) {
@@ -804,6 +925,10 @@ kl_status kl__schedule(kl_lctx *L)
 		L->lvl[i] = -1;
 	}
 	prepare(L);
+	for (int32_t i = 0; i < g->n; i++)
+		if (L->live[i])
+			for (int j = 0; j < g->nodes[i].nin; j++)
+				L->nuse[g->nodes[i].in[j]]++;
 	if (!L->o->fusion)
 		kl__lower_logf(L, "fusion is off: every op is its own kernel");
 	for (int32_t i = 0; i < g->n; i++) {

@@ -24,6 +24,7 @@ typedef struct kl_group {
 	uint8_t *copy;
 	int32_t nm, cap;
 	int32_t first; /* first home member, names the kernel in the log */
+	uint8_t epi;   /* matmul: the kl_epart parts folded in so far (members 1..) */
 } kl_group;
 
 /* a hand-written attention that ends at a product (attention.c) */
@@ -46,6 +47,7 @@ typedef struct kl_lctx {
 	int32_t nsyms;
 	int32_t sym_input[KL_MAX_DIMS * 4], sym_dim[KL_MAX_DIMS * 4];
 	uint8_t *live;       /* contributes to an output */
+	int32_t *nuse;       /* live nodes reading each node (an input used twice counts twice) */
 	int32_t *out_of;     /* node -> first graph output it is, -1 */
 	int32_t *alias_of;   /* graph output -> buffer it aliases, -1 */
 	uint8_t *mat;        /* movement node that must be stored (output copy, matmul operand) */
@@ -79,6 +81,27 @@ kl_status kl__symbolize_lowered(kl_lctx *L);
 kl_status kl__schedule(kl_lctx *L);
 /* "add#7" or "exp#3(softmax)" for log lines */
 const char *kl__node_label(const kl_lctx *L, int32_t n, char *buf, size_t cap);
+
+/* epilogue.c: what consumer n does to the value of prev (one of its inputs)
+ * as a step of a matrix product's epilogue, C = act(alpha * A@B + beta * R +
+ * bias): *other receives the bias or residual node. KL_EPART_NONE with the
+ * reason when n is no such step (ordering and target rules are the
+ * scheduler's). */
+typedef enum kl_epart {
+	KL_EPART_NONE = 0,
+	KL_EPART_ALPHA = 1, /* mul by a scalar */
+	KL_EPART_BIAS = 2,  /* add of [n] (broadcast over rows) */
+	KL_EPART_RESID = 4, /* add of a tensor of the product's shape */
+	KL_EPART_ACT = 8    /* relu, gelu, gelu_tanh */
+} kl_epart;
+kl_epart kl__epilogue_part(const kl_lctx *L, int32_t n, int32_t prev, int32_t *other, char *why,
+                           size_t cap);
+/* the activation of an KL_EPART_ACT node */
+kl_mm_act kl__epilogue_act(const kl_node *x);
+/* How node c is read from memory: the buffer of *base with element strides
+ * and offset (a stored view is its own dense buffer). False when c is not a
+ * strided view of a stored node. */
+bool kl__stored_view(const kl_lctx *L, int32_t c, int32_t *base, int64_t *st, int64_t *off);
 
 /* kbuild.c: the kernel IR of group gi. validate: evaluate every home member
  * (no buffers assigned yet) to decide whether the group is legal. Returns

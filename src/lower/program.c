@@ -28,6 +28,7 @@ static void lctx_free(kl_lctx *L)
 	free(L->src_sym);
 	free(L->sym);
 	free(L->live);
+	free(L->nuse);
 	free(L->out_of);
 	free(L->alias_of);
 	free(L->mat);
@@ -165,29 +166,96 @@ static void add_id(int32_t *ids, int32_t *n, int32_t cap, int32_t b)
 static bool operand(const kl_lctx *L, int32_t c, int32_t *buf, int64_t *st, int64_t *off)
 {
 	int32_t base;
-	if (L->mat[c]) {
-		base = c;
-		kl__contig_strides(L->g.nodes[c].ndim, L->g.nodes[c].shape, st);
-		*off = 0;
-	} else if (!kl__view_of(L, c, &base, st, off)) {
+	if (!kl__stored_view(L, c, &base, st, off))
 		return false;
-	}
 	*buf = L->bufof[base];
 	return *buf >= 0;
 }
 
-static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
+static const char *const act_names[KL_MM_ACT_COUNT] = {"", "relu", "gelu", "gelu_tanh"};
+
+/* The epilogue of product group G (members after the MATMUL node) into mm;
+ * sr receives the residual's strides in the product's dims. */
+static kl_status epilogue(kl_lctx *L, const kl_group *G, kl_step *sp, int64_t *sr, char *desc,
+                          size_t cap)
 {
+	kl_matmul_step *mm = &sp->mm;
+	const kl_node *p = &L->g.nodes[G->m[0]];
+	size_t dl = 0;
+	desc[0] = 0;
+	for (int32_t i = 1; i < G->nm; i++) {
+		int32_t n = G->m[i], other, base;
+		const kl_node *x = &L->g.nodes[n];
+		char why[256];
+		int64_t st[KL_MAX_DIMS], off;
+		kl_epart part = kl__epilogue_part(L, n, G->m[i - 1], &other, why, sizeof why);
+		const char *tag = "";
+		switch (part) {
+		case KL_EPART_ALPHA:
+			mm->alpha *= x->a.s[0];
+			tag = "*alpha";
+			break;
+		case KL_EPART_BIAS:
+			if (!operand(L, other, &mm->bias, st, &off))
+				goto bad;
+			mm->has_bias = true;
+			mm->bias_off = off;
+			tag = "+bias";
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->bias);
+			sp->bytes += (double)mm->n * (double)kl_dtype_size((kl_dtype)x->dtype);
+			break;
+		case KL_EPART_RESID:
+			if (!kl__stored_view(L, other, &base, sr, &off) ||
+			    (mm->r = L->bufof[base]) < 0)
+				goto bad;
+			mm->has_r = true;
+			mm->r_off = off;
+			mm->beta = 1;
+			tag = "+residual";
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->r);
+			sp->bytes += numel_of(p) * (double)kl_dtype_size((kl_dtype)x->dtype);
+			break;
+		case KL_EPART_ACT:
+			mm->act = kl__epilogue_act(x);
+			tag = act_names[mm->act];
+			break;
+		default:
+			goto bad;
+		}
+		sp->flops += numel_of(p);
+		add_node(sp, L->orig[n]);
+		int w = snprintf(desc + dl, cap - dl, "%s%s", part == KL_EPART_ACT ? "+" : "", tag);
+		if (w > 0 && (size_t)w < cap - dl)
+			dl += (size_t)w;
+		continue;
+	bad:
+		snprintf(L->err, L->errcap, "kl__lower: internal error: epilogue of matmul: %s",
+		         part == KL_EPART_NONE ? why : "operand layout");
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+
+static kl_status matmul_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
+{
+	int32_t n = G->m[0];
 	const kl_node *x = &L->g.nodes[n];
 	kl_matmul_step *mm = &sp->mm;
 	int k = x->ndim;
-	int64_t sa[KL_MAX_DIMS], sb[KL_MAX_DIMS], sc[KL_MAX_DIMS];
+	int64_t sa[KL_MAX_DIMS], sb[KL_MAX_DIMS], sc[KL_MAX_DIMS], sr[KL_MAX_DIMS];
+	char desc[48];
 	if (!operand(L, x->in[0], &mm->a, sa, &mm->a_off) ||
 	    !operand(L, x->in[1], &mm->b, sb, &mm->b_off)) {
 		snprintf(L->err, L->errcap, "kl__lower: internal error: matmul operand layout");
 		return KL_EINVAL;
 	}
-	mm->c = L->bufof[n];
+	/* the product is stored where its last epilogue value goes */
+	mm->c = L->bufof[G->m[G->nm - 1]];
+	mm->alpha = 1;
+	mm->beta = 0;
+	kl_status st = epilogue(L, G, sp, sr, desc, sizeof desc);
+	if (st != KL_OK)
+		return st;
 	kl__contig_strides(k, x->shape, sc);
 	mm->m = x->shape[k - 2];
 	mm->n = x->shape[k - 1];
@@ -197,8 +265,8 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
 	mm->b_rs = sb[k - 2];
 	mm->b_cs = sb[k - 1];
 	mm->ldc = mm->n;
-	mm->alpha = 1;
-	mm->beta = 0;
+	if (mm->has_r)
+		mm->r_ld = mm->m > 1 ? sr[k - 2] : mm->n;
 	double batch = 1;
 	bool b_shared = true; /* B is the same matrix for every batch */
 	for (int d = 0; d < k - 2; d++) {
@@ -209,16 +277,18 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
 		mm->a_bstride[i] = sa[d];
 		mm->b_bstride[i] = sb[d];
 		mm->c_bstride[i] = sc[d];
+		mm->r_bstride[i] = mm->has_r ? sr[d] : 0;
 		batch *= (double)x->shape[d];
 		b_shared &= sb[d] == 0;
 	}
 	/* [batch.., m, k] @ [k, n] whose A rows run on across batches: one product */
 	if (mm->nbatch > 0 && b_shared && mm->a_cs == 1) {
 		bool rows = true;
-		int64_t want = mm->a_rs * mm->m;
+		int64_t want = mm->a_rs * mm->m, rwant = mm->r_ld * mm->m;
 		for (int i = mm->nbatch - 1; i >= 0 && rows; i--) {
-			rows = mm->a_bstride[i] == want;
+			rows = mm->a_bstride[i] == want && (!mm->has_r || mm->r_bstride[i] == rwant);
 			want *= mm->batch[i];
+			rwant *= mm->batch[i];
 		}
 		if (rows) {
 			mm->m = (int64_t)((double)mm->m * batch);
@@ -231,14 +301,15 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
 	sp->nwrites = 1;
 	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
 	double kk = (double)mm->k;
-	sp->flops = 2.0 * batch * (double)x->shape[k - 2] * (double)mm->n * kk;
-	sp->bytes = bytes_of(P, mm->a) + bytes_of(P, mm->b) + numel_of(x) * es;
+	sp->flops += 2.0 * batch * (double)x->shape[k - 2] * (double)mm->n * kk;
+	sp->bytes += bytes_of(P, mm->a) + bytes_of(P, mm->b) + numel_of(x) * es;
 	if (mm->nbatch)
-		snprintf(sp->what, sizeof(sp->what), "bmm %.0fx%lldx%lldx%lld", batch,
-		         (long long)mm->m, (long long)mm->n, (long long)mm->k);
+		snprintf(sp->what, sizeof(sp->what), "bmm %.0fx%lldx%lldx%lld%s%s", batch,
+		         (long long)mm->m, (long long)mm->n, (long long)mm->k, desc[0] ? " " : "",
+		         desc);
 	else
-		snprintf(sp->what, sizeof(sp->what), "matmul %lldx%lldx%lld", (long long)mm->m,
-		         (long long)mm->n, (long long)mm->k);
+		snprintf(sp->what, sizeof(sp->what), "matmul %lldx%lldx%lld%s%s", (long long)mm->m,
+		         (long long)mm->n, (long long)mm->k, desc[0] ? " " : "", desc);
 	return KL_OK;
 }
 
@@ -443,7 +514,7 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 			sp->kind = KL_STEP_MATMUL;
 			sp->kernel = -1;
 			add_node(sp, L->orig[G->m[0]]);
-			st = matmul_step(L, P, G->m[0], sp);
+			st = matmul_step(L, P, G, sp);
 		} else {
 			st = kernel_step(L, P, G, sp, &src);
 		}

@@ -43,9 +43,22 @@ typedef enum kl_step_kind {
 	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention.c; CUDA: backend/cuda/attention.c) */
 } kl_step_kind;
 
-/* C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] over a batch, where each
- * operand is addressed by element strides; batch index b spans up to
- * KL_MAX_DIMS-2 batch dims with their own strides per operand. */
+/* The activation a product's epilogue applies last. */
+typedef enum kl_mm_act {
+	KL_MM_ACT_NONE = 0,
+	KL_MM_ACT_RELU,
+	KL_MM_ACT_GELU,      /* erf GELU (kl_gelu): the C target only, cuBLASLt has the tanh form */
+	KL_MM_ACT_GELU_TANH, /* kl_gelu_tanh: cuBLASLt's GELU epilogue */
+	KL_MM_ACT_COUNT
+} kl_mm_act;
+
+/* C[b] = act(alpha * op(A[b]) @ op(B[b]) + beta * X[b] + bias) over a batch,
+ * where each operand is addressed by element strides; batch index b spans up
+ * to KL_MAX_DIMS-2 batch dims with their own strides per operand. X is the
+ * residual buffer r when has_r, else C itself (in place, read only when
+ * beta != 0). bias is n elements at unit stride, shared by every row and
+ * batch. A zeroed epilogue (no r, no bias, KL_MM_ACT_NONE) is a plain
+ * product. */
 typedef struct kl_matmul_step {
 	int32_t a, b, c; /* buffer ids */
 	int64_t m, n, k;
@@ -56,6 +69,13 @@ typedef struct kl_matmul_step {
 	int64_t a_rs, a_cs, b_rs, b_cs; /* row/col strides of A (m x k) and B (k x n) */
 	int64_t ldc;
 	double alpha, beta;
+	/* epilogue (fused by the scheduler from the product's consumers) */
+	bool has_r, has_bias;
+	int32_t r, bias;                /* buffer ids when has_r / has_bias */
+	int64_t r_off, r_ld;            /* residual: first element, row stride (unit columns) */
+	int64_t r_bstride[KL_MAX_DIMS]; /* residual batch strides */
+	int64_t bias_off;
+	kl_mm_act act;
 } kl_matmul_step;
 
 /* O[b] = softmax(Q[b] K[b]^T * scale [+ causal mask]) V[b]: Q is tq x d, K

@@ -385,12 +385,16 @@ static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
 		const kl_step *sp = &c->prog.steps[s];
 		if (sp->kind != KL_STEP_MATMUL)
 			continue;
-		int32_t ids[2] = {sp->mm.a, sp->mm.b};
-		for (int w = 0; w < 2; w++) {
+		/* a, b, the residual, the bias (kl__mm_extent's 0, 1, 3, 4) */
+		int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
+		bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
+		for (int w = 0; w < 4; w++) {
+			if (!has[w])
+				continue;
 			const kl_buf *bf = &c->prog.bufs[ids[w]];
 			if (bf->role != KL_BUF_INPUT)
 				continue;
-			int64_t reach = 0, ext = kl__mm_extent(&sp->mm, w);
+			int64_t reach = 0, ext = kl__mm_extent(&sp->mm, w < 2 ? w : w + 1);
 			for (int d = 0; d < bf->ndim; d++)
 				reach += (bf->shape[d].v - 1) * c->in_strides[bf->index][d];
 			if (buf_numel(bf) == 0 ? ext >= 0 : ext > reach)
@@ -398,7 +402,7 @@ static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
 				        ctx, KL_EFORMAT,
 				        "kl_compile: step %d: matmul operand %c "
 				        "reaches element %lld of input %d, which ends at %lld",
-				        (int)s, "ab"[w], (long long)ext, (int)bf -> index,
+				        (int)s, "abrv"[w], (long long)ext, (int)bf -> index,
 				        (long long)reach);
 		}
 	}

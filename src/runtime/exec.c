@@ -1,7 +1,9 @@
 /* exec.c - the executor: bind a compiled variant's buffers (inputs, fresh
  * outputs or views, arena slots), evaluate its symbols from the input
  * shapes, then run its steps in order: generated kernels through their
- * function pointers, matrix products through BLAS. Also its explain printer.
+ * function pointers, matrix products through BLAS followed by one pass over
+ * the product for its epilogue (residual, bias, activation). Also its
+ * explain printer.
  */
 #include <cblas.h>
 #include <inttypes.h>
@@ -10,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu.h" /* attention steps; the eager unary kernels, for product epilogues */
 #include "runtime/rt.h"
 
 /* ---- matrix products ----------------------------------------------------------- */
@@ -254,10 +256,144 @@ static kl_status gemm_one(kl_compiled *c, const mm_args *x)
 	return KL_OK;
 }
 
+/* ---- epilogues: C = act(C + beta * R + bias), one row at a time ------------------ */
+
+typedef struct epi_args {
+	const kl_matmul_step *mm;
+	kl_dtype dt; /* C's, R's and the bias's */
+	kl_op act;   /* KL_OP_INPUT: none */
+	void *c;
+	const void *r, *bias;
+	int64_t co, ro;
+} epi_args;
+
+#define EPI_CHUNK 256
+
+static void epi_row_f32(const epi_args *e, int64_t i)
+{
+	const kl_matmul_step *mm = e->mm;
+	float *c = (float *)e->c + e->co + i * mm->ldc;
+	int64_t n = mm->n;
+	if (mm->has_r) {
+		const float *r = (const float *)e->r + e->ro + i * mm->r_ld;
+		float beta = (float)mm->beta;
+		KL_SIMD
+		for (int64_t j = 0; j < n; j++)
+			c[j] += beta * r[j];
+	}
+	if (mm->has_bias) {
+		const float *b = (const float *)e->bias + mm->bias_off;
+		KL_SIMD
+		for (int64_t j = 0; j < n; j++)
+			c[j] += b[j];
+	}
+	if (e->act == KL_OP_INPUT)
+		return;
+	float t[EPI_CHUNK];
+	for (int64_t j = 0; j < n; j += EPI_CHUNK) {
+		int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;
+		memcpy(t, c + j, (size_t)len * sizeof(float));
+		kl__cpu_unary_f32(e->act, t, c + j, len);
+	}
+}
+
+static void epi_row_f64(const epi_args *e, int64_t i)
+{
+	const kl_matmul_step *mm = e->mm;
+	double *c = (double *)e->c + e->co + i * mm->ldc;
+	int64_t n = mm->n;
+	if (mm->has_r) {
+		const double *r = (const double *)e->r + e->ro + i * mm->r_ld;
+		KL_SIMD
+		for (int64_t j = 0; j < n; j++)
+			c[j] += mm->beta * r[j];
+	}
+	if (mm->has_bias) {
+		const double *b = (const double *)e->bias + mm->bias_off;
+		KL_SIMD
+		for (int64_t j = 0; j < n; j++)
+			c[j] += b[j];
+	}
+	if (e->act == KL_OP_INPUT)
+		return;
+	double t[EPI_CHUNK];
+	for (int64_t j = 0; j < n; j += EPI_CHUNK) {
+		int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;
+		memcpy(t, c + j, (size_t)len * sizeof(double));
+		kl__cpu_unary_f64(e->act, t, c + j, len);
+	}
+}
+
+/* any other dtype: in double, rounded once into C (the scheduler folds
+ * epilogues into f32/f64 products only on the CPU; this keeps a program
+ * from elsewhere correct) */
+static void epi_row_any(const epi_args *e, int64_t i)
+{
+	const kl_matmul_step *mm = e->mm;
+	double t[EPI_CHUNK], u[EPI_CHUNK];
+	for (int64_t j0 = 0; j0 < mm->n; j0 += EPI_CHUNK) {
+		int64_t len = mm->n - j0 < EPI_CHUNK ? mm->n - j0 : EPI_CHUNK;
+		int64_t ci = e->co + i * mm->ldc + j0;
+		for (int64_t j = 0; j < len; j++) {
+			double v = kl__load(e->c, e->dt, ci + j);
+			if (mm->has_r)
+				v += mm->beta * kl__load(e->r, e->dt, e->ro + i * mm->r_ld + j0 + j);
+			if (mm->has_bias)
+				v += kl__load(e->bias, e->dt, mm->bias_off + j0 + j);
+			t[j] = v;
+		}
+		if (e->act != KL_OP_INPUT)
+			kl__cpu_unary_f64(e->act, t, u, len);
+		for (int64_t j = 0; j < len; j++)
+			kl__store(e->c, e->dt, ci + j, e->act != KL_OP_INPUT ? u[j] : t[j]);
+	}
+}
+
+static void epilogue_rows(const epi_args *e)
+{
+	int64_t m = e->mm->m;
+	bool par = (double)m * (double)e->mm->n >= KL_CPU_PAR_MIN;
+#pragma omp parallel for schedule(static) if (par)
+	for (int64_t i = 0; i < m; i++) {
+		if (e->dt == KL_F32)
+			epi_row_f32(e, i);
+		else if (e->dt == KL_F64)
+			epi_row_f64(e, i);
+		else
+			epi_row_any(e, i);
+	}
+}
+
+static kl_op act_op(kl_mm_act a)
+{
+	switch (a) {
+	case KL_MM_ACT_RELU:
+		return KL_OP_RELU;
+	case KL_MM_ACT_GELU:
+		return KL_OP_GELU;
+	case KL_MM_ACT_GELU_TANH:
+		return KL_OP_GELU_TANH;
+	default:
+		return KL_OP_INPUT;
+	}
+}
+
 static kl_status run_matmul(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *const *B)
 {
-	const kl_matmul_step *mm = &sp->mm;
+	const kl_matmul_step *step = &sp->mm;
 	const kl_buf *bufs = c->prog.bufs;
+	/* BLAS computes alpha A B (+ beta C in place); a residual is added after */
+	kl_matmul_step plain = *step;
+	if (step->has_r)
+		plain.beta = 0;
+	const kl_matmul_step *mm = &plain;
+	epi_args e = {.mm = step,
+	              .dt = bufs[step->c].dtype,
+	              .act = act_op(step->act),
+	              .c = B[step->c],
+	              .r = step->has_r ? B[step->r] : NULL,
+	              .bias = step->has_bias ? B[step->bias] : NULL};
+	bool epi = step->has_r || step->has_bias || e.act != KL_OP_INPUT;
 	mm_args x = {.mm = mm,
 	             .ta = bufs[mm->a].dtype,
 	             .tb = bufs[mm->b].dtype,
@@ -272,18 +408,24 @@ static kl_status run_matmul(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void
 		x.ao = mm->a_off;
 		x.bo = mm->b_off;
 		x.co = mm->c_off;
+		e.ro = mm->r_off;
 		for (int i = 0; i < mm->nbatch; i++) {
 			if (mm->batch[i] == 0)
 				return KL_OK;
 			x.ao += idx[i] * mm->a_bstride[i];
 			x.bo += idx[i] * mm->b_bstride[i];
 			x.co += idx[i] * mm->c_bstride[i];
+			e.ro += idx[i] * mm->r_bstride[i];
 		}
 		if (gemm_one(c, &x) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM,
 			               "kl_fn_call: out of memory converting a %" PRId64 "x%" PRId64
 			               "x%" PRId64 " matmul",
 			               mm->m, mm->n, mm->k);
+		if (epi) {
+			e.co = x.co;
+			epilogue_rows(&e);
+		}
 		int i = mm->nbatch - 1;
 		for (; i >= 0; i--) {
 			if (++idx[i] < mm->batch[i])

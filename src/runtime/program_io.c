@@ -10,7 +10,7 @@
 #include "runtime/rt.h"
 
 #define PROG_MAGIC "KLPROG01"
-#define PROG_FORMAT 2u /* 2: attention steps */
+#define PROG_FORMAT 3u /* 2: attention steps; 3: product epilogues (residual, bias, activation) */
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -91,20 +91,65 @@ int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
 	case 1:
 		return operand_extent(mm->b_off, mm->nbatch, mm->batch, mm->b_bstride, mm->k,
 		                      mm->b_rs, mm->n, mm->b_cs);
-	default:
+	case 2:
 		return operand_extent(mm->c_off, mm->nbatch, mm->batch, mm->c_bstride, mm->m,
 		                      mm->ldc, mm->n, 1);
+	case 3:
+		return operand_extent(mm->r_off, mm->nbatch, mm->batch, mm->r_bstride, mm->m,
+		                      mm->r_ld, mm->n, 1);
+	default:
+		return operand_extent(mm->bias_off, 0, NULL, NULL, 1, 0, mm->n, 1);
 	}
+}
+
+static bool in_ids(const int32_t *ids, int32_t n, int32_t b)
+{
+	for (int32_t i = 0; i < n; i++)
+		if (ids[i] == b)
+			return true;
+	return false;
 }
 
 static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t cap)
 {
-	const kl_matmul_step *mm = &p->steps[s].mm;
-	int32_t ids[3] = {mm->a, mm->b, mm->c};
-	for (int i = 0; i < 3; i++)
+	const kl_step *sp = &p->steps[s];
+	const kl_matmul_step *mm = &sp->mm;
+	/* operands a, b, c, then the residual and the bias when present */
+	int32_t ids[5] = {mm->a, mm->b, mm->c, mm->r, mm->bias};
+	int which[5] = {0, 1, 2, 3, 4}, nid = 3;
+	if ((unsigned)mm->act >= KL_MM_ACT_COUNT)
+		return fail(err, cap, "step %d: matmul activation %d out of range", s, (int)mm->act);
+	if (mm->has_r)
+		nid++;
+	if (mm->has_bias) {
+		ids[nid] = mm->bias;
+		which[nid++] = 4;
+	}
+	for (int i = 0; i < nid; i++)
 		if (ids[i] < 0 || ids[i] >= p->nbufs)
 			return fail(err, cap, "step %d: matmul operand %d out of range", s, ids[i]);
-	for (int i = 0; i < 3; i++)
+	for (int i = 3; i < nid; i++) {
+		if (ids[i] == mm->c)
+			return fail(err, cap, "step %d: matmul %s is its result buffer", s,
+			            which[i] == 3 ? "residual" : "bias");
+		if (p->bufs[ids[i]].dtype != p->bufs[mm->c].dtype)
+			return fail(err, cap, "step %d: matmul %s is %s, the result %s", s,
+			            which[i] == 3 ? "residual" : "bias",
+			            kl_dtype_name(p->bufs[ids[i]].dtype),
+			            kl_dtype_name(p->bufs[mm->c].dtype));
+	}
+	/* the planner knows a step's buffers from its reads and writes only */
+	if (!in_ids(sp->writes, sp->nwrites, mm->c))
+		return fail(err, cap, "step %d: matmul result %d is not among its writes", s, mm->c);
+	for (int i = 0; i < nid; i++)
+		if (i != 2 && !in_ids(sp->reads, sp->nreads, ids[i]))
+			return fail(err, cap, "step %d: matmul operand %d is not among its reads", s,
+			            ids[i]);
+	if (mm->has_r && (mm->r_off < 0 || mm->r_ld < (mm->m > 1 ? mm->n : 0)))
+		return fail(err, cap, "step %d: matmul residual offset or row stride out of range", s);
+	if (mm->has_bias && mm->bias_off < 0)
+		return fail(err, cap, "step %d: matmul bias offset out of range", s);
+	for (int i = 0; i < nid; i++)
 		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
 			if (p->bufs[ids[i]].shape[d].sym)
 				return fail(err, cap, "step %d: matmul over a symbolic dim", s);
@@ -119,14 +164,14 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 	if (!isfinite(mm->alpha) || !isfinite(mm->beta) || mm->ldc < (mm->n ? mm->n : 0) ||
 	    mm->a_off < 0 || mm->b_off < 0 || mm->c_off < 0)
 		return fail(err, cap, "step %d: matmul scalars or strides out of range", s);
-	for (int i = 0; i < 3; i++) {
-		int64_t ext = kl__mm_extent(mm, i), n = buf_numel(&p->bufs[ids[i]]);
+	for (int i = 0; i < nid; i++) {
+		int64_t ext = kl__mm_extent(mm, which[i]), n = buf_numel(&p->bufs[ids[i]]);
 		/* an input is addressed through the strides it was traced with, which
 		 * the program does not hold: kl__compile checks those against them */
 		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
 			return fail(err, cap,
 			            "step %d: matmul operand %c reaches element %lld of %lld", s,
-			            "abc"[i], (long long)ext, (long long)n);
+			            "abcrv"[which[i]], (long long)ext, (long long)n);
 	}
 	return KL_OK;
 }
@@ -422,6 +467,16 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 			w_i64(&w, rest[i]);
 		w_f64(&w, mm->alpha);
 		w_f64(&w, mm->beta);
+		w_i32(&w, mm->has_r);
+		w_i32(&w, mm->r);
+		w_i64(&w, mm->r_off);
+		w_i64(&w, mm->r_ld);
+		for (int i = 0; i < mm->nbatch && i < KL_MAX_DIMS; i++)
+			w_i64(&w, mm->r_bstride[i]);
+		w_i32(&w, mm->has_bias);
+		w_i32(&w, mm->bias);
+		w_i64(&w, mm->bias_off);
+		w_i32(&w, (int32_t)mm->act);
 		if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *a = &sp->at;
 			int32_t ids[4] = {a->q, a->k, a->v, a->o};
@@ -585,8 +640,11 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 	char magic[8];
 	if (!r_bytes(&r, magic, 8) || memcmp(magic, PROG_MAGIC, 8) != 0)
 		return fail(err, cap, "not a kiln program");
-	if ((uint32_t)r_i32(&r) != PROG_FORMAT)
-		return fail(err, cap, "program format version mismatch");
+	uint32_t version = (uint32_t)r_i32(&r);
+	if (version != PROG_FORMAT)
+		return fail(err, cap, "program format version %u, this build reads version %u%s",
+		            version, PROG_FORMAT,
+		            version < PROG_FORMAT ? " (written before product epilogues)" : "");
 	kl_program p = {0};
 	bool null;
 	p.nbufs = r_count(&r, MAX_COUNT, 24);
@@ -644,6 +702,20 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		mm->ldc = r_i64(&r);
 		mm->alpha = r_f64(&r);
 		mm->beta = r_f64(&r);
+		int32_t has_r = r_i32(&r);
+		mm->r = r_i32(&r);
+		mm->r_off = r_i64(&r);
+		mm->r_ld = r_i64(&r);
+		for (int i = 0; i < mm->nbatch; i++)
+			mm->r_bstride[i] = r_i64(&r);
+		int32_t has_bias = r_i32(&r);
+		mm->bias = r_i32(&r);
+		mm->bias_off = r_i64(&r);
+		mm->act = (kl_mm_act)r_i32(&r);
+		if ((uint32_t)has_r > 1 || (uint32_t)has_bias > 1)
+			r.bad = true;
+		mm->has_r = has_r == 1;
+		mm->has_bias = has_bias == 1;
 		if (sp->kind == KL_STEP_ATTENTION) {
 			kl_attn_step *a = &sp->at;
 			a->q = r_i32(&r);

@@ -154,6 +154,12 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 kl_status kl__cpu_rows(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out);
 
+/* A unary float op without attributes (relu, gelu, gelu_tanh, exp, ...) over
+ * n dense values, as the eager kernels compute it; o must not overlap a.
+ * The compiled CPU executor applies product epilogues through these. */
+void kl__cpu_unary_f32(kl_op op, const float *a, float *restrict o, int64_t n);
+void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n);
+
 /* The op's public name for messages. */
 const char *kl__cpu_opname(const kl_node *n);
 

@@ -334,6 +334,22 @@ static kl_status un_i64(const pw_plan *w, const int64_t *A, int64_t *restrict O,
 	return KL_OK;
 }
 
+void kl__cpu_unary_f32(kl_op op, const float *a, float *restrict o, int64_t n)
+{
+	pw_plan w;
+	memset(&w, 0, sizeof w);
+	w.op = op;
+	un_f32(&w, a, o, n);
+}
+
+void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n)
+{
+	pw_plan w;
+	memset(&w, 0, sizeof w);
+	w.op = op;
+	un_f64(&w, a, o, n);
+}
+
 /* ---- where ------------------------------------------------------------------ */
 
 #define WHERE_LOOP(T)                                                                          \

@@ -614,8 +614,30 @@ kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int n
 	return KL_OK;
 }
 
+/* the cuBLASLt epilogue of a step's activation and bias */
+static kl_status step_epilogue(kl_ctx *ctx, const kl_matmul_step *mm, kl_epilogue *out)
+{
+	switch (mm->act) {
+	case KL_MM_ACT_NONE:
+		*out = mm->has_bias ? KL_EPI_BIAS : KL_EPI_DEFAULT;
+		return KL_OK;
+	case KL_MM_ACT_RELU:
+		*out = mm->has_bias ? KL_EPI_RELU_BIAS : KL_EPI_RELU;
+		return KL_OK;
+	case KL_MM_ACT_GELU_TANH:
+		*out = mm->has_bias ? KL_EPI_GELU_BIAS : KL_EPI_GELU;
+		return KL_OK;
+	default:
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_matmul: cuBLASLt has no epilogue for activation %d (its GELU is "
+		               "the tanh approximation; erf GELU runs as a generated kernel)",
+		               (int)mm->act);
+	}
+}
+
 kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
-                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c)
+                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
+                             CUdeviceptr r, CUdeviceptr bias)
 {
 	size_t eab = kl_dtype_size(ab), ecd = kl_dtype_size(cd);
 	kl_gemm g;
@@ -636,8 +658,24 @@ kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *
 	g.b = b + (CUdeviceptr)(mm->b_off * (int64_t)eab);
 	g.d = c + (CUdeviceptr)(mm->c_off * (int64_t)ecd);
 	g.c = mm->beta != 0 ? g.d : 0;
+	kl_status s = step_epilogue(ctx, mm, &g.epi);
+	if (s != KL_OK)
+		return s;
+	bool epi = mm->has_r || mm->has_bias || mm->act != KL_MM_ACT_NONE;
+	if ((mm->has_r && !r) || (mm->has_bias && !bias))
+		return kl__err(ctx, KL_EINVAL, "kl_matmul: NULL %s buffer",
+		               mm->has_r && !r ? "residual" : "bias");
+	if (mm->has_r) {
+		/* D = alpha A B + beta R: cuBLASLt's C is the residual (C != D) */
+		g.c = r + (CUdeviceptr)(mm->r_off * (int64_t)ecd);
+		g.ldc = mm->r_ld;
+	}
+	if (mm->has_bias)
+		g.bias = bias + (CUdeviceptr)(mm->bias_off * (int64_t)ecd);
 	if (g.m <= 0 || g.n <= 0)
 		return KL_OK;
+	if (g.k <= 0 && epi)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_matmul: k = 0 with an epilogue");
 	if (g.k <= 0) { /* an empty sum: C = beta * C, which only beta == 0 makes cheap */
 		if (mm->beta != 0 && mm->beta != 1)
 			return kl__err(ctx, KL_EUNSUPPORTED, "kl_matmul: k = 0 with beta %g",
@@ -650,5 +688,5 @@ kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *
 		               "kl_matmul: k = 0 over a strided or batched C");
 	}
 	return kl__lt_matmul_nd(ctx, d, &g, mm->nbatch, mm->batch, mm->a_bstride, mm->b_bstride,
-	                        mm->c_bstride, mm->c_bstride);
+	                        mm->has_r ? mm->r_bstride : mm->c_bstride, mm->c_bstride);
 }

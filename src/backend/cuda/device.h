@@ -207,9 +207,14 @@ kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, int nb
                            const int64_t *batch, const int64_t *a_bs, const int64_t *b_bs,
                            const int64_t *c_bs, const int64_t *d_bs);
 /* A runtime matrix-product step (lower/program.h) on buffers a, b, c: A and
- * B of dtype ab, C of cd, written in place (beta reads it first). */
+ * B of dtype ab, C of cd. Its epilogue runs in cuBLASLt's: beta scales the
+ * residual buffer r (mm->has_r; else C in place, read first), bias is the
+ * bias buffer (mm->has_bias), relu and gelu_tanh are its RELU and GELU
+ * epilogues (erf GELU has none: KL_EUNSUPPORTED). r and bias are the
+ * buffers' base pointers (0 when absent). */
 kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
-                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c);
+                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
+                             CUdeviceptr r, CUdeviceptr bias);
 /* Frees the handle, cached plans and workspace (device close does this). */
 void kl__lt_release(kl_cuda_dev *d);
 

@@ -240,7 +240,9 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			st = kl__lt_matmul_step(
 			        ctx, rt->dev, mm, p->bufs[mm->a].dtype, p->bufs[mm->c].dtype,
 			        (CUdeviceptr)(uintptr_t)B[mm->a], (CUdeviceptr)(uintptr_t)B[mm->b],
-			        (CUdeviceptr)(uintptr_t)B[mm->c]);
+			        (CUdeviceptr)(uintptr_t)B[mm->c],
+			        mm->has_r ? (CUdeviceptr)(uintptr_t)B[mm->r] : 0,
+			        mm->has_bias ? (CUdeviceptr)(uintptr_t)B[mm->bias] : 0);
 			continue;
 		}
 		if (sp->kind == KL_STEP_ATTENTION) {
