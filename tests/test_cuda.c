@@ -981,7 +981,8 @@ static void test_gpu_gemm_nd(void **state)
 	mm.beta = 1.0;
 	double *c0 = fill(B1 * M * K, KL_F32, &rng);
 	CUdeviceptr dc = upload(c0, B1 * M * K, KL_F32);
-	assert_int_equal(kl__lt_matmul_step(gctx, gdev, &mm, KL_F32, KL_F32, g.d, g.b, dc), KL_OK);
+	assert_int_equal(kl__lt_matmul_step(gctx, gdev, &mm, KL_F32, KL_F32, g.d, g.b, dc, NULL),
+	                 KL_OK);
 	float *hc = malloc((size_t)(B1 * M * K) * 4);
 	assert_int_equal(kl__cuda_d2h(gctx, gdev, hc, dc, (size_t)(B1 * M * K) * 4), KL_OK);
 	for (int64_t q = 0; q < B1; q++)
