@@ -232,6 +232,15 @@ static void progress(const tuner *t, int32_t s, const char *what, int n)
 	fflush(stderr);
 }
 
+/* Before a log line: the progress line goes, so the two do not mix. */
+static void clear_line(const tuner *t)
+{
+	if (t->tty && (t->ctx->logs & KL_LOG_AUTOTUNE)) {
+		fprintf(stderr, "\r\033[K");
+		fflush(stderr);
+	}
+}
+
 /* A candidate replaces the default only when clearly faster. */
 static bool beats(float ms, float best, bool best_is_default)
 {
@@ -273,6 +282,7 @@ static kl_status tune_kernel(tuner *t, int32_t s, kl_tune_step *out)
 	rt->gcap[s] = pick;
 	out->gcap = pick;
 	out->ms = best;
+	clear_line(t);
 	if (pick)
 		kl__log(t->ctx, KL_LOG_AUTOTUNE,
 		        "step %d/%d (%s): grid cap %u blocks (%u per SM), %.4f ms (default grid "
@@ -343,6 +353,7 @@ static kl_status tune_matmul(tuner *t, int32_t s, kl_tune_step *out)
 	if (pick >= 0)
 		out->algo = cand[pick];
 	out->ms = best;
+	clear_line(t);
 	if (pick >= 0)
 		kl__log(t->ctx, KL_LOG_AUTOTUNE,
 		        "step %d/%d (%s): cuBLASLt algorithm %d of %d (workspace %zu bytes), %.4f "
