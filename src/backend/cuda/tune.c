@@ -376,7 +376,7 @@ static kl_status check_algos(tuner *t, const kl_tune_step *steps, char *why, siz
 			continue;
 		kl_gemm g;
 		bool lib = false;
-		char w[KL_ERR_CAP] = "";
+		char w[256] = "";
 		kl_status st = step_gemm(t, s, &g, &lib);
 		if (st != KL_OK)
 			return st;
