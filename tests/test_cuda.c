@@ -20,7 +20,12 @@
 #ifdef KILN_HAVE_CUDA
 #include <dlfcn.h>
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include "backend/cuda/device.h"
+#include "backend/cuda/rt_cuda.h"
+#include "lower/lower.h"
 
 /* ---- shared kernels --------------------------------------------------------------- */
 
@@ -536,6 +541,183 @@ static void test_cublaslt_loads(void **state)
 	kl_ctx_free(ctx);
 }
 
+
+/* ---- max-autotune entries (no GPU) ------------------------------------------------- */
+
+/* a program of three steps: kernel, matmul, kernel (only the kinds matter) */
+static void tune_prog(kl_program *p, kl_step *steps, int n)
+{
+	memset(p, 0, sizeof *p);
+	memset(steps, 0, sizeof *steps * (size_t)n);
+	for (int s = 0; s < n; s++)
+		steps[s].kind = s == 1 ? KL_STEP_MATMUL : KL_STEP_KERNEL;
+	p->steps = steps;
+	p->nsteps = n;
+}
+
+static bool rejects(const kl_program *p, uint64_t devid, const uint8_t *b, size_t len,
+                    const char *want)
+{
+	kl_tune_step back[3];
+	char why[KL_ERR_CAP];
+	kl_status s = kl__tune_decode(p, devid, b, len, back, why, sizeof why);
+	if (s != KL_EFORMAT || !strstr(why, want)) {
+		print_message("decode gave %d (%s), want KL_EFORMAT with '%s'\n", (int)s, why, want);
+		return false;
+	}
+	return true;
+}
+
+static void test_tune_entry(void **state)
+{
+	(void)state;
+	kl_program p;
+	kl_step st[3];
+	tune_prog(&p, st, 3);
+	kl_tune_step t[3];
+	memset(t, 0, sizeof t);
+	uint64_t rng = 3;
+	t[0].gcap = 264;
+	t[0].ms = 0.25f;
+	t[1].has_algo = true;
+	t[1].ms = 1.5f;
+	t[1].algo.workspace = 1 << 20;
+	for (size_t i = 0; i < sizeof t[1].algo.algo.data / sizeof t[1].algo.algo.data[0]; i++)
+		t[1].algo.algo.data[i] = kltest_next(&rng);
+	t[1].algo.align[0] = t[1].algo.align[1] = 256;
+	t[1].algo.align[2] = t[1].algo.align[3] = 16;
+	t[2].ms = 0.125f;
+	uint64_t devid = 0x1234abcd5678ef00ull;
+	uint8_t *b = NULL;
+	size_t len = 0;
+	assert_int_equal(kl__tune_encode(&p, devid, t, &b, &len), KL_OK);
+	kl_tune_step back[3];
+	char why[KL_ERR_CAP];
+	assert_int_equal(kl__tune_decode(&p, devid, b, len, back, why, sizeof why), KL_OK);
+	assert_int_equal(back[0].gcap, 264);
+	assert_false(back[0].has_algo);
+	assert_true(back[1].has_algo);
+	assert_memory_equal(&back[1].algo.algo, &t[1].algo.algo, sizeof t[1].algo.algo);
+	assert_int_equal(back[1].algo.workspace, 1 << 20);
+	assert_int_equal(back[1].algo.align[0], 256);
+	assert_int_equal(back[1].algo.align[3], 16);
+	assert_true(back[2].ms == 0.125f && back[2].gcap == 0);
+
+	/* every way an entry can fail to fit is refused with its reason */
+	assert_true(rejects(&p, devid + 1, b, len, "tuned on another device"));
+	assert_true(rejects(&p, devid, b, len - 1, "bytes for 3 steps"));
+	assert_true(rejects(&p, devid, b, 10, "not a tuning entry"));
+	kl_program p2;
+	kl_step st2[2];
+	tune_prog(&p2, st2, 2);
+	assert_true(rejects(&p2, devid, b, len, "3 steps, the variant has 2"));
+	st[1].kind = KL_STEP_KERNEL; /* the variant's step 1 is a kernel now */
+	assert_true(rejects(&p, devid, b, len, "step 1 is a kernel"));
+	st[1].kind = KL_STEP_MATMUL;
+	size_t rec = (len - 24) / 3;
+	uint8_t *c = malloc(len);
+	struct {
+		size_t off;
+		uint32_t v;
+		const char *want;
+	} bad[] = {
+	        {8, 2, "format version 2"},
+	        {24 + 4, 1u << 30, "step 0: grid cap"},        /* gcap too large */
+	        {24 + rec + 4, 64, "step 1: grid cap 64 on a matmul"},
+	        {24 + 12, 1, "step 0: algorithm flag 1 on a kernel"},
+	        {24 + rec + 12, 7, "step 1: algorithm flag 7"},
+	        {24 + rec + 24, 3, "step 1: operand alignment 3"},
+	        {24 + rec + 8, 0x7fc00000u, "step 1: time nan"}, /* NaN ms */
+	        {24 + 2 * rec + 16, 5, "step 2: workspace 5 without an algorithm"},
+	};
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		memcpy(c, b, len);
+		memcpy(c + bad[i].off, &bad[i].v, 4);
+		assert_true(rejects(&p, devid, c, len, bad[i].want));
+	}
+	free(c);
+	free(b);
+
+	/* names and keys: per variant and device */
+	char n1[96], n2[96];
+	uint64_t k1, k2, k3;
+	kl__tune_entry(1, devid, n1, sizeof n1, &k1);
+	kl__tune_entry(2, devid, n2, sizeof n2, &k2);
+	assert_string_not_equal(n1, n2);
+	assert_true(k1 != k2);
+	kl__tune_entry(1, devid + 1, n2, sizeof n2, &k3);
+	assert_true(k1 != k3);
+	assert_non_null(strstr(n1, "tune-0000000000000001-1234abcd5678ef00.klt"));
+}
+
+/* The bodies the GPU graph tests compile lower as those tests assume: a
+ * product reading an input and writing an output, kernels reading that
+ * output, the moving input and other inputs. */
+static kl_status body_mm(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                         void *user);
+static kl_status body_kernels(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user);
+
+static void lower_body(kl_fn_body f, int nin, int nout, kl_tensor *const *in, kl_program *P)
+{
+	kl_ctx *ctx = kl_tensor_ctx(in[0]);
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *outs[4] = {NULL};
+	assert_int_equal(f(ctx, in, nin, outs, nout, NULL), KL_OK);
+	kl_trace *tr = kl__trace_end(ctx, nout, outs);
+	kl_scope_end(ctx);
+	assert_non_null(tr);
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	char err[512];
+	assert_int_equal(kl__lower(&tr->g, &o, P, err, sizeof err), KL_OK);
+	kl__trace_free(tr);
+}
+
+static void mm_inputs(kl_ctx *ctx, uint64_t seed, kl_tensor **in)
+{
+	in[0] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){16, 32}, KLTEST_NORMAL, KLTEST_CONTIG, seed);
+	in[1] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){32, 24}, KLTEST_NORMAL, KLTEST_CONTIG,
+	                    seed + 1);
+	in[2] = kltest_rand(ctx, KL_F32, 1, (int64_t[]){24}, KLTEST_NORMAL, KLTEST_CONTIG, seed + 2);
+}
+
+static void test_graph_bodies_lower(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_tensor *in[3];
+	mm_inputs(ctx, 5, in);
+	kl_program P;
+	lower_body(body_mm, 3, 3, in, &P);
+	int mm_out = 0, kernels = 0;
+	for (int32_t s = 0; s < P.nsteps; s++) {
+		const kl_step *sp = &P.steps[s];
+		if (sp->kind == KL_STEP_MATMUL) {
+			mm_out += P.bufs[sp->mm.c].role == KL_BUF_OUTPUT &&
+			          P.bufs[sp->mm.a].role == KL_BUF_INPUT &&
+			          P.bufs[sp->mm.a].index == 0;
+		} else {
+			kernels++;
+		}
+	}
+	assert_int_equal(mm_out, 1);
+	assert_true(kernels >= 1);
+	kl__program_free(&P);
+	kl_tensor *kin[2] = {
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){16, 32}, KLTEST_NORMAL, KLTEST_CONTIG, 8),
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){16, 32}, KLTEST_NORMAL, KLTEST_CONTIG, 9)};
+	lower_body(body_kernels, 2, 2, kin, &P);
+	kl_release(kin[0]);
+	kl_release(kin[1]);
+	for (int32_t s = 0; s < P.nsteps; s++)
+		assert_int_equal(P.steps[s].kind, KL_STEP_KERNEL);
+	kl__program_free(&P);
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU ------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -981,7 +1163,7 @@ static void test_gpu_gemm_nd(void **state)
 	mm.beta = 1.0;
 	double *c0 = fill(B1 * M * K, KL_F32, &rng);
 	CUdeviceptr dc = upload(c0, B1 * M * K, KL_F32);
-	assert_int_equal(kl__lt_matmul_step(gctx, gdev, &mm, KL_F32, KL_F32, g.d, g.b, dc, 0, 0),
+	assert_int_equal(kl__lt_matmul_step(gctx, gdev, &mm, KL_F32, KL_F32, g.d, g.b, dc, 0, 0, NULL),
 	                 KL_OK);
 	float *hc = malloc((size_t)(B1 * M * K) * 4);
 	assert_int_equal(kl__cuda_d2h(gctx, gdev, hc, dc, (size_t)(B1 * M * K) * 4), KL_OK);
@@ -1185,6 +1367,354 @@ static void test_gpu_timing(void **state)
 	kl__cuda_event_free(gdev, e1);
 }
 
+
+/* ---- compiled functions through CUDA graphs and max-autotune ------------------------ */
+
+/* out0 = x @ w (a product writing an output), out1 = relu(out0 + b) and
+ * out2 = x * x (kernels reading that output and the moving input) */
+static kl_status body_mm(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                         void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	out[0] = kl_matmul(in[0], in[1]);
+	out[1] = kl_relu(kl_add(out[0], in[2]));
+	out[2] = kl_mul(in[0], in[0]);
+	return out[0] && out[1] && out[2] ? KL_OK : kl_last_status(ctx);
+}
+
+/* kernels only */
+static kl_status body_kernels(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	out[0] = kl_relu(kl_add(kl_mul(in[0], in[1]), in[0]));
+	out[1] = kl_exp(kl_mul(in[1], in[1]));
+	return out[0] && out[1] ? KL_OK : kl_last_status(ctx);
+}
+
+typedef struct gcase_fn {
+	const char *name;
+	kl_fn_body f;
+	int nin, nout;
+	int64_t in_shape[3][2];
+	int64_t out_shape[3][2];
+	int nmove; /* inputs 0..nmove-1 are fresh in the moving phase; the rest stay (weights) */
+	bool has_mm;
+} gcase_fn;
+
+static const gcase_fn GC_MM = {"matmul+kernels", body_mm, 3, 3,
+                               {{16, 32}, {32, 24}, {1, 24}}, {{16, 24}, {16, 24}, {16, 32}},
+                               1, true};
+static const gcase_fn GC_K = {"kernels only", body_kernels, 2, 2,
+                              {{16, 32}, {16, 32}, {0, 0}}, {{16, 32}, {16, 32}, {0, 0}},
+                              2, false};
+
+static kl_tensor *gc_input(kl_ctx *ctx, const gcase_fn *g, int i, uint64_t seed)
+{
+	bool vec = g->in_shape[i][0] == 1; /* a bias: 1-D */
+	kl_tensor *t = kltest_rand(ctx, KL_F32, vec ? 1 : 2, vec ? &g->in_shape[i][1] : g->in_shape[i],
+	                           KLTEST_NORMAL, KLTEST_CONTIG, seed);
+	assert_non_null(t);
+	return t;
+}
+
+typedef struct gc_pick {
+	const gcase_fn *g;
+	int which;
+} gc_pick;
+
+static kl_tensor *gc_apply(kl_tensor *const *in, const void *param)
+{
+	const gc_pick *p = param;
+	kl_tensor *outs[3] = {NULL};
+	if (p->g->f(kl_tensor_ctx(in[0]), in, p->g->nin, outs, p->g->nout, NULL) != KL_OK)
+		return NULL;
+	return outs[p->which];
+}
+
+/* every output of a call against the float64 reference */
+static void gc_check(const gcase_fn *g, kl_tensor *const *in, kl_tensor **out, const char *phase,
+                     int call)
+{
+	kl_ctx *ctx = kl_tensor_ctx(in[0]);
+	for (int j = 0; j < g->nout; j++) {
+		gc_pick pk = {g, j};
+		char what[160];
+		snprintf(what, sizeof what, "%s, %s call %d, output %d", g->name, phase, call, j);
+		int nd;
+		int64_t shape[KL_MAX_DIMS];
+		kl_dtype rdt;
+		double *ref = kltest_reference(ctx, what, gc_apply, in, &pk, &nd, shape, &rdt);
+		assert_non_null(ref);
+		double *got = kltest_read(out[j]);
+		assert_non_null(got);
+		bool ok = kl_tensor_dtype(out[j]) == rdt && kltest_compare(what, rdt, nd, shape, got,
+		                                                            ref, 8);
+		free(ref);
+		free(got);
+		if (!ok)
+			fail_msg("%s differs from the reference", what);
+	}
+}
+
+/* NaN-filled blocks of each output's size, freed just before a call: the
+ * caching allocator hands them to the call's outputs, so an output the
+ * graph does not write reads back as NaN. */
+static void gc_poison(kl_ctx *ctx, const gcase_fn *g)
+{
+	kl_tensor *p[3] = {NULL};
+	for (int j = 0; j < g->nout; j++) {
+		p[j] = kl_full(ctx, KL_F32, 2, g->out_shape[j], NAN);
+		assert_non_null(p[j]);
+	}
+	for (int j = 0; j < g->nout; j++)
+		kl_release(p[j]);
+}
+
+static kl_ctx *gpu_ctx_or_skip(const char *test)
+{
+	kl_ctx_opts o = {.device = KL_CUDA};
+	kl_ctx *ctx = kl_ctx_new(&o);
+	if (!ctx) {
+		print_message("test_cuda: %s skipped: %s\n", test, kl_last_error(NULL));
+		skip();
+	}
+	return ctx;
+}
+
+#define GC_CALLS 8
+
+/* A reduce-overhead function called first with the same inputs (outputs
+ * released between calls), then with fresh inputs and outputs at new
+ * addresses each call; every call checked. In each phase's steady state
+ * (its last 4 calls) nothing is captured again and every call replays. */
+static void run_graph_case(const gcase_fn *g)
+{
+	kl_ctx *ctx = gpu_ctx_or_skip(g->name);
+	bool graphs = !getenv("KILN_DISABLE_CUDAGRAPHS");
+	kl_compile_opts co = {.mode = KL_MODE_REDUCE_OVERHEAD};
+	kl_fn *fn = kl_compile(ctx, g->f, NULL, g->nin, g->nout, &co);
+	assert_non_null(fn);
+	kl_tensor *in[3] = {NULL};
+	for (int i = 0; i < g->nin; i++)
+		in[i] = gc_input(ctx, g, i, 100 + (uint64_t)i);
+	kl_cuda_counters c0, mid, c1;
+	kl__cuda_counters(&c0);
+	for (int call = 0; call < GC_CALLS; call++) {
+		if (call == GC_CALLS - 4)
+			kl__cuda_counters(&mid);
+		kl_tensor *out[3] = {NULL};
+		gc_poison(ctx, g);
+		if (kl_fn_call(fn, in, out) != KL_OK)
+			fail_msg("%s same-address call %d: %s", g->name, call, kl_last_error(ctx));
+		if (graphs && call >= 1)
+			assert_int_equal(kl_fn_last_kernels(fn), 1);
+		gc_check(g, in, out, "same-address", call);
+		for (int j = 0; j < g->nout; j++)
+			kl_release(out[j]);
+	}
+	kl__cuda_counters(&c1);
+	if (graphs) {
+		print_message("test_cuda: %s, same addresses: %ld captures, %ld replays, %ld kernel "
+		              "and %ld copy updates\n",
+		              g->name, c1.captures - c0.captures, c1.replays - c0.replays,
+		              c1.kernel_updates - c0.kernel_updates,
+		              c1.copy_updates - c0.copy_updates);
+		assert_int_equal(c1.captures - mid.captures, 0);
+		assert_int_equal(c1.replays - mid.replays, 4);
+		assert_int_equal(c1.replays - c0.replays, GC_CALLS - 1);
+		assert_true(c1.captures - c0.captures >= 1);
+		if (!g->has_mm)
+			assert_int_equal(c1.captures - c0.captures, 1);
+	}
+
+	/* fresh inputs and outputs, all kept alive: every address is new */
+	kl_tensor *keep[GC_CALLS * 6];
+	int nkeep = 0;
+	kl__cuda_counters(&c0);
+	for (int call = 0; call < GC_CALLS; call++) {
+		if (call == GC_CALLS - 4)
+			kl__cuda_counters(&mid);
+		for (int i = 0; i < g->nmove; i++) {
+			keep[nkeep++] = in[i];
+			in[i] = gc_input(ctx, g, i, 1000 + 10 * (uint64_t)call + (uint64_t)i);
+		}
+		kl_tensor *out[3] = {NULL};
+		gc_poison(ctx, g);
+		if (kl_fn_call(fn, in, out) != KL_OK)
+			fail_msg("%s moving call %d: %s", g->name, call, kl_last_error(ctx));
+		if (graphs)
+			assert_int_equal(kl_fn_last_kernels(fn), 1);
+		gc_check(g, in, out, "moving", call);
+		for (int j = 0; j < g->nout; j++)
+			keep[nkeep++] = out[j];
+	}
+	kl__cuda_counters(&c1);
+	if (graphs) {
+		print_message("test_cuda: %s, moving: %ld captures, %ld replays, %ld kernel and %ld "
+		              "copy updates\n",
+		              g->name, c1.captures - c0.captures, c1.replays - c0.replays,
+		              c1.kernel_updates - c0.kernel_updates,
+		              c1.copy_updates - c0.copy_updates);
+		assert_int_equal(c1.captures - mid.captures, 0);
+		assert_int_equal(c1.replays - c0.replays, GC_CALLS);
+		/* outputs move every call: their kernels are re-pointed every call */
+		assert_true(c1.kernel_updates - mid.kernel_updates >= 4);
+		if (g->has_mm) {
+			/* at most one re-capture: the buffers the product holds become staged */
+			assert_true(c1.captures - c0.captures <= 1);
+			/* x and the product's output move: their copy nodes are re-pointed */
+			assert_true(c1.copy_updates - mid.copy_updates >= 8);
+		} else {
+			assert_int_equal(c1.captures - c0.captures, 0);
+			assert_int_equal(c1.copy_updates - c0.copy_updates, 0);
+		}
+	}
+	for (int i = 0; i < nkeep; i++)
+		kl_release(keep[i]);
+	for (int i = 0; i < g->nin; i++)
+		kl_release(in[i]);
+	kl_fn_free(fn);
+	kl_ctx_free(ctx);
+}
+
+static void test_gpu_graph_matmul_moving(void **state)
+{
+	(void)state;
+	run_graph_case(&GC_MM);
+}
+
+static void test_gpu_graph_kernels_moving(void **state)
+{
+	(void)state;
+	run_graph_case(&GC_K);
+}
+
+/* Remove the tuning entries of the cache dir; with found != NULL, the name
+ * of the one entry there instead (removing nothing). */
+static int tune_entries(const char *dir, char *found, size_t cap)
+{
+	DIR *d = opendir(dir);
+	int n = 0;
+	if (!d)
+		return 0;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (strncmp(e->d_name, "tune-", 5) != 0)
+			continue;
+		n++;
+		if (found) {
+			snprintf(found, cap, "%s", e->d_name);
+		} else {
+			char path[4096 + 512];
+			snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+			unlink(path);
+		}
+	}
+	closedir(d);
+	return n;
+}
+
+/* one process's worth: a fresh context compiles the function in mode and
+ * calls it three times with fresh inputs, every call checked */
+static void tuned_run(kl_mode mode, uint64_t seed)
+{
+	const gcase_fn *g = &GC_MM;
+	kl_ctx *ctx = gpu_ctx_or_skip("autotune");
+	kl_compile_opts co = {.mode = mode};
+	kl_fn *fn = kl_compile(ctx, g->f, NULL, g->nin, g->nout, &co);
+	assert_non_null(fn);
+	for (int call = 0; call < 3; call++) {
+		kl_tensor *in[3], *out[3] = {NULL};
+		for (int i = 0; i < g->nin; i++)
+			in[i] = gc_input(ctx, g, i, seed + 10 * (uint64_t)call + (uint64_t)i);
+		gc_poison(ctx, g);
+		if (kl_fn_call(fn, in, out) != KL_OK)
+			fail_msg("autotune mode %d call %d: %s", (int)mode, call, kl_last_error(ctx));
+		gc_check(g, in, out, mode == KL_MODE_MAX_AUTOTUNE ? "max-autotune" : "no-cudagraphs",
+		         call);
+		for (int j = 0; j < g->nout; j++)
+			kl_release(out[j]);
+		for (int i = 0; i < g->nin; i++)
+			kl_release(in[i]);
+	}
+	kl_fn_free(fn);
+	kl_ctx_free(ctx);
+}
+
+static void expect_tune(const kl_cuda_counters *a, const kl_cuda_counters *b, long tunes,
+                        long hits, long rejects)
+{
+	print_message("test_cuda: autotune: %ld tuned, %ld read back, %ld rejected\n",
+	              b->tunes - a->tunes, b->tune_hits - a->tune_hits,
+	              b->tune_rejects - a->tune_rejects);
+	assert_int_equal(b->tunes - a->tunes, tunes);
+	assert_int_equal(b->tune_hits - a->tune_hits, hits);
+	assert_int_equal(b->tune_rejects - a->tune_rejects, rejects);
+}
+
+static void test_gpu_autotune(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	char dir[4096];
+	if (!kl__cache_dir(gctx, dir, sizeof dir)) {
+		print_message("test_cuda: %s skipped: no usable disk cache directory\n", __func__);
+		skip();
+	}
+	const kl_mode modes[] = {KL_MODE_MAX_AUTOTUNE, KL_MODE_MAX_AUTOTUNE_NO_CUDAGRAPHS};
+	for (int m = 0; m < 2; m++) {
+		tune_entries(dir, NULL, 0);
+		kl_cuda_counters a, b;
+		/* the first process tunes and stores its choices */
+		kl__cuda_counters(&a);
+		tuned_run(modes[m], 300);
+		kl__cuda_counters(&b);
+		expect_tune(&a, &b, 1, 0, 0);
+		char name[256];
+		assert_int_equal(tune_entries(dir, name, sizeof name), 1);
+		/* the second reads them back: nothing is timed */
+		tuned_run(modes[m], 400);
+		kl__cuda_counters(&a);
+		expect_tune(&b, &a, 0, 1, 0);
+
+		/* a damaged entry (a payload byte flipped) is rejected and tuned again */
+		char path[4096 + 256];
+		snprintf(path, sizeof path, "%s/%s", dir, name);
+		FILE *f = fopen(path, "r+b");
+		assert_non_null(f);
+		assert_int_equal(fseek(f, -3, SEEK_END), 0);
+		int ch = fgetc(f);
+		assert_int_equal(fseek(f, -3, SEEK_END), 0);
+		fputc(ch ^ 0x5a, f);
+		fclose(f);
+		tuned_run(modes[m], 500);
+		kl__cuda_counters(&b);
+		expect_tune(&a, &b, 1, 0, 1);
+
+		/* an intact entry whose contents do not fit the variant: rejected too */
+		unsigned long long key = 0, devid = 0;
+		assert_int_equal(sscanf(name, "tune-%16llx-%16llx.klt", &key, &devid), 2);
+		char n2[96];
+		uint64_t ekey;
+		kl__tune_entry(key, devid, n2, sizeof n2, &ekey);
+		assert_string_equal(n2, name);
+		static const char junk[] = "KLTUNE\0\0 but not for this variant";
+		assert_int_equal(kl__cache_put(gctx, dir, name, ekey, junk, sizeof junk), KL_OK);
+		tuned_run(modes[m], 600);
+		kl__cuda_counters(&a);
+		expect_tune(&b, &a, 1, 0, 1);
+		/* and the entry written in its place is read back */
+		tuned_run(modes[m], 700);
+		kl__cuda_counters(&b);
+		expect_tune(&a, &b, 0, 1, 0);
+	}
+}
+
 int main(void)
 {
 	const struct CMUnitTest host[] = {
@@ -1192,13 +1722,17 @@ int main(void)
 	        cmocka_unit_test(test_nvrtc_cubin),    cmocka_unit_test(test_nvrtc_error),
 	        cmocka_unit_test(test_pool_classes),   cmocka_unit_test(test_pool_reuse),
 	        cmocka_unit_test(test_pool_random),    cmocka_unit_test(test_lt_geometry),
-	        cmocka_unit_test(test_cublaslt_loads),
+	        cmocka_unit_test(test_cublaslt_loads), cmocka_unit_test(test_tune_entry),
+	        cmocka_unit_test(test_graph_bodies_lower),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_alloc),   cmocka_unit_test(test_gpu_copies),
 	        cmocka_unit_test(test_gpu_kernel),  cmocka_unit_test(test_gpu_gemm),
 	        cmocka_unit_test(test_gpu_gemm_nd), cmocka_unit_test(test_gpu_eager_matmul),
 	        cmocka_unit_test(test_gpu_graph),   cmocka_unit_test(test_gpu_timing),
+	        cmocka_unit_test(test_gpu_graph_matmul_moving),
+	        cmocka_unit_test(test_gpu_graph_kernels_moving),
+	        cmocka_unit_test(test_gpu_autotune),
 	};
 	int fails = cmocka_run_group_tests_name("cuda_host", host, NULL, NULL);
 	fails += cmocka_run_group_tests_name("cuda_gpu", gpu, gpu_setup, gpu_teardown);

@@ -442,6 +442,8 @@ static kl_status heuristics(kl_ctx *ctx, kl_lt_state *st, const kl_gemm *g, lt_p
 		out[*n].algo = res[i].algo;
 		out[*n].workspace = res[i].workspaceSize;
 		out[*n].waves = res[i].wavesCount;
+		for (int j = 0; j < 4; j++)
+			out[*n].align[j] = p->key.align[j];
 		(*n)++;
 	}
 	if (*n == 0)
@@ -471,6 +473,51 @@ kl_status kl__lt_heuristics(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int 
 	return heuristics(ctx, st, &gg, p, want, out, n);
 }
 
+/* An algorithm found for pointers aligned to algo->align runs on p's
+ * pointers only when each is at least as aligned. */
+static bool algo_fits(const lt_plan *p, const kl_lt_algo *algo)
+{
+	for (int j = 0; j < 4; j++)
+		if (p->key.align[j] < algo->align[j])
+			return false;
+	return true;
+}
+
+kl_status kl__lt_algo_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl_lt_algo *algo,
+                            char *why, size_t cap)
+{
+	kl_gemm gg = *g0;
+	kl_gemm *g = &gg;
+	kl_lt_state *st = NULL;
+	lt_plan *p = NULL;
+	why[0] = 0;
+	kl_status s = plan_get(ctx, d, g, &st, &p);
+	if (s != KL_OK) {
+		snprintf(why, cap, "%s", kl_last_error(ctx));
+		return s;
+	}
+	if (algo->workspace > st->ws_bytes) {
+		snprintf(why, cap, "it needs %zu bytes of workspace, %zu available",
+		         algo->workspace, st->ws_bytes);
+		return KL_EFORMAT;
+	}
+	cublasLtMatmulHeuristicResult_t res;
+	memset(&res, 0, sizeof res);
+	cublasStatus_t cs = kl__lt.cublasLtMatmulAlgoCheck(st->h, p->op, p->la, p->lb, p->lc,
+	                                                   p->ld, &algo->algo, &res);
+	if (cs != CUBLAS_STATUS_SUCCESS) {
+		snprintf(why, cap, "cublasLtMatmulAlgoCheck: %s",
+		         kl__lt.cublasLtGetStatusName(cs));
+		return KL_EFORMAT;
+	}
+	if (res.workspaceSize > algo->workspace) {
+		snprintf(why, cap, "it needs %zu bytes of workspace, the entry says %zu",
+		         res.workspaceSize, algo->workspace);
+		return KL_EFORMAT;
+	}
+	return KL_OK;
+}
+
 kl_status kl__lt_matmul(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl_lt_algo *algo)
 {
 	kl_gemm gg = *g0;
@@ -493,6 +540,16 @@ kl_status kl__lt_matmul(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl
 		               "kl_matmul: algorithm needs %zu bytes of workspace, "
 		               "%zu available",
 		               algo->workspace, st->ws_bytes);
+	} else if (!algo_fits(p, algo)) {
+		/* chosen for better-aligned pointers than these: the heuristic's
+		 * choice for this alignment is the safe one */
+		if (!p->have_algo) {
+			int n = 0;
+			if ((s = heuristics(ctx, st, g, p, 1, &p->algo, &n)) != KL_OK)
+				return s;
+			p->have_algo = true;
+		}
+		algo = &p->algo;
 	}
 	float af = (float)g->alpha, bf = (float)g->beta;
 	const void *alpha = &af, *beta = &bf;
@@ -539,25 +596,38 @@ done:
 
 /* ---- batches over several dims ------------------------------------------------------- */
 
-kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int nbatch,
-                           const int64_t *batch, const int64_t *a_bs, const int64_t *b_bs,
-                           const int64_t *c_bs, const int64_t *d_bs)
+/* g0 over a grid of batch dims, reduced to one strided batch (the innermost
+ * dims that nest, in g) and the outer dims left to loop (ext/st[..][0..outer)). */
+typedef struct nd_loop {
+	kl_gemm g;
+	int outer;
+	bool has_c, empty;
+	int64_t ext[KL_MAX_DIMS], st[4][KL_MAX_DIMS];
+} nd_loop;
+
+static kl_status nd_plan(kl_ctx *ctx, const kl_gemm *g0, int nbatch, const int64_t *batch,
+                         const int64_t *a_bs, const int64_t *b_bs, const int64_t *c_bs,
+                         const int64_t *d_bs, nd_loop *L)
 {
 	if (nbatch < 0 || nbatch > KL_MAX_DIMS)
 		return kl__err(ctx, KL_EINVAL, "kl_matmul: %d batch dims", nbatch);
 	/* dims of extent > 1, outermost first, with their strides per operand */
-	int64_t ext[KL_MAX_DIMS], st[4][KL_MAX_DIMS];
+	int64_t *ext = L->ext;
+	int64_t(*st)[KL_MAX_DIMS] = L->st;
 	int n = 0;
-	bool has_c = g0->c != 0;
+	L->has_c = g0->c != 0;
+	L->empty = false;
 	for (int i = 0; i < nbatch; i++) {
-		if (batch[i] <= 0)
-			return KL_OK; /* nothing to compute */
+		if (batch[i] <= 0) {
+			L->empty = true; /* nothing to compute */
+			return KL_OK;
+		}
 		if (batch[i] == 1)
 			continue;
 		ext[n] = batch[i];
 		st[0][n] = a_bs[i];
 		st[1][n] = b_bs[i];
-		st[2][n] = has_c ? c_bs[i] : d_bs[i];
+		st[2][n] = L->has_c ? c_bs[i] : d_bs[i];
 		st[3][n] = d_bs[i];
 		n++;
 	}
@@ -577,36 +647,47 @@ kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int n
 		}
 		m--;
 	}
-	kl_gemm g = *g0;
-	g.batch = 1;
-	g.a_bs = g.b_bs = g.c_bs = g.d_bs = 0;
-	g.bias_bs = 0;
+	kl_gemm *g = &L->g;
+	*g = *g0;
+	g->batch = 1;
+	g->a_bs = g->b_bs = g->c_bs = g->d_bs = 0;
+	g->bias_bs = 0;
 	if (m > 0) {
-		g.batch = ext[m - 1];
-		g.a_bs = st[0][m - 1];
-		g.b_bs = st[1][m - 1];
-		g.c_bs = st[2][m - 1];
-		g.d_bs = st[3][m - 1];
+		g->batch = ext[m - 1];
+		g->a_bs = st[0][m - 1];
+		g->b_bs = st[1][m - 1];
+		g->c_bs = st[2][m - 1];
+		g->d_bs = st[3][m - 1];
 	}
+	L->outer = m > 0 ? m - 1 : 0;
+	return KL_OK;
+}
+
+static kl_status matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int nbatch,
+                           const int64_t *batch, const int64_t *a_bs, const int64_t *b_bs,
+                           const int64_t *c_bs, const int64_t *d_bs, const kl_lt_algo *algo)
+{
+	nd_loop L;
+	kl_status s = nd_plan(ctx, g0, nbatch, batch, a_bs, b_bs, c_bs, d_bs, &L);
+	if (s != KL_OK || L.empty)
+		return s;
 	/* the outer dims loop */
 	int64_t idx[KL_MAX_DIMS] = {0};
-	int outer = m > 0 ? m - 1 : 0;
 	size_t eab = kl_dtype_size(g0->ab), ecd = kl_dtype_size(g0->cd);
 	for (;;) {
 		int64_t off[4] = {0, 0, 0, 0};
-		for (int j = 0; j < outer; j++)
+		for (int j = 0; j < L.outer; j++)
 			for (int o = 0; o < 4; o++)
-				off[o] += idx[j] * st[o][j];
-		kl_gemm gi = g;
+				off[o] += idx[j] * L.st[o][j];
+		kl_gemm gi = L.g;
 		gi.a = g0->a + (CUdeviceptr)(off[0] * (int64_t)eab);
 		gi.b = g0->b + (CUdeviceptr)(off[1] * (int64_t)eab);
-		gi.c = has_c ? g0->c + (CUdeviceptr)(off[2] * (int64_t)ecd) : 0;
+		gi.c = L.has_c ? g0->c + (CUdeviceptr)(off[2] * (int64_t)ecd) : 0;
 		gi.d = g0->d + (CUdeviceptr)(off[3] * (int64_t)ecd);
-		kl_status s = kl__lt_matmul(ctx, d, &gi, NULL);
-		if (s != KL_OK)
+		if ((s = kl__lt_matmul(ctx, d, &gi, algo)) != KL_OK)
 			return s;
-		int j = outer - 1;
-		while (j >= 0 && ++idx[j] == ext[j])
+		int j = L.outer - 1;
+		while (j >= 0 && ++idx[j] == L.ext[j])
 			idx[j--] = 0;
 		if (j < 0)
 			break;
@@ -635,43 +716,85 @@ static kl_status step_epilogue(kl_ctx *ctx, const kl_matmul_step *mm, kl_epilogu
 	}
 }
 
-kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
-                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
-                             CUdeviceptr r, CUdeviceptr bias)
+kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, int nbatch,
+                           const int64_t *batch, const int64_t *a_bs, const int64_t *b_bs,
+                           const int64_t *c_bs, const int64_t *d_bs)
+{
+	return matmul_nd(ctx, d, g0, nbatch, batch, a_bs, b_bs, c_bs, d_bs, NULL);
+}
+
+/* The product a runtime step asks for, epilogue included, before its batch
+ * dims are merged. */
+static kl_status step_gemm(kl_ctx *ctx, const kl_matmul_step *mm, kl_dtype ab, kl_dtype cd,
+                           CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr r,
+                           CUdeviceptr bias, kl_gemm *g)
 {
 	size_t eab = kl_dtype_size(ab), ecd = kl_dtype_size(cd);
-	kl_gemm g;
-	memset(&g, 0, sizeof g);
-	g.ab = ab;
-	g.cd = cd;
-	g.m = mm->m;
-	g.n = mm->n;
-	g.k = mm->k;
-	g.a_rs = mm->a_rs;
-	g.a_cs = mm->a_cs;
-	g.b_rs = mm->b_rs;
-	g.b_cs = mm->b_cs;
-	g.ldc = g.ldd = mm->ldc;
-	g.alpha = mm->alpha;
-	g.beta = mm->beta;
-	g.a = a + (CUdeviceptr)(mm->a_off * (int64_t)eab);
-	g.b = b + (CUdeviceptr)(mm->b_off * (int64_t)eab);
-	g.d = c + (CUdeviceptr)(mm->c_off * (int64_t)ecd);
-	g.c = mm->beta != 0 ? g.d : 0;
-	kl_status s = step_epilogue(ctx, mm, &g.epi);
+	memset(g, 0, sizeof *g);
+	g->ab = ab;
+	g->cd = cd;
+	g->m = mm->m;
+	g->n = mm->n;
+	g->k = mm->k;
+	g->a_rs = mm->a_rs;
+	g->a_cs = mm->a_cs;
+	g->b_rs = mm->b_rs;
+	g->b_cs = mm->b_cs;
+	g->ldc = g->ldd = mm->ldc;
+	g->alpha = mm->alpha;
+	g->beta = mm->beta;
+	g->a = a + (CUdeviceptr)(mm->a_off * (int64_t)eab);
+	g->b = b + (CUdeviceptr)(mm->b_off * (int64_t)eab);
+	g->d = c + (CUdeviceptr)(mm->c_off * (int64_t)ecd);
+	g->c = mm->beta != 0 ? g->d : 0;
+	kl_status s = step_epilogue(ctx, mm, &g->epi);
 	if (s != KL_OK)
 		return s;
-	bool epi = mm->has_r || mm->has_bias || mm->act != KL_MM_ACT_NONE;
 	if ((mm->has_r && !r) || (mm->has_bias && !bias))
 		return kl__err(ctx, KL_EINVAL, "kl_matmul: NULL %s buffer",
 		               mm->has_r && !r ? "residual" : "bias");
 	if (mm->has_r) {
 		/* D = alpha A B + beta R: cuBLASLt's C is the residual (C != D) */
-		g.c = r + (CUdeviceptr)(mm->r_off * (int64_t)ecd);
-		g.ldc = mm->r_ld;
+		g->c = r + (CUdeviceptr)(mm->r_off * (int64_t)ecd);
+		g->ldc = mm->r_ld;
 	}
 	if (mm->has_bias)
-		g.bias = bias + (CUdeviceptr)(mm->bias_off * (int64_t)ecd);
+		g->bias = bias + (CUdeviceptr)(mm->bias_off * (int64_t)ecd);
+	return KL_OK;
+}
+
+kl_status kl__lt_step_gemm(kl_ctx *ctx, const kl_matmul_step *mm, kl_dtype ab, kl_dtype cd,
+                           CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr r,
+                           CUdeviceptr bias, kl_gemm *out, bool *lib)
+{
+	kl_gemm g;
+	*lib = false;
+	kl_status s = step_gemm(ctx, mm, ab, cd, a, b, c, r, bias, &g);
+	if (s != KL_OK)
+		return s;
+	*out = g;
+	if (g.m <= 0 || g.n <= 0 || g.k <= 0)
+		return KL_OK;
+	nd_loop L;
+	s = nd_plan(ctx, &g, mm->nbatch, mm->batch, mm->a_bstride, mm->b_bstride,
+	            mm->has_r ? mm->r_bstride : mm->c_bstride, mm->c_bstride, &L);
+	if (s != KL_OK || L.empty)
+		return s;
+	*out = L.g;
+	*lib = true;
+	return KL_OK;
+}
+
+kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
+                             kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
+                             CUdeviceptr r, CUdeviceptr bias, const kl_lt_algo *algo)
+{
+	size_t ecd = kl_dtype_size(cd);
+	kl_gemm g;
+	kl_status s = step_gemm(ctx, mm, ab, cd, a, b, c, r, bias, &g);
+	if (s != KL_OK)
+		return s;
+	bool epi = mm->has_r || mm->has_bias || mm->act != KL_MM_ACT_NONE;
 	if (g.m <= 0 || g.n <= 0)
 		return KL_OK;
 	if (g.k <= 0 && epi)
@@ -687,6 +810,6 @@ kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *
 		return kl__err(ctx, KL_EUNSUPPORTED,
 		               "kl_matmul: k = 0 over a strided or batched C");
 	}
-	return kl__lt_matmul_nd(ctx, d, &g, mm->nbatch, mm->batch, mm->a_bstride, mm->b_bstride,
-	                        mm->has_r ? mm->r_bstride : mm->c_bstride, mm->c_bstride);
+	return matmul_nd(ctx, d, &g, mm->nbatch, mm->batch, mm->a_bstride, mm->b_bstride,
+	                 mm->has_r ? mm->r_bstride : mm->c_bstride, mm->c_bstride, algo);
 }

@@ -186,6 +186,9 @@ typedef struct kl_lt_algo {
 	cublasLtMatmulAlgo_t algo;
 	size_t workspace; /* bytes it needs */
 	float waves;      /* cuBLASLt's estimate of its SM waves */
+	/* the pointer alignments (bytes: our a, b, c, d) it was found for: on
+	 * less aligned pointers kl__lt_matmul uses the heuristic's choice */
+	uint32_t align[4];
 } kl_lt_algo;
 
 /* Up to `want` candidate algorithms, best first by cuBLASLt's estimate, for
@@ -211,10 +214,23 @@ kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, int nb
  * residual buffer r (mm->has_r; else C in place, read first), bias is the
  * bias buffer (mm->has_bias), relu and gelu_tanh are its RELU and GELU
  * epilogues (erf GELU has none: KL_EUNSUPPORTED). r and bias are the
- * buffers' base pointers (0 when absent). */
+ * buffers' base pointers (0 when absent). algo: an autotuned choice for
+ * kl__lt_step_gemm's product, or NULL. */
 kl_status kl__lt_matmul_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
                              kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
-                             CUdeviceptr r, CUdeviceptr bias);
+                             CUdeviceptr r, CUdeviceptr bias, const kl_lt_algo *algo);
+/* The one product (batch dims merged where they nest) that each cuBLASLt
+ * call of such a step computes, at its first batch offset: what an
+ * autotuner asks candidates for. *lib is false when the step calls no
+ * library (empty, k = 0). */
+kl_status kl__lt_step_gemm(kl_ctx *ctx, const kl_matmul_step *mm, kl_dtype ab, kl_dtype cd,
+                           CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr r,
+                           CUdeviceptr bias, kl_gemm *out, bool *lib);
+/* Whether algo (e.g. read back from the disk cache) runs g: KL_OK, or
+ * KL_EFORMAT with the reason in why (cublasLtMatmulAlgoCheck's verdict,
+ * its workspace). */
+kl_status kl__lt_algo_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, const kl_lt_algo *algo,
+                            char *why, size_t cap);
 /* Frees the handle, cached plans and workspace (device close does this). */
 void kl__lt_release(kl_cuda_dev *d);
 
@@ -261,6 +277,13 @@ kl_status kl__cuda_graph_set_args(kl_ctx *ctx, kl_cuda_graph *g, CUgraphNode nod
 /* Full replacement of a kernel node's parameters. */
 kl_status kl__cuda_graph_set_kernel(kl_ctx *ctx, kl_cuda_graph *g, CUgraphNode node,
                                     const CUDA_KERNEL_NODE_PARAMS *p);
+/* The parameters a captured 1-D device-to-device memcpy node was made with
+ * (KL_ESTATE when node is not a memcpy node). */
+kl_status kl__cuda_graph_copy_params(kl_ctx *ctx, CUgraphNode node, CUDA_MEMCPY3D *p);
+/* Re-point such a node of the executable graph: p as read back, with new
+ * source and destination addresses (same size). */
+kl_status kl__cuda_graph_set_copy(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_graph *g, CUgraphNode node,
+                                  const CUDA_MEMCPY3D *p, CUdeviceptr dst, CUdeviceptr src);
 void kl__cuda_graph_free(kl_cuda_graph *g);
 
 extern const kl_backend kl__cuda_backend;

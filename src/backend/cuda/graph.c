@@ -146,6 +146,36 @@ kl_status kl__cuda_graph_set_kernel(kl_ctx *ctx, kl_cuda_graph *g, CUgraphNode n
 	return KL_OK;
 }
 
+kl_status kl__cuda_graph_copy_params(kl_ctx *ctx, CUgraphNode node, CUDA_MEMCPY3D *p)
+{
+	memset(p, 0, sizeof *p);
+	CUgraphNodeType t;
+	KL_CU_TRY(ctx, cuGraphNodeGetType, node, &t);
+	if (t != CU_GRAPH_NODE_TYPE_MEMCPY)
+		return kl__err(ctx, KL_ESTATE,
+		               "kl_cuda: a captured copy became a graph node of type %d, not a "
+		               "memcpy node",
+		               (int)t);
+	KL_CU_TRY(ctx, cuGraphMemcpyNodeGetParams, node, p);
+	return KL_OK;
+}
+
+kl_status kl__cuda_graph_set_copy(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_graph *g, CUgraphNode node,
+                                  const CUDA_MEMCPY3D *p, CUdeviceptr dst, CUdeviceptr src)
+{
+	if (!g->exec)
+		return kl__err(ctx, KL_ESTATE,
+		               "kl_cuda: copy update on a CUDA graph never instantiated");
+	CUDA_MEMCPY3D q = *p;
+	/* whole 1-D ranges from the given addresses */
+	q.srcDevice = src;
+	q.dstDevice = dst;
+	q.srcXInBytes = q.srcY = q.srcZ = 0;
+	q.dstXInBytes = q.dstY = q.dstZ = 0;
+	KL_CU_TRY(ctx, cuGraphExecMemcpyNodeSetParams, g->exec, node, &q, d->cu);
+	return KL_OK;
+}
+
 void kl__cuda_graph_free(kl_cuda_graph *g)
 {
 	if (g->exec)

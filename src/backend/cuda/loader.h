@@ -65,7 +65,9 @@
 	X(cuGraphGetNodes)                             \
 	X(cuGraphNodeGetType)                          \
 	X(cuGraphKernelNodeGetParams)                  \
-	X(cuGraphExecKernelNodeSetParams)
+	X(cuGraphExecKernelNodeSetParams)              \
+	X(cuGraphMemcpyNodeGetParams)                  \
+	X(cuGraphExecMemcpyNodeSetParams)
 
 #define KL_NVRTC_FUNCS(X)            \
 	X(nvrtcGetErrorString)       \
@@ -98,7 +100,8 @@
 	X(cublasLtMatmulPreferenceCreate)       \
 	X(cublasLtMatmulPreferenceDestroy)      \
 	X(cublasLtMatmulPreferenceSetAttribute) \
-	X(cublasLtMatmulAlgoGetHeuristic)
+	X(cublasLtMatmulAlgoGetHeuristic)       \
+	X(cublasLtMatmulAlgoCheck)
 
 #define KL_LOADER_FIELD(fn) __typeof__(fn) *fn;
 

@@ -3,35 +3,38 @@
  * to the plan), temps live in a device arena, kernel steps launch on the
  * context's stream and products go through cuBLASLt. Under reduce-overhead
  * and max-autotune the whole variant is captured into a CUDA graph after one
- * warm-up run and replayed with a single launch.
+ * warm-up run, on the call's own buffers, and replayed with a single launch;
+ * when buffers move between calls the kernel nodes that use them are
+ * re-pointed, and buffers a library call holds go through a static copy
+ * whose copy node is re-pointed instead.
  */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "backend/cuda/device.h"
-#include "runtime/rt.h"
+#include "backend/cuda/rt_cuda.h"
 
 #define BLOCK 256
 
-typedef enum gstate { G_WARMUP = 0, G_CAPTURE, G_READY, G_OFF } gstate;
+static atomic_long n_captures, n_replays, n_kupdates, n_cupdates, n_tunes, n_tune_hits,
+        n_tune_rejects;
 
-typedef struct kl_cuda_rt {
-	kl_ctx *ctx;
-	kl_cuda_dev *dev;
-	kl_cuda_module *mod;
-	CUfunction *fns;
-	int32_t nfns;
-	CUdeviceptr arena;
-	size_t arena_cap;
-	uint64_t *args; /* the kl_args block: buffer pointers, then symbols */
-	size_t nargs;
-	/* CUDA graph replay */
-	gstate gs;
-	kl_cuda_graph graph;
-	CUdeviceptr *stat; /* per buffer: its static copy (inputs, outputs), 0 otherwise */
-	size_t *stat_bytes;
-} kl_cuda_rt;
+void kl__cuda_counters(kl_cuda_counters *o)
+{
+	o->captures = atomic_load(&n_captures);
+	o->replays = atomic_load(&n_replays);
+	o->kernel_updates = atomic_load(&n_kupdates);
+	o->copy_updates = atomic_load(&n_cupdates);
+	o->tunes = atomic_load(&n_tunes);
+	o->tune_hits = atomic_load(&n_tune_hits);
+	o->tune_rejects = atomic_load(&n_tune_rejects);
+}
+
+void kl__cuda_count_tune(int which)
+{
+	atomic_fetch_add(which == 0 ? &n_tunes : which == 1 ? &n_tune_hits : &n_tune_rejects, 1);
+}
 
 uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
 {
@@ -59,14 +62,48 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->ctx = ctx;
 	rt->dev = kl__cuda_dev_of(ctx);
 	rt->gs = getenv("KILN_DISABLE_CUDAGRAPHS") && atoi(getenv("KILN_DISABLE_CUDAGRAPHS")) == 1
-	                 ? G_OFF
-	                 : G_WARMUP;
+	                 ? KL_G_OFF
+	                 : KL_G_WARMUP;
 	c->dev = rt;
-	rt->nargs = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1) +
-	            (size_t)(c->prog.nsyms > 0 ? c->prog.nsyms : 1);
+	size_t nb = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1);
+	size_t ns = (size_t)(c->prog.nsteps > 0 ? c->prog.nsteps : 1);
+	rt->nargs = nb + (size_t)(c->prog.nsyms > 0 ? c->prog.nsyms : 1);
 	rt->args = calloc(rt->nargs, sizeof *rt->args);
-	if (!rt->args)
+	rt->gcap = calloc(ns, sizeof *rt->gcap);
+	rt->algo = calloc(ns, sizeof *rt->algo);
+	rt->has_algo = calloc(ns, sizeof *rt->has_algo);
+	rt->knode = calloc(ns, sizeof *rt->knode);
+	rt->kparams = calloc(ns, sizeof *rt->kparams);
+	rt->dirty = calloc(ns, sizeof *rt->dirty);
+	rt->mm_touch = calloc(nb, sizeof *rt->mm_touch);
+	rt->must_stage = calloc(nb, sizeof *rt->must_stage);
+	rt->warm = calloc(nb, sizeof *rt->warm);
+	rt->bound = calloc(nb, sizeof *rt->bound);
+	rt->how = calloc(nb, sizeof *rt->how);
+	rt->stat = calloc(nb, sizeof *rt->stat);
+	rt->stat_bytes = calloc(nb, sizeof *rt->stat_bytes);
+	rt->copy_node = calloc(nb, sizeof *rt->copy_node);
+	rt->copy_params = calloc(nb, sizeof *rt->copy_params);
+	rt->sb = calloc(nb, sizeof *rt->sb);
+	if (!rt->args || !rt->gcap || !rt->algo || !rt->has_algo || !rt->knode || !rt->kparams ||
+	    !rt->dirty || !rt->mm_touch || !rt->must_stage || !rt->warm || !rt->bound ||
+	    !rt->how || !rt->stat || !rt->stat_bytes || !rt->copy_node || !rt->copy_params ||
+	    !rt->sb)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	for (int32_t s = 0; s < c->prog.nsteps; s++) {
+		const kl_step *sp = &c->prog.steps[s];
+		if (sp->kind == KL_STEP_KERNEL)
+			continue;
+		/* library products and attention: their launches cannot be
+		 * re-pointed; every buffer they read or write (operands, residual,
+		 * bias) is listed in the step */
+		for (int32_t i = 0; i < sp->nreads; i++)
+			rt->mm_touch[sp->reads[i]] = true;
+		for (int32_t i = 0; i < sp->nwrites; i++)
+			rt->mm_touch[sp->writes[i]] = true;
+		if (sp->kind == KL_STEP_MATMUL)
+			rt->mm_touch[sp->mm.a] = rt->mm_touch[sp->mm.b] = rt->mm_touch[sp->mm.c] = true;
+	}
 	if (c->prog.nkernels == 0)
 		return KL_OK;
 	kl_status st = kl__cuda_module_load(ctx, rt->dev, im, &rt->mod);
@@ -158,16 +195,15 @@ kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_
 	return st;
 }
 
-static void free_statics(kl_cuda_rt *rt, int32_t nbufs)
+
+static void free_statics(kl_cuda_rt *rt, int32_t nbufs, bool keep_staged)
 {
-	if (rt->stat)
-		for (int32_t b = 0; b < nbufs; b++)
-			if (rt->stat[b])
-				kl__cuda_free(rt->ctx, rt->dev, rt->stat[b]);
-	free(rt->stat);
-	free(rt->stat_bytes);
-	rt->stat = NULL;
-	rt->stat_bytes = NULL;
+	for (int32_t b = 0; b < nbufs; b++)
+		if (rt->stat[b] && !(keep_staged && rt->how[b] == KL_GB_STAGED)) {
+			kl__cuda_free(rt->ctx, rt->dev, rt->stat[b]);
+			rt->stat[b] = 0;
+			rt->stat_bytes[b] = 0;
+		}
 }
 
 void kl__cuda_rt_free(kl_compiled *c)
@@ -177,12 +213,29 @@ void kl__cuda_rt_free(kl_compiled *c)
 		return;
 	kl__cuda_sync(NULL, rt->dev);
 	kl__cuda_graph_free(&rt->graph);
-	free_statics(rt, c->prog.nbufs);
+	if (rt->stat)
+		free_statics(rt, c->prog.nbufs, false);
 	if (rt->arena)
 		kl__cuda_free(rt->ctx, rt->dev, rt->arena);
 	kl__cuda_module_free(rt->mod);
 	free(rt->fns);
 	free(rt->args);
+	free(rt->gcap);
+	free(rt->algo);
+	free(rt->has_algo);
+	free(rt->knode);
+	free(rt->kparams);
+	free(rt->dirty);
+	free(rt->mm_touch);
+	free(rt->must_stage);
+	free(rt->warm);
+	free(rt->bound);
+	free(rt->how);
+	free(rt->stat);
+	free(rt->stat_bytes);
+	free(rt->copy_node);
+	free(rt->copy_params);
+	free(rt->sb);
 	free(rt);
 	c->dev = NULL;
 }
@@ -201,9 +254,13 @@ kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **ba
 		rt->arena = p;
 		rt->arena_cap = want;
 		/* the captured graph addressed the old arena */
-		if (rt->gs == G_READY) {
+		if (rt->gs == KL_G_READY) {
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "re-capture: the temps' arena grew to %zu bytes and moved (the "
+			        "graph addressed the old one)",
+			        want);
 			kl__cuda_graph_free(&rt->graph);
-			rt->gs = G_CAPTURE;
+			rt->gs = KL_G_CAPTURE;
 		}
 	}
 	*base = (void *)(uintptr_t)rt->arena;
@@ -218,9 +275,11 @@ static int64_t buf_numel(const kl_buf *bf, const int64_t *syms)
 	return n;
 }
 
-/* All steps, in order, on the stream: kernels with one kl_args block each,
- * products through cuBLASLt. */
-static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+/* Steps [s0, s1), in order, on the stream: kernels with one kl_args block
+ * each, products through cuBLASLt, with the variant's launch choices. While
+ * capturing, each kernel's graph node is noted for later re-pointing. */
+static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                              int32_t s0, int32_t s1)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
@@ -233,7 +292,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 	if (cap < 1)
 		cap = 1;
 	kl_status st = KL_OK;
-	for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
+	for (int32_t s = s0; s < s1 && st == KL_OK; s++) {
 		const kl_step *sp = &p->steps[s];
 		if (sp->kind == KL_STEP_MATMUL) {
 			const kl_matmul_step *mm = &sp->mm;
@@ -242,7 +301,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			        (CUdeviceptr)(uintptr_t)B[mm->a], (CUdeviceptr)(uintptr_t)B[mm->b],
 			        (CUdeviceptr)(uintptr_t)B[mm->c],
 			        mm->has_r ? (CUdeviceptr)(uintptr_t)B[mm->r] : 0,
-			        mm->has_bias ? (CUdeviceptr)(uintptr_t)B[mm->bias] : 0);
+			        mm->has_bias ? (CUdeviceptr)(uintptr_t)B[mm->bias] : 0,
+			        rt->has_algo[s] ? &rt->algo[s] : NULL);
 			continue;
 		}
 		if (sp->kind == KL_STEP_ATTENTION) {
@@ -268,11 +328,22 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		int64_t blocks = pw ? (work + BLOCK - 1) / BLOCK : work;
 		if (blocks > cap)
 			blocks = cap;
+		/* max-autotune's cap for this step (0: none) */
+		if (rt->gcap[s] && blocks > (int64_t)rt->gcap[s])
+			blocks = (int64_t)rt->gcap[s];
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
 		void *argv[1] = {rt->args};
 		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv);
+		if (st == KL_OK && rt->recording)
+			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->knode[s]);
 	}
 	return st;
+}
+
+kl_status kl__cuda_rt_launch(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                             int32_t s0, int32_t s1)
+{
+	return launch_steps(ctx, c, B, syms, s0, s1);
 }
 
 /* bytes an input's kernels can reach: from its first element to its last */
@@ -293,141 +364,390 @@ static bool graph_mode(const kl_compiled *c)
 	return c->mode == KL_MODE_REDUCE_OVERHEAD || c->mode == KL_MODE_MAX_AUTOTUNE;
 }
 
-/* Static copies of the inputs and dense outputs, B redirected to them. */
-static kl_status make_statics(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
+static bool tune_mode(const kl_compiled *c)
+{
+	return c->mode == KL_MODE_MAX_AUTOTUNE || c->mode == KL_MODE_MAX_AUTOTUNE_NO_CUDAGRAPHS;
+}
+
+/* The bytes a static copy of b must hold; 0 when b cannot be staged (a
+ * temp, a view of another buffer) or is empty. */
+static size_t stage_bytes(const kl_compiled *c, const kl_buf *bf, const int64_t *syms)
+{
+	if (bf->role == KL_BUF_INPUT)
+		return input_span(c, bf);
+	if (bf->role == KL_BUF_OUTPUT && bf->alias < 0)
+		return kl__buf_bytes(bf, syms);
+	return 0;
+}
+
+static const char *buf_what(const kl_buf *bf, char *buf, size_t cap)
+{
+	if (bf->role == KL_BUF_TEMP)
+		snprintf(buf, cap, "a temp");
+	else
+		snprintf(buf, cap, "%s %d%s", bf->role == KL_BUF_INPUT ? "input" : "output",
+		         (int)bf->index, bf->alias >= 0 ? " (a view)" : "");
+	return buf;
+}
+
+/* How the graph about to be captured reaches each buffer: buffers no library
+ * call touches are addressed directly (kernel nodes get re-pointed); those a
+ * product touches are staged when they moved between the warm-up and this
+ * call (or moved once while pinned), else pinned. Statics are allocated
+ * here, before the capture opens. */
+static kl_status classify(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
-	rt->stat = calloc((size_t)p->nbufs + 1, sizeof *rt->stat);
-	rt->stat_bytes = calloc((size_t)p->nbufs + 1, sizeof *rt->stat_bytes);
-	if (!rt->stat || !rt->stat_bytes)
-		return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	for (int32_t b = 0; b < p->nbufs; b++) {
 		const kl_buf *bf = &p->bufs[b];
-		size_t n = 0;
-		if (bf->role == KL_BUF_INPUT)
-			n = input_span(c, bf);
-		else if (bf->role == KL_BUF_OUTPUT && bf->alias < 0)
-			n = kl__buf_bytes(bf, syms);
+		rt->how[b] = KL_GB_DIRECT;
+		if (bf->role == KL_BUF_TEMP || !rt->mm_touch[b])
+			continue;
+		size_t n = stage_bytes(c, bf, syms);
+		bool view = bf->role == KL_BUF_OUTPUT && bf->alias >= 0;
+		if (n == 0 && !view)
+			continue; /* empty: no node reads its address */
+		if (n > 0 && (rt->must_stage[b] || rt->warm[b] != B[b]))
+			rt->how[b] = KL_GB_STAGED;
+		else
+			rt->how[b] = KL_GB_PINNED;
+	}
+	free_statics(rt, p->nbufs, true);
+	for (int32_t b = 0; b < p->nbufs; b++) {
+		if (rt->how[b] != KL_GB_STAGED)
+			continue;
+		size_t n = stage_bytes(c, &p->bufs[b], syms);
+		if (rt->stat[b] && rt->stat_bytes[b] == n)
+			continue;
+		if (rt->stat[b])
+			kl__cuda_free(ctx, rt->dev, rt->stat[b]);
+		rt->stat[b] = 0;
+		rt->stat_bytes[b] = 0;
+		kl_status st = kl__cuda_malloc(ctx, rt->dev, n, &rt->stat[b]);
+		if (st != KL_OK)
+			return st;
 		rt->stat_bytes[b] = n;
-		if (n) {
-			kl_status st = kl__cuda_malloc(ctx, rt->dev, n, &rt->stat[b]);
-			if (st != KL_OK)
-				return st;
-		}
+	}
+	for (int32_t b = 0; b < p->nbufs; b++)
+		rt->sb[b] = rt->how[b] == KL_GB_STAGED ? (void *)(uintptr_t)rt->stat[b] : B[b];
+	return KL_OK;
+}
+
+/* Staged inputs' copies in (at the start) or outputs' copies out (at the
+ * end), each noted as its graph node. */
+static kl_status capture_copies(kl_ctx *ctx, kl_compiled *c, void *const *B, kl_buf_role role)
+{
+	kl_cuda_rt *rt = c->dev;
+	for (int32_t b = 0; b < c->prog.nbufs; b++) {
+		if (rt->how[b] != KL_GB_STAGED || c->prog.bufs[b].role != role)
+			continue;
+		CUdeviceptr real = (CUdeviceptr)(uintptr_t)B[b];
+		kl_status st = role == KL_BUF_INPUT
+		                       ? kl__cuda_d2d(ctx, rt->dev, rt->stat[b], real,
+		                                      rt->stat_bytes[b])
+		                       : kl__cuda_d2d(ctx, rt->dev, real, rt->stat[b],
+		                                      rt->stat_bytes[b]);
+		if (st == KL_OK)
+			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->copy_node[b]);
+		if (st != KL_OK)
+			return st;
 	}
 	return KL_OK;
 }
 
-static kl_status copy_in(kl_ctx *ctx, kl_compiled *c, void *const *B)
+/* After the capture: what each noted node was made with. */
+static kl_status read_nodes(kl_ctx *ctx, kl_compiled *c)
 {
 	kl_cuda_rt *rt = c->dev;
+	for (int32_t s = 0; s < c->prog.nsteps; s++) {
+		if (!rt->knode[s])
+			continue;
+		CUDA_KERNEL_NODE_PARAMS *kp = &rt->kparams[s];
+		memset(kp, 0, sizeof *kp);
+		KL_CU_TRY(ctx, cuGraphKernelNodeGetParams, rt->knode[s], kp);
+		kp->kernelParams = NULL; /* the driver's copy: ours are given per update */
+		kp->extra = NULL;
+	}
 	for (int32_t b = 0; b < c->prog.nbufs; b++)
-		if (c->prog.bufs[b].role == KL_BUF_INPUT && rt->stat_bytes[b]) {
-			kl_status st =
-			        kl__cuda_d2d(ctx, rt->dev, rt->stat[b],
-			                     (CUdeviceptr)(uintptr_t)B[b], rt->stat_bytes[b]);
+		if (rt->how[b] == KL_GB_STAGED) {
+			kl_status st = kl__cuda_graph_copy_params(ctx, rt->copy_node[b],
+			                                          &rt->copy_params[b]);
 			if (st != KL_OK)
 				return st;
 		}
 	return KL_OK;
 }
 
-static kl_status copy_out(kl_ctx *ctx, kl_compiled *c, void *const *B)
+static void log_capture(kl_ctx *ctx, kl_compiled *c)
 {
 	kl_cuda_rt *rt = c->dev;
-	for (int32_t b = 0; b < c->prog.nbufs; b++)
-		if (c->prog.bufs[b].role == KL_BUF_OUTPUT && rt->stat_bytes[b]) {
-			kl_status st = kl__cuda_d2d(ctx, rt->dev, (CUdeviceptr)(uintptr_t)B[b],
-			                            rt->stat[b], rt->stat_bytes[b]);
-			if (st != KL_OK)
-				return st;
-		}
-	return KL_OK;
+	if (!(ctx->logs & KL_LOG_CUDAGRAPHS))
+		return;
+	char list[1024] = "";
+	size_t used = 0;
+	int nk = 0, nm = 0, ncp = 0;
+	for (int32_t s = 0; s < c->prog.nsteps; s++) {
+		nk += rt->knode[s] != NULL;
+		nm += c->prog.steps[s].kind == KL_STEP_MATMUL;
+	}
+	for (int32_t b = 0; b < c->prog.nbufs && used < sizeof list; b++) {
+		if (rt->how[b] == KL_GB_DIRECT)
+			continue;
+		char what[64];
+		buf_what(&c->prog.bufs[b], what, sizeof what);
+		ncp += rt->how[b] == KL_GB_STAGED;
+		used += (size_t)snprintf(
+		        list + used, sizeof list - used, "; %s %s", what,
+		        rt->how[b] == KL_GB_PINNED
+		                ? "pinned (a matmul holds its address, which did not move)"
+		        : rt->must_stage[b]
+		                ? "staged through a static copy (it moved while pinned)"
+		                : "staged through a static copy (a matmul touches it and its "
+		                  "address changed between warm-up and capture)");
+	}
+	size_t nodes = 0;
+	kl__cu.cuGraphGetNodes(rt->graph.graph, NULL, &nodes);
+	kl__log(ctx, KL_LOG_CUDAGRAPHS,
+	        "captured %d steps into one graph (capture #%llu of this variant): %zu nodes, "
+	        "%d kernels, %d library calls, %d copies%s",
+	        (int)c->prog.nsteps, (unsigned long long)rt->captures, nodes, nk, nm, ncp, list);
 }
 
 static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
-	kl_status st = make_statics(ctx, c, syms);
-	void **SB = st == KL_OK ? malloc(sizeof(void *) * (size_t)(p->nbufs + 1)) : NULL;
-	if (st == KL_OK && !SB)
-		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	kl_status st = classify(ctx, c, B, syms);
+	if (st != KL_OK)
+		return st;
+	memset(rt->knode, 0, sizeof *rt->knode * (size_t)(p->nsteps > 0 ? p->nsteps : 1));
+	memset(rt->copy_node, 0, sizeof *rt->copy_node * (size_t)(p->nbufs > 0 ? p->nbufs : 1));
+	st = kl__cuda_capture_begin(ctx, rt->dev);
+	if (st != KL_OK)
+		return st;
+	rt->recording = true;
+	kl_status rs = capture_copies(ctx, c, B, KL_BUF_INPUT);
+	if (rs == KL_OK)
+		rs = launch_steps(ctx, c, rt->sb, syms, 0, p->nsteps);
+	if (rs == KL_OK)
+		rs = capture_copies(ctx, c, B, KL_BUF_OUTPUT);
+	rt->recording = false;
+	char why[KL_ERR_CAP] = "";
+	if (rs != KL_OK)
+		snprintf(why, sizeof why, "%s", kl_last_error(ctx));
+	st = kl__cuda_capture_end(ctx, rt->dev, &rt->graph);
+	if (rs != KL_OK)
+		st = kl__err(ctx, rs, "%s", why);
+	if (st == KL_OK)
+		st = read_nodes(ctx, c);
 	if (st != KL_OK) {
-		free_statics(rt, p->nbufs);
+		kl__cuda_graph_free(&rt->graph);
 		return st;
 	}
 	for (int32_t b = 0; b < p->nbufs; b++)
-		SB[b] = rt->stat[b] ? (void *)(uintptr_t)rt->stat[b] : B[b];
-	st = kl__cuda_capture_begin(ctx, rt->dev);
-	if (st == KL_OK) {
-		kl_status rs = launch_steps(ctx, c, SB, syms);
-		char why[KL_ERR_CAP] = "";
-		if (rs != KL_OK)
-			snprintf(why, sizeof why, "%s", kl_last_error(ctx));
-		st = kl__cuda_capture_end(ctx, rt->dev, &rt->graph);
-		if (rs != KL_OK) {
-			kl__cuda_graph_free(&rt->graph);
-			st = kl__err(ctx, rs, "%s", why);
+		rt->bound[b] = B[b];
+	rt->captures++;
+	atomic_fetch_add(&n_captures, 1);
+	log_capture(ctx, c);
+	return KL_OK;
+}
+
+static bool step_uses(const kl_step *sp, int32_t b)
+{
+	for (int32_t i = 0; i < sp->nreads; i++)
+		if (sp->reads[i] == b)
+			return true;
+	for (int32_t i = 0; i < sp->nwrites; i++)
+		if (sp->writes[i] == b)
+			return true;
+	return false;
+}
+
+typedef enum replay_verdict { R_READY, R_RECAPTURE, R_OFF } replay_verdict;
+
+/* Bring the instantiated graph to this call's buffers: re-point the copy
+ * node of each staged buffer that moved and every kernel node whose step
+ * uses a moved buffer. A pinned buffer that moved asks for a re-capture
+ * with that buffer staged (once per buffer); one that cannot be staged
+ * turns the graph off. */
+static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                         replay_verdict *v, int *nk, int *ncp)
+{
+	kl_cuda_rt *rt = c->dev;
+	const kl_program *p = &c->prog;
+	*v = R_READY;
+	*nk = *ncp = 0;
+	for (int32_t b = 0; b < p->nbufs; b++) {
+		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->bound[b] ||
+		    rt->how[b] != KL_GB_PINNED)
+			continue;
+		char what[64];
+		buf_what(&p->bufs[b], what, sizeof what);
+		if (stage_bytes(c, &p->bufs[b], syms) == 0) {
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "skip: %s moved (%p -> %p) and a matmul step holds its address; it "
+			        "cannot be staged: plain launches from now on",
+			        what, rt->bound[b], B[b]);
+			*v = R_OFF;
+			return KL_OK;
+		}
+		kl__log(ctx, KL_LOG_CUDAGRAPHS,
+		        "re-capture: %s moved (%p -> %p) and a matmul step holds its address: it "
+		        "goes through a static copy from now on",
+		        what, rt->bound[b], B[b]);
+		rt->must_stage[b] = true;
+		*v = R_RECAPTURE;
+	}
+	if (*v != R_READY)
+		return KL_OK;
+	memset(rt->dirty, 0, sizeof *rt->dirty * (size_t)(p->nsteps > 0 ? p->nsteps : 1));
+	bool any = false;
+	for (int32_t b = 0; b < p->nbufs; b++) {
+		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->bound[b])
+			continue;
+		if (rt->how[b] == KL_GB_STAGED) {
+			CUdeviceptr real = (CUdeviceptr)(uintptr_t)B[b];
+			bool in = p->bufs[b].role == KL_BUF_INPUT;
+			kl_status st = kl__cuda_graph_set_copy(
+			        ctx, rt->dev, &rt->graph, rt->copy_node[b], &rt->copy_params[b],
+			        in ? rt->stat[b] : real, in ? real : rt->stat[b]);
+			if (st != KL_OK)
+				return st;
+			(*ncp)++;
+		} else {
+			any = true;
+			for (int32_t s = 0; s < p->nsteps; s++)
+				if (rt->knode[s] && step_uses(&p->steps[s], b))
+					rt->dirty[s] = true;
 		}
 	}
-	free(SB);
-	if (st != KL_OK)
-		free_statics(rt, p->nbufs);
-	return st;
+	if (any) {
+		size_t nb = (size_t)(p->nbufs > 0 ? p->nbufs : 1);
+		for (int32_t b = 0; b < p->nbufs; b++)
+			rt->args[b] = (uint64_t)(uintptr_t)(rt->how[b] == KL_GB_STAGED
+			                                            ? (void *)(uintptr_t)rt->stat[b]
+			                                            : B[b]);
+		for (int32_t k = 0; k < p->nsyms; k++)
+			rt->args[nb + (size_t)k] = (uint64_t)syms[k];
+		void *argv[1] = {rt->args};
+		for (int32_t s = 0; s < p->nsteps; s++) {
+			if (!rt->dirty[s])
+				continue;
+			CUDA_KERNEL_NODE_PARAMS kp = rt->kparams[s];
+			kp.kernelParams = argv;
+			kl_status st = kl__cuda_graph_set_kernel(ctx, &rt->graph, rt->knode[s], &kp);
+			if (st != KL_OK)
+				return st;
+			(*nk)++;
+		}
+	}
+	for (int32_t b = 0; b < p->nbufs; b++)
+		if (p->bufs[b].role != KL_BUF_TEMP)
+			rt->bound[b] = B[b];
+	return KL_OK;
+}
+
+static kl_status graph_off(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+{
+	kl_cuda_rt *rt = c->dev;
+	kl__cuda_graph_free(&rt->graph);
+	rt->gs = KL_G_OFF;
+	return launch_steps(ctx, c, B, syms, 0, c->prog.nsteps);
+}
+
+static void log_replay(kl_ctx *ctx, kl_compiled *c, int nk, int ncp)
+{
+	kl_cuda_rt *rt = c->dev;
+	uint64_t r = rt->replays;
+	/* the first few, then at powers of two: a steady state does not flood */
+	if (!(ctx->logs & KL_LOG_CUDAGRAPHS) || (r > 8 && (r & (r - 1)) != 0))
+		return;
+	kl__log(ctx, KL_LOG_CUDAGRAPHS,
+	        "replay #%llu: 1 graph launch for %d steps, %d kernel nodes and %d copies "
+	        "re-pointed",
+	        (unsigned long long)r, (int)c->prog.nsteps, nk, ncp);
 }
 
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
+	const int32_t ns = c->prog.nsteps;
 	kl_status st = kl__cuda_bind(ctx, rt->dev);
 	if (st != KL_OK)
 		return st;
-	if (!graph_mode(c) || rt->gs == G_OFF)
-		return launch_steps(ctx, c, B, syms);
+	if (tune_mode(c) && !rt->tuned) {
+		rt->tuned = true;
+		st = kl__cuda_tune(ctx, c, B, syms);
+		if (st != KL_OK) {
+			kl__log(ctx, KL_LOG_AUTOTUNE, "failed: %s; the default launch choices stay",
+			        kl_last_error(ctx));
+			kl_clear_error(ctx);
+			memset(rt->gcap, 0, sizeof *rt->gcap * (size_t)(ns > 0 ? ns : 1));
+			memset(rt->has_algo, 0, sizeof *rt->has_algo * (size_t)(ns > 0 ? ns : 1));
+		}
+	}
+	if (!graph_mode(c) || rt->gs == KL_G_OFF)
+		return launch_steps(ctx, c, B, syms, 0, ns);
 	if (c->dynamic) {
 		kl__log(ctx, KL_LOG_CUDAGRAPHS,
 		        "skip: graph has dynamic dims (sizes change per call)");
-		rt->gs = G_OFF;
-		return launch_steps(ctx, c, B, syms);
+		rt->gs = KL_G_OFF;
+		return launch_steps(ctx, c, B, syms, 0, ns);
 	}
-	if (rt->gs == G_WARMUP) {
+	if (rt->gs == KL_G_WARMUP) {
 		/* warm the allocator and cuBLASLt's workspace: nothing may be
 		 * allocated while capturing */
-		st = launch_steps(ctx, c, B, syms);
-		if (st == KL_OK)
-			rt->gs = G_CAPTURE;
-		kl__log(ctx, KL_LOG_CUDAGRAPHS, "warm-up run (%d steps) before capture",
-		        (int)c->prog.nsteps);
+		st = launch_steps(ctx, c, B, syms, 0, ns);
+		if (st == KL_OK) {
+			rt->gs = KL_G_CAPTURE;
+			memcpy(rt->warm, B, sizeof *B * (size_t)c->prog.nbufs);
+		}
+		kl__log(ctx, KL_LOG_CUDAGRAPHS, "warm-up run (%d steps) before capture", (int)ns);
 		return st;
 	}
-	if (rt->gs == G_CAPTURE) {
+	int nk = 0, ncp = 0;
+	if (rt->gs == KL_G_READY) {
+		replay_verdict v = R_READY;
+		st = repoint(ctx, c, B, syms, &v, &nk, &ncp);
+		if (st != KL_OK) {
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "skip: re-pointing the graph's nodes failed: %s; plain launches from "
+			        "now on",
+			        kl_last_error(ctx));
+			kl_clear_error(ctx);
+			return graph_off(ctx, c, B, syms);
+		}
+		if (v == R_OFF)
+			return graph_off(ctx, c, B, syms);
+		if (v == R_RECAPTURE)
+			rt->gs = KL_G_CAPTURE;
+	}
+	if (rt->gs == KL_G_CAPTURE) {
 		st = capture(ctx, c, B, syms);
 		if (st != KL_OK) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS, "skip: capture failed: %s",
 			        kl_last_error(ctx));
 			kl_clear_error(ctx);
-			rt->gs = G_OFF;
-			return launch_steps(ctx, c, B, syms);
+			return graph_off(ctx, c, B, syms);
 		}
-		kl__log(ctx, KL_LOG_CUDAGRAPHS, "captured %d steps into one graph",
-		        (int)c->prog.nsteps);
-		rt->gs = G_READY;
+		rt->gs = KL_G_READY;
 	}
-	st = copy_in(ctx, c, B);
-	if (st == KL_OK)
-		st = kl__cuda_graph_launch(ctx, rt->dev, &rt->graph);
-	if (st == KL_OK)
-		st = copy_out(ctx, c, B);
-	if (st == KL_OK && (ctx->logs & KL_LOG_CUDAGRAPHS) && c->runs < 4)
-		kl__log(ctx, KL_LOG_CUDAGRAPHS, "replay (1 graph launch for %d steps)",
-		        (int)c->prog.nsteps);
-	return st;
+	st = kl__cuda_graph_launch(ctx, rt->dev, &rt->graph);
+	if (st != KL_OK)
+		return st;
+	rt->replays++;
+	rt->kernel_updates += (uint64_t)nk;
+	rt->copy_updates += (uint64_t)ncp;
+	atomic_fetch_add(&n_replays, 1);
+	atomic_fetch_add(&n_kupdates, nk);
+	atomic_fetch_add(&n_cupdates, ncp);
+	log_replay(ctx, c, nk, ncp);
+	return KL_OK;
 }
 
 bool kl__cuda_rt_replaying(const kl_compiled *c)
 {
 	const kl_cuda_rt *rt = c->dev;
-	return rt && rt->gs == G_READY;
+	return rt && rt->gs == KL_G_READY;
 }
