@@ -1,223 +1,197 @@
 #!/usr/bin/env python3
 """peer_torch.py - the PyTorch peer of `kiln bench --device cuda`.
 
-Runs the workloads of docs' ANCHORS memory-bound table and the SwiGLU
-FeedForward in PyTorch eager and torch.compile, timing each with CUDA events
-(median over repetitions of a timed loop, after warm-up), and prints one JSON
-object per line, in the field names `kiln bench --json` uses:
+The same workloads, sizes and dtypes as kiln's CUDA rows (ANCHORS.md; see
+bench/peer_common.py), through PyTorch eager, torch.compile default and
+reduce-overhead, and max-autotune-no-cudagraphs for the FeedForward (as
+ANCHORS.md measured it). Times are medians of CUDA-event-timed batches after
+20 warm-up calls; first_call_s is the wall time of a mode's first call
+(compile included); peak_bytes is torch.cuda.max_memory_allocated over the
+mode's calls (inputs included). One JSON object a line, with the keys of
+`kiln bench --json`:
 
-  {"peer": "torch", "workload": "relu_fma", "size": "4096x4096", "dtype": "f16",
-   "device": "cuda", "mode": "eager", "ms": 0.072, "gbps": 2796.2, ...}
+  {"peer": "torch", "workload": "relu_fma", "device": "cuda", "dtype": "f16",
+   "shape": "4096x4096", "mode": "default", "median_us": 34.4, ...}
 
-Memory-bound rows carry gbps (each input read once, each output written
-once); compute-bound rows carry tflops. Compiled rows also carry
-first_call_s: the wall time of the first call in this process (compile
-included). --quick shrinks every size (a smoke test, not a measurement).
+Without PyTorch (or without CUDA, unless --device cpu) it says so on stderr
+and exits 0. --quick shrinks every size; --device cpu runs on the CPU with
+wall-clock timing (a smoke test of this script, not a measurement).
 """
 import argparse
-import json
-import statistics
 import sys
 import time
 
+import peer_common as pc
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
-    p.add_argument("--modes", default="eager,default",
-                   help="comma list of eager, default, reduce-overhead, max-autotune, "
-                        "max-autotune-no-cudagraphs (default: eager,default)")
-    p.add_argument("--workload", action="append", default=[],
-                   help="run only these workloads (repeatable)")
-    p.add_argument("--reps", type=int, default=0, help="timed repetitions (median taken)")
-    p.add_argument("--list", action="store_true", help="list the workloads and exit")
-    return p.parse_args()
+MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def workloads(torch, quick):
-    """(name, size string, dtype name, make_inputs, fn, cost) per workload.
+def default_modes(spec):
+    if spec.name == "memory_bandwidth":
+        return ["copy"]
+    modes = ["eager", "default", "reduce-overhead"]
+    if spec.name == "swiglu_ffn":
+        modes.append("max-autotune-no-cudagraphs")
+    return modes
 
-    cost(inputs) -> (bytes, flops, memory_bound)."""
+
+def make(torch, spec, dev):
+    """(fn, args) for one call of spec, inputs from a fixed seed."""
     F = torch.nn.functional
-    f16, bf16 = torch.float16, torch.bfloat16
-    dev = "cuda"
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    g = torch.Generator(device=dev).manual_seed(0)
 
-    def randn(shape, dt, scale=1.0):
-        return torch.randn(shape, device=dev, dtype=dt) * scale
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, device=dev, dtype=dt, generator=g) * scale
 
-    def nbytes(*ts):
-        return sum(t.numel() * t.element_size() for t in ts)
+    n = spec.name
+    if n == "memory_bandwidth":
+        x = randn(*spec.dims)
+        y = torch.empty_like(x)
+        return (lambda a, b: b.copy_(a)), [x, y]
+    if n == "relu_fma":
+        return (lambda a, b, c: torch.relu(a * b + c)), [randn(*spec.dims) for _ in range(3)]
+    if n == "pointwise8":
+        def pointwise8(x, a, b):
+            t = torch.relu(x * 1.1 + 0.5)
+            return torch.tanh(t * a - b) * 0.5 + x
+        return pointwise8, [randn(*spec.dims) for _ in range(3)]
+    if n in ("softmax", "layer_norm", "rms_norm", "rms_norm_prims"):
+        cols = spec.dims[1]
+        x = randn(*spec.dims)
+        if n == "softmax":
+            return (lambda x: torch.softmax(x, dim=-1)), [x]
+        if n == "layer_norm":
+            return (lambda x, w, b: F.layer_norm(x, (cols,), w, b, pc.EPS)), [x, randn(cols),
+                                                                             randn(cols)]
+        if n == "rms_norm":
+            return (lambda x, w: F.rms_norm(x, (cols,), w, pc.EPS)), [x, randn(cols)]
+        return (lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + pc.EPS) * w), \
+            [x, randn(cols)]
+    if n == "gemm":
+        m, k, nn_ = spec.dims
+        return torch.matmul, [randn(m, k, scale=k ** -0.5), randn(k, nn_, scale=nn_ ** -0.5)]
+    if n == "swiglu_ffn":
+        b, s, d, h = spec.dims
 
-    pw = [1024] if quick else [4096, 8192]
-    rows, cols = (2048, 1024) if quick else (16384, 4096)
-    ffn = (1, 256, 512, 1408) if quick else (4, 1024, 2048, 8192)
-    eps = 1e-5
-    out = []
+        class FeedForward(torch.nn.Module):
+            """The seed's FeedForward: SwiGLU, no biases."""
 
-    for n in pw:
-        def make(n=n):
-            return [randn((n, n), f16) for _ in range(3)]
+            def __init__(self):
+                super().__init__()
+                self.gate_proj = torch.nn.Linear(d, h, bias=False)
+                self.up_proj = torch.nn.Linear(d, h, bias=False)
+                self.down_proj = torch.nn.Linear(h, d, bias=False)
 
-        def relu_fma(a, b, c):
-            return torch.relu(a * b + c)
-        out.append(("relu_fma", f"{n}x{n}", "f16", make, relu_fma,
-                    lambda ins: (nbytes(*ins) + nbytes(ins[0]), 3.0 * ins[0].numel(), True)))
-
-    n = pw[0]
-
-    def make_pw8(n=n):
-        return [randn((n, n), f16) for _ in range(3)]
-
-    def pointwise8(x, a, b):
-        # the same chain as kiln's pointwise8 workload
-        t = torch.relu(x * 1.1 + 0.5)
-        t = torch.tanh(t * a - b)
-        return t * 0.5 + x
-    out.append(("pointwise8", f"{n}x{n}", "f16", make_pw8, pointwise8,
-                lambda ins: (nbytes(*ins) + nbytes(ins[0]), 8.0 * ins[0].numel(), True)))
-
-    def make_rows():
-        return [randn((rows, cols), bf16)]
-
-    def softmax(x):
-        return torch.softmax(x, dim=-1)
-    out.append(("softmax", f"{rows}x{cols}", "bf16", make_rows, softmax,
-                lambda ins: (2 * nbytes(ins[0]), 5.0 * ins[0].numel(), True)))
-
-    def make_ln():
-        return [randn((rows, cols), bf16), randn((cols,), bf16), randn((cols,), bf16)]
-
-    def layer_norm(x, w, b):
-        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-    out.append(("layer_norm", f"{rows}x{cols}", "bf16", make_ln, layer_norm,
-                lambda ins: (2 * nbytes(ins[0]) + nbytes(*ins[1:]), 8.0 * ins[0].numel(), True)))
-
-    def make_rms():
-        return [randn((rows, cols), bf16), randn((cols,), bf16)]
-
-    def rms_norm(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-    def rms_norm_prims(x, w):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
-    rms_cost = lambda ins: (2 * nbytes(ins[0]) + nbytes(ins[1]), 4.0 * ins[0].numel(), True)
-    out.append(("rms_norm", f"{rows}x{cols}", "bf16", make_rms, rms_norm, rms_cost))
-    out.append(("rms_norm_prims", f"{rows}x{cols}", "bf16", make_rms, rms_norm_prims, rms_cost))
-
-    b, s, d, h = ffn
-
-    def make_ffn():
-        return [randn((b, s, d), bf16), randn((h, d), bf16, d ** -0.5),
-                randn((h, d), bf16, d ** -0.5), randn((d, h), bf16, h ** -0.5)]
-
-    def swiglu_ffn(x, wg, wu, wd):
-        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
-
-    def ffn_cost(ins):
-        tok = ins[0].shape[0] * ins[0].shape[1]
-        return (2 * nbytes(ins[0]) + nbytes(*ins[1:]), 6.0 * tok * d * h + 5.0 * tok * h, False)
-    out.append(("swiglu_ffn", f"{b}x{s}x{d}->{h}", "bf16", make_ffn, swiglu_ffn, ffn_cost))
-    return out
+            def forward(self, x):
+                return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return FeedForward().to(device=dev, dtype=dt).eval(), [randn(b, s, d)]
+    if n == "mlp24":
+        b, d, layers = spec.dims
+        mods = []
+        for _ in range(layers):
+            mods += [torch.nn.Linear(d, d), torch.nn.GELU()]
+        return torch.nn.Sequential(*mods).to(device=dev, dtype=dt).eval(), [randn(b, d)]
+    raise ValueError(n)
 
 
-def time_ms(torch, fn, ins, reps, iters):
-    """Median over reps of (event-timed loop of iters calls) / iters."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(iters):
-            fn(*ins)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+def count_kernels(torch, f, args):
+    """CUDA activities (kernels and copies) of one call, by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def calibrate(torch, fn, ins):
-    """Calls per timed loop: about 20 ms of work, at least 3 calls."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(3):
-        fn(*ins)
-    torch.cuda.synchronize()
-    per = max((time.perf_counter() - t) / 3, 1e-6)
-    return max(3, min(1000, int(0.02 / per)))
+def measure(torch, spec, mode, fn, args, opts):
+    """(ms, iters, first_call_s, kernels, peak_bytes) of fn in mode."""
+    cuda = opts.device == "cuda"
+    torch._dynamo.reset()
+    f = fn if mode in ("eager", "copy") else torch.compile(fn, mode=mode)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    f(*args)
+    sync()
+    first = time.perf_counter() - t0
+    if cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+
+        def timer(n):
+            start.record()
+            for _ in range(n):
+                f(*args)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+    else:
+        timer = pc.wall_timer(lambda: f(*args), sync)
+    ms, iters = pc.time_calls(timer, warmup=opts.warmup, samples=opts.samples)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    kernels = count_kernels(torch, f, args) if cuda and opts.count_kernels else None
+    return ms, iters, first, kernels, peak
 
 
 def main():
-    args = parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    p.add_argument("--modes", help="comma list for every workload, from: " + ", ".join(MODES))
+    p.add_argument("--workload", action="append", default=[], help="only these (repeatable)")
+    p.add_argument("--warmup", type=int, default=pc.WARMUP)
+    p.add_argument("--samples", type=int, default=pc.SAMPLES)
+    p.add_argument("--count-kernels", action="store_true",
+                   help="count each row's CUDA kernels with torch.profiler (slower)")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    opts = p.parse_args()
+    table = pc.specs(opts.quick)
+    if opts.list:
+        for s in table:
+            print(f"{s.name:16s} {s.shape:20s} {s.dtype}")
+        return 0
+    modes = pc.parse_list(opts.modes, MODES, "mode")
+    only = pc.parse_list(",".join(opts.workload), {s.name for s in table}, "workload")
     try:
         import torch
     except ImportError as e:
-        print(json.dumps({"peer": "torch", "error": f"PyTorch is not importable: {e}"}),
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print(json.dumps({"peer": "torch", "error": "torch.cuda.is_available() is False"}),
-              file=sys.stderr)
-        return 2
-    table = workloads(torch, args.quick)
-    if args.list:
-        for w in table:
-            print(f"{w[0]:16s} {w[1]:24s} {w[2]}")
-        return 0
-    modes = [m for m in args.modes.split(",") if m]
-    known = {"eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"}
-    for m in modes:
-        if m not in known:
-            print(f"peer_torch.py: unknown mode {m!r} ({', '.join(sorted(known))})",
-                  file=sys.stderr)
-            return 2
-    reps = args.reps or (3 if args.quick else 15)
-    gpu = torch.cuda.get_device_name(0)
+        return pc.skip("peer_torch", f"PyTorch is not importable ({e})")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        return pc.skip("peer_torch", "torch.cuda.is_available() is False")
+    gpu = torch.cuda.get_device_name(0) if opts.device == "cuda" else "cpu"
+    extra = {"torch": torch.__version__, "gpu": gpu}
     failures = 0
-    for name, size, dtype, make, fn, cost in table:
-        if args.workload and name not in args.workload:
+    for spec in table:
+        if only and spec.name not in only:
             continue
-        torch.manual_seed(0)
-        ins = make()
-        nbytes, flops, memory_bound = cost(ins)
         eager_ms = None
-        for mode in modes:
-            row = {"peer": "torch", "torch": torch.__version__, "gpu": gpu,
-                   "workload": name, "size": size, "dtype": dtype, "device": "cuda",
-                   "mode": mode}
+        try:
+            fn, args = make(torch, spec, opts.device)
+        except Exception as e:  # e.g. out of memory: the other rows still run
+            pc.emit(pc.row("torch", spec, opts.device, "setup",
+                           extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
+            failures += 1
+            continue
+        for mode in (modes if modes and spec.name != "memory_bandwidth"
+                     else default_modes(spec)):
             try:
-                torch._dynamo.reset()
-                f = fn if mode == "eager" else torch.compile(fn, mode=mode)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
                 with torch.no_grad():
-                    f(*ins)
-                    torch.cuda.synchronize()
-                    row["first_call_s"] = round(time.perf_counter() - t0, 4)
-                    for _ in range(3):
-                        f(*ins)
-                    iters = calibrate(torch, f, ins)
-                    ms = time_ms(torch, f, ins, reps, iters)
+                    ms, iters, first, kernels, peak = measure(torch, spec, mode, fn, args, opts)
             except Exception as e:  # one failing row must not hide the others
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
-                print(json.dumps(row), flush=True)
+                pc.emit(pc.row("torch", spec, opts.device, mode,
+                               extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
                 failures += 1
                 continue
             if mode == "eager":
                 eager_ms = ms
-            row["ms"] = round(ms, 5)
-            row["iters"] = iters
-            row["reps"] = reps
-            row["bytes"] = nbytes
-            row["flops"] = flops
-            if memory_bound:
-                row["gbps"] = round(nbytes / (ms * 1e-3) * 1e-9, 1)
-            else:
-                row["tflops"] = round(flops / (ms * 1e-3) * 1e-12, 2)
-            if eager_ms:
-                row["speedup"] = round(eager_ms / ms, 3)
-            print(json.dumps(row), flush=True)
-        del ins
-        torch.cuda.empty_cache()
+            pc.emit(pc.row("torch", spec, opts.device, mode, ms, iters, first, kernels, peak,
+                           eager_ms, extra))
+        del fn, args
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
     return 1 if failures else 0
 
 

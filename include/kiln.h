@@ -100,6 +100,24 @@ kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 const char *kl_status_name(kl_status s);
 const char *kl_version(void);
 
+/* ---- memory statistics ---------------------------------------------------- */
+
+/* What ctx's allocator holds, in bytes as the allocator hands them out
+ * (rounded up to its block sizes). On CUDA: every device allocation of the
+ * context (tensors, compiled functions' arenas and static buffers, library
+ * workspaces) through its caching allocator. On the CPU: tensor storage
+ * (compiled functions' scratch arenas are not counted). */
+typedef struct kl_memory_usage {
+	size_t in_use;   /* held by live allocations now */
+	size_t peak;     /* the most in_use reached since kl_ctx_new or kl_memory_reset_peak */
+	size_t reserved; /* CUDA: held from the driver, cached free blocks included;
+	                    CPU: in_use (the host block cache is process-wide) */
+} kl_memory_usage;
+
+kl_status kl_memory_stats(kl_ctx *ctx, kl_memory_usage *out);
+/* Restart the peak from the bytes in use now. */
+kl_status kl_memory_reset_peak(kl_ctx *ctx);
+
 /* ---- dtypes --------------------------------------------------------------- */
 
 const char *kl_dtype_name(kl_dtype dt); /* "f32", "bf16", ... */

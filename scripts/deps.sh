@@ -5,8 +5,9 @@
 set -euo pipefail
 
 # gcc brings libgomp and the ASan/UBSan runtimes; libc6-dev the headers the
-# CPU JIT's generated C needs; binutils nm/readelf the install test's checks.
-pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils)
+# CPU JIT's generated C needs; binutils nm/readelf the install test's checks;
+# python3 the bench comparison (bench/compare.py) and its test.
+pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3)
 
 installed() {
 	[[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
@@ -16,7 +17,7 @@ if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
 	# Not a Debian-like system: say what is missing rather than guess a
 	# package manager.
 	missing=()
-	for tool in cmake cc make pkg-config; do
+	for tool in cmake cc make pkg-config python3; do
 		command -v "$tool" >/dev/null || missing+=("$tool")
 	done
 	for pc in openblas cmocka; do

@@ -22,44 +22,87 @@ if "$kiln" bench --workload nope >/dev/null 2>"$work/err"; then fail "unknown wo
 grep -q "unknown workload 'nope'" "$work/err" || fail "unknown workload: $(cat "$work/err")"
 if "$kiln" bench --iters zero >/dev/null 2>&1; then fail "--iters zero accepted"; fi
 
-# Without a GPU (CI) --device cuda fails with the library's own error and
+# Without a GPU (CI) --device cuda fails with the library's own reason (no
+# driver, no device, or a build without the CUDA backend), exit status 1, and
 # prints no rows; on a GPU machine scripts/gpu-check.sh runs the CUDA bench.
+no_cuda='no CUDA driver found|no CUDA device found|without the CUDA backend'
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-	if "$kiln" bench --device cuda >"$work/out" 2>"$work/err"; then
-		fail "--device cuda succeeded on a machine without a GPU"
-	fi
-	grep -qi 'cuda' "$work/err" || fail "--device cuda: unclear error: $(cat "$work/err")"
-	[[ ! -s $work/out ]] || fail "--device cuda printed results"
+	for args in "" "--json" "--probe" "--cold"; do
+		rc=0
+		# shellcheck disable=SC2086
+		"$kiln" bench --device cuda $args >"$work/out" 2>"$work/err" || rc=$?
+		(( rc == 1 )) || fail "--device cuda $args: exit $rc without a GPU (want 1)"
+		grep -Eq "^kiln bench: .*($no_cuda)" "$work/err" ||
+			fail "--device cuda $args: unclear error: $(cat "$work/err")"
+		[[ ! -s $work/out ]] || fail "--device cuda $args printed results: $(cat "$work/out")"
+	done
 fi
+"$kiln" bench --probe | grep -qx 'kiln bench: cpu works' || fail "--probe on the CPU"
+# The CUDA table lists without a device: ANCHORS.md's problems in f16/bf16.
+"$kiln" bench --list --device cuda >"$work/list_cuda"
+for row in 'relu_fma .*4096x4096 f16' 'relu_fma .*8192x8192 f16' 'pointwise8 .*4096x4096 f16' \
+	'softmax .*16384x4096 bf16' 'layer_norm .*16384x4096 bf16' 'rms_norm .*16384x4096 bf16' \
+	'rms_norm_prims .*16384x4096 bf16' 'swiglu_ffn .*4x1024x2048, hidden 8192, bf16' \
+	'mlp24 .*24 x \(linear 256.*batch 8, f16'; do
+	grep -Eq "^$row" "$work/list_cuda" || fail "bench --list --device cuda: no '$row'"
+done
+if "$kiln" bench --warmup -1 >/dev/null 2>&1; then fail "--warmup -1 accepted"; fi
+if "$kiln" bench --workload gemm >/dev/null 2>"$work/err"; then fail "a CUDA-only workload ran on the CPU"; fi
+grep -q "unknown workload 'gemm' on cpu" "$work/err" || fail "gemm on cpu: $(cat "$work/err")"
 
 "$kiln" bench --list >"$work/list"
 mapfile -t names < <(awk '{print $1}' "$work/list")
-(( ${#names[@]} >= 8 )) || fail "bench --list: ${#names[@]} workloads"
+(( ${#names[@]} >= 9 )) || fail "bench --list: ${#names[@]} workloads"
 
 "$kiln" bench --json --iters 1 >"$work/json" || { cat "$work/json"; fail "bench --json failed"; }
 num='-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?'
-grep -Eq '^\{"workload":"memory_bandwidth","device":"cpu","mode":"copy","ms":'"$num"'.*"gbps":' \
+str='"[^"]*"'
+# The keys every row has (bench/compare.py and the peers read them), null
+# where a figure does not apply.
+while read -r line; do
+	for key in workload device shape mode; do
+		grep -Eq "\"$key\":$str[,}]" <<<"$line" || fail "no string $key in $line"
+	done
+	for key in dtype; do
+		grep -Eq "\"$key\":($str|null)[,}]" <<<"$line" || fail "no $key in $line"
+	done
+	for key in median_us bytes bw_tbs; do
+		grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "no numeric $key in $line"
+	done
+	for key in first_call_s kernels flops peak_bytes; do
+		grep -Eq "\"$key\":(${num}|null)[,}]" <<<"$line" || fail "no $key in $line"
+	done
+done <"$work/json"
+grep -Eq '^\{"workload":"memory_bandwidth","device":"cpu","dtype":null,"shape":"256 MiB memcpy","mode":"copy","median_us":'"$num"'.*"gbps":' \
 	"$work/json" || fail "no memory_bandwidth line"
-grep -F '"workload":"memory_bandwidth"' "$work/json" | grep -q '"kernels"' &&
+grep -F '"workload":"memory_bandwidth"' "$work/json" | grep -q '"kernels":null' ||
 	fail "the memory_bandwidth line counts kernels"
 for w in "${names[@]}"; do
-	prefix="{\"workload\":\"$w\",\"device\":\"cpu\",\"mode\":\"eager\","
-	line=$(grep -F "$prefix" "$work/json") ||
+	prefix="{\"workload\":\"$w\",\"device\":\"cpu\",\"dtype\":\"f32\",\"shape\":"
+	line=$(grep -F "$prefix" "$work/json" | grep -F '"mode":"eager"') ||
 		fail "no eager line for $w"
-	for key in ms iters first_call_ms speedup checksum; do
+	for key in ms iters first_call_ms speedup checksum peak_bytes flops; do
 		grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "$w: no numeric $key in $line"
 	done
+	grep -Eq '"kernels":null' <<<"$line" || fail "$w eager: kernels not null"
 	grep -Eq "\"(gbps|tflops)\":${num}[,}]" <<<"$line" || fail "$w: neither gbps nor tflops"
 	grep -Eq '"iters":1[,}]' <<<"$line" || fail "$w: --iters 1 not honoured"
+	# median_us is ms in microseconds
+	awk -v l="$line" 'BEGIN {
+		match(l, /"median_us":[^,]*/); us = substr(l, RSTART + 12, RLENGTH - 12) + 0
+		match(l, /"ms":[^,]*/); ms = substr(l, RSTART + 5, RLENGTH - 5) + 0
+		exit !(us > 0 && (us - 1000 * ms) ^ 2 < (1e-4 * us) ^ 2) }' ||
+		fail "$w: median_us does not match ms: $line"
 	for mode in default reduce-overhead max-autotune; do
-		prefix="{\"workload\":\"$w\",\"device\":\"cpu\",\"mode\":\"$mode\","
-		line=$(grep -F "$prefix" "$work/json") || fail "no $mode line for $w"
-		for key in ms iters first_call_ms first_call_s speedup checksum; do
+		line=$(grep -F "$prefix" "$work/json" | grep -F "\"mode\":\"$mode\"") ||
+			fail "no $mode line for $w"
+		for key in ms iters first_call_ms first_call_s speedup checksum peak_bytes; do
 			grep -Eq "\"$key\":${num}[,}]" <<<"$line" ||
 				fail "$w $mode: no numeric $key"
 		done
 		grep -Eq '"kernels":[1-9][0-9]*[,}]' <<<"$line" || fail "$w $mode: no kernels count"
 		grep -Eq "\"(gbps|tflops)\":${num}[,}]" <<<"$line" || fail "$w $mode: no rate"
+		grep -Eq '"peak_bytes":[1-9][0-9]*[,}]' <<<"$line" || fail "$w $mode: no peak memory"
 		if [[ $mode != default ]]; then
 			grep -q '"as_mode":"default"' <<<"$line" ||
 				fail "$w $mode: not marked as default"
@@ -68,19 +111,26 @@ for w in "${names[@]}"; do
 done
 # Fusion: a pointwise chain is one kernel per call.
 for w in relu_fma pointwise8; do
-	grep -F "{\"workload\":\"$w\",\"device\":\"cpu\",\"mode\":\"default\"," "$work/json" |
-		grep -q '"kernels":1[,}]' || fail "$w: compiled into more than one kernel"
+	grep -F "{\"workload\":\"$w\",\"device\":\"cpu\"," "$work/json" |
+		grep -F '"mode":"default"' | grep -q '"kernels":1[,}]' ||
+		fail "$w: compiled into more than one kernel"
 done
+# Peak memory holds at least the inputs and the output: relu_fma's three
+# 4096x4096 f32 inputs and its output are 256 MiB.
+grep -F '{"workload":"relu_fma","device":"cpu"' "$work/json" | grep -F '"mode":"default"' |
+	grep -Eq '"peak_bytes":(2[6-9][0-9]|[3-9][0-9][0-9])[0-9]{6}[,}]' ||
+	fail "relu_fma default: peak memory below 256 MiB"
 grep -Eiq 'nan|inf' "$work/json" && fail "non-finite numbers in the JSON"
 
 # The table form of one workload.
 "$kiln" bench --workload relu_fma --iters 2 >"$work/table" || fail "bench table failed"
 grep -Eq '^memory bandwidth: [0-9.]+ GB/s' "$work/table" || fail "table: no bandwidth line"
-grep -Eq '^relu_fma +cpu +eager +[0-9.]+ +[0-9.]+ +1\.00x +[0-9.]+ GB/s +[0-9]+% +[0-9.]+ +-$' \
+row='^relu_fma +cpu +f32 +4096x4096 +'
+grep -Eq "${row}eager +[0-9.]+ (us|ms) +[0-9.]+ +1\\.00x +[0-9.]+ GB/s +[0-9]+% +[0-9.]+ +- +[0-9.]+$" \
 	"$work/table" || { cat "$work/table"; fail "table: bad relu_fma eager row"; }
-grep -Eq '^relu_fma +cpu +default +[0-9.]+ +[0-9.]+ +[0-9.]+x +[0-9.]+ GB/s +[0-9]+% +[0-9.]+ +1$' \
+grep -Eq "${row}default +[0-9.]+ (us|ms) +[0-9.]+ +[0-9.]+x +[0-9.]+ GB/s +[0-9]+% +[0-9.]+ +1 +[0-9.]+$" \
 	"$work/table" || { cat "$work/table"; fail "table: bad relu_fma default row"; }
-grep -Eq '^relu_fma +cpu +reduce-overhead\* ' "$work/table" ||
+grep -Eq "${row}reduce-overhead\\* " "$work/table" ||
 	fail "table: reduce-overhead not marked as default"
 
 # --cold: a compile into an empty cache, then a second process's first call;
@@ -88,11 +138,13 @@ grep -Eq '^relu_fma +cpu +reduce-overhead\* ' "$work/table" ||
 mkdir "$work/tmp"
 TMPDIR=$work/tmp "$kiln" bench --cold --json >"$work/cold" || fail "bench --cold failed"
 for mode in cold_compile warm_process; do
-	line=$(grep -F "{\"workload\":\"swiglu_ffn\",\"device\":\"cpu\",\"mode\":\"$mode\"," \
-		"$work/cold") || { cat "$work/cold"; fail "--cold: no $mode line"; }
-	for key in first_call_ms first_call_s kernels; do
+	line=$(grep -F '{"workload":"swiglu_ffn","device":"cpu",' "$work/cold" |
+		grep -F "\"mode\":\"$mode\",") || { cat "$work/cold"; fail "--cold: no $mode line"; }
+	for key in first_call_ms first_call_s kernels peak_bytes; do
 		grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "--cold $mode: no numeric $key"
 	done
+	grep -Fq '"dtype":"f32","shape":"4x128x512->1408"' <<<"$line" ||
+		fail "--cold $mode: no dtype and shape: $line"
 done
 [[ -z $(ls -A "$work/tmp") ]] || fail "--cold left $(ls -A "$work/tmp") behind"
 TMPDIR=$work/tmp "$kiln" bench --cold --workload relu_fma >"$work/coldt" ||

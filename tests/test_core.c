@@ -210,6 +210,63 @@ static void test_ctx_free_with_live_tensors(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* kl_memory_stats counts what the context's allocator hands out: a tensor
+ * adds its storage (rounded to whole cache lines), a view adds nothing,
+ * release gives it back, and the peak holds until kl_memory_reset_peak. */
+static void test_memory_stats(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	kl_memory_usage u0, u;
+	assert_int_equal(kl_memory_stats(ctx, &u0), KL_OK);
+	assert_true(u0.peak >= u0.in_use);
+	/* 3 MiB + a ragged tail: above the host block cache's threshold */
+	int64_t n = (3 << 20) / 4 + 7;
+	kl_tensor *a = kl_randn(ctx, KL_F32, 1, &n, 5);
+	assert_non_null(a);
+	size_t need = ((size_t)n * 4 + 63) & ~(size_t)63;
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_true(u.in_use >= u0.in_use + need && u.in_use <= u0.in_use + need + need / 8);
+	assert_true(u.peak >= u.in_use);
+	assert_int_equal(u.reserved, u.in_use);
+	size_t with_a = u.in_use;
+	kl_tensor *v = kl_reshape(a, 2, (int64_t[]){1, n});
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_int_equal(u.in_use, with_a);
+	/* a temporary made and dropped inside a scope still shows in the peak */
+	kl_scope_begin(ctx);
+	assert_non_null(kl_add(a, a));
+	kl_scope_end(ctx);
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_int_equal(u.in_use, with_a);
+	assert_true(u.peak >= with_a + need);
+	kl_release(v);
+	kl_release(a);
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_int_equal(u.in_use, u0.in_use);
+	assert_true(u.peak >= with_a + need);
+	assert_int_equal(kl_memory_reset_peak(ctx), KL_OK);
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_int_equal(u.peak, u.in_use);
+	/* a second context counts only its own */
+	kl_ctx *other = new_ctx();
+	kl_tensor *b = kl_zeros(other, KL_F64, 1, &n);
+	assert_non_null(b);
+	kl_memory_usage uo;
+	assert_int_equal(kl_memory_stats(ctx, &u), KL_OK);
+	assert_int_equal(kl_memory_stats(other, &uo), KL_OK);
+	assert_int_equal(u.in_use, u0.in_use);
+	assert_true(uo.in_use >= (size_t)n * 8);
+	kl_release(b);
+	kl_ctx_free(other);
+	/* bad arguments */
+	assert_int_equal(kl_memory_stats(NULL, &u), KL_EINVAL);
+	assert_int_equal(kl_memory_stats(ctx, NULL), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_memory_stats: out is NULL"));
+	assert_int_equal(kl_memory_reset_peak(NULL), KL_EINVAL);
+	kl_ctx_free(ctx);
+}
+
 /* ---- errors ---------------------------------------------------------------------- */
 
 static void test_errors(void **state)
@@ -1124,6 +1181,7 @@ int main(void)
 	        cmocka_unit_test(test_refcounts_and_views),
 	        cmocka_unit_test(test_scopes),
 	        cmocka_unit_test(test_ctx_free_with_live_tensors),
+	        cmocka_unit_test(test_memory_stats),
 	        cmocka_unit_test(test_errors),
 	        cmocka_unit_test(test_creation),
 	        cmocka_unit_test(test_philox_known_answer),

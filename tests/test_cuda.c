@@ -794,7 +794,19 @@ static void test_gpu_alloc(void **state)
 	ctx->be->free(ctx, p);
 	void *q = ctx->be->alloc(ctx, 4000);
 	assert_ptr_equal(p, q);
+	/* kl_memory_stats reads the device's pool */
+	kl_memory_usage mu;
+	assert_int_equal(kl_memory_stats(ctx, &mu), KL_OK);
+	assert_int_equal(mu.in_use, 4096);
+	assert_true(mu.peak >= 4096 && mu.reserved >= 4096);
 	ctx->be->free(ctx, q);
+	assert_int_equal(kl_memory_stats(ctx, &mu), KL_OK);
+	assert_int_equal(mu.in_use, 0);
+	assert_true(mu.peak >= 4096);
+	assert_int_equal(kl_memory_reset_peak(ctx), KL_OK);
+	assert_int_equal(kl_memory_stats(ctx, &mu), KL_OK);
+	assert_int_equal(mu.peak, 0);
+	assert_true(mu.reserved >= 4096); /* the block stays cached */
 	kl__cuda_ctx_fini(ctx);
 	assert_null(ctx->backend_state);
 	kl__cuda_ctx_fini(ctx);

@@ -64,6 +64,9 @@ typedef struct kl_backend {
 	/* copy between host and device memory (CPU: memcpy) */
 	kl_status (*to_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
 	kl_status (*from_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
+	/* kl_memory_stats: what the allocator holds for ctx; with reset_peak,
+	 * the peak restarts from in_use first. */
+	void (*memory)(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak);
 } kl_backend;
 
 extern const kl_backend kl__cpu_backend;
@@ -98,6 +101,7 @@ struct kl_ctx {
 	void *sync_user;
 	unsigned logs; /* KL_LOG_* bits, from KILN_LOGS at kl_ctx_new */
 	void *backend_state; /* per-backend data (CUDA context, streams, ...) */
+	size_t host_in_use, host_peak; /* the CPU allocator's bytes for this context */
 };
 
 /* Set the context's error; returns status for `return kl__err(...)`.

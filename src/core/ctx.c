@@ -161,6 +161,25 @@ kl_device kl_ctx_device(const kl_ctx *ctx)
 	return ctx ? ctx->device : KL_CPU;
 }
 
+kl_status kl_memory_stats(kl_ctx *ctx, kl_memory_usage *out)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_memory_stats: ctx is NULL");
+	if (!out)
+		return kl__err(ctx, KL_EINVAL, "kl_memory_stats: out is NULL");
+	ctx->be->memory(ctx, out, false);
+	return KL_OK;
+}
+
+kl_status kl_memory_reset_peak(kl_ctx *ctx)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_memory_reset_peak: ctx is NULL");
+	kl_memory_usage u;
+	ctx->be->memory(ctx, &u, true);
+	return KL_OK;
+}
+
 void kl_scope_begin(kl_ctx *ctx)
 {
 	if (!ctx)

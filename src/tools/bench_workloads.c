@@ -1,34 +1,28 @@
 /* bench_workloads.c - the workloads `kiln bench` measures: one table row each,
- * with a setup that makes random inputs and states the cost of one call, and
- * a body that is one call. Adding a workload is one row and its two functions.
+ * with a setup that makes random inputs of the row's dtype and sizes and
+ * states the cost of one call, and a body that is one call. Adding a
+ * workload is one row and its two functions; another size of one is a row.
+ *
+ * The CPU rows are f32 at sizes a two-core box with a few GiB holds; the
+ * CUDA rows are those of ANCHORS.md (fp16/bf16, the sizes torch was timed
+ * at), so that bench/peer_torch.py measures the very same problems.
  */
 #include <math.h>
+#include <stdio.h>
 
 #include "tools.h"
 
-/* Sizes fit a two-core box with a few GiB free: the largest workload keeps
- * six 64 MiB tensors alive at once in eager mode. */
-enum {
-	PW_ROWS = 4096, /* pointwise and row-wise workloads: PW_ROWS x PW_COLS */
-	PW_COLS = 4096,
-	GEMM_N = 2048,
-	FFN_BATCH = 4,
-	FFN_SEQ = 128,
-	FFN_DIM = 512,
-	FFN_HIDDEN = 1408 /* ~ 8/3 * FFN_DIM, rounded to a multiple of 64 */
-};
-
 static const double NORM_EPS = 1e-5;
 
-static kl_tensor *randn2(kl_ctx *ctx, int64_t r, int64_t c, uint64_t seed)
+static kl_tensor *randn2(kl_ctx *ctx, kl_dtype dt, int64_t r, int64_t c, uint64_t seed)
 {
-	return kl_randn(ctx, KL_F32, 2, (int64_t[]){r, c}, seed);
+	return kl_randn(ctx, dt, 2, (int64_t[]){r, c}, seed);
 }
 
 /* randn scaled by 1/sqrt(fan_in), so that products keep unit scale. */
-static kl_tensor *randn_weight(kl_ctx *ctx, int64_t out, int64_t in, uint64_t seed)
+static kl_tensor *randn_weight(kl_ctx *ctx, kl_dtype dt, int64_t out, int64_t in, uint64_t seed)
 {
-	kl_tensor *w = randn2(ctx, out, in, seed);
+	kl_tensor *w = randn2(ctx, dt, out, in, seed);
 	kl_tensor *s = kl_mul_scalar(w, 1.0 / sqrt((double)in));
 	kl_release(w);
 	return s;
@@ -47,16 +41,33 @@ static kl_status body_status(kl_ctx *ctx, kl_tensor **out)
 	return out[0] ? KL_OK : kl_last_status(ctx);
 }
 
-static const double PW_BYTES = (double)PW_ROWS * PW_COLS * sizeof(float);
+static double esize(const kt_workload *w)
+{
+	return (double)kl_dtype_size(w->dtype);
+}
+
+/* Rows and columns of the pointwise and row-wise workloads: dims[0] x dims[1]. */
+static double matrix_bytes(const kt_workload *w)
+{
+	return (double)w->dims[0] * (double)w->dims[1] * esize(w);
+}
+
+static void shape_2d(const kt_workload *w, kt_cost *cost)
+{
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lld", (long long)w->dims[0],
+	         (long long)w->dims[1]);
+}
 
 /* ---- relu(a*b + c) ----------------------------------------------------------- */
 
-static kl_status relu_fma_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status relu_fma_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
 {
 	for (int i = 0; i < 3; i++)
-		in[i] = randn2(ctx, PW_ROWS, PW_COLS, 101 + (uint64_t)i);
-	*cost = (kt_cost){
-	        .bytes = 4 * PW_BYTES, .flops = 3.0 * PW_ROWS * PW_COLS, .memory_bound = true};
+		in[i] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 101 + (uint64_t)i);
+	*cost = (kt_cost){.bytes = 4 * matrix_bytes(w),
+	                  .flops = 3.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
 	return setup_status(ctx, in, 3);
 }
 
@@ -71,12 +82,15 @@ static kl_status relu_fma_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_te
 
 /* y = tanh(relu(x * 1.1 + 0.5) * a - b) * 0.5 + x: scalar, tensor and unary
  * ops mixed, the kind of chain fusion turns into one pass over memory. */
-static kl_status pointwise8_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status pointwise8_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                  kt_cost *cost)
 {
 	for (int i = 0; i < 3; i++)
-		in[i] = randn2(ctx, PW_ROWS, PW_COLS, 201 + (uint64_t)i);
-	*cost = (kt_cost){
-	        .bytes = 4 * PW_BYTES, .flops = 8.0 * PW_ROWS * PW_COLS, .memory_bound = true};
+		in[i] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 201 + (uint64_t)i);
+	*cost = (kt_cost){.bytes = 4 * matrix_bytes(w),
+	                  .flops = 8.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
 	return setup_status(ctx, in, 3);
 }
 
@@ -92,11 +106,13 @@ static kl_status pointwise8_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_
 
 /* ---- row-wise: softmax, layer_norm, rms_norm ------------------------------- */
 
-static kl_status softmax_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status softmax_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
 {
-	in[0] = randn2(ctx, PW_ROWS, PW_COLS, 301);
-	*cost = (kt_cost){
-	        .bytes = 2 * PW_BYTES, .flops = 5.0 * PW_ROWS * PW_COLS, .memory_bound = true};
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 301);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w),
+	                  .flops = 5.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
 	return setup_status(ctx, in, 1);
 }
 
@@ -107,14 +123,16 @@ static kl_status softmax_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_ten
 	return body_status(ctx, out);
 }
 
-static kl_status layer_norm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status layer_norm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                  kt_cost *cost)
 {
-	in[0] = randn2(ctx, PW_ROWS, PW_COLS, 401);
-	in[1] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 402);
-	in[2] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 403);
-	*cost = (kt_cost){.bytes = 2 * PW_BYTES + 2.0 * PW_COLS * sizeof(float),
-	                  .flops = 8.0 * PW_ROWS * PW_COLS,
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 401);
+	in[1] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 402);
+	in[2] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 403);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w) + 2.0 * (double)w->dims[1] * esize(w),
+	                  .flops = 8.0 * (double)w->dims[0] * (double)w->dims[1],
 	                  .memory_bound = true};
+	shape_2d(w, cost);
 	return setup_status(ctx, in, 3);
 }
 
@@ -125,13 +143,14 @@ static kl_status layer_norm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_
 	return body_status(ctx, out);
 }
 
-static kl_status rms_norm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status rms_norm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
 {
-	in[0] = randn2(ctx, PW_ROWS, PW_COLS, 501);
-	in[1] = kl_randn(ctx, KL_F32, 1, (int64_t[]){PW_COLS}, 502);
-	*cost = (kt_cost){.bytes = 2 * PW_BYTES + (double)PW_COLS * sizeof(float),
-	                  .flops = 4.0 * PW_ROWS * PW_COLS,
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 501);
+	in[1] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 502);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w) + (double)w->dims[1] * esize(w),
+	                  .flops = 4.0 * (double)w->dims[0] * (double)w->dims[1],
 	                  .memory_bound = true};
+	shape_2d(w, cost);
 	return setup_status(ctx, in, 2);
 }
 
@@ -154,34 +173,42 @@ static kl_status rms_norm_prims_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
 
 /* ---- contractions ------------------------------------------------------------- */
 
-static kl_status sgemm_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+/* [m, k] @ [k, n]: dims m, k, n. */
+static kl_status gemm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
 {
-	in[0] = randn2(ctx, GEMM_N, GEMM_N, 601);
-	in[1] = randn2(ctx, GEMM_N, GEMM_N, 602);
-	double n = GEMM_N;
-	*cost = (kt_cost){
-	        .bytes = 3 * n * n * sizeof(float), .flops = 2 * n * n * n, .memory_bound = false};
+	double m = (double)w->dims[0], k = (double)w->dims[1], n = (double)w->dims[2];
+	in[0] = randn_weight(ctx, w->dtype, w->dims[0], w->dims[1], 601);
+	in[1] = randn_weight(ctx, w->dtype, w->dims[1], w->dims[2], 602);
+	*cost = (kt_cost){.bytes = (m * k + k * n + m * n) * esize(w),
+	                  .flops = 2 * m * n * k,
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld", (long long)w->dims[0],
+	         (long long)w->dims[1], (long long)w->dims[2]);
 	return setup_status(ctx, in, 2);
 }
 
-static kl_status sgemm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
-                            void *user)
+static kl_status gemm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
 {
 	out[0] = kl_matmul(in[0], in[1]);
 	return body_status(ctx, out);
 }
 
-/* LLaMA-style feed-forward: (silu(x Wg^T) * (x Wu^T)) Wd^T, no biases. */
-static kl_status swiglu_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+/* The seed's FeedForward (SwiGLU, no biases): down(silu(gate(x)) * up(x)),
+ * x [batch, seq, dim], hidden width h: dims batch, seq, dim, h. */
+static kl_status swiglu_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
 {
-	in[0] = kl_randn(ctx, KL_F32, 3, (int64_t[]){FFN_BATCH, FFN_SEQ, FFN_DIM}, 701);
-	in[1] = randn_weight(ctx, FFN_HIDDEN, FFN_DIM, 702);
-	in[2] = randn_weight(ctx, FFN_HIDDEN, FFN_DIM, 703);
-	in[3] = randn_weight(ctx, FFN_DIM, FFN_HIDDEN, 704);
-	double tok = (double)FFN_BATCH * FFN_SEQ, d = FFN_DIM, h = FFN_HIDDEN;
-	*cost = (kt_cost){.bytes = (2 * tok * d + 3 * d * h) * sizeof(float),
-	                  .flops = 3 * 2 * tok * d * h + 5 * tok * h,
+	int64_t b = w->dims[0], s = w->dims[1], d = w->dims[2], h = w->dims[3];
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, s, d}, 701);
+	in[1] = randn_weight(ctx, w->dtype, h, d, 702);
+	in[2] = randn_weight(ctx, w->dtype, h, d, 703);
+	in[3] = randn_weight(ctx, w->dtype, d, h, 704);
+	double tok = (double)b * (double)s, dd = (double)d, hh = (double)h;
+	*cost = (kt_cost){.bytes = (2 * tok * dd + 3 * dd * hh) * esize(w),
+	                  .flops = 3 * 2 * tok * dd * hh + 5 * tok * hh,
 	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld->%lld", (long long)b,
+	         (long long)s, (long long)d, (long long)h);
 	return setup_status(ctx, in, 4);
 }
 
@@ -195,28 +222,128 @@ static kl_status swiglu_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tens
 	return body_status(ctx, out);
 }
 
+/* A stack of small layers, x = gelu(x W_i^T + b_i): launch overhead, not
+ * arithmetic, is the cost (the reduce-overhead case). dims batch, width,
+ * layers; inputs x, then W_i and b_i for each layer. */
+enum { MLP_MAX_LAYERS = (KT_MAX_INPUTS - 1) / 2 };
+
+static kl_status mlp_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], d = w->dims[1], L = w->dims[2];
+	if (L > MLP_MAX_LAYERS || 1 + 2 * L != w->nin)
+		return kl_set_error(ctx, KL_EINVAL, "bench %s: %lld layers need %lld inputs, not %d",
+		                    w->name, (long long)L, (long long)(1 + 2 * L), w->nin);
+	in[0] = randn2(ctx, w->dtype, b, d, 801);
+	for (int64_t i = 0; i < L; i++) {
+		in[1 + 2 * i] = randn_weight(ctx, w->dtype, d, d, 802 + 2 * (uint64_t)i);
+		kl_tensor *bias = kl_randn(ctx, w->dtype, 1, &d, 803 + 2 * (uint64_t)i);
+		in[2 + 2 * i] = kl_mul_scalar(bias, 0.1);
+		kl_release(bias);
+	}
+	double bb = (double)b, dd = (double)d, ll = (double)L;
+	*cost = (kt_cost){.bytes = (2 * bb * dd + ll * (dd * dd + dd)) * esize(w),
+	                  .flops = ll * (2 * bb * dd * dd + 2 * bb * dd),
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx(%lldx%lld)", (long long)L, (long long)b,
+	         (long long)d);
+	return setup_status(ctx, in, w->nin);
+}
+
+static kl_status mlp_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	kl_tensor *x = in[0];
+	for (int i = 0; 2 * i + 2 < nin; i++)
+		x = kl_gelu(kl_linear(x, in[1 + 2 * i], in[2 + 2 * i]));
+	out[0] = x;
+	return body_status(ctx, out);
+}
+
+/* ---- the device's copy ceiling ---------------------------------------------- */
+
+/* A one-input concat is a plain copy that no pass turns into a view (a
+ * compiled kl_contiguous of a dense input is one), so it measures a real
+ * read + write of every byte. */
+static kl_status copy_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 901);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w), .flops = 0, .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status copy_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	out[0] = kl_concat(1, in, 0);
+	return body_status(ctx, out);
+}
+
+const kt_workload kt_copy_workload = {"memory_bandwidth",
+                                      "compiled copy of a 1 GiB f16 tensor (2 GiB moved)",
+                                      KT_ON_CUDA,
+                                      KT_MODE_BIT(KT_MODE_DEFAULT),
+                                      KL_F16,
+                                      {32768, 16384},
+                                      1,
+                                      1,
+                                      copy_setup,
+                                      copy_body};
+
 /* ---- the table ---------------------------------------------------------------- */
 
 #define EAGER KT_MODE_BIT(KT_MODE_EAGER)
-#define COMPILED                                                                            \
-	(KT_MODE_BIT(KT_MODE_DEFAULT) | KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD) |                  \
-	 KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
-#define ALL (EAGER | COMPILED)
+#define FUSED                                                                               \
+	(KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT) |                         \
+	 KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD))
+#define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
+#define CPU KT_ON_CPU
+#define GPU KT_ON_CUDA
 
+/* CUDA: max-autotune only where there is a matrix product to tune (and
+ * gpu-check's time is short); the CPU runs every mode (the last two as
+ * default). The FeedForward hidden width on the CPU is ~8/3 * 512 rounded to
+ * a multiple of 64. */
 const kt_workload kt_workloads[] = {
-	{"relu_fma", "relu(a*b + c), 4096x4096 f32", ALL, 3, 1, relu_fma_setup, relu_fma_body},
-	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", ALL, 3, 1,
-	 pointwise8_setup, pointwise8_body},
-	{"softmax", "softmax over rows, 4096x4096 f32", ALL, 1, 1, softmax_setup, softmax_body},
-	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", ALL, 3, 1,
-	 layer_norm_setup, layer_norm_body},
-	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", ALL, 2, 1,
-	 rms_norm_setup, rms_norm_body},
-	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32",
-	 ALL, 2, 1, rms_norm_setup, rms_norm_prims_body},
-	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", ALL, 2, 1, sgemm_setup, sgemm_body},
-	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", ALL, 4, 1,
-	 swiglu_setup, swiglu_body},
+	{"relu_fma", "relu(a*b + c), 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"relu_fma", "relu(a*b + c), 4096x4096 f16", GPU, FUSED, KL_F16, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"relu_fma", "relu(a*b + c), 8192x8192 f16", GPU, FUSED, KL_F16, {8192, 8192}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", CPU, ALL,
+	 KL_F32, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f16", GPU, FUSED,
+	 KL_F16, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	{"softmax", "softmax over rows, 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 1, 1,
+	 softmax_setup, softmax_body},
+	{"softmax", "softmax over rows, 16384x4096 bf16", GPU, FUSED, KL_BF16, {16384, 4096}, 1, 1,
+	 softmax_setup, softmax_body},
+	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", CPU, ALL, KL_F32,
+	 {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	{"layer_norm", "layer_norm over rows with weight and bias, 16384x4096 bf16", GPU, FUSED,
+	 KL_BF16, {16384, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", CPU, ALL, KL_F32,
+	 {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	{"rms_norm", "kl_rms_norm over rows with weight, 16384x4096 bf16", GPU, FUSED, KL_BF16,
+	 {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32", CPU,
+	 ALL, KL_F32, {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 16384x4096 bf16",
+	 GPU, FUSED, KL_BF16, {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", CPU, ALL, KL_F32, {2048, 2048, 2048}, 2, 1,
+	 gemm_setup, gemm_body},
+	{"gemm", "matmul 8192x8192 @ 8192x8192 bf16 (the card's product ceiling)", GPU, ALL,
+	 KL_BF16, {8192, 8192, 8192}, 2, 1, gemm_setup, gemm_body},
+	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", CPU, ALL, KL_F32,
+	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body},
+	{"swiglu_ffn", "SwiGLU feed-forward (the seed's FeedForward), x 4x1024x2048, hidden 8192, "
+	               "bf16",
+	 GPU, ALL, KL_BF16, {4, 1024, 2048, 8192}, 4, 1, swiglu_setup, swiglu_body},
+	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f32", CPU, ALL, KL_F32,
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f16", GPU, ALL, KL_F16,
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
 };
 
 const int kt_nworkloads = (int)(sizeof(kt_workloads) / sizeof(kt_workloads[0]));

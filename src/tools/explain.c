@@ -26,8 +26,10 @@ static kl_status break_demo(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tenso
 	return out[0] ? KL_OK : kl_last_status(ctx);
 }
 
-static kl_status break_demo_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
+static kl_status break_demo_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                  kt_cost *cost)
 {
+	(void)w;
 	int64_t shape[2] = {256, 512};
 	for (int i = 0; i < 3; i++)
 		if (!(in[i] = kl_randn(ctx, KL_F32, 2, shape, 100 + (uint64_t)i)))
@@ -36,8 +38,16 @@ static kl_status break_demo_setup(kl_ctx *ctx, kl_tensor **in, kt_cost *cost)
 	return KL_OK;
 }
 
-static const kt_workload demo = {"graph_break", "relu(a*b+c); kl_item(mean); rms_norm * mean",
-                                 0, 3, 1, break_demo_setup, break_demo};
+static const kt_workload demo = {"graph_break",
+                                 "relu(a*b+c); kl_item(mean); rms_norm * mean",
+                                 KT_ON_CPU | KT_ON_CUDA,
+                                 0,
+                                 KL_F32,
+                                 {256, 512},
+                                 3,
+                                 1,
+                                 break_demo_setup,
+                                 break_demo};
 
 static const struct {
 	const char *name;
@@ -56,8 +66,16 @@ static void usage(FILE *f)
 	           "  kl_explain. MODE: default, reduce-overhead, max-autotune,\n"
 	           "  max-autotune-no-cudagraphs. Workloads:\n");
 	fprintf(f, "    %-16s %s\n", demo.name, demo.what);
-	for (int i = 0; i < kt_nworkloads; i++)
-		fprintf(f, "    %-16s %s\n", kt_workloads[i].name, kt_workloads[i].what);
+	/* one line a name: the CPU row's, else the first CUDA row's */
+	for (int i = 0; i < kt_nworkloads; i++) {
+		const kt_workload *w = &kt_workloads[i];
+		bool seen = false;
+		for (int j = 0; j < i; j++)
+			seen |= !strcmp(kt_workloads[j].name, w->name);
+		if (!seen)
+			fprintf(f, "    %-16s %s%s\n", w->name, w->what,
+			        w->devices & KT_ON_CPU ? "" : " (cuda only)");
+	}
 }
 
 static int explain_one(kl_ctx *ctx, const kt_workload *w, const kl_compile_opts *opts)
@@ -67,7 +85,7 @@ static int explain_one(kl_ctx *ctx, const kt_workload *w, const kl_compile_opts 
 	int rc = 1;
 	kl_fn *f = NULL;
 	printf("=== %s: %s\n", w->name, w->what);
-	if (w->setup(ctx, in, &cost) != KL_OK)
+	if (w->setup(ctx, w, in, &cost) != KL_OK)
 		goto done;
 	if (!(f = kl_compile(ctx, w->body, NULL, w->nin, w->nout, opts)))
 		goto done;
@@ -134,7 +152,8 @@ int kt_explain_main(int argc, char **argv)
 	for (int n = 0; n < nnames; n++) {
 		const kt_workload *w = !strcmp(names[n], demo.name) ? &demo : NULL;
 		for (int i = 0; !w && i < kt_nworkloads; i++)
-			if (!strcmp(names[n], kt_workloads[i].name))
+			if ((kt_workloads[i].devices & (1u << copts.device)) &&
+			    !strcmp(names[n], kt_workloads[i].name))
 				w = &kt_workloads[i];
 		if (!w) {
 			fprintf(stderr, "kiln explain: unknown workload '%s'\n", names[n]);
@@ -145,7 +164,8 @@ int kt_explain_main(int argc, char **argv)
 	if (nnames == 0) {
 		queue[nqueue++] = &demo;
 		for (int i = 0; i < kt_nworkloads && nqueue < 128; i++)
-			queue[nqueue++] = &kt_workloads[i];
+			if (kt_workloads[i].devices & (1u << copts.device))
+				queue[nqueue++] = &kt_workloads[i];
 	}
 	kl_ctx *ctx = kl_ctx_new(&copts);
 	if (!ctx) {

@@ -36,25 +36,38 @@ typedef struct kt_cost {
 	double bytes;
 	double flops;
 	bool memory_bound; /* report GB/s; otherwise TFLOP/s */
+	char shape[48];    /* the sizes, as the peers print them: "4096x4096" */
 } kt_cost;
 
-#define KT_MAX_INPUTS 8
+#define KT_MAX_INPUTS 64
 
-typedef struct kt_workload {
-	const char *name;
+/* Devices a table row runs on. */
+#define KT_ON_CPU (1u << KL_CPU)
+#define KT_ON_CUDA (1u << KL_CUDA)
+
+typedef struct kt_workload kt_workload;
+struct kt_workload {
+	const char *name; /* rows of one name on one device differ in size */
 	const char *what; /* one line for --list */
+	unsigned devices; /* KT_ON_* */
 	unsigned modes;   /* KT_MODE_BIT per supported mode */
+	kl_dtype dtype;
+	int64_t dims[4]; /* the sizes; what each means is the setup's business */
 	int nin, nout;
-	/* Make the inputs (from kl_randn, never zeros) and state the cost of one
-	 * call. in[] receives nin references the harness releases. */
-	kl_status (*setup)(kl_ctx *ctx, kl_tensor **in, kt_cost *cost);
+	/* Make the inputs (from kl_randn, never zeros) of w's dtype and sizes and
+	 * state the cost of one call. in[] receives nin references the harness
+	 * releases. */
+	kl_status (*setup)(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost);
 	/* One call. Written as a kl_fn_body so that compiled modes can hand it to
 	 * kl_compile unchanged; eager mode runs it inside a scope, which frees
 	 * its intermediates and outputs. */
 	kl_fn_body body;
-} kt_workload;
+};
 
 extern const kt_workload kt_workloads[];
 extern const int kt_nworkloads;
+/* The CUDA bandwidth row: a compiled copy of a 1 GiB tensor (the device's
+ * streaming ceiling as kiln's own kernels reach it). */
+extern const kt_workload kt_copy_workload;
 
 #endif /* KILN_TOOLS_H */

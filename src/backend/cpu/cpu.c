@@ -96,22 +96,36 @@ static void *cpu_alloc(kl_ctx *ctx, size_t nbytes)
 		}
 		base = p;
 		memcpy(base, &sz, sizeof(sz));
+	} else {
+		memcpy(&sz, base, sizeof(sz)); /* a cached block may be a little larger */
 	}
+	ctx->host_in_use += sz;
+	if (ctx->host_in_use > ctx->host_peak)
+		ctx->host_peak = ctx->host_in_use;
 	return base + HDR;
 }
 
 static void cpu_free(kl_ctx *ctx, void *p)
 {
-	(void)ctx;
 	if (!p)
 		return;
 	char *base = (char *)p - HDR;
 	size_t sz;
 	memcpy(&sz, base, sizeof(sz));
+	ctx->host_in_use -= sz < ctx->host_in_use ? sz : ctx->host_in_use;
 	if (sz >= CACHE_MIN)
 		cache_put(base, sz);
 	else
 		free(base);
+}
+
+/* The counters live in the context: the block cache is shared by every
+ * context of the process, so what a context holds is what it asked for. */
+static void cpu_memory(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak)
+{
+	if (reset_peak)
+		ctx->host_peak = ctx->host_in_use;
+	*out = (kl_memory_usage){ctx->host_in_use, ctx->host_peak, ctx->host_in_use};
 }
 
 static kl_status cpu_copy(kl_ctx *ctx, void *dst, const void *src, size_t nbytes)
@@ -187,4 +201,5 @@ const kl_backend kl__cpu_backend = {
 	.exec = cpu_exec,
 	.to_host = cpu_copy,
 	.from_host = cpu_copy,
+	.memory = cpu_memory,
 };

@@ -25,6 +25,14 @@ static void cuda_free(kl_ctx *ctx, void *p)
 	kl__cuda_free(ctx, kl__cuda_dev_of(ctx), (CUdeviceptr)(uintptr_t)p);
 }
 
+static void cuda_memory(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak)
+{
+	kl_pool *p = &kl__cuda_dev_of(ctx)->pool;
+	if (reset_peak)
+		kl__pool_reset_peak(p);
+	*out = (kl_memory_usage){p->st.in_use, p->st.peak, p->st.reserved};
+}
+
 static kl_status cuda_to_host(kl_ctx *ctx, void *dst, const void *src, size_t nbytes)
 {
 	return kl__cuda_d2h(ctx, kl__cuda_dev_of(ctx), dst, (CUdeviceptr)(uintptr_t)src, nbytes);
@@ -340,6 +348,7 @@ const kl_backend kl__cuda_backend = {
         .exec = cuda_exec,
         .to_host = cuda_to_host,
         .from_host = cuda_from_host,
+        .memory = cuda_memory,
 };
 
 kl_status kl__cuda_ctx_init(kl_ctx *ctx, int index)
