@@ -238,6 +238,7 @@ static bool unit(const kir_kernel *k, int d)
 
 #define VMAX 8              /* elements per chunk at most */
 #define ROW_REGS 64         /* row values one thread holds (32 when 8 bytes wide) */
+#define ROW_BYTES 512       /* bytes of chunks and row-local arrays one thread holds */
 #define UNROLL_BUDGET 1024 /* cost (body_cost) the unrolled element loops may reach */
 
 typedef enum vkind { VK_NO, VK_BCAST, VK_CONT } vkind;
@@ -505,6 +506,20 @@ static bool plan_rows(cctx *c, vplan *vp)
 	vp->nj = (int)((vp->nch + vp->G - 1) / vp->G);
 	if ((int64_t)vp->nj * V > cap)
 		return false;
+	/* what one thread holds: its chunks and row-local values */
+	int64_t bytes = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		bytes += (int64_t)vp->nj * V * msize(vp->acc[a].dt);
+	for (int i = 0; i < k->nlocal; i++)
+		bytes += (int64_t)vp->nj * V * msize((kl_dtype)k->local_dt[i]);
+	if (bytes > ROW_BYTES)
+		return false;
+	/* every chunk of the row is loaded at the start of the first pass, all
+	 * in flight at once (not a wait for the weights of a layer norm in the
+	 * last pass) */
+	for (int a = 0; a < vp->nacc; a++)
+		if (!vp->acc[a].store)
+			vp->acc[a].blk = 1;
 	if (body_cost(c) * vp->nj * V > UNROLL_BUDGET)
 		return false;
 	return plan_aligned(c, vp);
@@ -846,14 +861,10 @@ static void pass_scalar(cctx *c, int p, uint32_t inner)
 	close_brace(c);
 }
 
-/* pass p over a row held in registers: thread lane has the chunks
- * lane + G * j, loaded the first time a pass reads them */
-static void pass_chunks(cctx *c, int p, const vplan *vp)
+/* the chunk slots of one thread: j, the chunk ch = lane + G * j of the row,
+ * i_d at the chunk's start; closed by close_brace twice */
+static void open_slots(cctx *c, const vplan *vp)
 {
-	int V = vp->V, d = vp->d, blk = 2 * p - 1;
-	bool stores = false;
-	for (int a = 0; a < vp->nacc; a++)
-		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
 	line(c, "#pragma unroll");
 	line(c, "for (int j = 0; j < %d; j++)", vp->nj);
 	open_brace(c);
@@ -861,8 +872,27 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 	if (vp->nch % vp->G)
 		line(c, "if (ch < %lld)", (long long)vp->nch);
 	open_brace(c);
-	line(c, "i%d = ch * %d;", d, V);
-	chunk_io(c, vp, blk, false, "[j]");
+	line(c, "i%d = ch * %d;", vp->d, vp->V);
+}
+
+/* pass p over a row held in registers: thread lane has the chunks
+ * lane + G * j, all loaded (in flight together) before the first pass
+ * reads them */
+static void pass_chunks(cctx *c, int p, const vplan *vp)
+{
+	int V = vp->V, d = vp->d, blk = 2 * p - 1;
+	bool loads = false, stores = false;
+	for (int a = 0; a < vp->nacc; a++) {
+		loads |= !vp->acc[a].store && vp->acc[a].blk == blk;
+		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
+	}
+	if (loads) {
+		open_slots(c, vp);
+		chunk_io(c, vp, blk, false, "[j]");
+		close_brace(c);
+		close_brace(c);
+	}
+	open_slots(c, vp);
 	line(c, "#pragma unroll");
 	line(c, "for (int e = 0; e < %d; e++)", V);
 	open_brace(c);

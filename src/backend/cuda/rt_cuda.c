@@ -31,6 +31,12 @@ typedef struct kl_cuda_rt {
 	kl_cuda_graph graph;
 	CUdeviceptr *stat; /* per buffer: its static copy (inputs, outputs), 0 otherwise */
 	size_t *stat_bytes;
+	/* launch geometry (launch_steps): grid_cap[s], blocks per SM step s may
+	 * launch at most, 0 = fit (for a max-autotune pass to set); fit[k], the
+	 * blocks of kernel k resident on one SM at once (occupancy), 0 = not
+	 * asked yet */
+	uint32_t *grid_cap;
+	int *fit;
 } kl_cuda_rt;
 
 uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
@@ -65,7 +71,9 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->nargs = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1) +
 	            (size_t)(c->prog.nsyms > 0 ? c->prog.nsyms : 1);
 	rt->args = calloc(rt->nargs, sizeof *rt->args);
-	if (!rt->args)
+	rt->grid_cap = calloc((size_t)c->prog.nsteps + 1, sizeof *rt->grid_cap);
+	rt->fit = calloc((size_t)c->prog.nkernels + 1, sizeof *rt->fit);
+	if (!rt->args || !rt->grid_cap || !rt->fit)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	if (c->prog.nkernels == 0)
 		return KL_OK;
@@ -183,6 +191,8 @@ void kl__cuda_rt_free(kl_compiled *c)
 	kl__cuda_module_free(rt->mod);
 	free(rt->fns);
 	free(rt->args);
+	free(rt->grid_cap);
+	free(rt->fit);
 	free(rt);
 	c->dev = NULL;
 }
@@ -218,6 +228,25 @@ static int64_t buf_numel(const kl_buf *bf, const int64_t *syms)
 	return n;
 }
 
+/* Blocks per SM for step s: its grid_cap, else as many blocks of BLOCK
+ * threads as are resident on an SM at once, so that a big launch is one
+ * full wave whose grid-stride loops share the work evenly (no partial
+ * second wave), and the idle blocks of a small one start together. */
+static int64_t blocks_per_sm(kl_cuda_rt *rt, int32_t s, int32_t kernel)
+{
+	if (rt->grid_cap[s])
+		return rt->grid_cap[s];
+	if (rt->fit[kernel] == 0) {
+		int n = 0;
+		if (kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, rt->fns[kernel], BLOCK,
+		                                                        0) != CUDA_SUCCESS ||
+		    n < 1)
+			n = 2048 / BLOCK; /* Hopper's threads per SM */
+		rt->fit[kernel] = n;
+	}
+	return rt->fit[kernel];
+}
+
 /* All steps, in order, on the stream: kernels with one kl_args block each,
  * products through cuBLASLt. */
 static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
@@ -229,9 +258,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		rt->args[b] = (uint64_t)(uintptr_t)B[b];
 	for (int32_t k = 0; k < p->nsyms; k++)
 		rt->args[nb + (size_t)k] = (uint64_t)syms[k];
-	int64_t cap = (int64_t)rt->dev->sm_count * 8;
-	if (cap < 1)
-		cap = 1;
+	int64_t sms = rt->dev->sm_count > 0 ? rt->dev->sm_count : 1;
 	kl_status st = KL_OK;
 	for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
 		const kl_step *sp = &p->steps[s];
@@ -251,12 +278,16 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (work == 0)
 			continue; /* nothing stored: every iterated dim or result is empty */
-		/* pointwise: a thread per point; reductions: a block per result row */
+		/* pointwise: a thread per point; reductions: a block per result row
+		 * (work counts points, so both are upper bounds), at most a wave */
 		bool pw =
 		        strncmp(sp->what, "pointwise", 9) == 0 || strncmp(sp->what, "copy", 4) == 0;
 		int64_t blocks = pw ? (work + BLOCK - 1) / BLOCK : work;
+		int64_t cap = sms * blocks_per_sm(rt, s, sp->kernel);
 		if (blocks > cap)
 			blocks = cap;
+		if (blocks > INT32_MAX)
+			blocks = INT32_MAX;
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
 		void *argv[1] = {rt->args};
 		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv);
