@@ -284,11 +284,23 @@ static void test_cuda_source_compiles(void **state)
 			if (!tr)
 				fail_msg("%s %s: trace failed: %s", c->name, kl_dtype_name(dt),
 				         kl_last_error(ctx));
-			for (int fu = 0; fu < 2; fu++) {
-				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = fu == 1};
+			/* 2: fused, with every input dim symbolic (the run-time
+			 * checks of the chunked paths on symbolic extents; a view
+			 * input cannot be dynamic) */
+			uint32_t dyn[3] = {~0u, ~0u, ~0u};
+			for (int fu = 0; fu < (c->chunked && !c->off ? 3 : 2); fu++) {
+				kl_lower_opts o = {.target = KL_TARGET_CUDA,
+				                   .fusion = fu >= 1,
+				                   .dyn_masks = fu == 2 ? dyn : NULL};
 				kl_program P;
 				char err[512];
 				kl_status st = kl__lower(&tr->g, &o, &P, err, sizeof err);
+				if (st != KL_OK && fu == 2) {
+					/* a row length must stay static: only the rows vary */
+					uint32_t rows[3] = {1u, 0, 0};
+					o.dyn_masks = rows;
+					st = kl__lower(&tr->g, &o, &P, err, sizeof err);
+				}
 				if (st != KL_OK)
 					fail_msg("%s %s: lower: %s", c->name, kl_dtype_name(dt),
 					         err);
@@ -297,7 +309,7 @@ static void test_cuda_source_compiles(void **state)
 						fail_msg(
 						        "ints %s: an integer product went to cuBLASLt",
 						        kl_dtype_name(dt));
-				if (fu && c->kernels && dt == KL_F32) {
+				if (fu == 1 && c->kernels && dt == KL_F32) {
 					int nk = 0;
 					for (int32_t s = 0; s < P.nsteps; s++)
 						nk += P.steps[s].kind == KL_STEP_KERNEL;
@@ -305,7 +317,7 @@ static void test_cuda_source_compiles(void **state)
 						fail_msg("%s: %d kernels, want %d", c->name, nk,
 						         c->kernels);
 				}
-				if (fu && c->chunked &&
+				if (fu == 1 && c->chunked &&
 				    (dt == KL_F32 || dt == KL_F16 || dt == KL_BF16) &&
 				    !strstr(P.source, "kl_vok"))
 					fail_msg("%s %s: no chunked path generated", c->name,
@@ -406,10 +418,10 @@ static int n_outputs(const gcase *c, kl_tensor *const *in)
 
 /* compiled (mode) vs the float64 reference, output by output; twice with
  * fresh inputs, so that a replayed graph must see the new data */
-static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t seed)
+static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, uint64_t seed)
 {
 	body_arg ba = {c->f, 0};
-	kl_compile_opts co = {.mode = mode};
+	kl_compile_opts co = {.mode = mode, .dynamic = dyn ? KL_DYNAMIC_ALL : 0};
 	kl_tensor *in[3] = {NULL};
 	make_inputs(gctx, c, dt, seed, in);
 	int nout = n_outputs(c, in);
@@ -425,11 +437,11 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t s
 		if (kl_fn_call(fn, in, out) != KL_OK)
 			fail_msg("%s %s mode %d call %d: %s", c->name, kl_dtype_name(dt), (int)mode,
 			         call, kl_last_error(gctx));
-		if (call == 0 && c->kernels && mode == KL_MODE_DEFAULT && dt == KL_F32 &&
+		if (call == 0 && c->kernels && mode == KL_MODE_DEFAULT && !dyn && dt == KL_F32 &&
 		    kl_fn_last_kernels(fn) != c->kernels)
 			fail_msg("%s: %d kernels launched, want %d", c->name,
 			         kl_fn_last_kernels(fn), c->kernels);
-		if (call == 3 && mode == KL_MODE_REDUCE_OVERHEAD &&
+		if (call == 3 && mode == KL_MODE_REDUCE_OVERHEAD && !dyn &&
 		    !getenv("KILN_DISABLE_CUDAGRAPHS"))
 			assert_int_equal(kl_fn_last_kernels(fn), 1);
 		for (int j = 0; j < nout; j++) {
@@ -443,8 +455,8 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t s
 			double *got = kltest_read(out[j]);
 			assert_non_null(got);
 			char what[128];
-			snprintf(what, sizeof what, "%s %s mode %d call %d output %d", c->name,
-			         kl_dtype_name(dt), (int)mode, call, j);
+			snprintf(what, sizeof what, "%s %s mode %d%s call %d output %d", c->name,
+			         kl_dtype_name(dt), (int)mode, dyn ? " dynamic" : "", call, j);
 			bool ok = kl_tensor_dtype(out[j]) == rdt &&
 			          kltest_compare(what, rdt, nd, shape, got, ref, 8);
 			free(ref);
@@ -465,8 +477,14 @@ static void test_gpu_compiled(void **state)
 	NEED_GPU();
 	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
 		for (size_t di = 0; di < sizeof(ALL_DT) / sizeof(ALL_DT[0]); di++)
-			if (dt_fits(&CASES[ci], ALL_DT[di]))
-				check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, 500 + ci);
+			if (dt_fits(&CASES[ci], ALL_DT[di])) {
+				check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, false,
+				               500 + ci);
+				/* symbolic extents: the chunked paths' run-time checks */
+				if (CASES[ci].chunked)
+					check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, true,
+					               600 + ci);
+			}
 }
 
 static void test_gpu_reduce_overhead(void **state)
@@ -477,7 +495,7 @@ static void test_gpu_reduce_overhead(void **state)
 	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
 		for (size_t di = 0; di < 2; di++)
 			if (dt_fits(&CASES[ci], dts[di]))
-				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD,
+				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD, false,
 				               900 + ci);
 }
 
