@@ -119,6 +119,34 @@ static int b_reduce(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 6;
 }
 
+/* reductions over the contiguous last dim: the register-row path */
+static int b_reduce_last(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0];
+	out[0] = kl_sum(a, 1, (int[]){1}, false);
+	out[1] = kl_max(a, 1, (int[]){1}, true);
+	out[2] = kl_argmax(a, 1, false);
+	kl_dtype dt = kl_tensor_dtype(a);
+	if (dt == KL_I32 || dt == KL_I64)
+		return 3;
+	out[3] = kl_mean(a, 1, (int[]){1}, false);
+	out[4] = kl_var(a, 1, (int[]){1}, 1, false);
+	return 5;
+}
+
+/* outputs of other widths than the input: chunks of 8 elements as 8, 16,
+ * 32 and 64 bytes in one kernel */
+static int b_mixed(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0];
+	out[0] = kl_cast(kl_mul(a, a), KL_F32);
+	out[1] = kl_gt_scalar(a, 0.25);
+	out[2] = kl_add(kl_cast(a, KL_F64), kl_cast(in[1], KL_F64));
+	return 3;
+}
+
 static int b_move(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
@@ -162,22 +190,46 @@ typedef struct gcase {
 	bool floats_only;
 	bool ints_only;
 	int kernels; /* fused kernel count expected (0: not checked) */
+	/* > 0: input 0 is a view at this element offset in the last dim of a
+	 * tensor 16 elements wider (offset 1: misaligned, the scalar path at run
+	 * time; 8: 16-byte aligned, the chunked path with a wider row stride) */
+	int off;
+	bool chunked; /* fused f32, f16 and bf16 kernels have the chunked path */
 } gcase;
 
 static const gcase CASES[] = {
-        {"relu(a*b+c)", b_fma_relu, 3, {2, 2, 1}, {{33, 70}, {33, 70}, {70}}, false, false, 1},
-        {"softmax", b_softmax, 1, {2}, {{17, 300}}, true, false, 1},
-        {"softmax long", b_softmax, 1, {2}, {{3, 9000}}, true, false, 1},
-        {"softmax short", b_softmax, 1, {3}, {{4, 5, 10}}, true, false, 1},
-        {"log_softmax", b_log_softmax, 1, {3}, {{5, 40, 3}}, true, false, 0},
-        {"layer_norm", b_layer_norm, 3, {2, 1, 1}, {{9, 768}, {768}, {768}}, true, false, 1},
-        {"rms_norm", b_rms_norm, 2, {2, 1}, {{9, 100}, {100}}, true, false, 1},
-        {"zoo", b_zoo, 2, {2, 2}, {{31, 19}, {31, 19}}, true, false, 0},
-        {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0},
-        {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0},
-        {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0},
-        {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0},
-        {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0},
+        {"relu(a*b+c)", b_fma_relu, 3, {2, 2, 1}, {{33, 70}, {33, 70}, {70}}, false, false, 1, 0, 0},
+        {"softmax", b_softmax, 1, {2}, {{17, 300}}, true, false, 1, 0, 0},
+        {"softmax long", b_softmax, 1, {2}, {{3, 9000}}, true, false, 1, 0, 0},
+        {"softmax short", b_softmax, 1, {3}, {{4, 5, 10}}, true, false, 1, 0, 0},
+        {"log_softmax", b_log_softmax, 1, {3}, {{5, 40, 3}}, true, false, 0, 0, 0},
+        {"layer_norm", b_layer_norm, 3, {2, 1, 1}, {{9, 768}, {768}, {768}}, true, false, 1, 0, 1},
+        {"rms_norm", b_rms_norm, 2, {2, 1}, {{9, 100}, {100}}, true, false, 1, 0, 0},
+        {"zoo", b_zoo, 2, {2, 2}, {{31, 19}, {31, 19}}, true, false, 0, 0, 0},
+        {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0, 0, 0},
+        {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0, 0, 0},
+        {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0, 0, 0},
+        {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0, 0, 0},
+        {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0, 0, 0},
+        /* the chunked paths (16-byte loads and stores, rows in registers):
+         * broadcasts along rows, flat chunks with a scalar tail, views at
+         * aligned and misaligned offsets, rows whose last chunk slot is
+         * partly empty, a warp or the block per row, mixed widths */
+        {"relu bcast", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 0, 1},
+        {"relu flat tail", b_fma_relu, 3, {2, 2, 2}, {{37, 45}, {37, 45}, {37, 45}}, false, false,
+         1, 0, 1},
+        {"relu view+1", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 1, 1},
+        {"relu view+8", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 8, 1},
+        {"mixed", b_mixed, 2, {2, 2}, {{29, 64}, {29, 64}}, true, false, 0, 0, 1},
+        {"mixed tail", b_mixed, 2, {2, 2}, {{29, 61}, {29, 61}}, true, false, 0, 0, 1},
+        {"softmax 4096", b_softmax, 1, {2}, {{16, 4096}}, true, false, 1, 0, 1},
+        {"softmax 1000", b_softmax, 1, {2}, {{6, 1000}}, true, false, 1, 0, 1},
+        {"softmax view+8", b_softmax, 1, {2}, {{5, 512}}, true, false, 1, 8, 1},
+        {"layer_norm 2000", b_layer_norm, 3, {2, 1, 1}, {{4, 2000}, {2000}, {2000}}, true, false,
+         1, 0, 1},
+        {"rms_norm 2048", b_rms_norm, 2, {2, 1}, {{7, 2048}, {2048}}, true, false, 1, 0, 1},
+        {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}}, true, false, 1, 1, 1},
+        {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1},
 };
 
 static const kl_dtype ALL_DT[] = {KL_F32, KL_F16, KL_BF16, KL_F64, KL_I32, KL_I64, KL_BOOL};
@@ -206,10 +258,21 @@ static bool nvrtc_ok(void)
 static void make_inputs(kl_ctx *ctx, const gcase *c, kl_dtype dt, uint64_t seed, kl_tensor **in)
 {
 	for (int i = 0; i < c->nin; i++) {
-		in[i] = kltest_rand(ctx, dt, c->ndim[i], c->shape[i],
-		                    c->f == b_zoo ? KLTEST_POS : KLTEST_NORMAL, KLTEST_CONTIG,
-		                    seed + (uint64_t)i);
+		int nd = c->ndim[i];
+		int64_t shape[3];
+		memcpy(shape, c->shape[i], sizeof shape);
+		bool view = i == 0 && c->off > 0;
+		if (view)
+			shape[nd - 1] += 16;
+		in[i] = kltest_rand(ctx, dt, nd, shape, c->f == b_zoo ? KLTEST_POS : KLTEST_NORMAL,
+		                    KLTEST_CONTIG, seed + (uint64_t)i);
 		assert_non_null(in[i]);
+		if (view) {
+			kl_tensor *v = kl_slice(in[i], nd - 1, c->off, c->off + c->shape[i][nd - 1], 1);
+			assert_non_null(v);
+			kl_release(in[i]);
+			in[i] = v;
+		}
 	}
 }
 
@@ -234,11 +297,23 @@ static void test_cuda_source_compiles(void **state)
 			if (!tr)
 				fail_msg("%s %s: trace failed: %s", c->name, kl_dtype_name(dt),
 				         kl_last_error(ctx));
-			for (int fu = 0; fu < 2; fu++) {
-				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = fu == 1};
+			/* 2: fused, with every input dim symbolic (the run-time
+			 * checks of the chunked paths on symbolic extents; a view
+			 * input cannot be dynamic) */
+			uint32_t dyn[3] = {~0u, ~0u, ~0u};
+			for (int fu = 0; fu < (c->chunked && !c->off ? 3 : 2); fu++) {
+				kl_lower_opts o = {.target = KL_TARGET_CUDA,
+				                   .fusion = fu >= 1,
+				                   .dyn_masks = fu == 2 ? dyn : NULL};
 				kl_program P;
 				char err[512];
 				kl_status st = kl__lower(&tr->g, &o, &P, err, sizeof err);
+				if (st != KL_OK && fu == 2) {
+					/* a row length must stay static: only the rows vary */
+					uint32_t rows[3] = {1u, 0, 0};
+					o.dyn_masks = rows;
+					st = kl__lower(&tr->g, &o, &P, err, sizeof err);
+				}
 				if (st != KL_OK)
 					fail_msg("%s %s: lower: %s", c->name, kl_dtype_name(dt),
 					         err);
@@ -247,7 +322,7 @@ static void test_cuda_source_compiles(void **state)
 						fail_msg(
 						        "ints %s: an integer product went to cuBLASLt",
 						        kl_dtype_name(dt));
-				if (fu && c->kernels && dt == KL_F32) {
+				if (fu == 1 && c->kernels && dt == KL_F32) {
 					int nk = 0;
 					for (int32_t s = 0; s < P.nsteps; s++)
 						nk += P.steps[s].kind == KL_STEP_KERNEL;
@@ -255,6 +330,11 @@ static void test_cuda_source_compiles(void **state)
 						fail_msg("%s: %d kernels, want %d", c->name, nk,
 						         c->kernels);
 				}
+				if (fu == 1 && c->chunked &&
+				    (dt == KL_F32 || dt == KL_F16 || dt == KL_BF16) &&
+				    !strstr(P.source, "kl_vok"))
+					fail_msg("%s %s: no chunked path generated", c->name,
+					         kl_dtype_name(dt));
 				if (getenv("KILN_TEST_DUMP") &&
 				    strstr(c->name, getenv("KILN_TEST_DUMP")))
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
@@ -351,10 +431,10 @@ static int n_outputs(const gcase *c, kl_tensor *const *in)
 
 /* compiled (mode) vs the float64 reference, output by output; twice with
  * fresh inputs, so that a replayed graph must see the new data */
-static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t seed)
+static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, uint64_t seed)
 {
 	body_arg ba = {c->f, 0};
-	kl_compile_opts co = {.mode = mode};
+	kl_compile_opts co = {.mode = mode, .dynamic = dyn ? KL_DYNAMIC_ALL : 0};
 	kl_tensor *in[3] = {NULL};
 	make_inputs(gctx, c, dt, seed, in);
 	int nout = n_outputs(c, in);
@@ -370,11 +450,11 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t s
 		if (kl_fn_call(fn, in, out) != KL_OK)
 			fail_msg("%s %s mode %d call %d: %s", c->name, kl_dtype_name(dt), (int)mode,
 			         call, kl_last_error(gctx));
-		if (call == 0 && c->kernels && mode == KL_MODE_DEFAULT && dt == KL_F32 &&
+		if (call == 0 && c->kernels && mode == KL_MODE_DEFAULT && !dyn && dt == KL_F32 &&
 		    kl_fn_last_kernels(fn) != c->kernels)
 			fail_msg("%s: %d kernels launched, want %d", c->name,
 			         kl_fn_last_kernels(fn), c->kernels);
-		if (call == 3 && mode == KL_MODE_REDUCE_OVERHEAD &&
+		if (call == 3 && mode == KL_MODE_REDUCE_OVERHEAD && !dyn &&
 		    !getenv("KILN_DISABLE_CUDAGRAPHS"))
 			assert_int_equal(kl_fn_last_kernels(fn), 1);
 		for (int j = 0; j < nout; j++) {
@@ -388,8 +468,8 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, uint64_t s
 			double *got = kltest_read(out[j]);
 			assert_non_null(got);
 			char what[128];
-			snprintf(what, sizeof what, "%s %s mode %d call %d output %d", c->name,
-			         kl_dtype_name(dt), (int)mode, call, j);
+			snprintf(what, sizeof what, "%s %s mode %d%s call %d output %d", c->name,
+			         kl_dtype_name(dt), (int)mode, dyn ? " dynamic" : "", call, j);
 			bool ok = kl_tensor_dtype(out[j]) == rdt &&
 			          kltest_compare(what, rdt, nd, shape, got, ref, 8);
 			free(ref);
@@ -410,8 +490,14 @@ static void test_gpu_compiled(void **state)
 	NEED_GPU();
 	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
 		for (size_t di = 0; di < sizeof(ALL_DT) / sizeof(ALL_DT[0]); di++)
-			if (dt_fits(&CASES[ci], ALL_DT[di]))
-				check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, 500 + ci);
+			if (dt_fits(&CASES[ci], ALL_DT[di])) {
+				check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, false,
+				               500 + ci);
+				/* symbolic extents: the chunked paths' run-time checks */
+				if (CASES[ci].chunked)
+					check_compiled(&CASES[ci], ALL_DT[di], KL_MODE_DEFAULT, true,
+					               600 + ci);
+			}
 }
 
 static void test_gpu_reduce_overhead(void **state)
@@ -422,7 +508,7 @@ static void test_gpu_reduce_overhead(void **state)
 	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
 		for (size_t di = 0; di < 2; di++)
 			if (dt_fits(&CASES[ci], dts[di]))
-				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD,
+				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD, false,
 				               900 + ci);
 }
 

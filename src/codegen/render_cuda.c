@@ -4,17 +4,24 @@
  *
  * Launch contract with the runtime: every kernel takes one by-value
  * `kl_args` (all buffer pointers of the program, then the symbol values) and
- * runs with 256 threads per block on any grid: pointwise kernels are
- * grid-stride loops over the flattened iteration space; reductions give
- * each outer point ("row") a group of G threads (a warp for short rows, the
- * block otherwise) that reduce through warp shuffles and shared memory.
+ * runs with 256 threads per block on any grid (one block is enough, more
+ * than needed only idle): pointwise kernels are grid-stride loops over the
+ * flattened iteration space; reductions give each outer point ("row") a
+ * group of G threads (a warp for short rows, the block otherwise) that
+ * reduce through warp shuffles and shared memory, the groups striding over
+ * the rows. A launch that finds every chunked buffer 16-byte aligned takes
+ * the fast path (16-byte loads and stores; rows held in registers), decided
+ * inside the kernel; the runtime needs to know nothing about it.
  */
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "codegen/helpers.h"
 #include "codegen/render.h"
+#include "core/core.h"
 
 #define BLOCK 256
 
@@ -39,6 +46,14 @@ static const char prelude[] =
         /* the C renderer's vectorizable stand-ins for libm: CUDA's own are fast */
         "KL_FN float kl_expf(float x) { return expf(x); }\n"
         "KL_FN float kl_tanhf(float x) { return tanhf(x); }\n"
+        /* the hardware's conversions give the helpers' values (round to nearest
+         * even, subnormals kept; only NaN payloads may differ) in one instruction */
+        "KL_FN float kl_cu_h2f(uint16_t h) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h)); return f; }\n"
+        "KL_FN uint16_t kl_cu_f2h(float f) { uint16_t h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
+        "KL_FN uint16_t kl_cu_f2bf(float f) { uint16_t h; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
+        "#define kl_h2f kl_cu_h2f\n"
+        "#define kl_f2h kl_cu_f2h\n"
+        "#define kl_f2bf kl_cu_f2bf\n"
         "/* a double to a 16-bit float in one rounding (f32 in between would round twice) */\n"
         "KL_FN uint16_t kl_d2h(double d) { uint16_t h; asm(\"cvt.rn.f16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
         "KL_FN uint16_t kl_d2bf(double d) { uint16_t h; asm(\"cvt.rn.bf16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
@@ -153,6 +168,8 @@ static bool cu_acc_clause(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
 
 /* ---- the walker ---------------------------------------------------------------------- */
 
+typedef struct vplan vplan;
+
 typedef struct cctx {
 	const kl_renderer *r;
 	const kir_kernel *k;
@@ -169,12 +186,467 @@ static void ind(cctx *c)
 		kl__sb_puts(c->sb, "\t");
 }
 
+/* a line at the current depth */
+static void line(cctx *c, const char *fmt, ...) KL_PRINTF(2, 3);
+static void line(cctx *c, const char *fmt, ...)
+{
+	char buf[512];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(buf, sizeof buf, fmt, ap);
+	va_end(ap);
+	if (n < 0 || (size_t)n >= sizeof buf) {
+		c->sb->oom = true;
+		return;
+	}
+	ind(c);
+	kl__sb_puts(c->sb, buf);
+	kl__sb_puts(c->sb, "\n");
+}
+
+static void open_brace(cctx *c)
+{
+	line(c, "{");
+	c->depth++;
+}
+
+static void close_brace(cctx *c)
+{
+	c->depth--;
+	line(c, "}");
+}
+
 static bool unit(const kir_kernel *k, int d)
 {
 	return k->dims[d].sym == 0 && k->dims[d].v == 1;
 }
 
-static void emit_block(cctx *c, int blk)
+/* ---- chunks: 16-byte loads and stores -------------------------------------------------
+ *
+ * The fast path of a kernel moves memory in chunks of V consecutive elements
+ * along one loop variable d (the innermost iterated dim of a pointwise
+ * kernel, the reduced dim of a row kernel). Along d an address is
+ * contiguous (1 * i_d plus terms without i_d), a broadcast (no i_d), or
+ * neither (then the kernel has no fast path). Each contiguous access gets a
+ * union kv<a> holding one chunk as 16-byte words and as elements; the
+ * kernel's instructions then run once per element e of the chunk, exactly
+ * as the scalar path spells them (the same rounding), reading and writing
+ * kv<a>.e[e]. Whether a launch may take the fast path is one uniform test,
+ * kl_vok: every chunked buffer 16-byte aligned, and every stride or extent
+ * known only at run time a multiple of V (the static ones are checked here).
+ */
+
+#define VMAX 8              /* elements per chunk at most */
+#define ROW_REGS 64         /* row values one thread holds (32 when 8 bytes wide) */
+#define ROW_BYTES 512       /* bytes of chunks and row-local arrays one thread holds */
+#define UNROLL_BUDGET 1024 /* cost (body_cost) the unrolled element loops may reach */
+
+typedef enum vkind { VK_NO, VK_BCAST, VK_CONT } vkind;
+
+typedef struct vacc {
+	int32_t buf;
+	kl_dtype dt; /* in memory */
+	bool store;
+	bool ro;  /* the kernel only reads buf: the read-only cache path */
+	int blk;  /* the first block that uses it */
+	const kir_addr *ad;
+} vacc;
+
+struct vplan {
+	int d;     /* the chunked loop variable */
+	int V;     /* elements per chunk */
+	bool flat; /* pointwise: each chunk address is the flat index plus a constant */
+	int nacc;
+	vacc *acc;
+	int32_t *of; /* per instruction: its chunked access, -1 for a scalar one */
+	int G;       /* rows: threads per row */
+	int nj;      /* rows: chunks per thread */
+	int64_t nch; /* rows: chunks per row */
+};
+
+static int msize(kl_dtype dt)
+{
+	switch (dt) {
+	case KL_F64:
+	case KL_I64:
+		return 8;
+	case KL_F32:
+	case KL_I32:
+		return 4;
+	case KL_F16:
+	case KL_BF16:
+		return 2;
+	default:
+		return 1;
+	}
+}
+
+static bool addr_eq(const kir_addr *a, const kir_addr *b)
+{
+	if (a->ix != b->ix || a->ns != b->ns)
+		return false;
+	for (int i = 0; i < a->ns; i++) {
+		const kl_mono *x = &a->sst[i], *y = &b->sst[i];
+		if (a->six[i] != b->six[i] || x->c != y->c || x->ns != y->ns)
+			return false;
+		for (int s = 0; s < x->ns; s++)
+			if (x->s[s] != y->s[s])
+				return false;
+	}
+	return true;
+}
+
+/* How ad moves with loop variable d. *al: the terms without i_d (and the
+ * constant) are multiples of V, as far as is known here (symbolic strides
+ * are tested at run time). */
+static vkind along(const kir_kernel *k, const kir_addr *ad, int d, int V, bool *al)
+{
+	const kl_ixa *a = &k->ixa;
+	const kl_ix *e = &a->ex[ad->ix];
+	uint32_t bit = 1u << d;
+	bool cont = false;
+	*al = e->c % V == 0;
+	for (int i = 0; i < ad->ns; i++)
+		if (a->ex[ad->six[i]].vars & bit)
+			return VK_NO;
+	for (int t = 0; t < e->nt; t++) {
+		const kl_atom *at = &a->atoms[e->at[t]];
+		if (at->vars & bit) {
+			if (at->kind != KL_AT_VAR || e->k[t] != 1)
+				return VK_NO;
+			cont = true;
+		} else if (e->k[t] % V) {
+			*al = false;
+		}
+	}
+	return cont ? VK_CONT : VK_BCAST;
+}
+
+/* ad is the flat (row-major) index of a static iteration space plus a constant */
+static bool flat_addr(const kir_kernel *k, const kir_addr *ad)
+{
+	const kl_ix *e = &k->ixa.ex[ad->ix];
+	if (ad->ns)
+		return false;
+	int64_t stride = 1;
+	int n = 0;
+	for (int d = k->ndim - 1; d >= 0; d--) {
+		if (k->dims[d].sym > 0)
+			return false;
+		if (unit(k, d))
+			continue;
+		bool found = false;
+		for (int t = 0; t < e->nt && !found; t++) {
+			const kl_atom *at = &k->ixa.atoms[e->at[t]];
+			found = at->kind == KL_AT_VAR && at->var == d && e->k[t] == stride;
+		}
+		if (!found)
+			return false;
+		n++;
+		stride *= k->dims[d].v;
+	}
+	return e->nt == n;
+}
+
+static bool is_chunk_blk(const cctx *c, int blk)
+{
+	return c->k->rmask ? blk % 2 == 1 : blk == 0;
+}
+
+static bool buf_written(const cctx *c, int32_t buf)
+{
+	for (int32_t i = 0; i < c->k->nins; i++)
+		if (c->live[i] && c->k->ins[i].opc == KIR_STORE && c->k->ins[i].buf == buf)
+			return true;
+	return false;
+}
+
+static void plan_free(vplan *vp)
+{
+	free(vp->acc);
+	free(vp->of);
+	memset(vp, 0, sizeof *vp);
+}
+
+/* The accesses of the chunked blocks along vp->d, and V; false when some
+ * access cannot be chunked or none can. */
+static bool plan_collect(cctx *c, vplan *vp)
+{
+	const kir_kernel *k = c->k;
+	vp->acc = calloc((size_t)k->nins + 1, sizeof *vp->acc);
+	vp->of = malloc(((size_t)k->nins + 1) * sizeof *vp->of);
+	if (!vp->acc || !vp->of) {
+		c->sb->oom = true;
+		return false;
+	}
+	int minsz = 8;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		vp->of[i] = -1;
+		if (!c->live[i] || !is_chunk_blk(c, in->blk) ||
+		    (in->opc != KIR_LOAD && in->opc != KIR_STORE))
+			continue;
+		bool st = in->opc == KIR_STORE, al;
+		vkind kd = along(k, &in->ad, vp->d, 1, &al);
+		if (kd == VK_NO || (st && kd != VK_CONT))
+			return false;
+		if (kd == VK_BCAST)
+			continue;
+		int a = 0;
+		while (a < vp->nacc && !(vp->acc[a].buf == in->buf && vp->acc[a].store == st &&
+		                         addr_eq(vp->acc[a].ad, &in->ad)))
+			a++;
+		if (a == vp->nacc) {
+			vacc *x = &vp->acc[vp->nacc++];
+			x->buf = in->buf;
+			x->dt = (kl_dtype)(st ? in->dt : in->in_dt);
+			x->store = st;
+			x->ro = !st && !buf_written(c, in->buf);
+			x->blk = in->blk;
+			x->ad = &in->ad;
+			if (msize(x->dt) < minsz)
+				minsz = msize(x->dt);
+		}
+		if (in->blk < vp->acc[a].blk)
+			vp->acc[a].blk = in->blk;
+		vp->of[i] = a;
+	}
+	vp->V = 16 / minsz > VMAX ? VMAX : 16 / minsz;
+	return vp->nacc > 0;
+}
+
+/* every chunk starts V-aligned: the terms beside i_d (statically) */
+static bool plan_aligned(const cctx *c, const vplan *vp)
+{
+	for (int a = 0; a < vp->nacc; a++) {
+		bool al;
+		if (along(c->k, vp->acc[a].ad, vp->d, vp->V, &al) != VK_CONT || !al)
+			return false;
+	}
+	return true;
+}
+
+/* What the chunked blocks cost, unrolled once: the element loops repeat
+ * them V (rows: nj * V) times, so kernels heavy in arithmetic (which gain
+ * little from wide accesses) keep the scalar path and compile fast. */
+static int64_t body_cost(const cctx *c)
+{
+	int64_t n = 0;
+	for (int32_t i = 0; i < c->k->nins; i++) {
+		const kir_ins *in = &c->k->ins[i];
+		if (!c->live[i] || !is_chunk_blk(c, in->blk))
+			continue;
+		if (in->opc == KIR_UNARY)
+			n += kl__ops[in->op].cat == KL_CAT_UNARY_FLOAT ? 16 : 1;
+		else if (in->opc == KIR_BINARY)
+			n += in->op == KL_OP_POW ? 16 : in->op == KL_OP_DIV ? 2 : 1;
+		else
+			n += in->opc == KIR_RAND ? 128 : 1;
+	}
+	return n;
+}
+
+static bool plan_pointwise(cctx *c, vplan *vp)
+{
+	const kir_kernel *k = c->k;
+	memset(vp, 0, sizeof *vp);
+	vp->d = -1;
+	for (int d = 0; d < k->ndim; d++)
+		if (!unit(k, d))
+			vp->d = d;
+	if (vp->d < 0 || !plan_collect(c, vp))
+		return false;
+	int V = vp->V;
+	if (body_cost(c) * V > UNROLL_BUDGET)
+		return false;
+	/* flat: chunks may cross rows, any size (a scalar tail) */
+	bool flat = true;
+	for (int a = 0; a < vp->nacc && flat; a++)
+		flat = flat_addr(k, vp->acc[a].ad) && k->ixa.ex[vp->acc[a].ad->ix].c % V == 0;
+	for (int32_t i = 0; i < k->nins && flat; i++)
+		if (c->live[i] && k->ins[i].opc == KIR_LOAD && vp->of[i] < 0)
+			flat = k->ins[i].ad.ns == 0 && k->ixa.ex[k->ins[i].ad.ix].vars == 0;
+	vp->flat = flat;
+	if (flat)
+		return true;
+	/* otherwise chunks stay inside rows of d: its extent a multiple of V */
+	const kl_symdim *dd = &k->dims[vp->d];
+	if (dd->sym == 0 && dd->v % V)
+		return false;
+	return plan_aligned(c, vp);
+}
+
+static bool plan_rows(cctx *c, vplan *vp)
+{
+	const kir_kernel *k = c->k;
+	memset(vp, 0, sizeof *vp);
+	vp->d = -1;
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(k->rmask & (1u << d)) || unit(k, d))
+			continue;
+		if (vp->d >= 0 || k->dims[d].sym > 0)
+			return false; /* one static reduced dim only */
+		vp->d = d;
+	}
+	if (vp->d < 0 || k->dims[vp->d].v <= 0 || !plan_collect(c, vp))
+		return false;
+	int V = vp->V;
+	int64_t rn = k->dims[vp->d].v;
+	if (rn % V)
+		return false;
+	vp->nch = rn / V;
+	int wide = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		wide |= msize(vp->acc[a].dt) == 8;
+	for (int i = 0; i < k->nlocal; i++)
+		wide |= msize((kl_dtype)k->local_dt[i]) == 8;
+	int cap = wide ? ROW_REGS / 2 : ROW_REGS;
+	/* a warp per row when its share is small, else the block of 256 */
+	vp->G = (vp->nch + 31) / 32 * V <= 32 ? 32 : BLOCK;
+	vp->nj = (int)((vp->nch + vp->G - 1) / vp->G);
+	if ((int64_t)vp->nj * V > cap)
+		return false;
+	/* what one thread holds: its chunks and row-local values */
+	int64_t bytes = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		bytes += (int64_t)vp->nj * V * msize(vp->acc[a].dt);
+	for (int i = 0; i < k->nlocal; i++)
+		bytes += (int64_t)vp->nj * V * msize((kl_dtype)k->local_dt[i]);
+	if (bytes > ROW_BYTES)
+		return false;
+	/* every chunk of the row is loaded at the start of the first pass, all
+	 * in flight at once (not a wait for the weights of a layer norm in the
+	 * last pass) */
+	for (int a = 0; a < vp->nacc; a++)
+		if (!vp->acc[a].store)
+			vp->acc[a].blk = 1;
+	if (body_cost(c) * vp->nj * V > UNROLL_BUDGET)
+		return false;
+	return plan_aligned(c, vp);
+}
+
+/* "const bool kl_vok = ...": the run-time half of the fast path's conditions */
+static void plan_cond(cctx *c, const vplan *vp)
+{
+	const kir_kernel *k = c->k;
+	kl_sb *sb = c->sb;
+	ind(c);
+	kl__sb_puts(sb, "const bool kl_vok = ((0ull");
+	for (int a = 0; a < vp->nacc; a++) {
+		bool dup = false;
+		for (int b = 0; b < a; b++)
+			dup |= vp->acc[b].buf == vp->acc[a].buf;
+		if (!dup)
+			kl__sb_printf(sb, " | (unsigned long long)b%d", (int)vp->acc[a].buf);
+	}
+	kl__sb_puts(sb, ") & 15) == 0");
+	for (int a = 0; a < vp->nacc && !vp->flat; a++) {
+		const kir_addr *ad = vp->acc[a].ad;
+		for (int i = 0; i < ad->ns; i++) {
+			const kl_mono *m = &ad->sst[i];
+			if (m->c % vp->V == 0)
+				continue;
+			kl__sb_printf(sb, " && ((int64_t)%lld", (long long)m->c);
+			for (int s = 0; s < m->ns; s++) {
+				kl__sb_puts(sb, " * ");
+				kl__sb_printf(sb, c->r->sym_fmt, m->s[s] - 1);
+			}
+			kl__sb_printf(sb, ") %% %d == 0", vp->V);
+		}
+	}
+	if (!vp->flat && k->dims[vp->d].sym > 0) {
+		kl__sb_puts(sb, " && (");
+		kl__render_dim(c->r, k, vp->d, sb);
+		kl__sb_printf(sb, ") %% %d == 0", vp->V);
+	}
+	kl__sb_puts(sb, ";\n");
+}
+
+/* the address of access a at the loop variables in scope (a chunk's start) */
+static void addr_text(cctx *c, const vplan *vp, const vacc *a, kl_sb *out)
+{
+	if (vp->flat) {
+		kl__sb_printf(out, "L0 + %lld", (long long)c->k->ixa.ex[a->ad->ix].c);
+		return;
+	}
+	/* render.c spells addresses; an index instruction of the same address
+	 * in a one-instruction copy of the kernel reads "int64_t t0 = ADDR;" */
+	kir_kernel kk = *c->k;
+	kir_ins one;
+	memset(&one, 0, sizeof one);
+	one.opc = KIR_INDEX;
+	one.dt = KL_I64;
+	one.a = one.b = one.c = one.buf = one.acc = -1;
+	one.ad = *a->ad;
+	kk.ins = &one;
+	kk.nins = 1;
+	kl_sb t = {0};
+	kl__render_ins(c->r, &kk, 0, 0, &t);
+	const char *s = kl__sb_str(&t), *eq = strstr(s, " = ");
+	size_t n = strlen(s);
+	if (!eq || n < 2 || s[n - 2] != ';' || s + n - 2 < eq + 3) {
+		out->oom = true;
+	} else {
+		kl__sb_printf(out, "%.*s", (int)(s + n - 2 - (eq + 3)), eq + 3);
+	}
+	kl__sb_free(&t);
+}
+
+static void chunk_word(const vplan *vp, const vacc *a, const char **w, int *nw)
+{
+	int cb = vp->V * msize(a->dt);
+	*w = cb >= 16 ? "uint4" : cb == 8 ? "uint2" : cb == 4 ? "unsigned int" : "unsigned short";
+	*nw = cb >= 16 ? cb / 16 : 1;
+}
+
+static void chunk_decls(cctx *c, const vplan *vp, int slots)
+{
+	for (int a = 0; a < vp->nacc; a++) {
+		const char *w;
+		int nw;
+		chunk_word(vp, &vp->acc[a], &w, &nw);
+		line(c, "union { %s u[%d]; %s e[%d]; } kv%d[%d];", w, nw,
+		     c->r->mtype[vp->acc[a].dt], vp->V, a, slots);
+	}
+}
+
+/* load or store the chunks of the accesses first used in block blk (the
+ * loads) or stored there (the stores) */
+static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
+{
+	for (int ai = 0; ai < vp->nacc; ai++) {
+		const vacc *a = &vp->acc[ai];
+		if (a->store != store || a->blk != blk)
+			continue;
+		const char *w;
+		int nw;
+		chunk_word(vp, a, &w, &nw);
+		kl_sb ad = {0};
+		addr_text(c, vp, a, &ad);
+		if (ad.oom)
+			c->sb->oom = true;
+		const char *s = kl__sb_str(&ad);
+		int b = (int)a->buf;
+		for (int i = 0; i < nw; i++) {
+			if (store)
+				line(c, "*((%s *)(b%d + (%s)) + %d) = kv%d%s.u[%d];", w, b, s, i, ai,
+				     slot, i);
+			else if (a->ro)
+				line(c, "kv%d%s.u[%d] = __ldg((const %s *)(b%d + (%s)) + %d);", ai, slot,
+				     i, w, b, s, i);
+			else
+				line(c, "kv%d%s.u[%d] = *((const %s *)(b%d + (%s)) + %d);", ai, slot, i,
+				     w, b, s, i);
+		}
+		kl__sb_free(&ad);
+	}
+}
+
+/* The instructions of block blk. With a plan vp, chunked loads and stores
+ * take element e of their chunk in `slot`, and (pointwise) broadcast loads
+ * are left out, hoisted before the element loop. lc: the row-local arrays'
+ * index. */
+static void emit_block(cctx *c, int blk, const vplan *vp, const char *slot, const char *lc)
 {
 	const kir_kernel *k = c->k;
 	for (int32_t i = 0; i < k->nins; i++) {
@@ -182,12 +654,25 @@ static void emit_block(cctx *c, int blk)
 		if (in->blk != blk || !c->live[i])
 			continue;
 		if (in->opc == KIR_LSTORE) {
-			ind(c);
-			kl__sb_printf(c->sb, "lc%d[j] = t%d;\n", (int)in->acc, (int)in->a);
+			line(c, "lc%d[%s] = t%d;", (int)in->acc, lc, (int)in->a);
 		} else if (in->opc == KIR_LLOAD) {
+			line(c, "%s t%d = lc%d[%s];", c->r->ctype[in->dt], (int)i, (int)in->acc, lc);
+		} else if (vp && vp->of[i] >= 0) {
+			char el[48];
+			snprintf(el, sizeof el, "kv%d%s.e[e]", (int)vp->of[i], slot);
 			ind(c);
-			kl__sb_printf(c->sb, "%s t%d = lc%d[j];\n", c->r->ctype[in->dt], (int)i,
-			              (int)in->acc);
+			if (in->opc == KIR_LOAD) {
+				kl__sb_printf(c->sb, "%s t%d = ", c->r->ctype[in->dt], (int)i);
+				kl__sb_printf(c->sb, c->r->load_fmt[in->in_dt], el);
+			} else {
+				char v[24];
+				snprintf(v, sizeof v, "t%d", (int)in->a);
+				kl__sb_printf(c->sb, "%s = ", el);
+				kl__sb_printf(c->sb, c->r->store_fmt[in->dt], v);
+			}
+			kl__sb_puts(c->sb, ";\n");
+		} else if (vp && !k->rmask && in->opc == KIR_LOAD) {
+			continue; /* a broadcast, loaded once per chunk */
 		} else {
 			kl__render_ins(c->r, k, i, c->depth, c->sb);
 		}
@@ -203,8 +688,7 @@ static void decompose(cctx *c, uint32_t mask, const char *q)
 	for (int d = 0; d < k->ndim && first < 0; d++)
 		if ((mask & (1u << d)) && !unit(k, d))
 			first = d;
-	ind(c);
-	kl__sb_printf(c->sb, "int64_t q = %s;\n", q);
+	line(c, "int64_t q = %s;", q);
 	for (int d = k->ndim - 1; d >= 0; d--) {
 		if (!(mask & (1u << d)))
 			continue;
@@ -225,8 +709,48 @@ static void decompose(cctx *c, uint32_t mask, const char *q)
 		kl__render_dim(c->r, k, d, c->sb);
 		kl__sb_puts(c->sb, ");\n");
 	}
-	ind(c);
-	kl__sb_puts(c->sb, "(void)q;\n");
+	line(c, "(void)q;");
+}
+
+/* ---- pointwise kernels ------------------------------------------------------------------ */
+
+/* The fast path: thread T of the grid-stride loop takes the chunk of flat
+ * indices [V*T, V*T + V); the scalar loop then does the rest (a tail, or
+ * everything when kl_vok is false). */
+static void pointwise_chunks(cctx *c, const vplan *vp, uint32_t all)
+{
+	const kir_kernel *k = c->k;
+	int V = vp->V;
+	plan_cond(c, vp);
+	line(c, "const int64_t nv = kl_vok ? n / %d : 0;", V);
+	line(c,
+	     "for (int64_t T = (int64_t)blockIdx.x * %d + threadIdx.x; T < nv; "
+	     "T += (int64_t)gridDim.x * %d)",
+	     BLOCK, BLOCK);
+	open_brace(c);
+	line(c, "const int64_t L0 = T * %d;", V);
+	if (!vp->flat)
+		decompose(c, all, "L0");
+	chunk_decls(c, vp, 1);
+	chunk_io(c, vp, 0, false, "[0]");
+	bool vars = false;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (!c->live[i])
+			continue;
+		if (in->opc == KIR_LOAD && vp->of[i] < 0)
+			kl__render_ins(c->r, k, i, c->depth, c->sb);
+		vars |= in->opc == KIR_INDEX || in->opc == KIR_IDXLT;
+	}
+	line(c, "#pragma unroll");
+	line(c, "for (int e = 0; e < %d; e++)", V);
+	open_brace(c);
+	if (vars)
+		decompose(c, all, "L0 + e");
+	emit_block(c, 0, vp, "[0]", "0");
+	close_brace(c);
+	chunk_io(c, vp, 0, true, "[0]");
+	close_brace(c);
 }
 
 static void render_pointwise(cctx *c)
@@ -236,25 +760,28 @@ static void render_pointwise(cctx *c)
 	kl_sb n = {0};
 	double v;
 	kl__render_extent(c->r, k, all, &n, &v);
-	ind(c);
-	kl__sb_printf(c->sb, "const int64_t n = %s;\n", kl__sb_str(&n));
+	line(c, "const int64_t n = %s;", kl__sb_str(&n));
 	kl__sb_free(&n);
-	ind(c);
-	kl__sb_printf(c->sb,
-	              "for (int64_t L = (int64_t)blockIdx.x * %d + threadIdx.x; L < n; "
-	              "L += (int64_t)gridDim.x * %d)\n",
-	              BLOCK, BLOCK);
-	ind(c);
-	kl__sb_puts(c->sb, "{\n");
-	c->depth++;
+	vplan vp;
+	bool vec = plan_pointwise(c, &vp);
+	if (vec)
+		pointwise_chunks(c, &vp, all);
+	/* with chunks, the scalar loop starts after them */
+	char from[32] = "";
+	if (vec)
+		snprintf(from, sizeof from, "nv * %d + ", vp.V);
+	line(c,
+	     "for (int64_t L = %s(int64_t)blockIdx.x * %d + threadIdx.x; L < n; "
+	     "L += (int64_t)gridDim.x * %d)",
+	     from, BLOCK, BLOCK);
+	open_brace(c);
 	decompose(c, all, "L");
-	emit_block(c, 0);
-	while (c->depth > 1) {
-		c->depth--;
-		ind(c);
-		kl__sb_puts(c->sb, "}\n");
-	}
+	emit_block(c, 0, NULL, "", "0");
+	close_brace(c);
+	plan_free(&vp);
 }
+
+/* ---- row kernels -------------------------------------------------------------------------- */
 
 /* the group reduction of every accumulator pass p updates */
 static void combine(cctx *c, int p)
@@ -273,26 +800,151 @@ static void combine(cctx *c, int p)
 		kl_accvar v[2];
 		kl_op op = (kl_op)in->op;
 		int nv = c->r->acc_vars(op, (kl_dtype)in->in_dt, v);
-		ind(c);
+		int a = (int)in->acc;
 		if (op == KL_OP_ARGMAX) {
-			kl__sb_printf(c->sb,
-			              "{ long long ai_ = acc%di; kl_gargmax<%d>(acc%d, ai_, kl_sh, "
-			              "kl_shi); acc%di = ai_; }\n",
-			              (int)in->acc, c->G, (int)in->acc, (int)in->acc);
+			line(c,
+			     "{ long long ai_ = acc%di; kl_gargmax<%d>(acc%d, ai_, kl_sh, kl_shi); "
+			     "acc%di = ai_; }",
+			     a, c->G, a, a);
 			continue;
 		}
 		const char *f = op == KL_OP_SUM   ? "kl_add_op"
 		                : op == KL_OP_MAX ? "kl_max_op"
 		                                  : "kl_min_op";
-		kl__sb_printf(c->sb, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh);\n", (int)in->acc,
-		              c->G, (int)in->acc, f);
-		if (nv > 1) {
-			ind(c);
-			kl__sb_printf(c->sb, "acc%d%s = kl_gred<%d>(acc%d%s, kl_or_op(), kl_sh);\n",
-			              (int)in->acc, v[1].suffix, c->G, (int)in->acc, v[1].suffix);
-		}
+		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh);", a, c->G, a, f);
+		if (nv > 1)
+			line(c, "acc%d%s = kl_gred<%d>(acc%d%s, kl_or_op(), kl_sh);", a, v[1].suffix,
+			     c->G, a, v[1].suffix);
 	}
 	free(done);
+}
+
+/* pass p over the row, the scalar way: position r = lane + G * j */
+static void pass_scalar(cctx *c, int p, uint32_t inner)
+{
+	const kir_kernel *k = c->k;
+	if (c->nj) {
+		line(c, "#pragma unroll");
+		line(c, "for (int j = 0; j < %d; j++)", c->nj);
+		open_brace(c);
+		line(c, "const int64_t r = lane + (int64_t)j * %d;", c->G);
+		line(c, "if (r >= rn)");
+		line(c, "\tbreak;");
+	} else {
+		line(c, "for (int64_t r = lane; r < rn; r += %d)", c->G);
+		open_brace(c);
+	}
+	/* the reduced dims from the flat position in the row */
+	line(c, "int64_t q = r;");
+	int first = -1;
+	for (int d = 0; d < k->ndim && first < 0; d++)
+		if ((inner & (1u << d)) && !unit(k, d))
+			first = d;
+	for (int d = k->ndim - 1; d >= 0; d--) {
+		if (!(inner & (1u << d)) || unit(k, d))
+			continue;
+		ind(c);
+		if (d == first) {
+			kl__sb_printf(c->sb, "i%d = q;\n", d);
+			continue;
+		}
+		kl__sb_printf(c->sb, "i%d = q %% (", d);
+		kl__render_dim(c->r, k, d, c->sb);
+		kl__sb_puts(c->sb, ");\n");
+		ind(c);
+		kl__sb_puts(c->sb, "q /= (");
+		kl__render_dim(c->r, k, d, c->sb);
+		kl__sb_puts(c->sb, ");\n");
+	}
+	line(c, "(void)q;");
+	emit_block(c, 2 * p - 1, NULL, "", "j");
+	close_brace(c);
+}
+
+/* the chunk slots of one thread: j, the chunk ch = lane + G * j of the row,
+ * i_d at the chunk's start; closed by close_brace twice */
+static void open_slots(cctx *c, const vplan *vp)
+{
+	line(c, "#pragma unroll");
+	line(c, "for (int j = 0; j < %d; j++)", vp->nj);
+	open_brace(c);
+	line(c, "const int64_t ch = lane + (int64_t)j * %d;", vp->G);
+	if (vp->nch % vp->G)
+		line(c, "if (ch < %lld)", (long long)vp->nch);
+	open_brace(c);
+	line(c, "i%d = ch * %d;", vp->d, vp->V);
+}
+
+/* pass p over a row held in registers: thread lane has the chunks
+ * lane + G * j, all loaded (in flight together) before the first pass
+ * reads them */
+static void pass_chunks(cctx *c, int p, const vplan *vp)
+{
+	int V = vp->V, d = vp->d, blk = 2 * p - 1;
+	bool loads = false, stores = false;
+	for (int a = 0; a < vp->nacc; a++) {
+		loads |= !vp->acc[a].store && vp->acc[a].blk == blk;
+		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
+	}
+	if (loads) {
+		open_slots(c, vp);
+		chunk_io(c, vp, blk, false, "[j]");
+		close_brace(c);
+		close_brace(c);
+	}
+	open_slots(c, vp);
+	line(c, "#pragma unroll");
+	line(c, "for (int e = 0; e < %d; e++)", V);
+	open_brace(c);
+	line(c, "i%d = ch * %d + e;", d, V);
+	char lc[32];
+	snprintf(lc, sizeof lc, "j * %d + e", V);
+	emit_block(c, blk, vp, "[j]", lc);
+	close_brace(c);
+	if (stores) {
+		line(c, "i%d = ch * %d;", d, V);
+		chunk_io(c, vp, blk, true, "[j]");
+	}
+	close_brace(c);
+	close_brace(c);
+}
+
+/* the loop over rows: a group of G threads per row; with vp, the row in
+ * registers */
+static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan *vp)
+{
+	const kir_kernel *k = c->k;
+	c->G = G;
+	int per = BLOCK / G;
+	open_brace(c);
+	line(c, "const int lane = threadIdx.x %% %d;", G);
+	/* every thread of a group runs the same number of iterations: the
+	 * shuffles and barriers inside see full groups */
+	line(c,
+	     "for (int64_t row = (int64_t)blockIdx.x * %d + threadIdx.x / %d; row < nrows; "
+	     "row += (int64_t)gridDim.x * %d)",
+	     per, G, per);
+	open_brace(c);
+	decompose(c, outer, "row");
+	for (int d = 0; d < k->ndim; d++)
+		if (inner & (1u << d))
+			line(c, "int64_t i%d = 0;", d);
+	int slots = vp ? vp->nj * vp->V : c->nj;
+	for (int i = 0; i < k->nlocal; i++)
+		line(c, "%s lc%d[%d];", c->r->ctype[k->local_dt[i]], i, slots);
+	if (vp)
+		chunk_decls(c, vp, vp->nj);
+	emit_block(c, 0, NULL, "", "0");
+	for (int p = 1; p <= k->npass; p++) {
+		if (vp)
+			pass_chunks(c, p, vp);
+		else
+			pass_scalar(c, p, inner);
+		combine(c, p);
+		emit_block(c, 2 * p, NULL, "", "0");
+	}
+	close_brace(c);
+	close_brace(c);
 }
 
 static void render_rows(cctx *c)
@@ -309,99 +961,23 @@ static void render_rows(cctx *c)
 	double nrows, vr;
 	kl__render_extent(c->r, k, outer, &rows, &nrows);
 	bool rstat = kl__render_extent(c->r, k, inner, &rn, &vr);
-	c->G = rstat && vr <= 64 ? 32 : BLOCK;
-	c->nj = k->nlocal ? (int)((k->row_n + c->G - 1) / c->G) : 0;
-	int per = BLOCK / c->G;
-	ind(c);
-	kl__sb_printf(c->sb, "__shared__ unsigned long long kl_sh[%d];\n", BLOCK / 32);
-	ind(c);
-	kl__sb_printf(c->sb, "__shared__ long long kl_shi[%d];\n", BLOCK / 32);
-	ind(c);
-	kl__sb_puts(c->sb, "(void)kl_sh;\n");
-	ind(c);
-	kl__sb_puts(c->sb, "(void)kl_shi;\n");
-	ind(c);
-	kl__sb_printf(c->sb, "const int64_t nrows = %s, rn = %s;\n", kl__sb_str(&rows),
-	              kl__sb_str(&rn));
-	ind(c);
-	kl__sb_printf(c->sb, "const int lane = threadIdx.x %% %d;\n", c->G);
-	/* every thread of a group runs the same number of iterations: the
-	 * shuffles and barriers inside see full groups */
-	ind(c);
-	kl__sb_printf(c->sb,
-	              "for (int64_t row = (int64_t)blockIdx.x * %d + threadIdx.x / %d; "
-	              "row < nrows; row += (int64_t)gridDim.x * %d)\n",
-	              per, c->G, per);
-	ind(c);
-	kl__sb_puts(c->sb, "{\n");
-	c->depth++;
-	decompose(c, outer, "row");
-	for (int d = 0; d < k->ndim; d++)
-		if (inner & (1u << d)) {
-			ind(c);
-			kl__sb_printf(c->sb, "int64_t i%d = 0;\n", d);
-		}
-	for (int i = 0; i < k->nlocal; i++) {
-		ind(c);
-		kl__sb_printf(c->sb, "%s lc%d[%d];\n", c->r->ctype[k->local_dt[i]], i, c->nj);
+	int G = rstat && vr <= 64 ? 32 : BLOCK;
+	c->nj = k->nlocal ? (int)((k->row_n + G - 1) / G) : 0;
+	line(c, "__shared__ unsigned long long kl_sh[%d];", BLOCK / 32);
+	line(c, "__shared__ long long kl_shi[%d];", BLOCK / 32);
+	line(c, "(void)kl_sh;");
+	line(c, "(void)kl_shi;");
+	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));
+	line(c, "(void)rn;");
+	vplan vp;
+	if (plan_rows(c, &vp)) {
+		plan_cond(c, &vp);
+		line(c, "if (kl_vok)");
+		row_loop(c, outer, inner, vp.G, &vp);
+		line(c, "else");
 	}
-	emit_block(c, 0);
-	for (int p = 1; p <= k->npass; p++) {
-		ind(c);
-		if (c->nj) {
-			kl__sb_puts(c->sb, "#pragma unroll\n");
-			ind(c);
-			kl__sb_printf(c->sb, "for (int j = 0; j < %d; j++)\n", c->nj);
-			ind(c);
-			kl__sb_puts(c->sb, "{\n");
-			c->depth++;
-			ind(c);
-			kl__sb_printf(c->sb, "const int64_t r = lane + (int64_t)j * %d;\n", c->G);
-			ind(c);
-			kl__sb_puts(c->sb, "if (r >= rn)\n");
-			ind(c);
-			kl__sb_puts(c->sb, "\tbreak;\n");
-		} else {
-			kl__sb_printf(c->sb, "for (int64_t r = lane; r < rn; r += %d)\n", c->G);
-			ind(c);
-			kl__sb_puts(c->sb, "{\n");
-			c->depth++;
-		}
-		/* the reduced dims from the flat position in the row */
-		ind(c);
-		kl__sb_puts(c->sb, "int64_t q = r;\n");
-		int first = -1;
-		for (int d = 0; d < k->ndim && first < 0; d++)
-			if ((inner & (1u << d)) && !unit(k, d))
-				first = d;
-		for (int d = k->ndim - 1; d >= 0; d--) {
-			if (!(inner & (1u << d)) || unit(k, d))
-				continue;
-			ind(c);
-			if (d == first) {
-				kl__sb_printf(c->sb, "i%d = q;\n", d);
-				continue;
-			}
-			kl__sb_printf(c->sb, "i%d = q %% (", d);
-			kl__render_dim(c->r, k, d, c->sb);
-			kl__sb_puts(c->sb, ");\n");
-			ind(c);
-			kl__sb_puts(c->sb, "q /= (");
-			kl__render_dim(c->r, k, d, c->sb);
-			kl__sb_puts(c->sb, ");\n");
-		}
-		ind(c);
-		kl__sb_puts(c->sb, "(void)q;\n");
-		emit_block(c, 2 * p - 1);
-		c->depth--;
-		ind(c);
-		kl__sb_puts(c->sb, "}\n");
-		combine(c, p);
-		emit_block(c, 2 * p);
-	}
-	c->depth--;
-	ind(c);
-	kl__sb_puts(c->sb, "}\n");
+	row_loop(c, outer, inner, G, NULL);
+	plan_free(&vp);
 	kl__sb_free(&rows);
 	kl__sb_free(&rn);
 }

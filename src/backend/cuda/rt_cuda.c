@@ -85,10 +85,11 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->copy_node = calloc(nb, sizeof *rt->copy_node);
 	rt->copy_params = calloc(nb, sizeof *rt->copy_params);
 	rt->sb = calloc(nb, sizeof *rt->sb);
+	rt->fit = calloc((size_t)c->prog.nkernels + 1, sizeof *rt->fit);
 	if (!rt->args || !rt->gcap || !rt->algo || !rt->has_algo || !rt->knode || !rt->kparams ||
 	    !rt->dirty || !rt->mm_touch || !rt->must_stage || !rt->warm || !rt->bound ||
 	    !rt->how || !rt->stat || !rt->stat_bytes || !rt->copy_node || !rt->copy_params ||
-	    !rt->sb)
+	    !rt->sb || !rt->fit)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	for (int32_t s = 0; s < c->prog.nsteps; s++) {
 		const kl_step *sp = &c->prog.steps[s];
@@ -236,6 +237,7 @@ void kl__cuda_rt_free(kl_compiled *c)
 	free(rt->copy_node);
 	free(rt->copy_params);
 	free(rt->sb);
+	free(rt->fit);
 	free(rt);
 	c->dev = NULL;
 }
@@ -275,6 +277,23 @@ static int64_t buf_numel(const kl_buf *bf, const int64_t *syms)
 	return n;
 }
 
+/* Blocks per SM for kernel k: as many blocks of BLOCK threads as are
+ * resident on an SM at once, so that a big launch is one
+ * full wave whose grid-stride loops share the work evenly (no partial
+ * second wave), and the idle blocks of a small one start together. */
+static int64_t blocks_per_sm(kl_cuda_rt *rt, int32_t kernel)
+{
+	if (rt->fit[kernel] == 0) {
+		int n = 0;
+		if (kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, rt->fns[kernel], BLOCK,
+		                                                        0) != CUDA_SUCCESS ||
+		    n < 1)
+			n = 2048 / BLOCK; /* Hopper's threads per SM */
+		rt->fit[kernel] = n;
+	}
+	return rt->fit[kernel];
+}
+
 /* Steps [s0, s1), in order, on the stream: kernels with one kl_args block
  * each, products through cuBLASLt, with the variant's launch choices. While
  * capturing, each kernel's graph node is noted for later re-pointing. */
@@ -288,9 +307,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		rt->args[b] = (uint64_t)(uintptr_t)B[b];
 	for (int32_t k = 0; k < p->nsyms; k++)
 		rt->args[nb + (size_t)k] = (uint64_t)syms[k];
-	int64_t cap = (int64_t)rt->dev->sm_count * 8;
-	if (cap < 1)
-		cap = 1;
+	int64_t sms = rt->dev->sm_count > 0 ? rt->dev->sm_count : 1;
 	kl_status st = KL_OK;
 	for (int32_t s = s0; s < s1 && st == KL_OK; s++) {
 		const kl_step *sp = &p->steps[s];
@@ -322,15 +339,19 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (work == 0)
 			continue; /* nothing stored: every iterated dim or result is empty */
-		/* pointwise: a thread per point; reductions: a block per result row */
+		/* pointwise: a thread per point; reductions: a block per result row
+		 * (work counts points, so both are upper bounds), at most a wave */
 		bool pw =
 		        strncmp(sp->what, "pointwise", 9) == 0 || strncmp(sp->what, "copy", 4) == 0;
 		int64_t blocks = pw ? (work + BLOCK - 1) / BLOCK : work;
+		int64_t cap = sms * blocks_per_sm(rt, sp->kernel);
 		if (blocks > cap)
 			blocks = cap;
 		/* max-autotune's cap for this step (0: none) */
 		if (rt->gcap[s] && blocks > (int64_t)rt->gcap[s])
 			blocks = (int64_t)rt->gcap[s];
+		if (blocks > INT32_MAX)
+			blocks = INT32_MAX;
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
 		void *argv[1] = {rt->args};
 		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv);

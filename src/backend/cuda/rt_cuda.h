@@ -30,6 +30,7 @@ typedef struct kl_cuda_rt {
 	size_t nargs;
 	/* launch choices per step (max-autotune; zero: the defaults) */
 	uint32_t *gcap;    /* kernel steps: grid cap in blocks, 0 = the renderer's choice */
+	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
 	kl_lt_algo *algo;  /* matmul steps: cuBLASLt algorithm when has_algo */
 	bool *has_algo;
 	bool tuned;        /* choices made (timed or read back) for this variant */
