@@ -190,18 +190,25 @@ static void ind(cctx *c)
 static void line(cctx *c, const char *fmt, ...) KL_PRINTF(2, 3);
 static void line(cctx *c, const char *fmt, ...)
 {
-	char buf[512];
+	char small[256], *buf = small;
 	va_list ap;
 	va_start(ap, fmt);
-	int n = vsnprintf(buf, sizeof buf, fmt, ap);
+	int n = vsnprintf(small, sizeof small, fmt, ap);
 	va_end(ap);
-	if (n < 0 || (size_t)n >= sizeof buf) {
+	if (n >= 0 && (size_t)n >= sizeof small && (buf = malloc((size_t)n + 1)) != NULL) {
+		va_start(ap, fmt);
+		vsnprintf(buf, (size_t)n + 1, fmt, ap);
+		va_end(ap);
+	}
+	if (n < 0 || !buf) {
 		c->sb->oom = true;
 		return;
 	}
 	ind(c);
 	kl__sb_puts(c->sb, buf);
 	kl__sb_puts(c->sb, "\n");
+	if (buf != small)
+		free(buf);
 }
 
 static void open_brace(cctx *c)
