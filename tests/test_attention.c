@@ -536,7 +536,12 @@ static void test_cuda_sdpa(void **state)
 			char what[96];
 			snprintf(what, sizeof what, "cuda sdpa case %zu %s", ci,
 			         kl_dtype_name(dts[di]));
-			if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, factor_of(dts[di])))
+			/* the tensor-core kernel rounds the probabilities to the input
+			 * format for the second product (as every flash kernel does):
+			 * a row that sees few keys keeps that rounding, up to a few bf16
+			 * units of its output */
+			double f = factor_of(dts[di]) * (dts[di] == KL_BF16 || dts[di] == KL_F16 ? 3 : 1);
+			if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, f))
 				bad++;
 			for (int t = 0; t < 3; t++)
 				kl_release(in[t]);

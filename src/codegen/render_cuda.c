@@ -269,6 +269,8 @@ struct vplan {
 	int G;       /* rows: threads per row */
 	int nj;      /* rows: chunks per thread */
 	int64_t nch; /* rows: chunks per row */
+	uint32_t outer; /* rows: the dims rows run over (a load whose address
+	                 * depends on them is fetched a row ahead) */
 };
 
 static int msize(kl_dtype dt)
@@ -393,6 +395,9 @@ static bool plan_collect(cctx *c, vplan *vp)
 		if (!c->live[i] || !is_chunk_blk(c, in->blk) ||
 		    (in->opc != KIR_LOAD && in->opc != KIR_STORE))
 			continue;
+		/* a gather reads at a row only known per element: no chunks */
+		if (in->opc == KIR_LOAD && in->a >= 0)
+			return false;
 		bool st = in->opc == KIR_STORE, al;
 		vkind kd = along(k, &in->ad, vp->d, 1, &al);
 		if (kd == VK_NO || (st && kd != VK_CONT))
@@ -619,12 +624,20 @@ static void chunk_decls(cctx *c, const vplan *vp, int slots)
 
 /* load or store the chunks of the accesses first used in block blk (the
  * loads) or stored there (the stores) */
-static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
+static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
+{
+	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
+}
+
+/* ahead: the loads of the next row into kn<a> (row-dependent ones only) */
+static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
+                        bool ahead)
 {
 	for (int ai = 0; ai < vp->nacc; ai++) {
 		const vacc *a = &vp->acc[ai];
-		if (a->store != store || a->blk != blk)
+		if (a->store != store || a->blk != blk || (ahead && !row_dependent(c, vp, a)))
 			continue;
+		const char *kv = ahead ? "kn" : "kv";
 		const char *w;
 		int nw;
 		chunk_word(vp, a, &w, &nw);
@@ -639,14 +652,19 @@ static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *
 				line(c, "*((%s *)(b%d + (%s)) + %d) = kv%d%s.u[%d];", w, b, s, i, ai,
 				     slot, i);
 			else if (a->ro)
-				line(c, "kv%d%s.u[%d] = __ldg((const %s *)(b%d + (%s)) + %d);", ai, slot,
-				     i, w, b, s, i);
+				line(c, "%s%d%s.u[%d] = __ldg((const %s *)(b%d + (%s)) + %d);", kv, ai,
+				     slot, i, w, b, s, i);
 			else
-				line(c, "kv%d%s.u[%d] = *((const %s *)(b%d + (%s)) + %d);", ai, slot, i,
-				     w, b, s, i);
+				line(c, "%s%d%s.u[%d] = *((const %s *)(b%d + (%s)) + %d);", kv, ai, slot,
+				     i, w, b, s, i);
 		}
 		kl__sb_free(&ad);
 	}
+}
+
+static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
+{
+	chunk_io_to(c, vp, blk, store, slot, false);
 }
 
 /* The instructions of block blk. With a plan vp, chunked loads and stores
@@ -894,10 +912,34 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
 	}
 	if (loads) {
+		/* a later row's chunks came ahead (and row-invariant ones, such
+		 * as a norm's weight, are still held): loaded on the first only */
+		line(c, "if (!kl_ahead)");
+		open_brace(c);
 		open_slots(c, vp);
 		chunk_io(c, vp, blk, false, "[j]");
 		close_brace(c);
 		close_brace(c);
+		close_brace(c);
+		/* the next row's chunks, in flight while this one is reduced */
+		bool any = false;
+		for (int a = 0; a < vp->nacc; a++)
+			any |= !vp->acc[a].store && vp->acc[a].blk == blk &&
+			       row_dependent(c, vp, &vp->acc[a]);
+		if (any) {
+			open_brace(c);
+			line(c, "const int64_t kl_next = row + (int64_t)gridDim.x * %d;",
+			     BLOCK / vp->G);
+			line(c, "if (kl_next < nrows)");
+			open_brace(c);
+			decompose(c, vp->outer, "kl_next");
+			open_slots(c, vp);
+			chunk_io_to(c, vp, blk, false, "[j]", true);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+		}
 	}
 	open_slots(c, vp);
 	line(c, "#pragma unroll");
@@ -925,6 +967,20 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	int per = BLOCK / G;
 	open_brace(c);
 	line(c, "const int lane = threadIdx.x %% %d;", G);
+	if (vp) {
+		/* the row's chunks, kept across rows: kn<a> holds the next row's */
+		chunk_decls(c, vp, vp->nj);
+		for (int a = 0; a < vp->nacc; a++) {
+			if (vp->acc[a].store || !row_dependent(c, vp, &vp->acc[a]))
+				continue;
+			const char *w;
+			int nw;
+			chunk_word(vp, &vp->acc[a], &w, &nw);
+			line(c, "union { %s u[%d]; %s e[%d]; } kn%d[%d];", w, nw,
+			     c->r->mtype[vp->acc[a].dt], vp->V, a, vp->nj);
+		}
+		line(c, "bool kl_ahead = false;");
+	}
 	/* every thread of a group runs the same number of iterations: the
 	 * shuffles and barriers inside see full groups */
 	line(c,
@@ -939,8 +995,6 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	int slots = vp ? vp->nj * vp->V : c->nj;
 	for (int i = 0; i < k->nlocal; i++)
 		line(c, "%s lc%d[%d];", c->r->ctype[k->local_dt[i]], i, slots);
-	if (vp)
-		chunk_decls(c, vp, vp->nj);
 	emit_block(c, 0, NULL, "", "0");
 	for (int p = 1; p <= k->npass; p++) {
 		if (vp)
@@ -949,6 +1003,20 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 			pass_scalar(c, p, inner);
 		combine(c, p);
 		emit_block(c, 2 * p, NULL, "", "0");
+	}
+	if (vp) {
+		for (int a = 0; a < vp->nacc; a++) {
+			if (vp->acc[a].store || !row_dependent(c, vp, &vp->acc[a]))
+				continue;
+			const char *w;
+			int nw;
+			chunk_word(vp, &vp->acc[a], &w, &nw);
+			line(c, "#pragma unroll");
+			line(c, "for (int j = 0; j < %d; j++)", vp->nj);
+			line(c, "\tfor (int u = 0; u < %d; u++)", nw);
+			line(c, "\t\tkv%d[j].u[u] = kn%d[j].u[u];", a, a);
+		}
+		line(c, "kl_ahead = true;");
 	}
 	close_brace(c);
 	close_brace(c);
@@ -978,6 +1046,7 @@ static void render_rows(cctx *c)
 	line(c, "(void)rn;");
 	vplan vp;
 	if (plan_rows(c, &vp)) {
+		vp.outer = outer;
 		plan_cond(c, &vp);
 		line(c, "if (kl_vok)");
 		row_loop(c, outer, inner, vp.G, &vp);
