@@ -43,6 +43,15 @@ static int b_fma_relu(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
+/* a skinny linear layer (8 rows against a 256x256 weight): one generated
+ * row reduction with its bias and GELU, no library product */
+static int b_skinny_linear(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_gelu(kl_linear(in[0], in[1], in[2]));
+	return 1;
+}
+
 static int b_softmax(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
@@ -230,6 +239,8 @@ static const gcase CASES[] = {
         {"rms_norm 2048", b_rms_norm, 2, {2, 1}, {{7, 2048}, {2048}}, true, false, 1, 0, 1},
         {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}}, true, false, 1, 1, 1},
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1},
+        {"skinny linear", b_skinny_linear, 3, {2, 2, 1}, {{8, 256}, {256, 256}, {256}}, true,
+         false, 1, 0, 1},
 };
 
 static const kl_dtype ALL_DT[] = {KL_F32, KL_F16, KL_BF16, KL_F64, KL_I32, KL_I64, KL_BOOL};

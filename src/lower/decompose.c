@@ -367,9 +367,20 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 	case KL_OP_MATMUL: {
 		/* cuBLASLt has no integer products: on CUDA they are a generated
 		 * multiply and sum (operands of the result's rank) */
-		bool int_cuda = d->L->o->target == KL_TARGET_CUDA && (D == KL_I32 || D == KL_I64) &&
-		                nd(d, in[0])->ndim == s->ndim && nd(d, in[1])->ndim == s->ndim;
-		if (sym_product(d, s) || int_cuda)
+		bool cuda = d->L->o->target == KL_TARGET_CUDA &&
+		            nd(d, in[0])->ndim == s->ndim && nd(d, in[1])->ndim == s->ndim;
+		bool int_cuda = cuda && (D == KL_I32 || D == KL_I64);
+		/* A skinny product (a few rows against a large weight: a decode
+		 * step, a small batch) is latency-bound in a library GEMM; as a
+		 * generated row reduction it reads each weight row once at full
+		 * width and takes its bias and activation along in one kernel. */
+		int64_t nk = s->shape[s->ndim - 1] * nd(d, in[0])->shape[s->ndim - 1];
+		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
+		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
+		                       : 1;
+		bool skinny = cuda && d->L->o->fusion && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
+		              rows <= 16 && nk >= 65536;
+		if (sym_product(d, s) || int_cuda || skinny)
 			return product(d, s, in);
 		kl_node n = *s;
 		for (int i = 0; i < 2; i++) {
