@@ -317,8 +317,17 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		int32_t z = bin(d, KL_OP_SUB, x, m);
 		int32_t e = un(d, KL_OP_EXP, z);
 		int32_t sum = red(d, KL_OP_SUM, e, ax, true);
-		int32_t y = s->op == KL_OP_SOFTMAX ? bin(d, KL_OP_DIV, e, sum)
-		                                   : bin(d, KL_OP_SUB, z, un(d, KL_OP_LOG, sum));
+		int32_t y;
+		if (s->op == KL_OP_SOFTMAX && sum >= 0) {
+			/* one reciprocal per row, then a product per element (as the
+			 * eager kernels do): a division per element costs the CPU
+			 * more than the row's memory traffic */
+			kl_node one = mk(KL_OP_FULL, C, nd(d, sum)->ndim, nd(d, sum)->shape, 0);
+			one.a.s[0] = 1.0;
+			y = bin(d, KL_OP_MUL, e, bin(d, KL_OP_DIV, add(d, &one), sum));
+		} else {
+			y = s->op == KL_OP_SOFTMAX ? -1 : bin(d, KL_OP_SUB, z, un(d, KL_OP_LOG, sum));
+		}
 		return cast(d, y, D);
 	}
 	case KL_OP_LAYER_NORM:

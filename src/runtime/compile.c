@@ -10,8 +10,11 @@
 #include "lower/lower.h"
 #include "runtime/rt.h"
 
-/* Bump when the meaning of a cached plan changes without its bytes changing. */
-#define RT_PLAN_VERSION 1u
+/* Bump when the meaning of a cached plan changes without its bytes changing,
+ * and when lowering changes what a graph becomes (an older plan still runs
+ * correctly, but a warm cache would keep serving it). 2: softmax by a row
+ * reciprocal, skinny CUDA products, register-row prefetch. */
+#define RT_PLAN_VERSION 2u
 
 static atomic_long n_lowerings, n_cache_hits;
 
