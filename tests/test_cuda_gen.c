@@ -52,6 +52,16 @@ static int b_skinny_linear(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
+/* rms_norm written from primitives, as the bench's rms_norm_prims */
+static int b_rms_prims(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *x = in[0];
+	kl_tensor *ms = kl_mean(kl_mul(x, x), 1, (int[]){-1}, true);
+	out[0] = kl_mul(kl_mul(x, kl_rsqrt(kl_add_scalar(ms, 1e-6))), in[1]);
+	return 1;
+}
+
 static int b_softmax(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
@@ -239,6 +249,7 @@ static const gcase CASES[] = {
         {"rms_norm 2048", b_rms_norm, 2, {2, 1}, {{7, 2048}, {2048}}, true, false, 1, 0, 1},
         {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}}, true, false, 1, 1, 1},
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1},
+        {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}}, true, false, 1, 0, 1},
         {"skinny linear", b_skinny_linear, 3, {2, 2, 1}, {{8, 256}, {256, 256}, {256}}, true,
          false, 1, 0, 1},
 };
