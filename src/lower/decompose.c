@@ -175,21 +175,24 @@ static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape
 static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 {
 	kl_dtype D = (kl_dtype)s->dtype;
+	/* f16/bf16 products and sums in f32, rounded once at the end, as a
+	 * library product accumulates */
+	kl_dtype C = D == KL_F16 || D == KL_BF16 ? KL_F32 : D;
 	int k = s->ndim; /* [..., m, n] */
 	int64_t full[KL_MAX_DIMS], sh[KL_MAX_DIMS];
 	memcpy(full, s->shape, sizeof(int64_t) * (size_t)k);
 	int64_t kk = nd(d, in[0])->shape[k - 1];
 	full[k] = kk;
 	/* a: [..., m, k] -> [..., m, 1, k] -> [..., m, n, k] */
-	int32_t a = cast(d, in[0], D);
+	int32_t a = cast(d, in[0], C);
 	memcpy(sh, full, sizeof(sh));
 	sh[k - 1] = 1;
 	a = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, a, k + 1, sh), k + 1, full);
 	/* b: [..., k, n] -> [..., n, k] -> [..., 1, n, k] -> [..., m, n, k] */
-	int32_t b = cast(d, in[1], D);
+	int32_t b = cast(d, in[1], C);
 	if (b < 0 || a < 0)
 		return -1;
-	kl_node p = mk(KL_OP_PERMUTE, D, k, nd(d, b)->shape, 1);
+	kl_node p = mk(KL_OP_PERMUTE, C, k, nd(d, b)->shape, 1);
 	for (int i = 0; i < k; i++)
 		p.a.v[i] = i;
 	p.a.v[k - 2] = k - 1;
@@ -201,7 +204,7 @@ static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 	memcpy(sh, full, sizeof(sh));
 	sh[k - 2] = 1;
 	b = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, b, k + 1, sh), k + 1, full);
-	return red(d, KL_OP_SUM, bin(d, KL_OP_MUL, a, b), 1u << k, false);
+	return cast(d, red(d, KL_OP_SUM, bin(d, KL_OP_MUL, a, b), 1u << k, false), D);
 }
 
 static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in);
@@ -387,7 +390,7 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
 		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
 		                       : 1;
-		bool skinny = cuda && d->L->o->fusion && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
+		bool skinny = cuda && d->L->o->fusion && !d->L->o->no_skinny && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
 		              rows <= 16 && nk >= 65536;
 		if (sym_product(d, s) || int_cuda || skinny)
 			return product(d, s, in);
