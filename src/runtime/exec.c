@@ -269,60 +269,40 @@ typedef struct epi_args {
 
 #define EPI_CHUNK 256
 
-static void epi_row_f32(const epi_args *e, int64_t i)
-{
-	const kl_matmul_step *mm = e->mm;
-	float *c = (float *)e->c + e->co + i * mm->ldc;
-	int64_t n = mm->n;
-	if (mm->has_r) {
-		const float *r = (const float *)e->r + e->ro + i * mm->r_ld;
-		float beta = (float)mm->beta;
-		KL_SIMD
-		for (int64_t j = 0; j < n; j++)
-			c[j] += beta * r[j];
+/* One row of C through the epilogue, in C's own type T: beta*R, the bias,
+ * then the activation through the eager kernels (from a copy: they do not
+ * work in place). */
+#define EPI_ROW(NAME, T, UNARY)                                                          \
+	static void NAME(const epi_args *e, int64_t i)                                   \
+	{                                                                                \
+		const kl_matmul_step *mm = e->mm;                                        \
+		T *c = (T *)e->c + e->co + i * mm->ldc;                                  \
+		int64_t n = mm->n;                                                       \
+		if (mm->has_r) {                                                         \
+			const T *r = (const T *)e->r + e->ro + i * mm->r_ld;             \
+			T beta = (T)mm->beta;                                            \
+			KL_SIMD                                                          \
+			for (int64_t j = 0; j < n; j++)                                  \
+				c[j] += beta * r[j];                                     \
+		}                                                                        \
+		if (mm->has_bias) {                                                      \
+			const T *b = (const T *)e->bias + mm->bias_off;                  \
+			KL_SIMD                                                          \
+			for (int64_t j = 0; j < n; j++)                                  \
+				c[j] += b[j];                                            \
+		}                                                                        \
+		if (e->act == KL_OP_INPUT)                                               \
+			return;                                                          \
+		T t[EPI_CHUNK];                                                          \
+		for (int64_t j = 0; j < n; j += EPI_CHUNK) {                             \
+			int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;             \
+			memcpy(t, c + j, (size_t)len * sizeof(T));                       \
+			UNARY(e->act, t, c + j, len);                                    \
+		}                                                                        \
 	}
-	if (mm->has_bias) {
-		const float *b = (const float *)e->bias + mm->bias_off;
-		KL_SIMD
-		for (int64_t j = 0; j < n; j++)
-			c[j] += b[j];
-	}
-	if (e->act == KL_OP_INPUT)
-		return;
-	float t[EPI_CHUNK];
-	for (int64_t j = 0; j < n; j += EPI_CHUNK) {
-		int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;
-		memcpy(t, c + j, (size_t)len * sizeof(float));
-		kl__cpu_unary_f32(e->act, t, c + j, len);
-	}
-}
 
-static void epi_row_f64(const epi_args *e, int64_t i)
-{
-	const kl_matmul_step *mm = e->mm;
-	double *c = (double *)e->c + e->co + i * mm->ldc;
-	int64_t n = mm->n;
-	if (mm->has_r) {
-		const double *r = (const double *)e->r + e->ro + i * mm->r_ld;
-		KL_SIMD
-		for (int64_t j = 0; j < n; j++)
-			c[j] += mm->beta * r[j];
-	}
-	if (mm->has_bias) {
-		const double *b = (const double *)e->bias + mm->bias_off;
-		KL_SIMD
-		for (int64_t j = 0; j < n; j++)
-			c[j] += b[j];
-	}
-	if (e->act == KL_OP_INPUT)
-		return;
-	double t[EPI_CHUNK];
-	for (int64_t j = 0; j < n; j += EPI_CHUNK) {
-		int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;
-		memcpy(t, c + j, (size_t)len * sizeof(double));
-		kl__cpu_unary_f64(e->act, t, c + j, len);
-	}
-}
+EPI_ROW(epi_row_f32, float, kl__cpu_unary_f32)
+EPI_ROW(epi_row_f64, double, kl__cpu_unary_f64)
 
 /* any other dtype: in double, rounded once into C (the scheduler folds
  * epilogues into f32/f64 products only on the CPU; this keeps a program
