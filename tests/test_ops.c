@@ -110,17 +110,7 @@ static void expect_dtype(const char *what, kl_tensor *out, kl_dtype dt)
 static int setup(void **state)
 {
 	(void)state;
-	const char *dev = getenv("KILN_TEST_DEVICE");
-	if (dev && strcmp(dev, "cuda") == 0) {
-		kl_ctx_opts o = {.device = KL_CUDA};
-		ctx = kl_ctx_new(&o);
-		if (!ctx) {
-			print_message("test_ops: CUDA run skipped: %s\n", kl_last_error(NULL));
-			exit(77);
-		}
-		return 0;
-	}
-	ctx = kl_ctx_new(NULL);
+	ctx = kltest_ctx_from_env("test_ops");
 	return ctx ? 0 : -1;
 }
 

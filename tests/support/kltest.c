@@ -472,3 +472,19 @@ bool kltest_expect_error(kl_ctx *ctx, kl_tensor *result, const char *expr, ...)
 	va_end(ap);
 	return ok;
 }
+
+kl_ctx *kltest_ctx_from_env(const char *test)
+{
+	const char *dev = getenv("KILN_TEST_DEVICE");
+	if (dev && strcmp(dev, "cuda") == 0) {
+		kl_ctx_opts o = {.device = KL_CUDA};
+		kl_ctx *c = kl_ctx_new(&o);
+		if (!c) {
+			printf("%s: CUDA run skipped: %s\n", test, kl_last_error(NULL));
+			fflush(stdout);
+			exit(77);
+		}
+		return c;
+	}
+	return kl_ctx_new(NULL);
+}

@@ -49,6 +49,11 @@ typedef enum kltest_layout {
 
 /* A tensor of the given dtype/shape filled from seed (deterministic), or
  * NULL (message printed). The caller owns the reference. */
+/* The context a test binary runs on: CUDA device 0 when KILN_TEST_DEVICE=cuda
+ * (exits 77, ctest's skip, when it cannot be had, saying why), else the CPU.
+ * NULL only when the CPU context fails. */
+kl_ctx *kltest_ctx_from_env(const char *test);
+
 kl_tensor *kltest_rand(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, kltest_range r,
                        kltest_layout layout, uint64_t seed);
 
