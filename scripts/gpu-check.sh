@@ -14,7 +14,11 @@
 # Environment: GPU_CHECK_QUICK=1 (peers at small sizes), GPU_CHECK_SKIP=
 # bench,cold,peer,jax (stages to leave out), GPU_CHECK_JOBS (default 16),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 460), GPU_CHECK_CMAKE_ARGS
-# (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit).
+# (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit),
+# GPU_CHECK_TESTS (a ctest -R regex: a targeted run tests only those; the
+# default runs the whole suite), GPU_CHECK_AFTER (a command run last, in this
+# script's environment: the toolkit's libraries found, the build in build/;
+# its output goes to after.log).
 # Exit status: nonzero when configuring, building or a test fails; the
 # benchmarks only report.
 set -uo pipefail
@@ -144,7 +148,10 @@ tail -25 "$logs/test_cuda.log"
 ctest_cap=$((deadline - SECONDS - 200))
 ((ctest_cap > 300)) && ctest_cap=300
 ((ctest_cap < 120)) && ctest_cap=120
-stage ctest "$ctest_cap" ctest --test-dir "$build" --output-on-failure -j 14 || status=1
+ctest_sel=()
+[[ -n ${GPU_CHECK_TESTS:-} ]] && ctest_sel=(-R "$GPU_CHECK_TESTS")
+stage ctest "$ctest_cap" ctest --test-dir "$build" --output-on-failure -j 14 "${ctest_sel[@]}" ||
+	status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\*\*\*" "$logs/ctest.log" | head -40
 
 # ---- benchmarks: reported, never fatal ---------------------------------------------------
@@ -197,5 +204,9 @@ fi
 		echo "no benchmark rows to compare"
 	fi
 } | tee -a "$logs/summary.txt"
+if [[ -n ${GPU_CHECK_AFTER:-} ]]; then
+	stage after $((deadline - SECONDS)) bash -c "$GPU_CHECK_AFTER"
+	tail -40 "$logs/after.log"
+fi
 say "done: status $status in $SECONDS s"
 exit $status

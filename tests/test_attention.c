@@ -4,8 +4,10 @@
  * of attention written by hand (one attention step, or a logged refusal);
  * the decomposition for targets without the step; attention steps through
  * the program serializer and validator; every CUDA kernel variant compiled
- * by NVRTC for sm_90; on a GPU (skipped without one) the CUDA kernels against
- * the reference, and a timing of B4 H16 T1024 D128 bf16.
+ * by NVRTC for sm_90 (wgmma for sm_90a); on a GPU (skipped without one) the
+ * CUDA kernels against the reference, their modules through the disk cache
+ * (written, reused, a corrupt entry rebuilt), and a timing of B4 H16 T1024
+ * D128 bf16.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -15,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 
 #include <cmocka.h>
 
@@ -453,7 +456,8 @@ static bool nvrtc_ok(void)
 }
 #endif
 
-/* every variant of the attention kernels compiles for sm_90 (no GPU needed) */
+/* every variant of the attention kernels compiles for sm_90 (the wgmma ones
+ * for sm_90a), with no warning (no GPU needed) */
 static void test_cuda_kernels_compile(void **state)
 {
 	(void)state;
@@ -465,28 +469,29 @@ static void test_cuda_kernels_compile(void **state)
 	const int hds[3] = {0, 64, 128};
 	int n = 0;
 	for (int di = 0; di < 4; di++)
-		for (int hi = 0; hi < 3; hi++) {
-			char *src = kl__cuda_attention_source(dts[di], hds[hi]);
-			bool exists = hds[hi] == 0 || dts[di] == KL_F16 || dts[di] == KL_BF16;
-			if (!exists) {
-				assert_null(src);
-				continue;
+		for (int hi = 0; hi < 3; hi++)
+			for (int wg = 0; wg < 2; wg++) {
+				char *src = kl__cuda_attention_source(dts[di], hds[hi], wg);
+				bool exists = hds[hi] == 0 ? !wg : dts[di] == KL_F16 || dts[di] == KL_BF16;
+				if (!exists) {
+					assert_null(src);
+					continue;
+				}
+				assert_non_null(src);
+				kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg};
+				kl_cuda_image im;
+				if (kl__nvrtc_compile(ctx, src, "kiln_attention.cu", &o, &im) != KL_OK)
+					fail_msg("%s d%d wgmma %d: %s\n%s", kl_dtype_name(dts[di]), hds[hi],
+					         wg, kl_last_error(ctx), im.log ? im.log : "");
+				assert_memory_equal(im.data, "\177ELF", 4);
+				if (im.log && strstr(im.log, "warning"))
+					fail_msg("%s d%d wgmma %d: warnings:\n%s", kl_dtype_name(dts[di]),
+					         hds[hi], wg, im.log);
+				kl__cuda_image_free(&im);
+				free(src);
+				n++;
 			}
-			assert_non_null(src);
-			kl_nvrtc_opts o = {.arch = 90};
-			kl_cuda_image im;
-			if (kl__nvrtc_compile(ctx, src, "kiln_attention.cu", &o, &im) != KL_OK)
-				fail_msg("%s d%d: %s\n%s", kl_dtype_name(dts[di]), hds[hi],
-				         kl_last_error(ctx), im.log ? im.log : "");
-			assert_memory_equal(im.data, "\177ELF", 4);
-			if (im.log && strstr(im.log, "warning"))
-				fail_msg("%s d%d: warnings:\n%s", kl_dtype_name(dts[di]), hds[hi],
-				         im.log);
-			kl__cuda_image_free(&im);
-			free(src);
-			n++;
-		}
-	print_message("test_attention: %d attention kernel variants compiled for sm_90\n", n);
+	print_message("test_attention: %d attention kernel variants compiled for sm_90/sm_90a\n", n);
 	kl_ctx_free(ctx);
 #else
 	print_message("test_attention: skipped, built without the CUDA backend\n");
@@ -505,8 +510,10 @@ static kl_ctx *gpu_ctx(void)
 }
 #endif
 
-/* the CUDA kernels (tensor-core, general, split-key decode) against the
- * reference: bf16/f16 at head dims 64 and 128, causal and not, Tq = 1 */
+/* the CUDA kernels (wgmma on sm_90, mma.sync, general, split-key decode)
+ * against the reference: bf16/f16 at head dims 64 and 128, causal and not,
+ * query and key counts that are not multiples of any tile, Tq = 1; each
+ * tensor-core kernel forced in turn through KILN_ATTENTION_KERNEL */
 static void test_cuda_sdpa(void **state)
 {
 	(void)state;
@@ -519,33 +526,44 @@ static void test_cuda_sdpa(void **state)
 	        {2, 1, 3, 100, 173, 64, 64, false},   {2, 1, 3, 100, 173, 64, 64, true},
 	        {2, 2, 2, 1, 1000, 128, 128, false},  {2, 2, 2, 1, 777, 64, 64, true},
 	        {1, 3, 0, 70, 90, 80, 80, true},      {0, 0, 0, 65, 64, 128, 128, true},
+	        {2, 1, 2, 300, 300, 128, 128, true},  {2, 2, 1, 129, 385, 128, 128, true},
+	        {1, 2, 0, 640, 640, 64, 64, true},    {1, 1, 0, 1024, 1024, 128, 128, false},
 	};
+	static const char *const kinds[3] = {"wgmma", "mma", "simple"};
 	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
 	int bad = 0;
-	for (size_t ci = 0; ci < sizeof gc / sizeof gc[0]; ci++)
-		for (int di = 0; di < 4; di++) {
-			const acase *c = &gc[ci];
-			int64_t sh[3][KL_MAX_DIMS];
-			int nd;
-			shapes(c, sh, &nd);
-			kl_tensor *in[3];
-			for (int t = 0; t < 3; t++)
-				in[t] = kltest_rand(ctx, dts[di], nd, sh[t], KLTEST_NORMAL,
-				                    KLTEST_CONTIG, 3000 + ci * 10 + t);
-			sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
-			char what[96];
-			snprintf(what, sizeof what, "cuda sdpa case %zu %s", ci,
-			         kl_dtype_name(dts[di]));
-			/* the tensor-core kernel rounds the probabilities to the input
-			 * format for the second product (as every flash kernel does):
-			 * a row that sees few keys keeps that rounding, up to a few bf16
-			 * units of its output */
-			double f = factor_of(dts[di]) * (dts[di] == KL_BF16 || dts[di] == KL_F16 ? 3 : 1);
-			if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, f))
-				bad++;
-			for (int t = 0; t < 3; t++)
-				kl_release(in[t]);
-		}
+	for (int ki = 0; ki < 3; ki++) {
+		setenv("KILN_ATTENTION_KERNEL", kinds[ki], 1);
+		for (size_t ci = 0; ci < sizeof gc / sizeof gc[0]; ci++)
+			for (int di = 0; di < 4; di++) {
+				const acase *c = &gc[ci];
+				/* f32/f64 take the general kernel whatever is forced */
+				if (ki > 0 && di >= 2)
+					continue;
+				int64_t sh[3][KL_MAX_DIMS];
+				int nd;
+				shapes(c, sh, &nd);
+				kl_tensor *in[3];
+				for (int t = 0; t < 3; t++)
+					in[t] = kltest_rand(ctx, dts[di], nd, sh[t], KLTEST_NORMAL,
+					                    KLTEST_CONTIG, 3000 + ci * 10 + t + 100 * ki);
+				sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
+				char what[96];
+				snprintf(what, sizeof what, "cuda sdpa (%s) case %zu %s", kinds[ki], ci,
+				         kl_dtype_name(dts[di]));
+				/* the tensor-core kernels round the probabilities to the
+				 * input format for the second product (as every flash
+				 * kernel does): a row that sees few keys keeps that
+				 * rounding, up to a few bf16 units of its output */
+				double f = factor_of(dts[di]) *
+				           (dts[di] == KL_BF16 || dts[di] == KL_F16 ? 3 : 1);
+				if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, f))
+					bad++;
+				for (int t = 0; t < 3; t++)
+					kl_release(in[t]);
+			}
+	}
+	unsetenv("KILN_ATTENTION_KERNEL");
 	assert_int_equal(bad, 0);
 	kl_ctx_free(ctx);
 #else
@@ -554,8 +572,90 @@ static void test_cuda_sdpa(void **state)
 #endif
 }
 
-/* B4 H16 T1024 D128 bf16, causal and not: prints TFLOP/s (causal FLOPs
- * counted as half); the hand-written sequence compiles to one step there */
+#ifdef KILN_HAVE_CUDA
+/* the mod-*.klm entries in dir; with corrupt, each is overwritten with junk
+ * of its own length */
+static int module_entries(const char *dir, bool corrupt)
+{
+	DIR *dp = opendir(dir);
+	assert_non_null(dp);
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(dp))) {
+		if (strncmp(e->d_name, "mod-", 4) || !strstr(e->d_name, ".klm"))
+			continue;
+		n++;
+		if (!corrupt)
+			continue;
+		char path[512];
+		snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+		FILE *f = fopen(path, "r+b");
+		assert_non_null(f);
+		fseek(f, 0, SEEK_END);
+		long len = ftell(f);
+		rewind(f);
+		for (long i = 0; i < len; i++)
+			fputc((int)((i * 131) & 0xff), f);
+		fclose(f);
+	}
+	closedir(dp);
+	return n;
+}
+#endif
+
+/* the attention modules go through the disk cache: a second context (a warm
+ * process) loads them instead of compiling; a corrupt entry is rebuilt and
+ * the results stay right */
+static void test_cuda_attention_cache(void **state)
+{
+	(void)state;
+#ifdef KILN_HAVE_CUDA
+	kl_ctx *probe = gpu_ctx();
+	if (!probe)
+		skip();
+	kl_ctx_free(probe);
+	char dir[] = "/tmp/kiln-attn-cache-XXXXXX";
+	assert_non_null(mkdtemp(dir));
+	const char *old = getenv("KILN_CACHE_DIR");
+	char *saved = old ? strdup(old) : NULL;
+	setenv("KILN_CACHE_DIR", dir, 1);
+	acase c = {1, 2, 0, 200, 200, 128, 128, true};
+	int64_t sh[3][KL_MAX_DIMS];
+	int nd;
+	shapes(&c, sh, &nd);
+	for (int round = 0; round < 3; round++) {
+		kl_ctx *ctx = gpu_ctx();
+		assert_non_null(ctx);
+		kl_tensor *in[3];
+		for (int t = 0; t < 3; t++)
+			in[t] = kltest_rand(ctx, KL_BF16, nd, sh[t], KLTEST_NORMAL, KLTEST_CONTIG,
+			                    500 + round * 3 + t);
+		sdpa_p p = {true, 1.0 / sqrt(128.0)};
+		char what[64];
+		snprintf(what, sizeof what, "cuda sdpa through the cache, round %d", round);
+		assert_true(kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, 3 * factor_of(KL_BF16)));
+		for (int t = 0; t < 3; t++)
+			kl_release(in[t]);
+		kl_ctx_free(ctx);
+		/* round 0 wrote the entry; round 1 read it, then it is spoiled
+		 * and round 2 must rebuild it */
+		assert_true(module_entries(dir, round == 1) >= 1);
+	}
+	if (saved) {
+		setenv("KILN_CACHE_DIR", saved, 1);
+		free(saved);
+	} else {
+		unsetenv("KILN_CACHE_DIR");
+	}
+	kl__rmtree_flat(dir);
+#else
+	print_message("test_attention: skipped, built without the CUDA backend\n");
+	skip();
+#endif
+}
+
+/* B4 H16 T1024 D128 bf16, causal and not, wgmma and mma.sync: prints
+ * TFLOP/s (causal FLOPs counted as half) */
 static void test_cuda_sdpa_bench(void **state)
 {
 	(void)state;
@@ -568,7 +668,10 @@ static void test_cuda_sdpa_bench(void **state)
 	kl_tensor *in[3];
 	for (int t = 0; t < 3; t++)
 		in[t] = kltest_rand(ctx, KL_BF16, 4, sh, KLTEST_NORMAL, KLTEST_CONTIG, 40 + t);
-	for (int causal = 0; causal < 2; causal++) {
+	static const char *const kinds[2] = {"wgmma", "mma"};
+	for (int run = 0; run < 4; run++) {
+		int causal = run & 1;
+		setenv("KILN_ATTENTION_KERNEL", kinds[run >> 1], 1);
 		sdpa_p p = {causal == 1, 1.0 / sqrt(128.0)};
 		kl_tensor *r = apply_sdpa(in, &p);
 		assert_non_null(r);
@@ -588,12 +691,14 @@ static void test_cuda_sdpa_bench(void **state)
 		float ms = 0;
 		assert_int_equal(kl__cuda_event_ms(ctx, e0, e1, &ms), KL_OK);
 		double flops = 4.0 * 4 * 16 * 1024.0 * 1024.0 * 128 * (causal ? 0.5 : 1.0);
-		print_message("test_attention: B4 H16 T1024 D128 bf16 %s: %.3f ms, %.1f TFLOP/s\n",
-		              causal ? "causal" : "non-causal", ms / reps,
+		print_message("test_attention: B4 H16 T1024 D128 bf16 %s (%s): %.3f ms, "
+		              "%.1f TFLOP/s\n",
+		              causal ? "causal" : "non-causal", kinds[run >> 1], ms / reps,
 		              flops / (ms / reps * 1e-3) / 1e12);
 		kl__cuda_event_free(d, e0);
 		kl__cuda_event_free(d, e1);
 	}
+	unsetenv("KILN_ATTENTION_KERNEL");
 	for (int t = 0; t < 3; t++)
 		kl_release(in[t]);
 	kl_ctx_free(ctx);
@@ -610,7 +715,7 @@ int main(void)
 	        cmocka_unit_test(test_sdpa_compiled_cpu),  cmocka_unit_test(test_pattern_fused),
 	        cmocka_unit_test(test_pattern_refused),    cmocka_unit_test(test_program_io),
 	        cmocka_unit_test(test_cuda_kernels_compile), cmocka_unit_test(test_cuda_sdpa),
-	        cmocka_unit_test(test_cuda_sdpa_bench),
+	        cmocka_unit_test(test_cuda_attention_cache), cmocka_unit_test(test_cuda_sdpa_bench),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

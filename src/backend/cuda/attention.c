@@ -2,9 +2,11 @@
  * attention_src.c for the step's dtype, head dim and layout, compiles that
  * variant once per device (NVRTC, kept until the device closes) and launches
  * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte
- * aligned operands take the tensor-core kernel; one query row per batch
- * (decode) splits the keys across warps and merges them; everything else
- * takes the general kernel. KILN_ATTENTION_SIMPLE=1 forces the general one.
+ * aligned operands take a tensor-core kernel: wgmma on sm_90 (compiled for
+ * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
+ * keys across warps and merges them; everything else takes the general
+ * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
+ * that cannot take the step falls back as above).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,10 +25,12 @@ typedef struct kl_at_args {
 	int nb, causal, nsplit;
 } kl_at_args;
 
-#define BM 64
-#define BN 64
+#define BM 64    /* query rows per block, mma.sync kernel */
+#define BN 64    /* keys per tile, mma.sync kernel */
+#define WG_BM 128 /* the same, wgmma kernel */
+#define WG_BN 128
 
-enum { VAR_GENERAL, VAR_D64, VAR_D128, NVAR };
+enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, NVAR };
 
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
@@ -50,16 +54,17 @@ static int dt_code(kl_dtype dt)
 	}
 }
 
-char *kl__cuda_attention_source(kl_dtype dt, int head_dim)
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim, bool wgmma)
 {
 	int c = dt_code(dt);
-	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)))
+	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)) ||
+	    (wgmma && head_dim == 0))
 		return NULL;
-	size_t n = strlen(kl__cuda_attention_src) + 64;
+	size_t n = strlen(kl__cuda_attention_src) + 96;
 	char *s = malloc(n);
 	if (s)
-		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n%s", c, head_dim,
-		         kl__cuda_attention_src);
+		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n%s", c,
+		         head_dim, wgmma ? 1 : 0, kl__cuda_attention_src);
 	return s;
 }
 
@@ -70,12 +75,13 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 	kl_cuda_attn *A = d->attn;
 	if (!A->mod[c][var]) {
 		static const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
-		static const int hds[NVAR] = {0, 64, 128};
-		char *src = kl__cuda_attention_source(dts[c], hds[var]);
+		static const int hds[NVAR] = {0, 64, 128, 64, 128};
+		bool wg = var == VAR_WG64 || var == VAR_WG128;
+		char *src = kl__cuda_attention_source(dts[c], hds[var], wg);
 		if (!src)
 			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
 		kl_cuda_module *m = NULL;
-		kl_status st = kl__cuda_module_build(ctx, d, src, "kiln_attention.cu", &m);
+		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention.cu", wg, &m);
 		free(src);
 		if (st != KL_OK)
 			return st;
@@ -85,7 +91,7 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 			if (st == KL_OK)
 				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
 		} else {
-			st = kl__cuda_module_fn(ctx, m, "kl_attn_mma", &f[0]);
+			st = kl__cuda_module_fn(ctx, m, wg ? "kl_attn_wgmma" : "kl_attn_mma", &f[0]);
 		}
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
@@ -121,11 +127,29 @@ static bool al16(CUdeviceptr p)
 	return (p & 15) == 0;
 }
 
-/* can the tensor-core kernel take a? (pointers already at their offsets) */
-static int mma_variant(const kl_at_args *a, const kl_attn_step *s, kl_dtype dt)
+typedef enum { PICK_ANY, PICK_SIMPLE, PICK_MMA, PICK_WGMMA } kl_attn_pick;
+
+static kl_attn_pick forced(kl_ctx *ctx)
 {
-	const char *e = getenv("KILN_ATTENTION_SIMPLE");
-	if ((e && atoi(e) == 1) || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
+	const char *e = getenv("KILN_ATTENTION_KERNEL");
+	if (!e || !*e)
+		return PICK_ANY;
+	if (!strcmp(e, "simple"))
+		return PICK_SIMPLE;
+	if (!strcmp(e, "mma"))
+		return PICK_MMA;
+	if (!strcmp(e, "wgmma"))
+		return PICK_WGMMA;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_ATTENTION_KERNEL=%.32s ignored (simple, mma or wgmma)", e);
+	return PICK_ANY;
+}
+
+/* can a tensor-core kernel take a? (pointers already at their offsets) */
+static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
+                       const kl_attn_step *s, kl_dtype dt)
+{
+	kl_attn_pick pick = forced(ctx);
+	if (pick == PICK_SIMPLE || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
 	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
 	    s->tq < 2 || a->rows / s->tq > 65535 || (s->tq + BM - 1) / BM > 0x7fffffff)
 		return -1;
@@ -135,6 +159,12 @@ static int mma_variant(const kl_at_args *a, const kl_attn_step *s, kl_dtype dt)
 	for (int i = 0; i < s->nbatch; i++)
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
 			return -1;
+	/* wgmma is sm_90a only; its block wants 5 tiles of 128 rows of
+	 * shared memory */
+	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA &&
+	          (size_t)d->smem_per_block_optin >= (size_t)5 * WG_BN * (size_t)s->d * 2 + 1024;
+	if (wg)
+		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
 }
 
@@ -187,8 +217,17 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		return KL_OK;
 	void *argv[1] = {&a};
 	CUfunction f[2];
-	int var = mma_variant(&a, s, dt);
+	int var = mma_variant(ctx, d, &a, s, dt);
 	kl_status st;
+	if (var == VAR_WG64 || var == VAR_WG128) {
+		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+			return st;
+		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
+		unsigned block[3] = {256, 1, 1};
+		/* Q, two K and two V tiles, and room to align them to 1024 bytes */
+		unsigned smem = (unsigned)(5 * WG_BN * s->d * 2 + 1024);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
+	}
 	if (var > 0) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;

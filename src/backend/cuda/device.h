@@ -131,6 +131,11 @@ kl_status kl__cuda_module_load(kl_ctx *ctx, kl_cuda_dev *d, const kl_cuda_image 
 /* compile for d, then load (one module per graph) */
 kl_status kl__cuda_module_build(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
                                 kl_cuda_module **out);
+/* the same through the disk cache (entry mod-<key>.klm, keyed by the source
+ * and the target): a warm process loads the image without NVRTC; a corrupt
+ * entry is rebuilt. arch_specific: sm_90a and the like. */
+kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
+                                 bool arch_specific, kl_cuda_module **out);
 kl_status kl__cuda_module_fn(kl_ctx *ctx, kl_cuda_module *m, const char *fn, CUfunction *out);
 void kl__cuda_module_free(kl_cuda_module *m);
 
@@ -239,9 +244,10 @@ void kl__lt_release(kl_cuda_dev *d);
 /* The fixed CUDA source of the attention kernels (variants by macros). */
 extern const char kl__cuda_attention_src[];
 /* That source for one variant: dtype, and head_dim 64 or 128 for the
- * tensor-core kernel (f16/bf16) or 0 for the general kernels; malloc'd, NULL
- * for a variant that does not exist (or out of memory). */
-char *kl__cuda_attention_source(kl_dtype dt, int head_dim);
+ * tensor-core kernels (f16/bf16; wgmma: the sm_90a one too) or 0 for the
+ * general kernels; malloc'd, NULL for a variant that does not exist (or out
+ * of memory). */
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim, bool wgmma);
 /* One attention step (lower/program.h) on the stream; q, k, v, o are the
  * buffers' bases. */
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,

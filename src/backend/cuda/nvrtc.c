@@ -3,6 +3,7 @@
  * One module per graph: a graph's kernels are one translation unit.
  */
 #include "backend/cuda/device.h"
+#include "runtime/rt.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,6 +207,74 @@ kl_status kl__cuda_module_build(kl_ctx *ctx, kl_cuda_dev *d, const char *src, co
 	kl_nvrtc_opts o = kl__nvrtc_opts_for(d);
 	kl_cuda_image im;
 	kl_status s = kl__nvrtc_compile(ctx, src, name, &o, &im);
+	if (s == KL_OK)
+		s = kl__cuda_module_load(ctx, d, &im, out);
+	kl__cuda_image_free(&im);
+	return s;
+}
+
+/* the image from the disk cache entry `entry`: a flag byte (1: PTX text),
+ * then the image, as kiln's graph modules are stored (rt_cuda.c) */
+static bool cached_image(kl_ctx *ctx, const char *dir, const char *entry, uint64_t key,
+                         kl_cuda_image *im)
+{
+	void *payload = NULL;
+	size_t len = 0;
+	if (kl__cache_get(ctx, dir, entry, key, &payload, &len) != KL_OK || len < 2) {
+		free(payload);
+		kl_clear_error(ctx);
+		return false;
+	}
+	const uint8_t *p = payload;
+	im->data = calloc(1, len); /* PTX is text the driver wants NUL-terminated */
+	if (im->data) {
+		memcpy(im->data, p + 1, len - 1);
+		im->size = len - 1;
+		im->ptx = p[0] == 1;
+	}
+	free(payload);
+	return im->data != NULL;
+}
+
+kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
+                                 bool arch_specific, kl_cuda_module **out)
+{
+	*out = NULL;
+	kl_nvrtc_opts o = kl__nvrtc_opts_for(d);
+	o.arch_specific = arch_specific;
+	/* the entry's key: the source and everything that picks the target */
+	uint64_t key = kl__hash_bytes(KL_HASH_SEED, src, strlen(src));
+	int tag[2] = {o.arch, arch_specific ? 1 : 0};
+	key = kl__hash_bytes(key, tag, sizeof tag);
+	char dir[1024], entry[64];
+	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
+	snprintf(entry, sizeof entry, "mod-%016llx.klm", (unsigned long long)key);
+	kl_cuda_image im;
+	memset(&im, 0, sizeof im);
+	if (have_dir && cached_image(ctx, dir, entry, key, &im)) {
+		kl__log(ctx, KL_LOG_CACHE, "%s: module from %s", name, entry);
+		kl_status s = kl__cuda_module_load(ctx, d, &im, out);
+		kl__cuda_image_free(&im);
+		if (s == KL_OK)
+			return KL_OK;
+		kl__log(ctx, KL_LOG_CACHE, "%s: cached module does not load (%s): rebuilding", name,
+		        kl_last_error(ctx));
+		kl_clear_error(ctx);
+		memset(&im, 0, sizeof im);
+	}
+	kl_status s = kl__nvrtc_compile(ctx, src, name, &o, &im);
+	if (s == KL_OK && have_dir) {
+		uint8_t *payload = malloc(im.size + 1);
+		if (payload) {
+			payload[0] = im.ptx ? 1 : 0;
+			memcpy(payload + 1, im.data, im.size);
+			if (kl__cache_put(ctx, dir, entry, key, payload, im.size + 1) == KL_OK)
+				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", entry, im.size + 1);
+			else
+				kl_clear_error(ctx);
+			free(payload);
+		}
+	}
 	if (s == KL_OK)
 		s = kl__cuda_module_load(ctx, d, &im, out);
 	kl__cuda_image_free(&im);
