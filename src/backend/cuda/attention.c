@@ -160,8 +160,9 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
 			return -1;
 	/* wgmma is sm_90a only; its block wants 5 tiles of 128 rows of
-	 * shared memory */
-	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA &&
+	 * shared memory; it folds the scale into the exponent (so takes only
+	 * a positive one) */
+	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
 	          (size_t)d->smem_per_block_optin >= (size_t)5 * WG_BN * (size_t)s->d * 2 + 1024;
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
