@@ -213,8 +213,9 @@ static void log_load(kl_ctx *ctx, load_state *s, const char *what, bool now)
 	char init[64] = "";
 	if (s->init_ms > 0)
 		snprintf(init, sizeof init, ", cuInit %.3f ms", s->init_ms);
-	kl__log(ctx, KL_LOG_STARTUP, "%s %s: dlopen + %d symbols %.3f ms%s%s", what,
+	kl__log(ctx, KL_LOG_STARTUP, "%s %s: dlopen + %d symbols %.3f ms%s%s%s", what,
 	        s->name ? s->name : "(not found)", s->nsyms, s->open_ms, init,
+	        s->status == KL_OK ? "" : " (failed)",
 	        now ? "" : " (loaded earlier in this process)");
 }
 
