@@ -140,17 +140,26 @@ TMPDIR=$work/tmp "$kiln" bench --cold --json >"$work/cold" || fail "bench --cold
 for mode in cold_compile warm_process; do
 	line=$(grep -F '{"workload":"swiglu_ffn","device":"cpu",' "$work/cold" |
 		grep -F "\"mode\":\"$mode\",") || { cat "$work/cold"; fail "--cold: no $mode line"; }
-	for key in first_call_ms first_call_s kernels peak_bytes; do
+	for key in first_call_ms first_call_s ctx_ms process_ms kernels peak_bytes; do
 		grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "--cold $mode: no numeric $key"
 	done
 	grep -Fq '"dtype":"f32","shape":"4x128x512->1408"' <<<"$line" ||
 		fail "--cold $mode: no dtype and shape: $line"
 done
 [[ -z $(ls -A "$work/tmp") ]] || fail "--cold left $(ls -A "$work/tmp") behind"
-TMPDIR=$work/tmp "$kiln" bench --cold --workload relu_fma >"$work/coldt" ||
-	fail "bench --cold (table) failed"
+# The table, with KILN_LOGS=startup: each process says what its first call's
+# variant cost (a build in the first, the disk cache in the second), and the
+# table gives each context's creation on a line of its own.
+TMPDIR=$work/tmp KILN_LOGS=startup "$kiln" bench --cold --workload relu_fma >"$work/coldt" \
+	2>"$work/coldlog" || fail "bench --cold (table) failed: $(cat "$work/coldlog")"
 grep -Eq '^cold compile .*: +[0-9.]+ ms' "$work/coldt" || fail "--cold table: $(cat "$work/coldt")"
 grep -Eq '^warm process .*: +[0-9.]+ ms' "$work/coldt" || fail "--cold table: $(cat "$work/coldt")"
+(( $(grep -Ec '^  its context creation \(kl_ctx_new\), before: +[0-9.]+ ms' "$work/coldt") == 2 )) ||
+	fail "--cold table: no context creation lines: $(cat "$work/coldt")"
+grep -Eq '^\[kiln:startup\] variant [0-9a-f]{16}: cache lookup [0-9.]+ ms, lowering [0-9.]+ ms, build \(cc, dlopen\) [0-9.]+ ms$' \
+	"$work/coldlog" || fail "--cold: no startup log of the build: $(cat "$work/coldlog")"
+grep -Eq '^\[kiln:startup\] variant [0-9a-f]{16}: plan and binary from the disk cache [0-9.]+ ms$' \
+	"$work/coldlog" || fail "--cold: no startup log of the cache hit: $(cat "$work/coldlog")"
 
 # kiln explain: the example with a host sync shows two graphs and names the break
 KILN_CACHE_DIR=$work/cache-explain "$kiln" explain graph_break relu_fma >"$work/explain" 2>&1 ||

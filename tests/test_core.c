@@ -125,7 +125,10 @@ static void test_logs(void **state)
 	assert_int_equal(kl__parse_logs("fusion,cache"), KL_LOG_FUSION | KL_LOG_CACHE);
 	assert_int_equal(kl__parse_logs("bogus, graph_breaks"), KL_LOG_GRAPH_BREAKS);
 	unsigned all = kl__parse_logs("all");
-	assert_int_equal(all, 0xffu);
+	assert_int_equal(all, 0x1ffu);
+	assert_int_equal(kl__parse_logs("startup"), KL_LOG_STARTUP);
+	assert_int_equal(kl__parse_logs("cache,startup"), KL_LOG_CACHE | KL_LOG_STARTUP);
+	assert_int_equal(kl__parse_logs("start"), 0); /* not a prefix match */
 	assert_int_equal(kl__parse_logs("graph"), KL_LOG_GRAPH); /* not a prefix match */
 }
 

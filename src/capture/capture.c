@@ -287,6 +287,7 @@ typedef struct call {
 	dynrec *dyn; /* tensors materialized at breaks whose dims were symbols */
 	int ndyn, cap_dyn;
 	bool over_limit;
+	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -526,13 +527,17 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 	kl_gentry *e = NULL;
 	kl_tensor **outs = NULL;
 	if (n > 0) {
+		double t0 = kl__now_ms();
 		st = graph_entry(cs, tr, nops, &e);
+		double t1 = kl__now_ms();
+		cs->compile_ms += t1 - t0;
 		if (st == KL_OK && !(outs = calloc((size_t)n, sizeof *outs)))
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
 			refine_guards(cs, tr, e->c);
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
+		cs->run_ms += kl__now_ms() - t1;
 		if (st == KL_OK) {
 			cs->launches += e->c->last_launches;
 			for (int i = 0; i < n && st == KL_OK; i++)
@@ -665,6 +670,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 {
 	kl_ctx *ctx = f->ctx;
 	call cs = {.f = f, .v = v, .in = in, .new_variant = fresh};
+	double t0 = kl__now_ms();
 	kl_status st = kl__trace_begin(ctx);
 	if (st != KL_OK)
 		return st;
@@ -721,6 +727,14 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		f->last_kernels = cs.launches;
 		f->last = v;
+	}
+	if (st == KL_OK && fresh) {
+		double all = kl__now_ms() - t0;
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "%s variant %d, first call %.3f ms: tracing %.3f ms, cache or compile "
+		        "%.3f ms, run (enqueue) %.3f ms, %d graph%s",
+		        f->name, v->id, all, all - cs.compile_ms - cs.run_ms, cs.compile_ms,
+		        cs.run_ms, cs.seg + 1, cs.seg ? "s" : "");
 	}
 	if (cs.over_limit)
 		go_eager(f);

@@ -118,12 +118,15 @@ enum {
 	KL_LOG_CACHE = 1u << 4,
 	KL_LOG_CUDAGRAPHS = 1u << 5,
 	KL_LOG_AUTOTUNE = 1u << 6,
-	KL_LOG_GRAPH = 1u << 7
+	KL_LOG_GRAPH = 1u << 7,
+	KL_LOG_STARTUP = 1u << 8 /* wall-clock ms of each one-time set-up phase */
 };
 /* Parse a KILN_LOGS value ("fusion,cache", "all"); unknown names ignored. */
 unsigned kl__parse_logs(const char *s);
 /* Print "[kiln:<cat>] message" to stderr when cat is enabled on ctx. */
 void kl__log(const kl_ctx *ctx, unsigned cat, const char *fmt, ...) KL_PRINTF(3, 4);
+/* A monotonic clock in milliseconds, for the startup log's phases. */
+double kl__now_ms(void);
 
 /* ---- tensors -------------------------------------------------------------- */
 

@@ -4,11 +4,13 @@
  */
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/core.h"
 
-static const char *const log_names[] = {"graph_breaks", "recompiles", "fusion",   "output_code",
-                                        "cache",        "cudagraphs", "autotune", "graph"};
+static const char *const log_names[] = {"graph_breaks", "recompiles", "fusion",
+                                        "output_code",  "cache",      "cudagraphs",
+                                        "autotune",     "graph",      "startup"};
 #define NLOGS ((int)(sizeof log_names / sizeof log_names[0]))
 
 unsigned kl__parse_logs(const char *s)
@@ -48,4 +50,11 @@ void kl__log(const kl_ctx *ctx, unsigned cat, const char *fmt, ...)
 	size_t n = strlen(msg);
 	/* one fprintf per line keeps lines whole when several threads log */
 	fprintf(stderr, "[kiln:%s] %s%s", name, msg, n && msg[n - 1] == '\n' ? "" : "\n");
+}
+
+double kl__now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }

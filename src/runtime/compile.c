@@ -451,13 +451,25 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 
 	char dir[PATH_MAX];
 	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
+	double t0 = kl__now_ms();
 	if (have_dir && load_cached(ctx, c, dir) == KL_OK) {
 		c->from_cache = true;
 		atomic_fetch_add(&n_cache_hits, 1);
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "variant %016" PRIx64 ": plan and binary from the disk cache %.3f ms",
+		        c->key, kl__now_ms() - t0);
 	} else {
-		if (make_program(ctx, c, g, cfg, symbolic) != KL_OK ||
-		    build(ctx, c, have_dir ? dir : NULL) != KL_OK)
+		double t1 = kl__now_ms();
+		if (make_program(ctx, c, g, cfg, symbolic) != KL_OK)
 			goto fail;
+		double t2 = kl__now_ms();
+		if (build(ctx, c, have_dir ? dir : NULL) != KL_OK)
+			goto fail;
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "variant %016" PRIx64 ": cache lookup %.3f ms, lowering %.3f ms, build (%s) "
+		        "%.3f ms",
+		        c->key, t1 - t0, t2 - t1, c->cuda ? "NVRTC, module load" : "cc, dlopen",
+		        kl__now_ms() - t2);
 	}
 	for (int32_t s = 0; s < c->prog.nsteps; s++)
 		for (int i = 0; i < c->prog.steps[s].nnodes; i++)
@@ -491,6 +503,8 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
 		goto fail;
 	}
+	if (c->cuda)
+		kl__cuda_rt_prepare(ctx, c);
 	return c;
 fail:
 	free(sym);

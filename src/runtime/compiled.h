@@ -104,6 +104,11 @@ kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64
 /* Load c's image from the disk cache; KL_EFORMAT when absent or corrupt. */
 kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
                            uint64_t bin_size);
+/* Set-up the first call would otherwise do, done once c is ready (built or
+ * read from the cache, buffers planned): each product step's cuBLASLt
+ * descriptors and algorithm choice. Runs nothing on the device; a failure
+ * is logged (KILN_LOGS=startup) and left for the first call to report. */
+void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c);
 /* A device arena of at least bytes; *base receives its address. */
 kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base);
 /* Run every step on the stream (B: device addresses per buffer), through

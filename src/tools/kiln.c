@@ -27,7 +27,8 @@ static void usage(FILE *f)
 	        "\nenvironment:\n"
 	        "  KILN_CACHE_DIR  the kernel cache (default $XDG_CACHE_HOME/kiln)\n"
 	        "  KILN_LOGS       comma-separated log categories: graph_breaks, recompiles,\n"
-	        "                  fusion, output_code, cache, cudagraphs, autotune, graph, all\n");
+	        "                  fusion, output_code, cache, cudagraphs, autotune, graph,\n"
+	        "                  startup, all\n");
 }
 
 int main(int argc, char **argv)

@@ -52,6 +52,12 @@ kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_
 	return absent(ctx);
 }
 
+void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c)
+{
+	(void)ctx;
+	(void)c;
+}
+
 kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base)
 {
 	(void)c;

@@ -351,9 +351,22 @@ const kl_backend kl__cuda_backend = {
         .memory = cuda_memory,
 };
 
+/* A library kiln needs for any real work, made ready at device open so
+ * that a first call does not pay for it; when it fails the context still
+ * opens, and the first use reports the library's error. */
+static void open_library(kl_ctx *ctx, kl_status s, const char *what)
+{
+	if (s == KL_OK)
+		return;
+	kl__log(ctx, KL_LOG_STARTUP, "%s not ready at device open (%s): its first use says why",
+	        what, kl_last_error(ctx));
+	kl_clear_error(ctx);
+}
+
 kl_status kl__cuda_ctx_init(kl_ctx *ctx, int index)
 {
 	kl_cuda_dev *d = NULL;
+	double t0 = kl__now_ms();
 	kl_status s = kl__cuda_dev_open(ctx, index, &d);
 	if (s != KL_OK)
 		return s;
@@ -361,6 +374,17 @@ kl_status kl__cuda_ctx_init(kl_ctx *ctx, int index)
 	ctx->index = index;
 	ctx->be = &kl__cuda_backend;
 	ctx->backend_state = d;
+	double t1 = kl__now_ms();
+	/* NVRTC names every kernel cache entry (kl__cuda_rt_identity), so even
+	 * a process whose kernels all come from the disk cache loads it */
+	open_library(ctx, kl__cuda_load_nvrtc(ctx), "NVRTC");
+	double t2 = kl__now_ms();
+	open_library(ctx, kl__lt_open(ctx, d), "cuBLASLt");
+	double t3 = kl__now_ms();
+	kl__log(ctx, KL_LOG_STARTUP,
+	        "kl_ctx_new(cuda:%d) %.3f ms: driver and device %.3f ms, NVRTC %.3f ms, "
+	        "cuBLASLt %.3f ms",
+	        index, t3 - t0, t1 - t0, t2 - t1, t3 - t2);
 	return KL_OK;
 }
 

@@ -22,6 +22,7 @@ typedef struct lt_plan {
 	cublasLtMatrixLayout_t la, lb, lc, ld; /* cuBLASLt's A (our B), B (our A), C, D */
 	bool have_algo;
 	kl_lt_algo algo; /* the heuristic's first choice */
+	bool ran;        /* cublasLtMatmul was called with it (the startup log) */
 } lt_plan;
 
 typedef struct kl_lt_state {
@@ -48,6 +49,15 @@ static kl_status lt_fail(kl_ctx *ctx, cublasStatus_t st, const char *call, const
 	               kl_dtype_name(g->ab), kl_dtype_name(g->ab), kl_dtype_name(g->cd),
 	               (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->batch,
 	               epi_name(g->epi));
+}
+
+/* "bf16 [m=4096 n=8192 k=2048] batch 1, epilogue default" for the startup log */
+static const char *gemm_what(const kl_gemm *g, char *buf, size_t cap)
+{
+	snprintf(buf, cap, "%s->%s [m=%lld n=%lld k=%lld] batch %lld, epilogue %s",
+	         kl_dtype_name(g->ab), kl_dtype_name(g->cd), (long long)g->m, (long long)g->n,
+	         (long long)g->k, (long long)g->batch, epi_name(g->epi));
+	return buf;
 }
 
 #define LT_TRY(call, what)                                    \
@@ -126,12 +136,10 @@ kl_status kl__lt_geometry(const kl_gemm *g, kl_lt_geom *o, char *why, size_t cap
 
 /* ---- state ----------------------------------------------------------------------------- */
 
-static kl_status lt_state(kl_ctx *ctx, kl_cuda_dev *d, kl_lt_state **out)
+kl_status kl__lt_open(kl_ctx *ctx, kl_cuda_dev *d)
 {
-	if (d->lt) {
-		*out = d->lt;
+	if (d->lt)
 		return kl__cuda_bind(ctx, d);
-	}
 	kl_status s = kl__cuda_load_cublaslt(ctx);
 	if (s != KL_OK)
 		return s;
@@ -140,6 +148,7 @@ static kl_status lt_state(kl_ctx *ctx, kl_cuda_dev *d, kl_lt_state **out)
 	kl_lt_state *st = calloc(1, sizeof *st);
 	if (!st)
 		return kl__err(ctx, KL_ENOMEM, "kl_cuda: out of host memory");
+	double t0 = kl__now_ms();
 	cublasStatus_t cs = kl__lt.cublasLtCreate(&st->h);
 	if (cs != CUBLAS_STATUS_SUCCESS) {
 		free(st);
@@ -147,6 +156,7 @@ static kl_status lt_state(kl_ctx *ctx, kl_cuda_dev *d, kl_lt_state **out)
 		               kl__lt.cublasLtGetStatusName(cs),
 		               kl__lt.cublasLtGetStatusString(cs));
 	}
+	double t1 = kl__now_ms();
 	/* NVIDIA's advice: 32 MiB of workspace from Hopper on, 4 MiB before. */
 	st->ws_bytes = (d->cc_major >= 9 ? 32u : 4u) << 20;
 	if ((s = kl__cuda_malloc(ctx, d, st->ws_bytes, &st->ws)) != KL_OK) {
@@ -154,9 +164,17 @@ static kl_status lt_state(kl_ctx *ctx, kl_cuda_dev *d, kl_lt_state **out)
 		free(st);
 		return s;
 	}
+	kl__log(ctx, KL_LOG_STARTUP, "cuBLASLt %zu: cublasLtCreate %.3f ms, %zu MiB workspace %.3f ms",
+	        kl__lt.version, t1 - t0, st->ws_bytes >> 20, kl__now_ms() - t1);
 	d->lt = st;
-	*out = st;
 	return KL_OK;
+}
+
+static kl_status lt_state(kl_ctx *ctx, kl_cuda_dev *d, kl_lt_state **out)
+{
+	kl_status s = kl__lt_open(ctx, d);
+	*out = d->lt;
+	return s;
 }
 
 static void plan_destroy(lt_plan *p)
@@ -399,9 +417,15 @@ static kl_status plan_get(kl_ctx *ctx, kl_cuda_dev *d, kl_gemm *g, kl_lt_state *
 	memset(p, 0, sizeof *p);
 	p->key = k;
 	p->hash = h;
+	double t0 = kl__now_ms();
 	if ((s = plan_build(ctx, g, &k, p)) != KL_OK || (s = set_bias(ctx, g, p)) != KL_OK) {
 		plan_destroy(p);
 		return s;
+	}
+	if (ctx->logs & KL_LOG_STARTUP) {
+		char what[160];
+		kl__log(ctx, KL_LOG_STARTUP, "cuBLASLt %s: descriptors and layouts %.3f ms",
+		        gemm_what(g, what, sizeof what), kl__now_ms() - t0);
 	}
 	st->nplans++;
 	*out = p;
@@ -430,12 +454,19 @@ static kl_status heuristics(kl_ctx *ctx, kl_lt_state *st, const kl_gemm *g, lt_p
 	int got = 0;
 	if (want > 32)
 		want = 32;
+	double t0 = kl__now_ms();
 	if (cs == CUBLAS_STATUS_SUCCESS)
 		cs = kl__lt.cublasLtMatmulAlgoGetHeuristic(st->h, p->op, p->la, p->lb, p->lc, p->ld,
 		                                           pref, want, res, &got);
 	kl__lt.cublasLtMatmulPreferenceDestroy(pref);
 	if (cs != CUBLAS_STATUS_SUCCESS)
 		return lt_fail(ctx, cs, "cublasLtMatmulAlgoGetHeuristic", g);
+	if (ctx->logs & KL_LOG_STARTUP) {
+		char what[160];
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "cuBLASLt %s: heuristic (%d of %d candidates asked) %.3f ms",
+		        gemm_what(g, what, sizeof what), got, want, kl__now_ms() - t0);
+	}
 	for (int i = 0; i < got; i++) {
 		if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > st->ws_bytes)
 			continue;
@@ -557,12 +588,45 @@ kl_status kl__lt_matmul(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl
 		alpha = &g->alpha;
 		beta = &g->beta;
 	}
+	double t0 = kl__now_ms();
 	LT_TRY(kl__lt.cublasLtMatmul(st->h, p->op, alpha, (const void *)(uintptr_t)g->b, p->la,
 	                             (const void *)(uintptr_t)g->a, p->lb, beta,
 	                             (const void *)(uintptr_t)g->c, p->lc, (void *)(uintptr_t)g->d,
 	                             p->ld, &algo->algo, (void *)(uintptr_t)st->ws, algo->workspace,
 	                             d->stream),
 	       "cublasLtMatmul");
+	if (!p->ran) {
+		/* the host side of the first call: the driver loads the kernel it
+		 * picked here (lazy module loading), before the launch */
+		p->ran = true;
+		if (ctx->logs & KL_LOG_STARTUP) {
+			char what[160];
+			kl__log(ctx, KL_LOG_STARTUP,
+			        "cuBLASLt %s: first cublasLtMatmul %.3f ms (host, enqueue)%s",
+			        gemm_what(g, what, sizeof what), kl__now_ms() - t0,
+			        d->capturing ? ", while capturing" : "");
+		}
+	}
+	return KL_OK;
+}
+
+kl_status kl__lt_prepare_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
+                              kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
+                              CUdeviceptr r, CUdeviceptr bias)
+{
+	kl_gemm g;
+	bool lib = false;
+	kl_status s = kl__lt_step_gemm(ctx, mm, ab, cd, a, b, c, r, bias, &g, &lib);
+	if (s != KL_OK || !lib)
+		return s;
+	kl_lt_state *st = NULL;
+	lt_plan *p = NULL;
+	if ((s = plan_get(ctx, d, &g, &st, &p)) != KL_OK || p->have_algo)
+		return s;
+	int n = 0;
+	if ((s = heuristics(ctx, st, &g, p, 1, &p->algo, &n)) != KL_OK)
+		return s;
+	p->have_algo = true;
 	return KL_OK;
 }
 

@@ -62,7 +62,11 @@ static kl_status raw_alloc(kl_ctx *ctx, void *user, size_t nbytes, uint64_t *out
 	if (s != KL_OK)
 		return s;
 	CUdeviceptr p = 0;
+	double t0 = kl__now_ms();
 	CUresult r = kl__cu.cuMemAlloc(&p, nbytes);
+	/* the pool grows only while a program finds its working set */
+	kl__log(d->ctx, KL_LOG_STARTUP, "cuMemAlloc %zu bytes: %.3f ms%s", nbytes,
+	        kl__now_ms() - t0, r == CUDA_SUCCESS ? "" : " (failed)");
 	if (r == CUDA_ERROR_OUT_OF_MEMORY)
 		return KL_ENOMEM; /* the pool frees its cache and retries */
 	s = kl__cu_check(ctx, r, "cuMemAlloc", __FILE__, __LINE__);
@@ -148,16 +152,24 @@ kl_status kl__cuda_dev_open(kl_ctx *ctx, int index, kl_cuda_dev **out)
 	d->ctx = ctx;
 	d->index = index;
 	kl__pool_init(&d->pool, raw_alloc, raw_free, d);
+	double t0 = kl__now_ms(), t1, t2, t3;
 	if ((s = KL_CU(ctx, cuDeviceGet, &d->dev, index)) != KL_OK)
 		goto fail_free;
 	if ((s = KL_CU(ctx, cuDevicePrimaryCtxRetain, &d->cu, d->dev)) != KL_OK)
 		goto fail_free;
 	if ((s = KL_CU(ctx, cuCtxSetCurrent, d->cu)) != KL_OK)
 		goto fail_release;
+	t1 = kl__now_ms();
 	if ((s = read_props(ctx, d)) != KL_OK)
 		goto fail_release;
+	t2 = kl__now_ms();
 	if ((s = KL_CU(ctx, cuStreamCreate, &d->stream, CU_STREAM_NON_BLOCKING)) != KL_OK)
 		goto fail_release;
+	t3 = kl__now_ms();
+	kl__log(ctx, KL_LOG_STARTUP,
+	        "CUDA device %d (%s, sm_%d%d): primary context %.3f ms, properties %.3f ms, "
+	        "stream %.3f ms",
+	        index, d->name, d->cc_major, d->cc_minor, t1 - t0, t2 - t1, t3 - t2);
 	*out = d;
 	return KL_OK;
 fail_release:
@@ -190,6 +202,20 @@ void kl__cuda_dev_close(kl_cuda_dev *d)
 
 /* ---- copies ------------------------------------------------------------------------- */
 
+/* Waits for the stream; the startup log times the device's first wait (what
+ * the work queued so far, the first call's included, took to finish). */
+static kl_status stream_sync(kl_ctx *ctx, kl_cuda_dev *d, const char *why)
+{
+	double t0 = kl__now_ms();
+	KL_CU_TRY(ctx, cuStreamSynchronize, d->stream);
+	if (!d->synced) {
+		d->synced = true;
+		kl__log(ctx ? ctx : d->ctx, KL_LOG_STARTUP,
+		        "first stream synchronize (%s): %.3f ms", why, kl__now_ms() - t0);
+	}
+	return KL_OK;
+}
+
 kl_status kl__cuda_h2d(kl_ctx *ctx, kl_cuda_dev *d, CUdeviceptr dst, const void *src, size_t n)
 {
 	if (!n)
@@ -213,8 +239,7 @@ kl_status kl__cuda_d2h(kl_ctx *ctx, kl_cuda_dev *d, void *dst, CUdeviceptr src, 
 	if (s != KL_OK)
 		return s;
 	KL_CU_TRY(ctx, cuMemcpyDtoHAsync, dst, src, n, d->stream);
-	KL_CU_TRY(ctx, cuStreamSynchronize, d->stream);
-	return KL_OK;
+	return stream_sync(ctx, d, "copy to the host");
 }
 
 kl_status kl__cuda_d2d(kl_ctx *ctx, kl_cuda_dev *d, CUdeviceptr dst, CUdeviceptr src, size_t n)
@@ -244,8 +269,7 @@ kl_status kl__cuda_sync(kl_ctx *ctx, kl_cuda_dev *d)
 	kl_status s = kl__cuda_bind(ctx, d);
 	if (s != KL_OK)
 		return s;
-	KL_CU_TRY(ctx, cuStreamSynchronize, d->stream);
-	return KL_OK;
+	return stream_sync(ctx, d, "synchronize");
 }
 
 kl_status kl__cuda_mem_info(kl_ctx *ctx, kl_cuda_dev *d, size_t *free_bytes, size_t *total)

@@ -48,7 +48,8 @@ typedef struct kl_cuda_dev {
 	size_t total_mem;
 	kl_pool pool;
 	bool capturing;         /* inside kl__cuda_capture_begin/end */
-	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made on first use */
+	bool synced;            /* the stream was waited for once (the startup log) */
+	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made at device open */
 	struct kl_eager_cache *eager; /* backend.c: compiled one-node programs by key */
 	struct kl_cuda_attn *attn;    /* attention.c: compiled attention kernels, workspace */
 } kl_cuda_dev;
@@ -236,6 +237,18 @@ kl_status kl__lt_step_gemm(kl_ctx *ctx, const kl_matmul_step *mm, kl_dtype ab, k
  * its workspace). */
 kl_status kl__lt_algo_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, const kl_lt_algo *algo,
                             char *why, size_t cap);
+/* Makes d's cuBLASLt state: loads the library, creates the handle and
+ * allocates the workspace (device open does this; a product retries it when
+ * that failed, and reports why). */
+kl_status kl__lt_open(kl_ctx *ctx, kl_cuda_dev *d);
+/* Builds the descriptors of a runtime product step and asks the heuristic
+ * for its algorithm, as kl__lt_matmul_step on these buffers would, so that
+ * a later call on buffers of the same alignments finds both cached (a
+ * compiled variant does this when its plan is ready, with stand-in
+ * addresses of the alignments its buffers will have). Runs nothing. */
+kl_status kl__lt_prepare_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step *mm, kl_dtype ab,
+                              kl_dtype cd, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c,
+                              CUdeviceptr r, CUdeviceptr bias);
 /* Frees the handle, cached plans and workspace (device close does this). */
 void kl__lt_release(kl_cuda_dev *d);
 

@@ -6,6 +6,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,9 +35,10 @@ const char *const kl__cublaslt_names[] = {"libcublasLt.so.13",
                                           "/usr/local/cuda/lib64/libcublasLt.so",
                                           NULL};
 
-kl_status kl__loader_open(const char *what, const char *const *names, int nnames,
-                          const kl_loader_sym *syms, int nsyms, void *table, void **lib, char *err,
-                          size_t errcap)
+/* kl__loader_open, also saying which name opened (*loaded, on success). */
+static kl_status loader_open_named(const char *what, const char *const *names, int nnames,
+                                   const kl_loader_sym *syms, int nsyms, void *table, void **lib,
+                                   char *err, size_t errcap, const char **loaded)
 {
 	size_t used = 0;
 	void *h = NULL;
@@ -76,8 +78,18 @@ kl_status kl__loader_open(const char *what, const char *const *names, int nnames
 		memcpy((char *)table + syms[i].offset, &p, sizeof p);
 	}
 	*lib = h;
+	*loaded = name;
 	err[0] = 0;
 	return KL_OK;
+}
+
+kl_status kl__loader_open(const char *what, const char *const *names, int nnames,
+                          const kl_loader_sym *syms, int nsyms, void *table, void **lib, char *err,
+                          size_t errcap)
+{
+	const char *loaded = NULL;
+	return loader_open_named(what, names, nnames, syms, nsyms, table, lib, err, errcap,
+	                         &loaded);
 }
 
 /* Candidate list: the environment override, then the defaults. */
@@ -108,23 +120,40 @@ typedef struct load_state {
 	pthread_once_t once;
 	kl_status status;
 	char err[KL_ERR_CAP];
+	/* for KILN_LOGS=startup: what opened, how long dlopen + dlsym took, and
+	 * the library's own start (cuInit; 0 for the others) */
+	const char *name;
+	int nsyms;
+	double open_ms, init_ms;
+	atomic_bool logged; /* the startup log has told the load */
 } load_state;
 
-static load_state driver_state = {PTHREAD_ONCE_INIT, KL_OK, ""};
-static load_state nvrtc_state = {PTHREAD_ONCE_INIT, KL_OK, ""};
-static load_state lt_state = {PTHREAD_ONCE_INIT, KL_OK, ""};
+static load_state driver_state = {.once = PTHREAD_ONCE_INIT};
+static load_state nvrtc_state = {.once = PTHREAD_ONCE_INIT};
+static load_state lt_state = {.once = PTHREAD_ONCE_INIT};
+
+static kl_status open_timed(load_state *s, const char *what, const char *const *names, int n,
+                            const kl_loader_sym *syms, int nsyms, void *table, void **lib)
+{
+	double t0 = kl__now_ms();
+	s->nsyms = nsyms;
+	s->status = loader_open_named(what, names, n, syms, nsyms, table, lib, s->err,
+	                              sizeof s->err, &s->name);
+	s->open_ms = kl__now_ms() - t0;
+	return s->status;
+}
 
 static void load_driver_once(void)
 {
 	const char *names[8];
 	int n = names_with_env("KILN_LIBCUDA", kl__cuda_driver_names, names, 8);
 	load_state *s = &driver_state;
-	s->status =
-	        kl__loader_open("CUDA driver", names, n, kl__cuda_driver_syms,
-	                        kl__cuda_driver_nsyms, &kl__cu, &kl__cu.lib, s->err, sizeof s->err);
-	if (s->status != KL_OK)
+	if (open_timed(s, "CUDA driver", names, n, kl__cuda_driver_syms, kl__cuda_driver_nsyms,
+	               &kl__cu, &kl__cu.lib) != KL_OK)
 		return;
+	double t0 = kl__now_ms();
 	CUresult r = kl__cu.cuInit(0);
+	s->init_ms = kl__now_ms() - t0;
 	if (r != CUDA_SUCCESS) {
 		const char *name = "?", *str = "?";
 		kl__cu.cuGetErrorName(r, &name);
@@ -150,9 +179,8 @@ static void load_nvrtc_once(void)
 	const char *names[16];
 	int n = names_with_env("KILN_LIBNVRTC", kl__nvrtc_names, names, 16);
 	load_state *s = &nvrtc_state;
-	s->status = kl__loader_open("NVRTC", names, n, nvrtc_syms, NSYMS(nvrtc_syms), &kl__nvrtc,
-	                            &kl__nvrtc.lib, s->err, sizeof s->err);
-	if (s->status != KL_OK)
+	if (open_timed(s, "NVRTC", names, n, nvrtc_syms, NSYMS(nvrtc_syms), &kl__nvrtc,
+	               &kl__nvrtc.lib) != KL_OK)
 		return;
 	kl__nvrtc.nvrtcVersion(&kl__nvrtc.major, &kl__nvrtc.minor);
 	int na = 0;
@@ -171,14 +199,30 @@ static void load_lt_once(void)
 	const char *names[16];
 	int n = names_with_env("KILN_LIBCUBLASLT", kl__cublaslt_names, names, 16);
 	load_state *s = &lt_state;
-	s->status = kl__loader_open("cuBLASLt", names, n, lt_syms, NSYMS(lt_syms), &kl__lt,
-	                            &kl__lt.lib, s->err, sizeof s->err);
-	if (s->status == KL_OK)
+	if (open_timed(s, "cuBLASLt", names, n, lt_syms, NSYMS(lt_syms), &kl__lt, &kl__lt.lib) ==
+	    KL_OK)
 		kl__lt.version = kl__lt.cublasLtGetVersion();
 }
 
-static kl_status finish(kl_ctx *ctx, const load_state *s)
+/* The first context that asks with KILN_LOGS=startup hears how long the
+ * process's one load took (which may have been for an earlier context). */
+static void log_load(kl_ctx *ctx, load_state *s, const char *what, bool now)
 {
+	if (!ctx || !(ctx->logs & KL_LOG_STARTUP) || atomic_exchange(&s->logged, true))
+		return;
+	char init[64] = "";
+	if (s->init_ms > 0)
+		snprintf(init, sizeof init, ", cuInit %.3f ms", s->init_ms);
+	kl__log(ctx, KL_LOG_STARTUP, "%s %s: dlopen + %d symbols %.3f ms%s%s%s", what,
+	        s->name ? s->name : "(not found)", s->nsyms, s->open_ms, init,
+	        s->status == KL_OK ? "" : " (failed)",
+	        now ? "" : " (loaded earlier in this process)");
+}
+
+static kl_status finish(kl_ctx *ctx, load_state *s, const char *what, double t0)
+{
+	/* the once-call took the time: this caller did the load */
+	log_load(ctx, s, what, kl__now_ms() - t0 >= s->open_ms + s->init_ms);
 	if (s->status == KL_OK)
 		return KL_OK;
 	return kl__err(ctx, s->status, "%s", s->err);
@@ -186,18 +230,21 @@ static kl_status finish(kl_ctx *ctx, const load_state *s)
 
 kl_status kl__cuda_load_driver(kl_ctx *ctx)
 {
+	double t0 = kl__now_ms();
 	pthread_once(&driver_state.once, load_driver_once);
-	return finish(ctx, &driver_state);
+	return finish(ctx, &driver_state, "CUDA driver", t0);
 }
 
 kl_status kl__cuda_load_nvrtc(kl_ctx *ctx)
 {
+	double t0 = kl__now_ms();
 	pthread_once(&nvrtc_state.once, load_nvrtc_once);
-	return finish(ctx, &nvrtc_state);
+	return finish(ctx, &nvrtc_state, "NVRTC", t0);
 }
 
 kl_status kl__cuda_load_cublaslt(kl_ctx *ctx)
 {
+	double t0 = kl__now_ms();
 	pthread_once(&lt_state.once, load_lt_once);
-	return finish(ctx, &lt_state);
+	return finish(ctx, &lt_state, "cuBLASLt", t0);
 }

@@ -107,16 +107,66 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	}
 	if (c->prog.nkernels == 0)
 		return KL_OK;
+	double t0 = kl__now_ms();
 	kl_status st = kl__cuda_module_load(ctx, rt->dev, im, &rt->mod);
 	if (st != KL_OK)
 		return st;
+	double t1 = kl__now_ms();
 	rt->fns = calloc((size_t)c->prog.nkernels, sizeof *rt->fns);
 	if (!rt->fns)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	rt->nfns = c->prog.nkernels;
 	for (int32_t k = 0; k < c->prog.nkernels && st == KL_OK; k++)
 		st = kl__cuda_module_fn(ctx, rt->mod, c->prog.kernel_names[k], &rt->fns[k]);
+	kl__log(ctx, KL_LOG_STARTUP,
+	        "variant %016" PRIx64 ": cuModuleLoadData (%zu-byte %s) %.3f ms, %d kernels "
+	        "looked up %.3f ms",
+	        c->key, im->size, im->ptx ? "PTX" : "cubin", t1 - t0, (int)c->prog.nkernels,
+	        kl__now_ms() - t1);
 	return st;
+}
+
+void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c)
+{
+	kl_cuda_rt *rt = c->dev;
+	const kl_program *p = &c->prog;
+	if (!rt)
+		return;
+	for (int32_t s = 0; s < p->nsteps; s++) {
+		const kl_step *sp = &p->steps[s];
+		if (sp->kind != KL_STEP_MATMUL)
+			continue;
+		const kl_matmul_step *mm = &sp->mm;
+		/* where the buffers will be at the first call, as far as alignment
+		 * goes: pool blocks (256-byte aligned) and, for temps, their arena
+		 * offset; one distinct base per buffer id */
+		int32_t ids[5] = {mm->a, mm->b, mm->c, mm->has_r ? mm->r : -1,
+		                  mm->has_bias ? mm->bias : -1};
+		CUdeviceptr at[5];
+		for (int i = 0; i < 5; i++) {
+			at[i] = 0;
+			if (ids[i] < 0)
+				continue;
+			at[i] = (CUdeviceptr)((uint64_t)(ids[i] + 1) << 32);
+			if (p->bufs[ids[i]].role == KL_BUF_TEMP && c->plan.off)
+				at[i] += (CUdeviceptr)c->plan.off[ids[i]];
+		}
+		double t0 = kl__now_ms();
+		kl_status st = kl__lt_prepare_step(ctx, rt->dev, mm, p->bufs[mm->a].dtype,
+		                                   p->bufs[mm->c].dtype, at[0], at[1], at[2], at[3],
+		                                   at[4]);
+		if (st != KL_OK) {
+			/* the first call meets the same problem and reports it */
+			kl__log(ctx, KL_LOG_STARTUP,
+			        "variant %016" PRIx64 " step %d: cuBLASLt not prepared (%s)", c->key,
+			        (int)s, kl_last_error(ctx));
+			kl_clear_error(ctx);
+			continue;
+		}
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "variant %016" PRIx64 " step %d (%s): cuBLASLt prepared at plan load %.3f ms",
+		        c->key, (int)s, sp->what, kl__now_ms() - t0);
+	}
 }
 
 kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t *bin_hash,
