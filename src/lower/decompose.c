@@ -390,7 +390,7 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
 		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
 		                       : 1;
-		bool skinny = cuda && d->L->o->fusion && !d->L->o->no_skinny && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
+		bool skinny = cuda && d->L->o->fusion && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
 		              rows <= 16 && nk >= 65536;
 		if (sym_product(d, s) || int_cuda || skinny)
 			return product(d, s, in);

@@ -532,8 +532,7 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 	return st;
 }
 
-static kl_status lower_once(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err,
-                            size_t errcap)
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
 {
 	memset(out, 0, sizeof(*out));
 	char dummy[8];
@@ -587,24 +586,5 @@ done:
 	if (st != KL_OK)
 		kl__program_free(out);
 	lctx_free(&L);
-	return st;
-}
-
-kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
-{
-	kl_status st = lower_once(g, o, out, err, errcap);
-	/* Skinny products turned into generated reductions can, in some graphs,
-	 * leave kernels that depend on each other (the scheduler then refuses
-	 * the plan): lower again with library products, and say so. */
-	if (st == KL_EINVAL && o->target == KL_TARGET_CUDA && o->fusion && !o->no_skinny &&
-	    err && strstr(err, "depend on each other")) {
-		kl_lower_opts o2 = *o;
-		o2.no_skinny = true;
-		if (o->log_ctx)
-			kl__log(o->log_ctx, KL_LOG_FUSION,
-			        "skinny products as generated reductions left a cycle between "
-			        "kernels: lowering again with library products");
-		st = lower_once(g, &o2, out, err, errcap);
-	}
 	return st;
 }
