@@ -1,10 +1,12 @@
-/* test_schedule.c - scheduler decisions on whole graphs: a kernel that would
+/* test_schedule.c - scheduler decisions on whole graphs. A kernel that would
  * store more values than a step may write is split, not left depending on a
  * dead kernel (the one-token DecoderLayer lowered for CUDA, whose skinny
  * products are generated row reductions, and the smallest graph with the
  * same shape of problem), each lowered for the C and the CUDA targets (no
  * GPU needed; with KILN_HAVE_CUDA and NVRTC the CUDA source is compiled for
- * sm_90) and run on the CPU against the float64 reference.
+ * sm_90) and run on the CPU against the float64 reference. Products that
+ * read one x with adjacent slices of one weight buffer as one product (the
+ * SwiGLU FeedForward's gate and up), and the cases that stay apart.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -14,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -237,7 +241,9 @@ static void test_decoder_one_token(void **state)
 	static const char *const logs[] = {
 	        "split the kernel of mul#35(matmul): it would store 3 values (at most 2); "
 	        "mul#40(rms_norm) becomes a kernel of its own",
-	        "the kernel of sum#40(rms_norm) recomputes mul#40(rms_norm)", NULL};
+	        "the kernel of sum#40(rms_norm) recomputes mul#40(rms_norm)",
+	        /* the FFN's gate and up stay two reductions (in one kernel) */
+	        "a skinny product is a generated row reduction on CUDA", NULL};
 	kl_nn_decoder d;
 	assert_int_equal(kl_nn_decoder_init(&d, ctx, 2048, 16, 8192, KL_BF16, 3), KL_OK);
 	kl_tensor *x = kltest_rand(ctx, KL_BF16, 3, (int64_t[]){1, 1, 2048}, KLTEST_NORMAL,
@@ -245,21 +251,180 @@ static void test_decoder_one_token(void **state)
 	assert_non_null(x);
 	/* CUDA: rms_norm + in-projection, out-projection + residual + norm, the
 	 * gate and up reductions with silu * up, the down reduction + residual,
-	 * and the attention step */
+	 * and the attention step; no library product */
 	nvrtc_compiles("one-token DecoderLayer",
 	               lower_expect("one-token DecoderLayer", ap_decoder, &d, 1, &x,
 	                            KL_TARGET_CUDA, (counts){6, 0, 1}, logs));
 	/* the C target: library products */
+	/* the C target: library products, the FFN's gate and up as one */
+	static const char *const clogs[] = {"into one product of 16384 columns", NULL};
 	free(lower_expect("one-token DecoderLayer", ap_decoder, &d, 1, &x, KL_TARGET_C,
-	                  (counts){5, 5, 1}, NULL));
+	                  (counts){5, 4, 1}, clogs));
 	run_vs_reference("one-token DecoderLayer bf16", ap_decoder, &d, 1, &x, 8);
 	kl_release(x);
 	kl_nn_free(&d.base);
 }
 
+/* ---- products sharing x whose weights are adjacent: one product ------------------------ */
+
+static kl_tensor *ap_ffn(kl_tensor *const *in, const void *p)
+{
+	return kl_nn_ffn_forward(p, in[0]);
+}
+
+/* The SwiGLU FeedForward slices gate_up in its forward: gate and up are one
+ * product of 2 * ffn columns (then silu * up, then down): 2 products and a
+ * kernel instead of 3 and a kernel, on both targets; the values those of the
+ * float64 reference. */
+static void test_merge_ffn(void **state)
+{
+	(void)state;
+	static const char *const logs[] = {
+	        "merged matmul#9, matmul#5 (all read input#4) into one product of 160 columns: "
+	        "their weights are adjacent rows [0, 160) of input#0",
+	        NULL};
+	static const kl_dtype dts[] = {KL_F32, KL_BF16};
+	for (int di = 0; di < 2; di++) {
+		kl_dtype dt = dts[di];
+		kl_nn_ffn f;
+		assert_int_equal(kl_nn_ffn_init(&f, ctx, 32, 80, dt, 7 + (uint64_t)di), KL_OK);
+		kl_tensor *x = kltest_rand(ctx, dt, 3, (int64_t[]){2, 5, 32}, KLTEST_NORMAL,
+		                           KLTEST_CONTIG, 31 + (uint64_t)di);
+		assert_non_null(x);
+		char w[96];
+		snprintf(w, sizeof w, "FeedForward %s", kl_dtype_name(dt));
+		free(lower_expect(w, ap_ffn, &f, 1, &x, KL_TARGET_C, (counts){1, 2, 0}, logs));
+		nvrtc_compiles(w, lower_expect(w, ap_ffn, &f, 1, &x, KL_TARGET_CUDA,
+		                               (counts){1, 2, 0}, logs));
+		run_vs_reference(w, ap_ffn, &f, 1, &x, 8);
+		/* eagerly too (two products of views, no copy) */
+		if (!kltest_check_op(ctx, w, ap_ffn, 1, &x, &f, 8))
+			fail_msg("%s: eager forward differs from the reference", w);
+		kl_release(x);
+		kl_nn_free(&f.base);
+	}
+}
+
+/* gate and up from one buffer W of 2f + gap rows (up starts gap rows after
+ * gate ends), or (gap < 0) from two buffers */
+typedef struct gapped {
+	kl_tensor *w, *w2, *wd;
+	int64_t f, gap;
+} gapped;
+
+static kl_tensor *ap_gapped(kl_tensor *const *in, const void *p)
+{
+	const gapped *g = p;
+	int64_t f = g->f, s = g->gap < 0 ? 0 : f + g->gap;
+	kl_tensor *wu = kl_slice(g->gap < 0 ? g->w2 : g->w, 0, s, s + f, 1);
+	kl_tensor *a = kl_mul(kl_silu(kl_linear(in[0], kl_slice(g->w, 0, 0, f, 1), NULL)),
+	                      kl_linear(in[0], wu, NULL));
+	return kl_linear(a, g->wd, NULL);
+}
+
+/* Weights that are not adjacent rows of one buffer stay two products, and
+ * the log says why; the values are still the reference's. */
+static void test_merge_refused(void **state)
+{
+	(void)state;
+	int64_t f = 48, d = 32;
+	static const char *const gap_log[] = {
+	        "their weights are not adjacent in input#0 (rows [0, 48), then [49, 97))", NULL};
+	static const char *const two_log[] = {
+	        "their weights are slices of different buffers", NULL};
+	for (int two = 0; two < 2; two++) {
+		gapped g = {.f = f, .gap = two ? -1 : 1};
+		g.w = kltest_rand(ctx, KL_F32, 2, (int64_t[]){2 * f + 1, d}, KLTEST_NORMAL,
+		                  KLTEST_CONTIG, 41);
+		g.w2 = kltest_rand(ctx, KL_F32, 2, (int64_t[]){f, d}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                   42);
+		g.wd = kltest_rand(ctx, KL_F32, 2, (int64_t[]){d, f}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                   43);
+		kl_tensor *x = kltest_rand(ctx, KL_F32, 3, (int64_t[]){2, 5, d}, KLTEST_NORMAL,
+		                           KLTEST_CONTIG, 44);
+		assert_true(g.w && g.w2 && g.wd && x);
+		const char *w = two ? "gate and up in two buffers" : "gate and up a row apart";
+		free(lower_expect(w, ap_gapped, &g, 1, &x, KL_TARGET_C, (counts){1, 3, 0},
+		                  two ? two_log : gap_log));
+		free(lower_expect(w, ap_gapped, &g, 1, &x, KL_TARGET_CUDA, (counts){1, 3, 0},
+		                  two ? two_log : gap_log));
+		run_vs_reference(w, ap_gapped, &g, 1, &x, 8);
+		kl_release(x);
+		kl_release(g.w);
+		kl_release(g.w2);
+		kl_release(g.wd);
+	}
+}
+
+/* The FeedForward's parameters are views of gate_up: kl_nn_save writes each
+ * key with its own values, kl_nn_load writes each key into its half. */
+static void test_ffn_one_buffer(void **state)
+{
+	(void)state;
+	kl_nn_ffn a, b;
+	assert_int_equal(kl_nn_ffn_init(&a, ctx, 16, 24, KL_F32, 1), KL_OK);
+	assert_int_equal(kl_nn_ffn_init(&b, ctx, 16, 24, KL_F32, 2), KL_OK);
+	char dir[] = "/tmp/kiln-test-schedule-XXXXXX";
+	assert_non_null(mkdtemp(dir));
+	char path[256];
+	snprintf(path, sizeof path, "%s/ffn.safetensors", dir);
+	assert_int_equal(kl_nn_save(&a.base, path, "ffn."), KL_OK);
+	kl_safetensors *st = kl_safetensors_open(ctx, path);
+	assert_non_null(st);
+	assert_int_equal(kl_safetensors_count(st), 3);
+	const char *keys[2] = {"ffn.gate_proj.weight", "ffn.up_proj.weight"};
+	kl_tensor *mine[2] = {a.gate_proj.weight, a.up_proj.weight};
+	for (int i = 0; i < 2; i++) {
+		kl_tensor *t = kl_safetensors_get(st, keys[i]);
+		assert_non_null(t);
+		double *got = kltest_read(t), *want = kltest_read(mine[i]);
+		assert_true(got && want);
+		if (!kltest_compare(keys[i], KL_F32, 2, (int64_t[]){24, 16}, got, want, 0))
+			fail_msg("%s: the saved values are not the parameter's", keys[i]);
+		free(got);
+		free(want);
+		kl_release(t);
+	}
+	assert_int_equal(kl_nn_load(&b.base, st, "ffn."), KL_OK);
+	kl_safetensors_close(st);
+	/* b's buffer now holds a's gate rows, then a's up rows */
+	double *ga = kltest_read(a.gate_up), *gb = kltest_read(b.gate_up);
+	double *vb = kltest_read(b.up_proj.weight), *va = kltest_read(a.up_proj.weight);
+	assert_true(ga && gb && vb && va);
+	if (!kltest_compare("loaded gate_up", KL_F32, 2, (int64_t[]){48, 16}, gb, ga, 0) ||
+	    !kltest_compare("loaded up_proj.weight", KL_F32, 2, (int64_t[]){24, 16}, vb, va, 0))
+		fail_msg("kl_nn_load did not write each key into its half of gate_up");
+	free(ga);
+	free(gb);
+	free(va);
+	free(vb);
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, 16}, KLTEST_NORMAL,
+	                           KLTEST_CONTIG, 5);
+	kl_tensor *ya = kl_nn_ffn_forward(&a, x), *yb = kl_nn_ffn_forward(&b, x);
+	double *pa = kltest_read(ya), *pb = kltest_read(yb);
+	assert_true(pa && pb);
+	if (!kltest_compare("loaded FeedForward", KL_F32, 2, (int64_t[]){3, 16}, pb, pa, 0))
+		fail_msg("the loaded FeedForward computes another function");
+	free(pa);
+	free(pb);
+	kl_release(ya);
+	kl_release(yb);
+	kl_release(x);
+	remove(path);
+	rmdir(dir);
+	kl_nn_free(&a.base);
+	kl_nn_free(&b.base);
+}
+
+/* A disk cache of this process's own: its key does not cover the compiler's
+ * own code, and a plan another build left would hide what this one does. */
+static char cache_dir[] = "/tmp/kiln-test-schedule-cache-XXXXXX";
+
 static int setup(void **state)
 {
 	(void)state;
+	if (!mkdtemp(cache_dir) || setenv("KILN_CACHE_DIR", cache_dir, 1))
+		return -1;
 	ctx = kl_ctx_new(NULL);
 	return ctx ? 0 : -1;
 }
@@ -268,6 +433,17 @@ static int teardown(void **state)
 {
 	(void)state;
 	kl_ctx_free(ctx);
+	DIR *dp = opendir(cache_dir);
+	for (struct dirent *e; dp && (e = readdir(dp));) {
+		char p[512];
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(p, sizeof p, "%s/%s", cache_dir, e->d_name);
+		remove(p);
+	}
+	if (dp)
+		closedir(dp);
+	rmdir(cache_dir);
 	return 0;
 }
 
@@ -276,6 +452,9 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 	        cmocka_unit_test(test_split_minimal),
 	        cmocka_unit_test(test_decoder_one_token),
+	        cmocka_unit_test(test_merge_ffn),
+	        cmocka_unit_test(test_merge_refused),
+	        cmocka_unit_test(test_ffn_one_buffer),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

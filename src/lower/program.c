@@ -43,6 +43,9 @@ static void lctx_free(kl_lctx *L)
 	free(L->bufof);
 	free(L->stored);
 	free(L->order);
+	free(L->mlead);
+	free(L->mcol);
+	free(L->mspan);
 	kl__sb_free(&L->log);
 }
 
@@ -568,6 +571,8 @@ kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, 
 		}
 	}
 	st = kl__attention_match(&L);
+	if (st == KL_OK)
+		st = kl__merge_plan(&L);
 	if (st == KL_OK)
 		st = kl__decompose(&L);
 	if (st == KL_OK)
