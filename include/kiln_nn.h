@@ -141,10 +141,15 @@ kl_tensor *kl_nn_mha_forward(const kl_nn_mha *m, kl_tensor *query, kl_tensor *ke
 
 /* The seed's SwiGLU FeedForward: down_proj(silu(gate_proj(x)) * up_proj(x)),
  * three Linears without bias. Parameters "gate_proj.weight" [ffn, d],
- * "up_proj.weight" [ffn, d], "down_proj.weight" [d, ffn]. */
+ * "up_proj.weight" [ffn, d], "down_proj.weight" [d, ffn]. The gate and up
+ * weights are the two row halves of one [2 * ffn, d] buffer, gate_up (their
+ * parameter tensors are views of it; kl_nn_load writes each key into its
+ * half), and the forward slices that buffer, so that a compiled forward
+ * computes both projections as one product (no copy). */
 typedef struct kl_nn_ffn {
 	kl_nn_module base;
 	kl_nn_linear gate_proj, up_proj, down_proj;
+	kl_tensor *gate_up; /* [2 * ffn, d]: gate_proj.weight, then up_proj.weight */
 } kl_nn_ffn;
 kl_status kl_nn_ffn_init(kl_nn_ffn *m, kl_ctx *ctx, int64_t d_model, int64_t ffn_dim,
                          kl_dtype dt, uint64_t seed);

@@ -209,6 +209,79 @@ static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 
 static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in);
 
+bool kl__skinny_product(const kl_lctx *L, kl_dtype D, int64_t rows, int64_t n, int64_t k)
+{
+	return L->o->target == KL_TARGET_CUDA && L->o->fusion &&
+	       (D == KL_F32 || D == KL_F16 || D == KL_BF16) && rows <= 16 && n * k >= 65536;
+}
+
+/* The run of products that merge.c merged, first product lead: one product
+ * over the wider weight slice, and a column slice of it for each product
+ * (pre[j], which map[j] becomes when j's turn comes). */
+static bool merged(dctx *d, int32_t lead, const int32_t *map, int32_t *pre)
+{
+	kl_lctx *L = d->L;
+	const kl_graph *g = L->src;
+	const kl_node *s = &g->nodes[lead];
+	int64_t start = L->mspan[2 * lead], stop = L->mspan[2 * lead + 1], N = stop - start;
+	/* the lead's weight chain, as merge.c read it: expand?(permute?(slice)) */
+	const kl_node *ex = NULL, *pm = NULL, *sl = &g->nodes[s->in[1]];
+	if (sl->op == KL_OP_EXPAND) {
+		ex = sl;
+		sl = &g->nodes[sl->in[0]];
+	}
+	if (sl->op == KL_OP_PERMUTE) {
+		pm = sl;
+		sl = &g->nodes[sl->in[0]];
+	}
+	int32_t base = map[sl->in[0]];
+	kl_node n = mk(KL_OP_SLICE, (kl_dtype)sl->dtype, 2, sl->shape, 1);
+	n.shape[sl->a.axis] = N;
+	n.a.axis = sl->a.axis;
+	n.a.v[0] = start;
+	n.a.v[1] = stop;
+	n.a.v[2] = 1;
+	n.in[0] = base;
+	int32_t b = add(d, &n);
+	if (pm && b >= 0) {
+		n = *pm;
+		n.shape[1] = N;
+		n.in[0] = b;
+		b = add(d, &n);
+	}
+	if (ex && b >= 0) {
+		n = *ex;
+		n.shape[n.ndim - 1] = N;
+		n.in[0] = b;
+		b = add(d, &n);
+	}
+	if (b < 0)
+		return false;
+	kl_node m = *s;
+	m.shape[m.ndim - 1] = N;
+	int32_t in[2] = {map[s->in[0]], b};
+	int32_t p = decompose_one(d, &m, in);
+	if (p < 0)
+		return false;
+	for (int32_t j = lead; j < g->n; j++) {
+		if (L->mlead[j] != lead)
+			continue;
+		const kl_node *t = &g->nodes[j];
+		d->cur = j;
+		kl_node c = mk(KL_OP_SLICE, (kl_dtype)t->dtype, t->ndim, t->shape, 1);
+		c.a.axis = t->ndim - 1;
+		c.a.v[0] = L->mcol[j];
+		c.a.v[1] = L->mcol[j] + t->shape[t->ndim - 1];
+		c.a.v[2] = 1;
+		c.in[0] = p;
+		pre[j] = add(d, &c);
+		if (pre[j] < 0)
+			return false;
+	}
+	d->cur = lead;
+	return true;
+}
+
 static bool any_sym(const dctx *d, const int32_t *src_ids, int n)
 {
 	const int32_t *sym = d->L->src_sym;
@@ -386,12 +459,11 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		 * step, a small batch) is latency-bound in a library GEMM; as a
 		 * generated row reduction it reads each weight row once at full
 		 * width and takes its bias and activation along in one kernel. */
-		int64_t nk = s->shape[s->ndim - 1] * nd(d, in[0])->shape[s->ndim - 1];
 		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
 		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
 		                       : 1;
-		bool skinny = cuda && d->L->o->fusion && !d->L->o->no_skinny && (D == KL_F32 || D == KL_F16 || D == KL_BF16) &&
-		              rows <= 16 && nk >= 65536;
+		bool skinny = cuda && kl__skinny_product(d->L, D, rows, s->shape[s->ndim - 1],
+		                                         nd(d, in[0])->shape[s->ndim - 1]);
 		if (sym_product(d, s) || int_cuda || skinny)
 			return product(d, s, in);
 		kl_node n = *s;
@@ -420,14 +492,25 @@ kl_status kl__decompose(kl_lctx *L)
 	dctx d = {.L = L};
 	kl__graph_init(&L->g);
 	int32_t *map = malloc(sizeof(*map) * (size_t)(g->n + 1));
-	if (!map)
+	int32_t *pre = malloc(sizeof(*pre) * (size_t)(g->n + 1));
+	if (!map || !pre) {
+		free(map);
+		free(pre);
 		return KL_ENOMEM;
+	}
 	for (int32_t i = 0; i < g->n && !d.oom; i++) {
 		const kl_node *s = &g->nodes[i];
 		int32_t in[KL_NODE_MAX_IN];
 		for (int j = 0; j < s->nin; j++)
 			in[j] = map[s->in[j]];
 		d.cur = i;
+		if (L->mlead && L->mlead[i] >= 0) {
+			/* a product merged with others (merge.c) */
+			if (L->mlead[i] == i && !merged(&d, i, map, pre))
+				d.oom = true;
+			map[i] = d.oom ? -1 : pre[i];
+			continue;
+		}
 		const kl_attn_match *am = L->am ? &L->am[i] : NULL;
 		if (am && am->q >= 0) {
 			/* hand-written attention ending here (attention.c) */
@@ -459,6 +542,7 @@ kl_status kl__decompose(kl_lctx *L)
 			d.oom = true;
 	}
 	free(map);
+	free(pre);
 	if (d.oom) {
 		snprintf(L->err, L->errcap, "kl__lower: out of memory decomposing the graph");
 		return KL_ENOMEM;

@@ -811,14 +811,165 @@ static bool dissolve(kl_lctx *L, int32_t gi)
 	return ok;
 }
 
+/* mark (need[q] = 1) the members of G before i that member i reads */
+static void need_inputs(const kl_lctx *L, const kl_group *G, int32_t i, uint8_t *need)
+{
+	const kl_node *x = &L->g.nodes[G->m[i]];
+	for (int k = 0; k < x->nin; k++) {
+		int32_t c = x->in[k];
+		while (kl__is_view((kl_op)L->g.nodes[c].op) && !L->mat[c])
+			c = L->g.nodes[c].in[0];
+		for (int32_t q = 0; q < i; q++)
+			if (G->m[q] == c)
+				need[q] = 1;
+	}
+}
+
+/* The members of G (sorted) that need[] marks, as a group with its space
+ * from its home members; false when there is no such space (or memory). */
+static bool subgroup(kl_lctx *L, const kl_group *G, const uint8_t *need, kl_group *T)
+{
+	memset(T, 0, sizeof(*T));
+	T->alive = true;
+	T->first = -1;
+	bool ok = true, spaced = false;
+	char why[8];
+	for (int32_t i = 0; i < G->nm && ok; i++) {
+		if (!need[i])
+			continue;
+		ok = g_push(T, G->m[i], G->copy[i]);
+		if (!ok || G->copy[i])
+			continue;
+		kl_group one, both;
+		memset(&one, 0, sizeof(one));
+		node_space(L, G->m[i], &one);
+		if (!spaced) {
+			copy_space(T, &one);
+			T->first = G->m[i];
+			spaced = true;
+		} else if (space_merge(T, &one, &both, why, sizeof(why))) {
+			copy_space(T, &both);
+		} else {
+			ok = false;
+		}
+	}
+	if (!ok || !spaced)
+		g_free(T);
+	return ok && spaced;
+}
+
+/* G without its home member j (T: the other home members and the copies
+ * they need) and j alone (X: j and the copies it needs, recomputed as in
+ * G, so that X reads nothing G did not read but G's own values). */
+static bool split_last(kl_lctx *L, const kl_group *G, int32_t j, kl_group *T, kl_group *X)
+{
+	uint8_t *need = calloc((size_t)G->nm * 2, 1);
+	if (!need)
+		return false;
+	uint8_t *nx = need + G->nm;
+	for (int32_t i = 0; i < G->nm; i++)
+		need[i] = i != j && !G->copy[i];
+	nx[j] = 1;
+	for (int32_t i = G->nm - 1; i >= 0; i--) {
+		if (need[i])
+			need_inputs(L, G, i, need);
+		if (nx[i])
+			need_inputs(L, G, i, nx);
+	}
+	/* X reads G's home members from memory */
+	for (int32_t i = 0; i < G->nm; i++)
+		nx[i] = nx[i] && (i == j || G->copy[i]);
+	need[j] = 0;
+	bool ok = subgroup(L, G, need, T);
+	if (ok && !subgroup(L, G, nx, X)) {
+		g_free(T);
+		ok = false;
+	}
+	free(need);
+	return ok;
+}
+
+/* Kernel gi stores more values than a step may write: its last home member
+ * becomes a kernel of its own (reading what it needs from gi), so that gi
+ * keeps its reduction and the rest of its chain, and the kernels reading it
+ * recompute it where they can; the next round looks at what gi stores then.
+ * When that split is no pair of kernels, every member becomes its own. */
+static bool peel(sched *s, int32_t gi, int nst)
+{
+	kl_lctx *L = s->L;
+	kl_group *G = &L->gr[gi];
+	char l1[64], l2[64], why[384];
+	int32_t j = -1, nhome = 0;
+	for (int32_t i = 0; i < G->nm; i++)
+		if (!G->copy[i]) {
+			j = i;
+			nhome++;
+		}
+	kl_group T, X;
+	if (nhome > 1 && split_last(L, G, j, &T, &X)) {
+		kir_kernel k;
+		bool ok = kl__kbuild(L, &T, true, &k, why, sizeof(why));
+		kl__kir_free(&k);
+		if (ok) {
+			ok = kl__kbuild(L, &X, true, &k, why, sizeof(why));
+			kl__kir_free(&k);
+		}
+		if (ok) {
+			int32_t x = G->m[j];
+			kl__lower_logf(L, "split the kernel of %s: it would store %d values (at most %d); "
+			               "%s becomes a kernel of its own",
+			               kl__node_label(L, G->first, l1, sizeof(l1)), nst, MAX_WRITES,
+			               kl__node_label(L, x, l2, sizeof(l2)));
+			g_free(G);
+			*G = T;
+			int32_t si = g_new(L); /* may move L->gr */
+			if (si < 0) {
+				g_free(&X);
+				return false;
+			}
+			L->gr[si] = X;
+			L->home[x] = si;
+			/* its readers may recompute it now that what it reads is stored */
+			for (int32_t r = 0; r < L->ngr; r++) {
+				const kl_group *R = &L->gr[r];
+				bool reads = false;
+				for (int32_t i = 0; R->alive && !R->matmul && r != si && i < R->nm && !reads;
+				     i++) {
+					const kl_node *y = &L->g.nodes[R->m[i]];
+					for (int q = 0; q < y->nin && !reads; q++)
+						reads = read_base(L, R, r, y->in[q]) == x;
+				}
+				if (!reads)
+					continue;
+				if (try_copy(s, r, x, why, sizeof(why)))
+					kl__lower_logf(L, "the kernel of %s recomputes %s",
+					               kl__node_label(L, L->gr[r].first, l1, sizeof(l1)), l2);
+				else
+					kl__lower_logf(L, "the kernel of %s reads %s from memory: %s",
+					               kl__node_label(L, L->gr[r].first, l1, sizeof(l1)), l2,
+					               why);
+			}
+			return true;
+		}
+		g_free(&T);
+		g_free(&X);
+	}
+	kl__lower_logf(L, "split the kernel of %s: it would store %d values (at most %d); "
+	               "every op becomes a kernel of its own",
+	               kl__node_label(L, G->first, l1, sizeof(l1)), nst, MAX_WRITES);
+	return dissolve(L, gi);
+}
+
 static kl_status finish(sched *s)
 {
 	kl_lctx *L = s->L;
-	char l[64];
 	for (int round = 0;; round++) {
 		mark_stored(L);
 		bool changed = false;
-		for (int32_t gi = 0; gi < L->ngr; gi++) {
+		/* the kernels a split makes this round wait for the next one: what
+		 * they store is only known once mark_stored has seen them */
+		int32_t ng0 = L->ngr;
+		for (int32_t gi = 0; gi < ng0; gi++) {
 			kl_group *G = &L->gr[gi];
 			if (!G->alive)
 				continue;
@@ -830,9 +981,7 @@ static kl_status finish(sched *s)
 				g_free(G);
 				changed = true;
 			} else if (nst > MAX_WRITES && !G->matmul) {
-				kl__lower_logf(L, "split the kernel of %s: it would store %d values (at most %d)",
-				      kl__node_label(L, G->first, l, sizeof(l)), nst, MAX_WRITES);
-				if (!dissolve(L, gi))
+				if (!peel(s, gi, nst))
 					return KL_ENOMEM;
 				changed = true;
 			}

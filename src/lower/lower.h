@@ -17,7 +17,6 @@ typedef struct kl_lower_opts {
 	const uint32_t *dyn_masks;    /* per graph input (g->inputs order): bitmask of dynamic dims; may be NULL */
 	const kl_ctx *log_ctx;        /* for kl__log(ctx, KL_LOG_FUSION, ...) of refused fusions; may be NULL */
 	bool no_attention;            /* the target has no attention step: sdpa decomposes, none is fused */
-	bool no_skinny;               /* CUDA: skinny products stay library products (see decompose.c) */
 } kl_lower_opts;
 kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap);
 /* Symbolic dims: sym[node * KL_MAX_DIMS + d] = 0 (static) or k > 0 (symbol k). Dims of INPUT nodes

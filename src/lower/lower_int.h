@@ -60,6 +60,9 @@ typedef struct kl_lctx {
 	uint8_t *stored;     /* home member whose value others need (final build) */
 	int32_t *order;      /* live groups in execution order */
 	int32_t norder;
+	int32_t *mlead;      /* per src node: the first product of the merged run it is in, -1 */
+	int64_t *mcol;       /* per src node of a run: its first column in the wider product */
+	int64_t *mspan;      /* per run's first product: [start, stop) of the wider weight slice */
 	kl_sb log;
 	char *err;
 	size_t errcap;
@@ -71,8 +74,16 @@ void kl__lower_logf(kl_lctx *L, const char *fmt, ...) KL_PRINTF(2, 3);
 /* attention.c: L->am, hand-written attention in src (logged either way) */
 kl_status kl__attention_match(kl_lctx *L);
 
+/* merge.c: which products of src become one wider product (L->mlead etc.) */
+kl_status kl__merge_plan(kl_lctx *L);
+/* "matmul#44": a src node in log lines */
+const char *kl__src_label(const kl_lctx *L, int32_t n, char *buf, size_t cap);
+
 /* decompose.c: L->g and L->orig from src */
 kl_status kl__decompose(kl_lctx *L);
+/* A product of [rows, n] by inner dim k of dtype D is lowered to a generated
+ * row reduction (a skinny product: the CUDA target, with fusion). */
+bool kl__skinny_product(const kl_lctx *L, kl_dtype D, int64_t rows, int64_t n, int64_t k);
 
 /* symbolic.c: L->sym etc. over L->g (dyn_masks may be NULL: all static) */
 kl_status kl__symbolize_lowered(kl_lctx *L);

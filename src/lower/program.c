@@ -43,6 +43,9 @@ static void lctx_free(kl_lctx *L)
 	free(L->bufof);
 	free(L->stored);
 	free(L->order);
+	free(L->mlead);
+	free(L->mcol);
+	free(L->mspan);
 	kl__sb_free(&L->log);
 }
 
@@ -532,8 +535,7 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 	return st;
 }
 
-static kl_status lower_once(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err,
-                            size_t errcap)
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
 {
 	memset(out, 0, sizeof(*out));
 	char dummy[8];
@@ -570,6 +572,8 @@ static kl_status lower_once(const kl_graph *g, const kl_lower_opts *o, kl_progra
 	}
 	st = kl__attention_match(&L);
 	if (st == KL_OK)
+		st = kl__merge_plan(&L);
+	if (st == KL_OK)
 		st = kl__decompose(&L);
 	if (st == KL_OK)
 		st = kl__symbolize_lowered(&L);
@@ -587,24 +591,5 @@ done:
 	if (st != KL_OK)
 		kl__program_free(out);
 	lctx_free(&L);
-	return st;
-}
-
-kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
-{
-	kl_status st = lower_once(g, o, out, err, errcap);
-	/* Skinny products turned into generated reductions can, in some graphs,
-	 * leave kernels that depend on each other (the scheduler then refuses
-	 * the plan): lower again with library products, and say so. */
-	if (st == KL_EINVAL && o->target == KL_TARGET_CUDA && o->fusion && !o->no_skinny &&
-	    err && strstr(err, "depend on each other")) {
-		kl_lower_opts o2 = *o;
-		o2.no_skinny = true;
-		if (o->log_ctx)
-			kl__log(o->log_ctx, KL_LOG_FUSION,
-			        "skinny products as generated reductions left a cycle between "
-			        "kernels: lowering again with library products");
-		st = lower_once(g, &o2, out, err, errcap);
-	}
 	return st;
 }

@@ -224,6 +224,29 @@ kl_tensor *kl_nn_embedding_forward(const kl_nn_embedding *m, kl_tensor *idx)
 
 /* ---- FeedForward ------------------------------------------------------------------ */
 
+/* gate and up ([ffn, d] each) as the halves of one new [2 * ffn, d] buffer
+ * *gu, and *vg, *vu: views of its halves (new references, in no scope) */
+static kl_status ffn_pack(const kl_nn_ffn *m, kl_tensor *gate, kl_tensor *up, kl_tensor **gu,
+                          kl_tensor **vg, kl_tensor **vu)
+{
+	kl_ctx *ctx = m->base.ctx;
+	int64_t f = m->gate_proj.out_features;
+	kl_scope_begin(ctx);
+	kl_tensor *both[2] = {gate, up};
+	kl_tensor *b = kl_concat(2, both, 0);
+	kl_tensor *g = b ? kl_slice(b, 0, 0, f, 1) : NULL;
+	kl_tensor *u = b ? kl_slice(b, 0, f, 2 * f, 1) : NULL;
+	kl_status st = b && g && u ? KL_OK
+	                           : kl_last_status(ctx) != KL_OK ? kl_last_status(ctx) : KL_ENOMEM;
+	if (st == KL_OK) {
+		*gu = kl_retain(b);
+		*vg = kl_retain(g);
+		*vu = kl_retain(u);
+	}
+	kl_scope_end(ctx);
+	return st;
+}
+
 kl_status kl_nn_ffn_init(kl_nn_ffn *m, kl_ctx *ctx, int64_t d_model, int64_t ffn_dim,
                          kl_dtype dt, uint64_t seed)
 {
@@ -242,6 +265,16 @@ kl_status kl_nn_ffn_init(kl_nn_ffn *m, kl_ctx *ctx, int64_t d_model, int64_t ffn
 	if (st == KL_OK)
 		st = kl_nn_linear_init(&m->down_proj, ctx, ffn_dim, d_model, false, dt,
 		                       kl__nn_seed(seed, 2));
+	kl_tensor *gu = NULL, *vg = NULL, *vu = NULL;
+	if (st == KL_OK)
+		st = ffn_pack(m, m->gate_proj.weight, m->up_proj.weight, &gu, &vg, &vu);
+	if (st == KL_OK) {
+		kl_release(m->gate_proj.weight);
+		kl_release(m->up_proj.weight);
+		m->gate_proj.weight = vg;
+		m->up_proj.weight = vu;
+		m->gate_up = gu;
+	}
 	if (st != KL_OK)
 		kl_nn_free(&m->base);
 	return st;
@@ -253,8 +286,12 @@ kl_tensor *kl_nn_ffn_forward(const kl_nn_ffn *m, kl_tensor *x)
 		return NULL;
 	kl_ctx *ctx = m->base.ctx;
 	kl_scope_begin(ctx);
-	kl_tensor *a = kl_mul(kl_silu(kl_nn_linear_forward(&m->gate_proj, x)),
-	                      kl_nn_linear_forward(&m->up_proj, x));
+	/* the halves of gate_up sliced here, inside the (traced) forward: the
+	 * graph then shows two products of x with adjacent rows of one buffer,
+	 * which the compiler merges into one */
+	int64_t f = m->gate_proj.out_features;
+	kl_tensor *a = kl_mul(kl_silu(kl_linear(x, kl_slice(m->gate_up, 0, 0, f, 1), NULL)),
+	                      kl_linear(x, kl_slice(m->gate_up, 0, f, 2 * f, 1), NULL));
 	kl_retain(a);
 	kl_scope_end(ctx);
 	kl_tensor *y = kl_nn_linear_forward(&m->down_proj, a);
@@ -420,10 +457,14 @@ void kl_nn_free(kl_nn_module *m)
 	case KL_NN_FFN: {
 		kl_nn_ffn *f = (kl_nn_ffn *)m;
 		f->gate_proj.base.kind = f->up_proj.base.kind = f->down_proj.base.kind = 0;
+		kl_release(f->gate_up);
+		f->gate_up = NULL;
 		break;
 	}
 	case KL_NN_DECODER: {
 		kl_nn_decoder *d = (kl_nn_decoder *)m;
+		kl_release(d->ffn.gate_up);
+		d->ffn.gate_up = NULL;
 		d->norm1.base.kind = d->norm2.base.kind = d->attn.base.kind = 0;
 		d->attn.out_proj.base.kind = d->ffn.base.kind = 0;
 		d->ffn.gate_proj.base.kind = d->ffn.up_proj.base.kind = 0;
@@ -531,6 +572,28 @@ kl_status kl_nn_load(kl_nn_module *m, kl_safetensors *st, const char *prefix)
 		if (!got[i])
 			s = kl_last_status(ctx) != KL_OK ? kl_last_status(ctx) : KL_EINVAL;
 	}
+	/* a FeedForward's gate and up weights go into the halves of a new
+	 * gate_up buffer (made before anything changes) */
+	kl_nn_ffn *ffn = m->kind == KL_NN_FFN       ? (kl_nn_ffn *)m
+	                 : m->kind == KL_NN_DECODER ? &((kl_nn_decoder *)m)->ffn
+	                                            : NULL;
+	kl_tensor *gu = NULL;
+	if (s == KL_OK && ffn && ffn->base.kind) {
+		int ig = -1, iu = -1;
+		for (int i = 0; i < n; i++) {
+			ig = ps[i].slot == &ffn->gate_proj.weight ? i : ig;
+			iu = ps[i].slot == &ffn->up_proj.weight ? i : iu;
+		}
+		kl_tensor *vg = NULL, *vu = NULL;
+		if (ig >= 0 && iu >= 0)
+			s = ffn_pack(ffn, got[ig], got[iu], &gu, &vg, &vu);
+		if (s == KL_OK && gu) {
+			kl_release(got[ig]);
+			kl_release(got[iu]);
+			got[ig] = vg;
+			got[iu] = vu;
+		}
+	}
 	for (int i = 0; i < n; i++) {
 		if (s != KL_OK) {
 			kl_release(got[i]);
@@ -538,6 +601,10 @@ kl_status kl_nn_load(kl_nn_module *m, kl_safetensors *st, const char *prefix)
 		}
 		kl_release(*ps[i].slot);
 		*ps[i].slot = got[i];
+	}
+	if (s == KL_OK && gu) {
+		kl_release(ffn->gate_up);
+		ffn->gate_up = gu;
 	}
 	return s;
 }

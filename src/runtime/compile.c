@@ -14,7 +14,7 @@
  * and when lowering changes what a graph becomes (an older plan still runs
  * correctly, but a warm cache would keep serving it). 2: softmax by a row
  * reciprocal, skinny CUDA products, register-row prefetch. */
-#define RT_PLAN_VERSION 2u
+#define RT_PLAN_VERSION 3u
 
 static atomic_long n_lowerings, n_cache_hits;
 
