@@ -361,7 +361,7 @@ static void test_cuda_source_compiles(void **state)
 				    strstr(c->name, getenv("KILN_TEST_DUMP")))
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
 					        kl_dtype_name(dt), fu,
-					        strstr(P.source, "struct kl_args"));
+					        getenv("KILN_TEST_DUMP_ALL") ? P.source : strstr(P.source, "struct kl_args"));
 				kl_cuda_image im;
 				kl_nvrtc_opts no = {.arch = 90};
 				st = kl__nvrtc_compile(ctx, P.source, c->name, &no, &im);
