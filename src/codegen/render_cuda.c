@@ -7,9 +7,9 @@
  * runs with 256 threads per block on any grid (one block is enough, more
  * than needed only idle): pointwise kernels are grid-stride loops over the
  * flattened iteration space; reductions give each outer point ("row") a
- * group of G threads (a warp for short rows, the block otherwise) that
- * reduce through warp shuffles and shared memory, the groups striding over
- * the rows. A launch that finds every chunked buffer 16-byte aligned takes
+ * group of G threads (32, 64, 128 or the block: see plan_rows), BLOCK/G
+ * rows a block, that reduce through warp shuffles and shared memory, each
+ * group behind its own named barrier, the groups striding over the rows. A launch that finds every chunked buffer 16-byte aligned takes
  * the fast path (16-byte loads and stores; rows held in registers), decided
  * inside the kernel; the runtime needs to know nothing about it.
  */
