@@ -465,7 +465,7 @@ static void test_cuda_row_groups(void **state)
 			kl_trace *tr = trace(ctx, c->f, in, NULL);
 			assert_non_null(tr);
 			for (int G = 32; G <= 256; G *= 2) {
-				char g[8];
+				char g[16];
 				snprintf(g, sizeof g, "%d", G);
 				setenv("KILN_CUDA_ROW_GROUP", g, 1);
 				assert_int_equal(kl__cuda_row_group(), G);
