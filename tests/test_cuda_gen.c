@@ -16,6 +16,7 @@
 
 #include "core/core.h"
 #include "kltest.h"
+#include "codegen/render.h"
 #include "lower/lower.h"
 
 #ifdef KILN_HAVE_CUDA
@@ -214,44 +215,66 @@ typedef struct gcase {
 	 * time; 8: 16-byte aligned, the chunked path with a wider row stride) */
 	int off;
 	bool chunked; /* fused f32, f16 and bf16 kernels have the chunked path */
+	/* > 0: the threads per row of the fused bf16 kernel's chunked path */
+	int group;
+	/* input 0 (2-d, 4+ rows) gets a NaN in row 1, row 2 all -inf, +inf in row 3 */
+	bool special;
 } gcase;
 
 static const gcase CASES[] = {
-        {"relu(a*b+c)", b_fma_relu, 3, {2, 2, 1}, {{33, 70}, {33, 70}, {70}}, false, false, 1, 0, 0},
-        {"softmax", b_softmax, 1, {2}, {{17, 300}}, true, false, 1, 0, 0},
-        {"softmax long", b_softmax, 1, {2}, {{3, 9000}}, true, false, 1, 0, 0},
-        {"softmax short", b_softmax, 1, {3}, {{4, 5, 10}}, true, false, 1, 0, 0},
-        {"log_softmax", b_log_softmax, 1, {3}, {{5, 40, 3}}, true, false, 0, 0, 0},
-        {"layer_norm", b_layer_norm, 3, {2, 1, 1}, {{9, 768}, {768}, {768}}, true, false, 1, 0, 1},
-        {"rms_norm", b_rms_norm, 2, {2, 1}, {{9, 100}, {100}}, true, false, 1, 0, 0},
-        {"zoo", b_zoo, 2, {2, 2}, {{31, 19}, {31, 19}}, true, false, 0, 0, 0},
-        {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0, 0, 0},
-        {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0, 0, 0},
-        {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0, 0, 0},
-        {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0, 0, 0},
-        {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0, 0, 0},
+        {"relu(a*b+c)", b_fma_relu, 3, {2, 2, 1}, {{33, 70}, {33, 70}, {70}},
+         false, false, 1, 0, 0, 0, false},
+        {"softmax", b_softmax, 1, {2}, {{17, 300}}, true, false, 1, 0, 0, 0, false},
+        {"softmax long", b_softmax, 1, {2}, {{3, 9000}}, true, false, 1, 0, 0, 0, false},
+        {"softmax short", b_softmax, 1, {3}, {{4, 5, 10}}, true, false, 1, 0, 0, 0, false},
+        {"log_softmax", b_log_softmax, 1, {3}, {{5, 40, 3}}, true, false, 0, 0, 0, 0, false},
+        {"layer_norm", b_layer_norm, 3, {2, 1, 1}, {{9, 768}, {768}, {768}},
+         true, false, 1, 0, 1, 0, false},
+        {"rms_norm", b_rms_norm, 2, {2, 1}, {{9, 100}, {100}}, true, false, 1, 0, 0, 0, false},
+        {"zoo", b_zoo, 2, {2, 2}, {{31, 19}, {31, 19}}, true, false, 0, 0, 0, 0, false},
+        {"ints", b_ints, 2, {2, 2}, {{13, 29}, {13, 29}}, false, true, 0, 0, 0, 0, false},
+        {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0, 0, 0, 0, false},
+        {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0, 0, 0, 0, false},
+        {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0, 0, 0, 0, false},
+        {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0, 0, 0, 0, false},
         /* the chunked paths (16-byte loads and stores, rows in registers):
          * broadcasts along rows, flat chunks with a scalar tail, views at
          * aligned and misaligned offsets, rows whose last chunk slot is
          * partly empty, a warp or the block per row, mixed widths */
-        {"relu bcast", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 0, 1},
+        {"relu bcast", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}},
+         false, false, 1, 0, 1, 0, false},
         {"relu flat tail", b_fma_relu, 3, {2, 2, 2}, {{37, 45}, {37, 45}, {37, 45}}, false, false,
-         1, 0, 1},
-        {"relu view+1", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 1, 1},
-        {"relu view+8", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}}, false, false, 1, 8, 1},
-        {"mixed", b_mixed, 2, {2, 2}, {{29, 64}, {29, 64}}, true, false, 0, 0, 1},
-        {"mixed tail", b_mixed, 2, {2, 2}, {{29, 61}, {29, 61}}, true, false, 0, 0, 1},
-        {"softmax 4096", b_softmax, 1, {2}, {{16, 4096}}, true, false, 1, 0, 1},
-        {"softmax 1000", b_softmax, 1, {2}, {{6, 1000}}, true, false, 1, 0, 1},
-        {"softmax view+8", b_softmax, 1, {2}, {{5, 512}}, true, false, 1, 8, 1},
+         1, 0, 1, 0, false},
+        {"relu view+1", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}},
+         false, false, 1, 1, 1, 0, false},
+        {"relu view+8", b_fma_relu, 3, {2, 2, 1}, {{33, 72}, {33, 72}, {72}},
+         false, false, 1, 8, 1, 0, false},
+        {"mixed", b_mixed, 2, {2, 2}, {{29, 64}, {29, 64}}, true, false, 0, 0, 1, 0, false},
+        {"mixed tail", b_mixed, 2, {2, 2}, {{29, 61}, {29, 61}}, true, false, 0, 0, 1, 0, false},
+        {"softmax 4096", b_softmax, 1, {2}, {{16, 4096}}, true, false, 1, 0, 1, 0, false},
+        {"softmax 1000", b_softmax, 1, {2}, {{6, 1000}}, true, false, 1, 0, 1, 0, false},
+        {"softmax view+8", b_softmax, 1, {2}, {{5, 512}}, true, false, 1, 8, 1, 0, false},
         {"layer_norm 2000", b_layer_norm, 3, {2, 1, 1}, {{4, 2000}, {2000}, {2000}}, true, false,
-         1, 0, 1},
-        {"rms_norm 2048", b_rms_norm, 2, {2, 1}, {{7, 2048}, {2048}}, true, false, 1, 0, 1},
-        {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}}, true, false, 1, 1, 1},
-        {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1},
-        {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}}, true, false, 1, 0, 1},
+         1, 0, 1, 0, false},
+        {"rms_norm 2048", b_rms_norm, 2, {2, 1}, {{7, 2048}, {2048}},
+         true, false, 1, 0, 1, 0, false},
+        {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}},
+         true, false, 1, 1, 1, 0, false},
+        {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1, 0, false},
+        {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}},
+         true, false, 1, 0, 1, 0, false},
         {"skinny linear", b_skinny_linear, 3, {2, 2, 1}, {{8, 256}, {256, 256}, {256}}, true,
-         false, 1, 0, 1},
+         false, 1, 0, 1, 32, false},
+        /* row groups between a warp and the block: rows not a multiple of
+         * the rows a block takes, NaN and infinite rows */
+        {"softmax 19x4096", b_softmax, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 128, true},
+        {"layer_norm 4096", b_layer_norm, 3, {2, 1, 1}, {{7, 4096}, {4096}, {4096}}, true, false,
+         1, 0, 1, 128, true},
+        {"rms_norm 4096", b_rms_norm, 2, {2, 1}, {{5, 4096}, {4096}}, true, false, 1, 0, 1, 128,
+         true},
+        {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
+         1, 0, 1, 32, false},
+        {"reduce last 2048", b_reduce_last, 1, {2}, {{9, 2048}}, true, false, 0, 0, 1, 0, true},
 };
 
 static const kl_dtype ALL_DT[] = {KL_F32, KL_F16, KL_BF16, KL_F64, KL_I32, KL_I64, KL_BOOL};
@@ -264,6 +287,23 @@ static bool dt_fits(const gcase *c, kl_dtype dt)
 	if (c->ints_only)
 		return dt == KL_I32 || dt == KL_I64;
 	return dt != KL_BOOL || c->f == b_move;
+}
+
+/* the NaN and infinities of a special case's input 0 */
+static kl_tensor *with_specials(kl_ctx *ctx, kl_tensor *t, kl_dtype dt, const int64_t *shape)
+{
+	double *v = kltest_read(t);
+	assert_non_null(v);
+	int64_t n = shape[1];
+	v[1 * n + 3] = NAN;
+	for (int64_t i = 0; i < n; i++)
+		v[2 * n + i] = -INFINITY;
+	v[3 * n + n - 1] = INFINITY;
+	kl_tensor *s = kltest_from_values(ctx, dt, 2, shape, v, KLTEST_CONTIG);
+	assert_non_null(s);
+	free(v);
+	kl_release(t);
+	return s;
 }
 
 static bool nvrtc_ok(void)
@@ -295,7 +335,18 @@ static void make_inputs(kl_ctx *ctx, const gcase *c, kl_dtype dt, uint64_t seed,
 			kl_release(in[i]);
 			in[i] = v;
 		}
+		if (i == 0 && c->special && !view && nd == 2 && shape[0] >= 4)
+			in[i] = with_specials(ctx, in[i], dt, shape);
 	}
+}
+
+/* the group sizes of a source's row loops: "row group: G threads" (the
+ * chunked path) or "row group (scalar): G threads" */
+static bool has_group(const char *src, bool chunked, int G)
+{
+	char want[64];
+	snprintf(want, sizeof want, "row group%s: %d threads,", chunked ? "" : " (scalar)", G);
+	return strstr(src, want) != NULL;
 }
 
 /* The CUDA source of every case in every dtype, fused and not, compiles for
@@ -357,11 +408,16 @@ static void test_cuda_source_compiles(void **state)
 				    !strstr(P.source, "kl_vok"))
 					fail_msg("%s %s: no chunked path generated", c->name,
 					         kl_dtype_name(dt));
+				if (fu == 1 && dt == KL_BF16 && c->group &&
+				    !getenv("KILN_CUDA_ROW_GROUP") &&
+				    !has_group(P.source, true, c->group))
+					fail_msg("%s bf16 fusion %d: no chunked row group of %d threads",
+					         c->name, fu, c->group);
 				if (getenv("KILN_TEST_DUMP") &&
 				    strstr(c->name, getenv("KILN_TEST_DUMP")))
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
 					        kl_dtype_name(dt), fu,
-					        strstr(P.source, "struct kl_args"));
+					        getenv("KILN_TEST_DUMP_ALL") ? P.source : strstr(P.source, "struct kl_args"));
 				kl_cuda_image im;
 				kl_nvrtc_opts no = {.arch = 90};
 				st = kl__nvrtc_compile(ctx, P.source, c->name, &no, &im);
@@ -382,6 +438,74 @@ static void test_cuda_source_compiles(void **state)
 		}
 	}
 	print_message("test_cuda_gen: %d generated CUDA translation units compiled for sm_90\n",
+	              compiled);
+	kl_ctx_free(ctx);
+}
+
+/* KILN_CUDA_ROW_GROUP forces every group size on the row cases: the scalar
+ * path always, the chunked path from the chosen group up (a larger group
+ * holds less a thread); each source compiles */
+static void test_cuda_row_groups(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	const char *was = getenv("KILN_CUDA_ROW_GROUP");
+	char *saved = was ? strdup(was) : NULL;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	const kl_dtype dts[] = {KL_BF16, KL_F32};
+	int compiled = 0;
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++) {
+		const gcase *c = &CASES[ci];
+		if (!c->group)
+			continue;
+		for (size_t di = 0; di < 2; di++) {
+			kl_tensor *in[3] = {NULL};
+			make_inputs(ctx, c, dts[di], 300 + ci, in);
+			kl_trace *tr = trace(ctx, c->f, in, NULL);
+			assert_non_null(tr);
+			for (int G = 32; G <= 256; G *= 2) {
+				char g[16];
+				snprintf(g, sizeof g, "%d", G);
+				setenv("KILN_CUDA_ROW_GROUP", g, 1);
+				assert_int_equal(kl__cuda_row_group(), G);
+				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+				kl_program P;
+				char err[512];
+				if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+					fail_msg("%s %s group %d: lower: %s", c->name,
+					         kl_dtype_name(dts[di]), G, err);
+				if (!has_group(P.source, false, G))
+					fail_msg("%s %s: the scalar path is not forced to %d", c->name,
+					         kl_dtype_name(dts[di]), G);
+				if (dts[di] == KL_BF16 && G >= c->group && !has_group(P.source, true, G))
+					fail_msg("%s bf16: the chunked path is not forced to %d",
+					         c->name, G);
+				kl_cuda_image im;
+				kl_nvrtc_opts no = {.arch = 90};
+				if (kl__nvrtc_compile(ctx, P.source, c->name, &no, &im) != KL_OK) {
+					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
+					        im.log ? im.log : "");
+					fail_msg("%s %s group %d: %s", c->name, kl_dtype_name(dts[di]),
+					         G, kl_last_error(ctx));
+				}
+				kl__cuda_image_free(&im);
+				kl__program_free(&P);
+				compiled++;
+			}
+			kl__trace_free(tr);
+			for (int i = 0; i < c->nin; i++)
+				kl_release(in[i]);
+		}
+	}
+	setenv("KILN_CUDA_ROW_GROUP", "48", 1); /* not a group size: ignored */
+	assert_int_equal(kl__cuda_row_group(), 0);
+	if (saved)
+		setenv("KILN_CUDA_ROW_GROUP", saved, 1);
+	else
+		unsetenv("KILN_CUDA_ROW_GROUP");
+	free(saved);
+	print_message("test_cuda_gen: %d row kernels with forced groups compiled for sm_90\n",
 	              compiled);
 	kl_ctx_free(ctx);
 }
@@ -565,6 +689,7 @@ int main(void)
 {
 	const struct CMUnitTest host[] = {
 	        cmocka_unit_test(test_cuda_source_compiles),
+	        cmocka_unit_test(test_cuda_row_groups),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),

@@ -87,6 +87,11 @@ typedef struct kl_renderer {
 extern const kl_renderer kl__render_c;
 extern const kl_renderer kl__render_cuda;
 
+/* KILN_CUDA_ROW_GROUP (32, 64, 128 or 256): the threads per row the CUDA
+ * row kernels are forced to (where the row fits), else 0: the renderer
+ * chooses. Part of the compiled programs' cache key. */
+int kl__cuda_row_group(void);
+
 /* For walkers: which instructions some store needs (a malloc'd flag per
  * instruction, NULL when out of memory), and one instruction as a statement
  * at depth tabs (not LSTORE/LLOAD, whose arrays a walker lays out itself). */

@@ -7,9 +7,9 @@
  * runs with 256 threads per block on any grid (one block is enough, more
  * than needed only idle): pointwise kernels are grid-stride loops over the
  * flattened iteration space; reductions give each outer point ("row") a
- * group of G threads (a warp for short rows, the block otherwise) that
- * reduce through warp shuffles and shared memory, the groups striding over
- * the rows. A launch that finds every chunked buffer 16-byte aligned takes
+ * group of G threads (32, 64, 128 or the block: see plan_rows), BLOCK/G
+ * rows a block, that reduce through warp shuffles and shared memory, each
+ * group behind its own named barrier, the groups striding over the rows. A launch that finds every chunked buffer 16-byte aligned takes
  * the fast path (16-byte loads and stores; rows held in registers), decided
  * inside the kernel; the runtime needs to know nothing about it.
  */
@@ -24,6 +24,8 @@
 #include "core/core.h"
 
 #define BLOCK 256
+#define KL_STR(x) #x
+#define KL_XSTR(x) KL_STR(x)
 
 static const char prelude[] =
         "#include \"kiln_prelude.cuh\"\n"
@@ -57,25 +59,48 @@ static const char prelude[] =
         "/* a double to a 16-bit float in one rounding (f32 in between would round twice) */\n"
         "KL_FN uint16_t kl_d2h(double d) { uint16_t h; asm(\"cvt.rn.f16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
         "KL_FN uint16_t kl_d2bf(double d) { uint16_t h; asm(\"cvt.rn.bf16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
-        "/* group reductions: G threads (a warp, or the block of 256) end with the\n"
-        " * same value in every thread; sh: 8 words of shared memory */\n"
+        "/* max and min that propagate NaN (a NaN operand wins): no flag beside\n"
+        " * the value; ints compare as before */\n"
+        "template <class T> __device__ __forceinline__ T kl_maxn(T a, T b) { return b > a || b != b ? b : a; }\n"
+        "template <class T> __device__ __forceinline__ T kl_minn(T a, T b) { return b < a || b != b ? b : a; }\n"
+        "#if __CUDA_ARCH__ >= 800\n"
+        "template <> __device__ __forceinline__ float kl_maxn<float>(float a, float b) { float d; asm(\"max.NaN.f32 %0, %1, %2;\" : \"=f\"(d) : \"f\"(a), \"f\"(b)); return d; }\n"
+        "template <> __device__ __forceinline__ float kl_minn<float>(float a, float b) { float d; asm(\"min.NaN.f32 %0, %1, %2;\" : \"=f\"(d) : \"f\"(a), \"f\"(b)); return d; }\n"
+        "#endif\n"
+        "/* group reductions: G threads (32, 64, 128 or the block of " KL_XSTR(BLOCK) ": warps\n"
+        " * [w0, w0 + G/32) of the block, w0 a multiple of G/32) end with the same\n"
+        " * value in every thread. A group larger than a warp synchronises only\n"
+        " * itself: named barrier 1 + threadIdx.x / G (0, __syncthreads, for the\n"
+        " * block). sh: 2 x BLOCK/32 words, used alternately (*ph flips per\n"
+        " * reduction): one barrier per reduction suffices, since the group's next\n"
+        " * reduction writes the other half and the one after it is behind the\n"
+        " * next one's barrier, which every reader of this one has passed. */\n"
+        "#define KL_BLOCK " KL_XSTR(BLOCK) "\n"
         "struct kl_add_op { template <class T> __device__ T operator()(T a, T b) const { return a + b; } };\n"
-        "struct kl_max_op { template <class T> __device__ T operator()(T a, T b) const { return b > a ? b : a; } };\n"
-        "struct kl_min_op { template <class T> __device__ T operator()(T a, T b) const { return b < a ? b : a; } };\n"
-        "struct kl_or_op { template <class T> __device__ T operator()(T a, T b) const { return a | b; } };\n"
+        "struct kl_max_op { template <class T> __device__ T operator()(T a, T b) const { return kl_maxn(a, b); } };\n"
+        "struct kl_min_op { template <class T> __device__ T operator()(T a, T b) const { return kl_minn(a, b); } };\n"
+        "template <int G> __device__ __forceinline__ void kl_gbar()\n"
+        "{\n"
+        "\tif (G >= KL_BLOCK)\n"
+        "\t\t__syncthreads();\n"
+        "\telse\n"
+        "\t\tasm volatile(\"bar.sync %0, %1;\" : : \"r\"(1 + (int)(threadIdx.x / G)), \"r\"(G) : \"memory\");\n"
+        "}\n"
         "template <int G, class T, class F>\n"
-        "__device__ __forceinline__ T kl_gred(T v, F f, unsigned long long *sh)\n"
+        "__device__ __forceinline__ T kl_gred(T v, F f, unsigned long long *sh, int &ph)\n"
         "{\n"
         "\tfor (int o = 16; o > 0; o >>= 1)\n"
         "\t\tv = f(v, __shfl_xor_sync(0xffffffffu, v, o));\n"
         "\tif (G > 32) {\n"
-        "\t\t__syncthreads();\n"
+        "\t\tT *s = (T *)(sh + ph * (KL_BLOCK / 32));\n"
+        "\t\tconst int w = (int)(threadIdx.x >> 5), w0 = w & ~(G / 32 - 1);\n"
+        "\t\tph ^= 1;\n"
         "\t\tif ((threadIdx.x & 31) == 0)\n"
-        "\t\t\t((T *)sh)[threadIdx.x >> 5] = v;\n"
-        "\t\t__syncthreads();\n"
-        "\t\tv = ((T *)sh)[0];\n"
+        "\t\t\ts[w] = v;\n"
+        "\t\tkl_gbar<G>();\n"
+        "\t\tv = s[w0];\n"
         "\t\tfor (int i = 1; i < G / 32; i++)\n"
-        "\t\t\tv = f(v, ((T *)sh)[i]);\n"
+        "\t\t\tv = f(v, s[w0 + i]);\n"
         "\t}\n"
         "\treturn v;\n"
         "}\n"
@@ -87,7 +112,7 @@ static const char prelude[] =
         "}\n"
         "template <int G, class T>\n"
         "__device__ __forceinline__ void kl_gargmax(T &v, long long &ix, unsigned long long *sh,\n"
-        "                                           long long *shi)\n"
+        "                                           long long *shi, int &ph)\n"
         "{\n"
         "\tfor (int o = 16; o > 0; o >>= 1) {\n"
         "\t\tT ov = __shfl_xor_sync(0xffffffffu, v, o);\n"
@@ -95,16 +120,19 @@ static const char prelude[] =
         "\t\tif (kl_arg_take(v, ix, ov, oi)) { v = ov; ix = oi; }\n"
         "\t}\n"
         "\tif (G > 32) {\n"
-        "\t\t__syncthreads();\n"
+        "\t\tT *s = (T *)(sh + ph * (KL_BLOCK / 32));\n"
+        "\t\tlong long *si = shi + ph * (KL_BLOCK / 32);\n"
+        "\t\tconst int w = (int)(threadIdx.x >> 5), w0 = w & ~(G / 32 - 1);\n"
+        "\t\tph ^= 1;\n"
         "\t\tif ((threadIdx.x & 31) == 0) {\n"
-        "\t\t\t((T *)sh)[threadIdx.x >> 5] = v;\n"
-        "\t\t\tshi[threadIdx.x >> 5] = ix;\n"
+        "\t\t\ts[w] = v;\n"
+        "\t\t\tsi[w] = ix;\n"
         "\t\t}\n"
-        "\t\t__syncthreads();\n"
-        "\t\tv = ((T *)sh)[0];\n"
-        "\t\tix = shi[0];\n"
+        "\t\tkl_gbar<G>();\n"
+        "\t\tv = s[w0];\n"
+        "\t\tix = si[w0];\n"
         "\t\tfor (int i = 1; i < G / 32; i++)\n"
-        "\t\t\tif (kl_arg_take(v, ix, ((T *)sh)[i], shi[i])) { v = ((T *)sh)[i]; ix = shi[i]; }\n"
+        "\t\t\tif (kl_arg_take(v, ix, s[w0 + i], si[w0 + i])) { v = s[w0 + i]; ix = si[w0 + i]; }\n"
         "\t}\n"
         "}\n"
         "\n";
@@ -140,21 +168,38 @@ static void cu_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *index)
 	kl__render_c.rand(sb, op, seed, index);
 }
 
+/* float max and min: NaN is folded into the value (kl_maxn/kl_minn let a
+ * NaN operand win), not kept as a flag beside it as on the CPU, so a group
+ * combines one variable per accumulator */
+static bool nan_folded(kl_op op, kl_dtype in)
+{
+	return (op == KL_OP_MAX || op == KL_OP_MIN) &&
+	       (in == KL_F32 || in == KL_F64 || in == KL_F16 || in == KL_BF16);
+}
+
 static int cu_acc_vars(kl_op op, kl_dtype in, kl_accvar *vars)
 {
-	return kl__render_c.acc_vars(op, in, vars);
+	int n = kl__render_c.acc_vars(op, in, vars);
+	return nan_folded(op, in) ? 1 : n;
 }
 
 static void cu_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *ix,
                           const char *v, const char *pos)
 {
-	kl__render_c.acc_update(sb, op, in, acc, ix, v, pos);
+	if (nan_folded(op, in))
+		kl__sb_printf(sb, "%s%s = kl_%sn<%s>(%s%s, %s);", acc, ix,
+		              op == KL_OP_MAX ? "max" : "min", kl__render_cuda.ctype[in], acc, ix, v);
+	else
+		kl__render_c.acc_update(sb, op, in, acc, ix, v, pos);
 }
 
 static void cu_acc_read(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc,
                         const char *ix)
 {
-	kl__render_c.acc_read(sb, op, in, dt, acc, ix);
+	if (nan_folded(op, in) && dt != KL_BOOL)
+		kl__sb_printf(sb, "(%s)%s%s", kl__render_cuda.ctype[dt], acc, ix);
+	else
+		kl__render_c.acc_read(sb, op, in, dt, acc, ix);
 }
 
 static bool cu_acc_clause(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
@@ -488,6 +533,35 @@ static bool plan_pointwise(cctx *c, vplan *vp)
 	return plan_aligned(c, vp);
 }
 
+int kl__cuda_row_group(void)
+{
+	const char *e = getenv("KILN_CUDA_ROW_GROUP");
+	int g = e ? atoi(e) : 0;
+	return g == 32 || g == 64 || g == 128 || g == BLOCK ? g : 0;
+}
+
+/* G threads per row of vp->nch chunks: each thread's nj chunks within cap
+ * values, its chunks and row-local values within max_bytes, the unrolled
+ * element loops within the budget; sets vp->G and vp->nj when they are */
+static bool row_fits(const cctx *c, vplan *vp, int G, int cap, int64_t max_bytes)
+{
+	const kir_kernel *k = c->k;
+	int V = vp->V;
+	int64_t nj = (vp->nch + G - 1) / G;
+	if (nj * V > cap || body_cost(c) * nj * V > UNROLL_BUDGET)
+		return false;
+	int64_t bytes = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		bytes += nj * V * msize(vp->acc[a].dt);
+	for (int i = 0; i < k->nlocal; i++)
+		bytes += nj * V * msize((kl_dtype)k->local_dt[i]);
+	if (bytes > max_bytes)
+		return false;
+	vp->G = G;
+	vp->nj = (int)nj;
+	return true;
+}
+
 static bool plan_rows(cctx *c, vplan *vp)
 {
 	const kir_kernel *k = c->k;
@@ -513,18 +587,18 @@ static bool plan_rows(cctx *c, vplan *vp)
 	for (int i = 0; i < k->nlocal; i++)
 		wide |= msize((kl_dtype)k->local_dt[i]) == 8;
 	int cap = wide ? ROW_REGS / 2 : ROW_REGS;
-	/* a warp per row when its share is small, else the block of 256 */
-	vp->G = (vp->nch + 31) / 32 * V <= 32 ? 32 : BLOCK;
-	vp->nj = (int)((vp->nch + vp->G - 1) / vp->G);
-	if ((int64_t)vp->nj * V > cap)
-		return false;
-	/* what one thread holds: its chunks and row-local values */
-	int64_t bytes = 0;
-	for (int a = 0; a < vp->nacc; a++)
-		bytes += (int64_t)vp->nj * V * msize(vp->acc[a].dt);
-	for (int i = 0; i < k->nlocal; i++)
-		bytes += (int64_t)vp->nj * V * msize((kl_dtype)k->local_dt[i]);
-	if (bytes > ROW_BYTES)
+	/* The group: a warp when a lane's share fits (up to cap values and half
+	 * the bytes: no barrier at all), else the smallest of 64 and 128
+	 * threads at which a thread holds up to cap / 2 values (4 chunks of 8:
+	 * few registers, several rows a block), else the block.
+	 * KILN_CUDA_ROW_GROUP forces a group that fits the limits. */
+	int force = kl__cuda_row_group();
+	bool fits = force && row_fits(c, vp, force, cap, ROW_BYTES);
+	if (!fits)
+		fits = row_fits(c, vp, 32, cap, ROW_BYTES / 2);
+	for (int g = 64; !fits && g < BLOCK; g *= 2)
+		fits = row_fits(c, vp, g, cap / 2, ROW_BYTES);
+	if (!fits && !row_fits(c, vp, BLOCK, cap, ROW_BYTES))
 		return false;
 	/* every chunk of the row is loaded at the start of the first pass, all
 	 * in flight at once (not a wait for the weights of a layer norm in the
@@ -532,8 +606,6 @@ static bool plan_rows(cctx *c, vplan *vp)
 	for (int a = 0; a < vp->nacc; a++)
 		if (!vp->acc[a].store)
 			vp->acc[a].blk = 1;
-	if (body_cost(c) * vp->nj * V > UNROLL_BUDGET)
-		return false;
 	return plan_aligned(c, vp);
 }
 
@@ -822,24 +894,20 @@ static void combine(cctx *c, int p)
 		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i] || done[in->acc])
 			continue;
 		done[in->acc] = 1;
-		kl_accvar v[2];
 		kl_op op = (kl_op)in->op;
-		int nv = c->r->acc_vars(op, (kl_dtype)in->in_dt, v);
 		int a = (int)in->acc;
 		if (op == KL_OP_ARGMAX) {
 			line(c,
-			     "{ long long ai_ = acc%di; kl_gargmax<%d>(acc%d, ai_, kl_sh, kl_shi); "
+			     "{ long long ai_ = acc%di; kl_gargmax<%d>(acc%d, ai_, kl_sh, kl_shi, kl_ph); "
 			     "acc%di = ai_; }",
 			     a, c->G, a, a);
 			continue;
 		}
+		/* one variable each: float max/min fold NaN in (cu_acc_vars) */
 		const char *f = op == KL_OP_SUM   ? "kl_add_op"
 		                : op == KL_OP_MAX ? "kl_max_op"
 		                                  : "kl_min_op";
-		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh);", a, c->G, a, f);
-		if (nv > 1)
-			line(c, "acc%d%s = kl_gred<%d>(acc%d%s, kl_or_op(), kl_sh);", a, v[1].suffix,
-			     c->G, a, v[1].suffix);
+		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh, kl_ph);", a, c->G, a, f);
 	}
 	free(done);
 }
@@ -856,6 +924,14 @@ static void pass_scalar(cctx *c, int p, uint32_t inner)
 		line(c, "if (r >= rn)");
 		line(c, "\tbreak;");
 	} else {
+		/* NVRTC 13.0 crashes (SIGSEGV) unrolling this loop when it divides
+		 * the position by a dim's extent, for some extents and G (e.g.
+		 * 6 x 50 by 64, 6 x 100 by 256): such loops stay rolled */
+		int nd = 0;
+		for (int d = 0; d < k->ndim; d++)
+			nd += (inner & (1u << d)) && !unit(k, d);
+		if (nd > 1)
+			line(c, "#pragma unroll 1");
 		line(c, "for (int64_t r = lane; r < rn; r += %d)", c->G);
 		open_brace(c);
 	}
@@ -966,7 +1042,14 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	c->G = G;
 	int per = BLOCK / G;
 	open_brace(c);
+	if (vp)
+		line(c, "/* row group: %d threads, %d rows a block, %d chunks of %d a thread */", G,
+		     per, vp->nj, vp->V);
+	else
+		line(c, "/* row group (scalar): %d threads, %d rows a block */", G, per);
 	line(c, "const int lane = threadIdx.x %% %d;", G);
+	line(c, "int kl_ph = 0; /* which half of kl_sh the next reduction uses */");
+	line(c, "(void)kl_ph;");
 	if (vp) {
 		/* the row's chunks, kept across rows: kn<a> holds the next row's */
 		chunk_decls(c, vp, vp->nj);
@@ -1036,10 +1119,17 @@ static void render_rows(cctx *c)
 	double nrows, vr;
 	kl__render_extent(c->r, k, outer, &rows, &nrows);
 	bool rstat = kl__render_extent(c->r, k, inner, &rn, &vr);
-	int G = rstat && vr <= 64 ? 32 : BLOCK;
+	/* the scalar path: the smallest group at which a thread takes at most
+	 * 8 positions of a static row, else the block */
+	int G = kl__cuda_row_group();
+	for (int g = 32; !G && rstat && g < BLOCK; g *= 2)
+		if (vr <= 8.0 * g)
+			G = g;
+	if (!G)
+		G = BLOCK;
 	c->nj = k->nlocal ? (int)((k->row_n + G - 1) / G) : 0;
-	line(c, "__shared__ unsigned long long kl_sh[%d];", BLOCK / 32);
-	line(c, "__shared__ long long kl_shi[%d];", BLOCK / 32);
+	line(c, "__shared__ unsigned long long kl_sh[%d];", 2 * BLOCK / 32);
+	line(c, "__shared__ long long kl_shi[%d];", 2 * BLOCK / 32);
 	line(c, "(void)kl_sh;");
 	line(c, "(void)kl_shi;");
 	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "backend/cuda/rt_cuda.h"
+#include "codegen/render.h"
 
 #define BLOCK 256
 
@@ -39,7 +40,8 @@ void kl__cuda_count_tune(int which)
 uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
 {
 	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
-	int v[4] = {d->cc_major, d->cc_minor, 0, 0};
+	/* the forced row group changes the generated kernels */
+	int v[5] = {d->cc_major, d->cc_minor, 0, 0, kl__cuda_row_group()};
 	if (kl__cuda_load_nvrtc(ctx) == KL_OK) {
 		v[2] = kl__nvrtc.major;
 		v[3] = kl__nvrtc.minor;
