@@ -8,7 +8,7 @@ bench/peer_jax.py (a row with a "peer" key is a peer's, one without is
 kiln's; unparsable lines and rows with an "error" are skipped and counted).
 For each kiln workload and shape: kiln's best mode (the lowest median), the
 torch peer's best mode, torch/kiln (above 1: kiln is faster), JAX's when
-present, and the target of ANCHORS.md / issue 4 with ✔ or ✘. Rows whose
+present, and the target of ANCHORS.md / issues 4 and 5 with ✔ or ✘. Rows whose
 sizes are not the ones a target was set for get no mark. Then the start-up
 rows (kiln --cold) against their targets and torch's first call.
 Exit status 0 when a table was printed, 2 when there was nothing to compare.
@@ -18,8 +18,10 @@ import json
 import sys
 
 # (workload, shape) -> (kind, value, text): "bw" kiln's best TB/s at least
-# value; "us" kiln's best median at most value; "ro_us" the reduce-overhead
-# row's median at most value.
+# value; "tf" kiln's best TFLOP/s at least value; "us" kiln's best median at
+# most value; "ro_us" the reduce-overhead row's median at most value; "torch"
+# kiln's best median at most torch's best in the same run (no mark without a
+# torch row).
 TARGETS = {
     ("relu_fma", "8192x8192"): ("bw", 4.2, ">= 4.2 TB/s"),
     ("softmax", "16384x4096"): ("bw", 3.4, ">= 3.4 TB/s"),
@@ -27,6 +29,10 @@ TARGETS = {
     ("rms_norm", "16384x4096"): ("bw", 3.8, ">= 3.8 TB/s"),
     ("swiglu_ffn", "4x1024x2048->8192"): ("us", 640.0, "<= 640 us"),
     ("mlp24", "24x(8x256)"): ("ro_us", 45.0, "<= 45 us r-o"),
+    ("attention", "4x16x1024x128"): ("tf", 400.0, ">= 400 TFLOP/s"),
+    ("attention_causal", "4x16x1024x128"): ("torch", None, "<= torch"),
+    ("decoder_layer", "4x1024x2048,h16,ffn8192"): ("us", 950.0, "<= 0.95 ms"),
+    ("decoder_token", "1x1x2048,h16,ffn8192"): ("us", 50.0, "<= 50 us"),
 }
 # start-up: kiln --cold rows of the FeedForward, first_call_s at most value
 COLD_TARGETS = {
@@ -113,6 +119,13 @@ def check(key, kiln_rows, k_best, t_best):
         return text, (OK if got <= value else NO) + f" ({got:.1f} us)"
     if k_best is None:
         return text, NO + " (no row)"
+    if kind == "torch":
+        if t_best is None:
+            return text, ""
+        return text, OK if num(k_best, "median_us") <= num(t_best, "median_us") else NO
+    if kind == "tf":
+        got = num(k_best, "tflops")
+        return text, OK if got is not None and got >= value else NO
     if kind == "bw":
         got = num(k_best, "bw_tbs")
         return text, OK if got is not None and got >= value else NO

@@ -22,7 +22,7 @@ MAX_BATCH = 1000
 BATCH_MS = 2.0
 
 MEMORY_BOUND = ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
-                "rms_norm", "rms_norm_prims")
+                "rms_norm", "rms_norm_prims", "decoder_token")
 EPS = 1e-5
 
 
@@ -59,6 +59,22 @@ class Spec:
             self.shape = f"{b}x{s}x{dim}->{h}"
             self.bytes = (2 * tok * dim + 3 * dim * h) * es
             self.flops = 6.0 * tok * dim * h + 5.0 * tok * h
+        elif name in ("attention", "attention_causal"):
+            # q, k, v [b, h, t, hd]; the two products, causal counted as half
+            b, h, t, hd = d
+            self.shape = f"{b}x{h}x{t}x{hd}"
+            qkv = b * h * t * hd
+            self.bytes = 4 * qkv * es
+            self.flops = (0.5 if name == "attention_causal" else 1.0) * 4.0 * qkv * t
+        elif name in ("decoder_layer", "decoder_token"):
+            # the seed's DecoderLayer: x [b, t, dim], heads, ffn width f; the
+            # products only (in-projection, attention, out-projection, FFN);
+            # every parameter read once
+            b, t, dim, h, f = d
+            n = b * t
+            self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
+            self.bytes = (2 * n * dim + 4 * dim * dim + 3 * dim * f + 6 * dim) * es
+            self.flops = 8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f
         elif name == "mlp24":
             b, dim, layers = d
             self.shape = f"{layers}x({b}x{dim})"
@@ -74,9 +90,12 @@ def specs(quick):
     if quick:
         pw, rows, gemm, ffn, mlp, copy = ([256], (512, 256), (128, 128, 128),
                                           (1, 32, 64, 128), (8, 32, 24), (256, 256))
+        attn, layer, token = (1, 2, 64, 32), (1, 16, 64, 4, 256), (1, 1, 64, 4, 256)
     else:
         pw, rows, gemm, ffn, mlp, copy = ([4096, 8192], (16384, 4096), (8192, 8192, 8192),
                                           (4, 1024, 2048, 8192), (8, 256, 24), (32768, 16384))
+        attn = (4, 16, 1024, 128)
+        layer, token = (4, 1024, 2048, 16, 8192), (1, 1, 2048, 16, 8192)
     out = [Spec("memory_bandwidth", "f16", copy)]
     out += [Spec("relu_fma", "f16", (n, n)) for n in pw]
     out.append(Spec("pointwise8", "f16", (pw[0], pw[0])))
@@ -84,6 +103,9 @@ def specs(quick):
     out.append(Spec("gemm", "bf16", gemm))
     out.append(Spec("swiglu_ffn", "bf16", ffn))
     out.append(Spec("mlp24", "f16", mlp))
+    out += [Spec(n, "bf16", attn) for n in ("attention", "attention_causal")]
+    out.append(Spec("decoder_layer", "bf16", layer))
+    out.append(Spec("decoder_token", "bf16", token))
     return out
 
 

@@ -4,7 +4,15 @@ bench/peer_common.py through jax.jit (mode "jit"), timed as batches of calls
 ended by block_until_ready, medians after 20 warm-up calls; first_call_s is
 the first call's wall time (tracing and XLA compile included). JAX has no
 built-in rms_norm, so "rms_norm" is the same primitives as "rms_norm_prims";
-layer_norm is written out too. kernels and peak_bytes are not measured (null).
+layer_norm is written out too. attention and attention_causal are
+jax.nn.dot_product_attention (q, k, v in its [batch, seq, heads, head dim]
+layout, is_causal; XLA picks the implementation: cuDNN's fused attention
+where it can), each row saying so in "impl". decoder_layer and decoder_token
+are the seed's DecoderLayer written out (RMSNorm in f32 with bf16's machine
+epsilon as torch's eps=None, the fused in-projection with bias, attention
+through jax.nn.dot_product_attention, not causal, the out-projection, the
+SwiGLU FeedForward, both residuals) with seeded random weights as arguments.
+kernels and peak_bytes are not measured (null).
 
 Without JAX (or without a GPU backend, unless --device cpu) it says so on
 stderr and exits 0.
@@ -69,7 +77,41 @@ def make(jax, jnp, spec):
         for _ in range(layers):
             params += [randn(d, d, scale=d ** -0.5), randn(d, scale=0.1)]
         return mlp, [randn(b, d)] + params
+    if n in ("attention", "attention_causal"):
+        b, h, t, hd = spec.dims
+        causal = n == "attention_causal"
+        return ((lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)),
+                [randn(b, t, h, hd) for _ in range(3)])
+    if n in ("decoder_layer", "decoder_token"):
+        b, t, d, h, f = spec.dims
+        eps = float(jnp.finfo(dt).eps)
+
+        def rms_norm(x, w):
+            xf = x.astype(jnp.float32)
+            y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + eps)
+            return (y * w).astype(x.dtype)
+
+        def decoder(x, n1, n2, w_in, b_in, w_out, b_out, wg, wu, wd):
+            hx = rms_norm(x, n1)
+            qkv = hx @ w_in.T + b_in
+            q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
+            o = jax.nn.dot_product_attention(q, k, v).reshape(b, t, d)
+            x = x + (o @ w_out.T + b_out)
+            hx = rms_norm(x, n2)
+            return x + (jax.nn.silu(hx @ wg.T) * (hx @ wu.T)) @ wd.T
+        ones = jnp.ones((d,), dt)
+        return decoder, [randn(b, t, d), ones, ones, randn(3 * d, d, scale=d ** -0.5),
+                         randn(3 * d, scale=0.02), randn(d, d, scale=d ** -0.5),
+                         randn(d, scale=0.02), randn(f, d, scale=d ** -0.5),
+                         randn(f, d, scale=d ** -0.5), randn(d, f, scale=f ** -0.5)]
     raise ValueError(n)
+
+
+# what each row's implementation is, where the name does not say it
+IMPL = {"attention": "jax.nn.dot_product_attention",
+        "attention_causal": "jax.nn.dot_product_attention",
+        "decoder_layer": "jit of the written-out layer, jax.nn.dot_product_attention",
+        "decoder_token": "jit of the written-out layer, jax.nn.dot_product_attention"}
 
 
 def main():
@@ -116,7 +158,8 @@ def main():
                            extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
             failures += 1
             continue
-        pc.emit(pc.row("jax", spec, opts.device, mode, ms, iters, first, extra=extra))
+        row_extra = dict(extra, impl=IMPL[spec.name]) if spec.name in IMPL else extra
+        pc.emit(pc.row("jax", spec, opts.device, mode, ms, iters, first, extra=row_extra))
     return 1 if failures else 0
 
 

@@ -4,7 +4,11 @@
 The same workloads, sizes and dtypes as kiln's CUDA rows (ANCHORS.md; see
 bench/peer_common.py), through PyTorch eager, torch.compile default and
 reduce-overhead, and max-autotune-no-cudagraphs for the FeedForward (as
-ANCHORS.md measured it). Times are medians of CUDA-event-timed batches after
+ANCHORS.md measured it). attention and attention_causal are
+F.scaled_dot_product_attention (eager and default only: one fused call);
+decoder_layer and decoder_token are the seed's DecoderLayer module (nn.RMSNorm,
+nn.MultiheadAttention batch first, not causal, the SwiGLU FeedForward) with
+torch's initialization under torch.manual_seed(0). Times are medians of CUDA-event-timed batches after
 20 warm-up calls; first_call_s is the wall time of a mode's first call
 (compile included); peak_bytes is torch.cuda.max_memory_allocated over the
 mode's calls (inputs included). One JSON object a line, with the keys of
@@ -29,10 +33,47 @@ MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no
 def default_modes(spec):
     if spec.name == "memory_bandwidth":
         return ["copy"]
+    if spec.name in ("attention", "attention_causal"):
+        return ["eager", "default"]
     modes = ["eager", "default", "reduce-overhead"]
     if spec.name == "swiglu_ffn":
         modes.append("max-autotune-no-cudagraphs")
     return modes
+
+
+def seed_modules(torch, d, h, f):
+    """The seed's FeedForward and DecoderLayer classes (kernel-fusion chapter),
+    for d_model d, h heads and FFN width f."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class FeedForward(nn.Module):
+        """The seed's FeedForward: SwiGLU, no biases."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(d, f, bias=False)
+            self.up_proj = nn.Linear(d, f, bias=False)
+            self.down_proj = nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class DecoderLayer(nn.Module):
+        """The seed's pre-norm DecoderLayer."""
+
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(d)
+            self.norm2 = nn.RMSNorm(d)
+            self.attn = nn.MultiheadAttention(d, h, batch_first=True)
+            self.ffn = FeedForward()
+
+        def forward(self, x):
+            h_ = self.norm1(x)
+            h_, _ = self.attn(h_, h_, h_, need_weights=False)
+            x = x + h_
+            return x + self.ffn(self.norm2(x))
+    return FeedForward, DecoderLayer
 
 
 def make(torch, spec, dev):
@@ -73,19 +114,18 @@ def make(torch, spec, dev):
         return torch.matmul, [randn(m, k, scale=k ** -0.5), randn(k, nn_, scale=nn_ ** -0.5)]
     if n == "swiglu_ffn":
         b, s, d, h = spec.dims
-
-        class FeedForward(torch.nn.Module):
-            """The seed's FeedForward: SwiGLU, no biases."""
-
-            def __init__(self):
-                super().__init__()
-                self.gate_proj = torch.nn.Linear(d, h, bias=False)
-                self.up_proj = torch.nn.Linear(d, h, bias=False)
-                self.down_proj = torch.nn.Linear(h, d, bias=False)
-
-            def forward(self, x):
-                return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        FeedForward, _ = seed_modules(torch, d, 1, h)
+        torch.manual_seed(0)
         return FeedForward().to(device=dev, dtype=dt).eval(), [randn(b, s, d)]
+    if n in ("attention", "attention_causal"):
+        causal = n == "attention_causal"
+        return ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
+                [randn(*spec.dims) for _ in range(3)])
+    if n in ("decoder_layer", "decoder_token"):
+        b, t, d, h, f = spec.dims
+        _, DecoderLayer = seed_modules(torch, d, h, f)
+        torch.manual_seed(0)
+        return DecoderLayer().to(device=dev, dtype=dt).eval(), [randn(b, t, d)]
     if n == "mlp24":
         b, d, layers = spec.dims
         mods = []
@@ -151,7 +191,7 @@ def main():
     table = pc.specs(opts.quick)
     if opts.list:
         for s in table:
-            print(f"{s.name:16s} {s.shape:20s} {s.dtype}")
+            print(f"{s.name:16s} {s.shape:24s} {s.dtype}")
         return 0
     modes = pc.parse_list(opts.modes, MODES, "mode")
     only = pc.parse_list(",".join(opts.workload), {s.name for s in table}, "workload")

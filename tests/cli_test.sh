@@ -43,7 +43,11 @@ fi
 for row in 'relu_fma .*4096x4096 f16' 'relu_fma .*8192x8192 f16' 'pointwise8 .*4096x4096 f16' \
 	'softmax .*16384x4096 bf16' 'layer_norm .*16384x4096 bf16' 'rms_norm .*16384x4096 bf16' \
 	'rms_norm_prims .*16384x4096 bf16' 'swiglu_ffn .*4x1024x2048, hidden 8192, bf16' \
-	'mlp24 .*24 x \(linear 256.*batch 8, f16'; do
+	'mlp24 .*24 x \(linear 256.*batch 8, f16' \
+	'attention .*batch 4, 16 heads, seq 1024, head dim 128, bf16' \
+	'attention_causal .*causal, batch 4, 16 heads, seq 1024, head dim 128, bf16' \
+	"decoder_layer .*the seed's DecoderLayer, x 4x1024x2048, 16 heads, ffn 8192, bf16" \
+	'decoder_token .*one token, x 1x1x2048, 16 heads, ffn 8192, bf16'; do
 	grep -Eq "^$row" "$work/list_cuda" || fail "bench --list --device cuda: no '$row'"
 done
 if "$kiln" bench --warmup -1 >/dev/null 2>&1; then fail "--warmup -1 accepted"; fi

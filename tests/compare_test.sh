@@ -39,6 +39,14 @@ peer_row() { # PEER NAME SHAPE DTYPE MODE US BW_TBS
 	kiln_row mlp24 '24x(8x256)' f16 eager 500.0 0.01 0.05
 	kiln_row mlp24 '24x(8x256)' f16 default 300.0 0.01 0.08
 	kiln_row mlp24 '24x(8x256)' f16 reduce-overhead 41.0 0.1 0.6
+	kiln_row attention 4x16x1024x128 bf16 eager 500.0 0.13 68.7
+	kiln_row attention 4x16x1024x128 bf16 default 80.0 0.84 429
+	kiln_row attention_causal 4x16x1024x128 bf16 default 52.0 1.3 330
+	kiln_row decoder_layer 4x1024x2048,h16,ffn8192 bf16 eager 1100.0 0.15 531
+	kiln_row decoder_layer 4x1024x2048,h16,ffn8192 bf16 default 980.0 0.17 596
+	kiln_row decoder_layer 4x1024x2048,h16,ffn8192 bf16 reduce-overhead 940.0 0.18 621
+	kiln_row decoder_token 1x1x2048,h16,ffn8192 bf16 eager 300.0 0.45
+	kiln_row decoder_token 1x1x2048,h16,ffn8192 bf16 reduce-overhead 55.0 2.44
 	# a CPU row must not leak into the CUDA table
 	echo '{"workload":"relu_fma","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"default","median_us":1.0,"bw_tbs":9}'
 	echo '{"workload":"swiglu_ffn","device":"cuda","dtype":"bf16","shape":"4x1024x2048->8192","mode":"cold_compile","median_us":null,"first_call_s":0.41,"kernels":4}'
@@ -56,9 +64,19 @@ peer_row() { # PEER NAME SHAPE DTYPE MODE US BW_TBS
 	peer_row torch swiglu_ffn '4x1024x2048->8192' bf16 max-autotune-no-cudagraphs 667.0 0.1
 	peer_row torch mlp24 '24x(8x256)' f16 reduce-overhead 96.5 0.05
 	peer_row torch gemm 8192x8192x8192 bf16 default 1620.0 0.2
+	peer_row torch attention 4x16x1024x128 bf16 eager 95.0 0.71
+	peer_row torch attention 4x16x1024x128 bf16 default 90.0 0.75
+	peer_row torch attention_causal 4x16x1024x128 bf16 default 48.0 1.4
+	peer_row torch decoder_layer 4x1024x2048,h16,ffn8192 bf16 eager 1002.0 0.17
+	peer_row torch decoder_layer 4x1024x2048,h16,ffn8192 bf16 default 1009.0 0.17
+	peer_row torch decoder_layer 4x1024x2048,h16,ffn8192 bf16 reduce-overhead 1007.0 0.17
+	peer_row torch decoder_token 1x1x2048,h16,ffn8192 bf16 reduce-overhead 117.0 1.15
 	echo '{"peer":"torch","workload":"layer_norm","device":"cuda","dtype":"bf16","shape":"16384x4096","mode":"default","error":"RuntimeError: out of memory"}'
 } >"$work/torch.jsonl"
-peer_row jax relu_fma 8192x8192 f16 jit 130.0 4.1 >"$work/jax.jsonl"
+{
+	peer_row jax relu_fma 8192x8192 f16 jit 130.0 4.1
+	peer_row jax attention 4x16x1024x128 bf16 jit 88.0 0.76
+} >"$work/jax.jsonl"
 
 "$py" "$cmp" "$work/kiln.jsonl" "$work/torch.jsonl" >"$work/out" || fail "exit $?"
 # one row: the columns (whitespace-separated) after the workload and shape
@@ -81,7 +99,13 @@ has '^gemm +8192x8192x8192 +bf16 +- +1\.620 ms default 0\.20 TB/s +- *$'
 grep -q '^layer_norm' "$work/out" && fail "a row from an error line"
 has '^swiglu_ffn cold compile +4x1024x2048->8192 +bf16 +410\.0 ms first call +2\.50 s default first call +6\.1x +< 0\.5 s +✔$'
 has '^swiglu_ffn warm process +4x1024x2048->8192 +bf16 +45\.0 ms first call +- +- +< 30 ms +✘$'
-has '^targets met: 5/7; 2 rows skipped \(errors or unreadable\)$'
+# the seed's modules (issue 5): attention in TFLOP/s; attention_causal against
+# torch's best; the DecoderLayer and its one-token row against their times
+has '^attention +4x16x1024x128 +bf16 +80\.0 us default 429 TFLOP/s +90\.0 us default 0\.75 TB/s +1\.12x +>= 400 TFLOP/s +✔$'
+has '^attention_causal +4x16x1024x128 +bf16 +52\.0 us default 330 TFLOP/s +48\.0 us default 1\.40 TB/s +0\.92x +<= torch +✘$'
+has '^decoder_layer +4x1024x2048,h16,ffn8192 +bf16 +940\.0 us reduce-overhead 621 TFLOP/s +1\.002 ms eager 0\.17 TB/s +1\.07x +<= 0\.95 ms +✔$'
+has '^decoder_token +1x1x2048,h16,ffn8192 +bf16 +55\.0 us reduce-overhead 2\.44 TB/s +117\.0 us reduce-overhead 1\.15 TB/s +2\.13x +<= 50 us +✘$'
+has '^targets met: 7/11; 2 rows skipped \(errors or unreadable\)$'
 grep -q ' 1\.0 us\|9\.00 TB/s' "$work/out" && fail "a cpu row in the cuda table"
 
 # with JAX rows, two more columns
@@ -89,11 +113,14 @@ grep -q ' 1\.0 us\|9\.00 TB/s' "$work/out" && fail "a cpu row in the cuda table"
 	fail "exit $? with jax"
 has '^workload +shape +dtype +kiln best +torch best +torch/kiln +jax jit +jax/kiln +target'
 has '^relu_fma +8192x8192 +f16 +121\.0 us default 4\.44 TB/s +122\.8 us default 4\.37 TB/s +1\.01x +130\.0 us jit 4\.10 TB/s +1\.07x +>= 4\.2 TB/s +✔$'
+has '^attention +4x16x1024x128 +bf16 +80\.0 us default 429 TFLOP/s +90\.0 us default 0\.75 TB/s +1\.12x +88\.0 us jit 0\.76 TB/s +1\.10x +>= 400 TFLOP/s +✔$'
 
 # a missing target row is a miss, not a pass
 grep -v '"mode":"reduce-overhead"' "$work/kiln.jsonl" >"$work/kiln_nro.jsonl"
 "$py" "$cmp" "$work/kiln_nro.jsonl" >"$work/out" || fail "exit $? without r-o rows"
 has '^mlp24 +24x\(8x256\) +f16 +300\.0 us default 0\.08 TFLOP/s +- +- +<= 45 us r-o +✘ \(no r-o row\)$'
+# without a torch row attention_causal's target cannot be judged: no mark
+has '^attention_causal +4x16x1024x128 +bf16 +52\.0 us default 330 TFLOP/s +- +- +<= torch$'
 
 # nothing to compare: exit 2 with a reason
 rc=0

@@ -38,7 +38,8 @@ static const double GPU_BATCH_MS = 2.0;
 static kl_status eager_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out)
 {
 	(void)m;
-	return r->w->body(r->ctx, r->in, r->w->nin, out, r->w->nout, NULL);
+	void *user = kt_state_user(&r->state);
+	return r->w->body(r->ctx, r->in, r->w->nin, out, r->w->nout, user);
 }
 
 /* The first call compiles, inside the timing: the first-call column is what a
@@ -48,7 +49,8 @@ static kl_status compiled_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out
 {
 	if (!r->fn) {
 		kl_compile_opts co = {.mode = m->kmode};
-		r->fn = kl_compile(r->ctx, r->w->body, NULL, r->w->nin, r->w->nout, &co);
+		void *user = kt_state_user(&r->state);
+		r->fn = kl_compile(r->ctx, r->w->body, user, r->w->nin, r->w->nout, &co);
 		if (!r->fn)
 			return kl_last_status(r->ctx);
 	}
@@ -186,7 +188,7 @@ static double host_copy_bandwidth(int nthreads, double *bytes_out, double *ms_ou
 
 /* ---- printing ------------------------------------------------------------------ */
 
-#define TABLE_FMT "%-16s %-6s %-5s %-18s %-16s %11s %10s %9s %15s %6s %10s %7s %9s\n"
+#define TABLE_FMT "%-16s %-6s %-5s %-23s %-16s %11s %10s %9s %15s %6s %10s %7s %9s\n"
 
 static void print_table_header(void)
 {
@@ -495,13 +497,14 @@ static void release_inputs(kt_run *r)
 			kl_release(r->in[i]);
 			r->in[i] = NULL;
 		}
+	kl_nn_free(&r->state.base);
 }
 
 /* Runs workload w in every mode it supports; returns the number of failures. */
 static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, double copy_gbps)
 {
 	kt_run r = {.ctx = ctx, .w = w};
-	kt_cost cost = {0};
+	kt_cost cost = {.state = &r.state};
 	int failures = 0;
 	if (w->setup(ctx, w, r.in, &cost) != KL_OK) {
 		fprintf(stderr, "kiln bench: %s: setup failed: %s\n", w->name, kl_last_error(ctx));

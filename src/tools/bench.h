@@ -29,6 +29,7 @@ typedef struct kt_run {
 	const kt_workload *w;
 	kl_tensor *in[KT_MAX_INPUTS];
 	kl_fn *fn; /* compiled modes: made by the first call, freed after the mode */
+	kt_state state; /* the setup's module, if it made one (kt_cost.state) */
 } kt_run;
 
 /* A mode is how one call of a workload is made. The harness opens a scope

@@ -36,6 +36,11 @@ static kl_status setup_status(kl_ctx *ctx, kl_tensor **in, int n)
 	return KL_OK;
 }
 
+void *kt_state_user(kt_state *state)
+{
+	return state && state->base.kind ? state : NULL;
+}
+
 static kl_status body_status(kl_ctx *ctx, kl_tensor **out)
 {
 	return out[0] ? KL_OK : kl_last_status(ctx);
@@ -259,6 +264,107 @@ static kl_status mlp_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor 
 	return body_status(ctx, out);
 }
 
+/* ---- attention and the seed's DecoderLayer -------------------------------------- */
+
+/* kl_sdpa over q, k, v [batch, heads, seq, head dim] (dims in that order),
+ * scale 1/sqrt(head dim). FLOPs: the two products, 4 * B * H * T * T * D;
+ * causal counts half of them (the masked half need not be computed). */
+static kl_status attention_setup_causal(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                        kt_cost *cost, bool causal)
+{
+	int64_t b = w->dims[0], h = w->dims[1], t = w->dims[2], d = w->dims[3];
+	for (int i = 0; i < 3; i++)
+		in[i] = kl_randn(ctx, w->dtype, 4, (int64_t[]){b, h, t, d}, 1101 + (uint64_t)i);
+	double qkv = (double)b * (double)h * (double)t * (double)d;
+	*cost = (kt_cost){.bytes = 4 * qkv * esize(w),
+	                  .flops = (causal ? 0.5 : 1.0) * 4 * qkv * (double)t,
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lldx%lld", (long long)b,
+	         (long long)h, (long long)t, (long long)d);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status attention_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	return attention_setup_causal(ctx, w, in, cost, false);
+}
+
+static kl_status attention_causal_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                        kt_cost *cost)
+{
+	return attention_setup_causal(ctx, w, in, cost, true);
+}
+
+static kl_status attention_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                int nout, void *user)
+{
+	out[0] = kl_sdpa(in[0], in[1], in[2], false, 1.0 / sqrt((double)kl_dim(in[0], -1)));
+	return body_status(ctx, out);
+}
+
+static kl_status attention_causal_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
+                                       kl_tensor **out, int nout, void *user)
+{
+	out[0] = kl_sdpa(in[0], in[1], in[2], true, 1.0 / sqrt((double)kl_dim(in[0], -1)));
+	return body_status(ctx, out);
+}
+
+/* The seed's DecoderLayer (kiln_nn.h: pre-norm, RMSNorm, MultiheadAttention
+ * with one fused in-projection, not causal as in the seed, SwiGLU
+ * FeedForward), weights from kl_nn_decoder_init (PyTorch's initialization,
+ * seeded) held by the run's module, x [batch, seq, d_model] the one input:
+ * dims batch, seq, d_model, heads, ffn. FLOPs: the products only (the
+ * in-projection 6Nd^2, attention 4BT^2d, out-projection 2Nd^2, the
+ * FeedForward 6Ndf for N = B * T tokens): ANCHORS.md's 584 GFLOP. Bytes: x
+ * read, the output written, every parameter read once. */
+static kl_status decoder_setup_kind(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                    kt_cost *cost, bool memory_bound)
+{
+	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
+	kt_state *state = cost->state;
+	if (!state)
+		return kl_set_error(ctx, KL_EINVAL,
+		                    "bench %s: the harness keeps no module for this setup to make "
+		                    "(kt_cost.state is NULL)",
+		                    w->name);
+	kl_status st = kl_nn_decoder_init(&state->decoder, ctx, d, h, f, w->dtype, 1201);
+	if (st != KL_OK)
+		return st;
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1202);
+	double n = (double)b * (double)t, tt = (double)t, dd = (double)d, ff = (double)f;
+	*cost = (kt_cost){.bytes = (2 * n * dd + 4 * dd * dd + 3 * dd * ff + 6 * dd) * esize(w),
+	                  .flops = 8 * n * dd * dd + 4 * n * tt * dd + 6 * n * dd * ff,
+	                  .memory_bound = memory_bound,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld,ffn%lld", (long long)b,
+	         (long long)t, (long long)d, (long long)h, (long long)f);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status decoder_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	return decoder_setup_kind(ctx, w, in, cost, false);
+}
+
+/* One token: every weight is read for two FLOPs a parameter, so the row
+ * reports bandwidth (ANCHORS.md's 134 MB floor). */
+static kl_status decoder_token_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                     kt_cost *cost)
+{
+	return decoder_setup_kind(ctx, w, in, cost, true);
+}
+
+static kl_status decoder_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	const kt_state *state = user;
+	if (!state)
+		return kl_set_error(ctx, KL_EINVAL,
+		                    "bench: the DecoderLayer body was given no module");
+	out[0] = kl_nn_decoder_forward(&state->decoder, in[0], false);
+	return body_status(ctx, out);
+}
+
 /* ---- the device's copy ceiling ---------------------------------------------- */
 
 /* A one-input concat is a plain copy that no pass turns into a view (a
@@ -297,13 +403,16 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
 	(KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT) |                         \
 	 KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD))
 #define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
+#define SDPA (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
 #define CPU KT_ON_CPU
 #define GPU KT_ON_CUDA
 
 /* CUDA: max-autotune only where there is a matrix product to tune (and
- * gpu-check's time is short); the CPU runs every mode (the last two as
- * default). The FeedForward hidden width on the CPU is ~8/3 * 512 rounded to
- * a multiple of 64. */
+ * gpu-check's time is short); one fused kl_sdpa has no launches for
+ * reduce-overhead to save, so attention runs eager and default. The CPU runs
+ * every mode (the last two as default). The FeedForward hidden width on the
+ * CPU is ~8/3 * 512 rounded to a multiple of 64; the CPU DecoderLayer is the
+ * seed's at a quarter of its width (ffn 4 * d_model as in the seed). */
 const kt_workload kt_workloads[] = {
 	{"relu_fma", "relu(a*b + c), 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 3, 1,
 	 relu_fma_setup, relu_fma_body},
@@ -344,6 +453,25 @@ const kt_workload kt_workloads[] = {
 	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
 	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f16", GPU, ALL, KL_F16,
 	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	{"attention", "kl_sdpa, batch 2, 4 heads, seq 256, head dim 64, f32", CPU, ALL, KL_F32,
+	 {2, 4, 256, 64}, 3, 1, attention_setup, attention_body},
+	{"attention", "kl_sdpa, batch 4, 16 heads, seq 1024, head dim 128, bf16", GPU, SDPA,
+	 KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_setup, attention_body},
+	{"attention_causal", "kl_sdpa causal, batch 2, 4 heads, seq 256, head dim 64, f32", CPU,
+	 ALL, KL_F32, {2, 4, 256, 64}, 3, 1, attention_causal_setup, attention_causal_body},
+	{"attention_causal", "kl_sdpa causal, batch 4, 16 heads, seq 1024, head dim 128, bf16",
+	 GPU, SDPA, KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_causal_setup,
+	 attention_causal_body},
+	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, f32",
+	 CPU, ALL, KL_F32, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body},
+	{"decoder_layer", "the seed's DecoderLayer, x 4x1024x2048, 16 heads, ffn 8192, bf16", GPU,
+	 ALL, KL_BF16, {4, 1024, 2048, 16, 8192}, 1, 1, decoder_setup, decoder_body},
+	{"decoder_token", "the DecoderLayer (small) on one token, x 1x1x256, 4 heads, ffn 1024, "
+	                  "f32",
+	 CPU, ALL, KL_F32, {1, 1, 256, 4, 1024}, 1, 1, decoder_token_setup, decoder_body},
+	{"decoder_token", "the seed's DecoderLayer on one token, x 1x1x2048, 16 heads, ffn 8192, "
+	                  "bf16",
+	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body},
 };
 
 const int kt_nworkloads = (int)(sizeof(kt_workloads) / sizeof(kt_workloads[0]));

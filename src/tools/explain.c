@@ -81,13 +81,14 @@ static void usage(FILE *f)
 static int explain_one(kl_ctx *ctx, const kt_workload *w, const kl_compile_opts *opts)
 {
 	kl_tensor *in[KT_MAX_INPUTS] = {0}, *out[KT_MAX_INPUTS] = {0};
-	kt_cost cost;
+	kt_state state = {0};
+	kt_cost cost = {.state = &state};
 	int rc = 1;
 	kl_fn *f = NULL;
 	printf("=== %s: %s\n", w->name, w->what);
 	if (w->setup(ctx, w, in, &cost) != KL_OK)
 		goto done;
-	if (!(f = kl_compile(ctx, w->body, NULL, w->nin, w->nout, opts)))
+	if (!(f = kl_compile(ctx, w->body, kt_state_user(&state), w->nin, w->nout, opts)))
 		goto done;
 	if (kl_fn_call(f, in, out) != KL_OK)
 		goto done;
@@ -102,6 +103,7 @@ done:
 		kl_release(out[i]);
 	}
 	kl_fn_free(f);
+	kl_nn_free(&state.base);
 	printf("\n");
 	return rc;
 }

@@ -8,6 +8,7 @@
 #include <stdbool.h>
 
 #include "kiln.h"
+#include "kiln_nn.h"
 
 /* ---- subcommands ---------------------------------------------------------- */
 
@@ -28,6 +29,21 @@ typedef enum kt_mode {
 } kt_mode;
 #define KT_MODE_BIT(m) (1u << (m))
 
+/* What a body reads besides its inputs: a kl_nn module (its structure and
+ * weights, as a program holds them), made by the workload's setup and handed
+ * to the body as user, eagerly and to kl_compile (which bakes the weights in,
+ * as examples/decoder_stack.c does). The harness kl_nn_free's it after the
+ * workload's last mode; an untouched (zeroed) state is no module, and the
+ * body gets NULL. */
+typedef union kt_state {
+	kl_nn_module base;
+	kl_nn_decoder decoder;
+} kt_state;
+
+/* The body's user for a run whose module is state: state, or NULL when no
+ * module was made there. */
+void *kt_state_user(kt_state *state);
+
 /* The work one call of a workload does. bytes is the least traffic any
  * implementation needs (each input read once, each output written once), so
  * GB/s compares modes fairly and shows how far a mode is from the memory
@@ -37,6 +53,9 @@ typedef struct kt_cost {
 	double flops;
 	bool memory_bound; /* report GB/s; otherwise TFLOP/s */
 	char shape[48];    /* the sizes, as the peers print them: "4096x4096" */
+	/* In: where the setup may make the workload's module; NULL where the
+	 * harness keeps none (a setup that needs one then fails, saying so). */
+	kt_state *state;
 } kt_cost;
 
 #define KT_MAX_INPUTS 64
@@ -52,7 +71,7 @@ struct kt_workload {
 	unsigned devices; /* KT_ON_* */
 	unsigned modes;   /* KT_MODE_BIT per supported mode */
 	kl_dtype dtype;
-	int64_t dims[4]; /* the sizes; what each means is the setup's business */
+	int64_t dims[5]; /* the sizes; what each means is the setup's business */
 	int nin, nout;
 	/* Make the inputs (from kl_randn, never zeros) of w's dtype and sizes and
 	 * state the cost of one call. in[] receives nin references the harness
