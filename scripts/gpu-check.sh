@@ -164,7 +164,7 @@ jsonl_stage() { # jsonl_stage NAME SECONDS CMD...: stdout to NAME.jsonl
 	stage "$name" "$secs" bash -c '"$@" >"$0"' "$logs/$name.jsonl" "$@"
 }
 if [[ $skip != *,bench,* ]]; then
-	jsonl_stage kiln_bench_cuda 150 "$build/kiln" bench --device cuda --json ||
+	jsonl_stage kiln_bench_cuda 240 "$build/kiln" bench --device cuda --json ||
 		say "kiln bench --device cuda did not complete: see kiln_bench_cuda.log"
 fi
 if [[ $skip != *,cold,* ]]; then
@@ -174,12 +174,12 @@ fi
 peer_args=()
 [[ ${GPU_CHECK_QUICK:-0} == 1 ]] && peer_args+=(--quick)
 if [[ $skip != *,peer,* ]]; then
-	jsonl_stage peer_torch 180 python3 "$root/bench/peer_torch.py" "${peer_args[@]}" ||
+	jsonl_stage peer_torch 240 python3 "$root/bench/peer_torch.py" "${peer_args[@]}" ||
 		say "peer_torch did not complete: see peer_torch.log"
 	grep -h "skipped" "$logs/peer_torch.log" 2>/dev/null | head -1 | sed 's/^/[gpu-check] /'
 fi
 if [[ $skip != *,jax,* ]]; then
-	jsonl_stage peer_jax 60 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
+	jsonl_stage peer_jax 90 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
 		say "peer_jax did not complete: see peer_jax.log"
 fi
 

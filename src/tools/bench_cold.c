@@ -55,7 +55,7 @@ static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 	}
 	bool gpu = kl_ctx_device(ctx) == KL_CUDA;
 	kt_run r = {.ctx = ctx, .w = w};
-	kt_cost cost = {0};
+	kt_cost cost = {.state = &r.state};
 	int rc = 0;
 	double sum = 0;
 	const kt_mode_desc *m = &kt_modes[KT_MODE_DEFAULT];
@@ -85,6 +85,7 @@ static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 	for (int i = 0; i < w->nin; i++)
 		if (r.in[i])
 			kl_release(r.in[i]);
+	kl_nn_free(&r.state.base);
 	kl_ctx_free(ctx);
 	return rc;
 }
