@@ -281,11 +281,12 @@ bool kltest_compare(const char *what, kl_dtype dt, int ndim, const int64_t *shap
 		if (isfinite(ref[i]))
 			ss += ref[i] * ref[i];
 	double atol = fl ? rtol * typical_abs(ref, n) : 0;
-	/* a few units of the format's subnormal spacing: below that an f16
-	 * result cannot be closer than its rounding (f16 2^-24; the others'
-	 * spacing is far below any tolerance) */
-	if (dt == KL_F16 && atol < 4 * 0x1p-24)
-		atol = 4 * 0x1p-24;
+	/* a few units of the format's subnormal spacing: below that a result
+	 * cannot be closer than its rounding (f16 2^-24, bf16 2^-133, f32
+	 * 2^-149: e.g. a GELU far below zero that one side flushes to -0) */
+	double sub = dt == KL_F16 ? 0x1p-24 : dt == KL_BF16 ? 0x1p-133 : dt == KL_F32 ? 0x1p-149 : 0;
+	if (atol < 4 * sub)
+		atol = 4 * sub;
 	int64_t nbad = 0, worst = -1;
 	double wscore = 0;
 	for (int64_t i = 0; i < n; i++) {

@@ -167,6 +167,21 @@ kl_status kl__lt_open(kl_ctx *ctx, kl_cuda_dev *d)
 	kl__log(ctx, KL_LOG_STARTUP, "cuBLASLt %zu: cublasLtCreate %.3f ms, %zu MiB workspace %.3f ms",
 	        kl__lt.version, t1 - t0, st->ws_bytes >> 20, kl__now_ms() - t1);
 	d->lt = st;
+	/* cuBLASLt starts itself up (about 0.1 s on an H200) inside its first
+	 * heuristic query: ask once here, for a small bf16 product, so that the
+	 * cost belongs to opening the device and not to a program's first call.
+	 * Nothing is launched; a failure only leaves the cost where it was. */
+	double t2 = kl__now_ms();
+	kl_gemm g = {.ab = KL_BF16, .cd = KL_BF16, .m = 64, .n = 64, .k = 64, .a_rs = 64,
+	             .a_cs = 1, .b_rs = 64, .b_cs = 1, .ldc = 64, .ldd = 64, .batch = 1,
+	             .epi = KL_EPI_DEFAULT, .alpha = 1, .beta = 0, .a = st->ws, .b = st->ws,
+	             .d = st->ws};
+	kl_lt_algo algo;
+	int n = 0;
+	if (kl__lt_heuristics(ctx, d, &g, 1, &algo, &n) != KL_OK)
+		kl_clear_error(ctx);
+	kl__log(ctx, KL_LOG_STARTUP, "cuBLASLt start-up (a first heuristic query) %.3f ms",
+	        kl__now_ms() - t2);
 	return KL_OK;
 }
 
