@@ -267,10 +267,10 @@ static const gcase CASES[] = {
          false, 1, 0, 1, 32, false},
         /* row groups between a warp and the block: rows not a multiple of
          * the rows a block takes, NaN and infinite rows */
-        {"softmax 19x4096", b_softmax, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 128, true},
+        {"softmax 19x4096", b_softmax, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 256, true},
         {"layer_norm 4096", b_layer_norm, 3, {2, 1, 1}, {{7, 4096}, {4096}, {4096}}, true, false,
-         1, 0, 1, 128, true},
-        {"rms_norm 4096", b_rms_norm, 2, {2, 1}, {{5, 4096}, {4096}}, true, false, 1, 0, 1, 128,
+         1, 0, 1, 256, true},
+        {"rms_norm 4096", b_rms_norm, 2, {2, 1}, {{5, 4096}, {4096}}, true, false, 1, 0, 1, 256,
          true},
         {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
          1, 0, 1, 32, false},
