@@ -420,16 +420,16 @@ static void test_cpu_results(void **state)
 	kl_ctx_free(ctx);
 }
 
-/* the one-row left operand: column 1 of a [37, 3] x as a [1, 37] view
- * (elements 3 apart), or a dense copy of it; times a [37, 53] weight */
+/* the one-row left operand: column 1 of a [K, 3] x as a [1, K] view
+ * (elements 3 apart), or a dense copy of it; times a [K, N] weight */
 static kl_tensor *apply_row_kn(kl_tensor *const *in, const void *p)
 {
-	bool strided = *(const int *)p != 0;
-	kl_tensor *xt = kl_transpose(in[0], 0, 1); /* [3, 37], rows strided by 1, cols by 3 */
-	kl_tensor *row = kl_slice(xt, 0, 1, 2, 1); /* [1, 37]: elements 3 apart */
-	if (!strided)
+	int v = *(const int *)p; /* bit 0: x strided; bit 1: W given as [N, K], transposed */
+	kl_tensor *xt = kl_transpose(in[0], 0, 1); /* [3, K] */
+	kl_tensor *row = kl_slice(xt, 0, 1, 2, 1); /* [1, K]: elements 3 apart */
+	if (!(v & 1))
 		row = kl_contiguous(row);
-	return kl_matmul(row, in[1]);
+	return kl_matmul(row, v & 2 ? kl_transpose(in[2], 0, 1) : in[1]);
 }
 
 static kl_status body_row_kn(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
@@ -460,39 +460,48 @@ static void test_cpu_one_row(void **state)
 	g_rows = 8;
 	/* a weight stored k x n (x @ W, not x @ W^T): the other orientation,
 	 * and a row of x read at a stride (a column of a wider matrix's view) */
-	for (int di = 0; di < 2; di++) {
-		kl_dtype dt = di ? KL_F64 : KL_F32;
-		kl_tensor *in[2];
-		in[0] = kltest_rand(ctx, dt, 2, (int64_t[]){37, 3}, KLTEST_NORMAL, KLTEST_CONTIG,
+	/* sizes: one block of outputs; several (1000 > 256) split across threads
+	 * (300 x 1000 is past the parallel threshold); the weight as [K, N] and
+	 * as the transpose of [N, K] (a Linear's), x dense and strided */
+	static const int64_t kn[2][2] = {{37, 53}, {300, 1000}};
+	for (int di = 0; di < 4; di++) {
+		kl_dtype dt = di & 1 ? KL_F64 : KL_F32;
+		int64_t K = kn[di >> 1][0], N = kn[di >> 1][1];
+		kl_tensor *in[3];
+		in[0] = kltest_rand(ctx, dt, 2, (int64_t[]){K, 3}, KLTEST_NORMAL, KLTEST_CONTIG,
 		                    seed += 10);
-		in[1] = kltest_rand(ctx, dt, 2, (int64_t[]){37, 53}, KLTEST_NORMAL, KLTEST_CONTIG,
+		in[1] = kltest_rand(ctx, dt, 2, (int64_t[]){K, N}, KLTEST_NORMAL, KLTEST_CONTIG,
 		                    seed += 10);
-		for (int col = 0; col < 2; col++) {
-			kl_fn *f = kl_compile(ctx, body_row_kn, &col, 2, 1, NULL);
+		in[2] = kltest_rand(ctx, dt, 2, (int64_t[]){N, K}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    seed += 10);
+		for (int v = 0; v < 4; v++) {
+			kl_fn *f = kl_compile(ctx, body_row_kn, &v, 3, 1, NULL);
 			assert_non_null(f);
 			kl_tensor *out = NULL;
 			assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
-			char what[64];
-			snprintf(what, sizeof what, "one row x @ W (k x n) %s, x %s", kl_dtype_name(dt),
-			         col ? "strided" : "dense");
+			char what[96];
+			snprintf(what, sizeof what, "one row x @ W (%lld x %lld%s) %s, x %s",
+			         (long long)K, (long long)N, v & 2 ? ", transposed" : "",
+			         kl_dtype_name(dt), v & 1 ? "strided" : "dense");
 			int nd;
 			int64_t shape[KL_MAX_DIMS];
 			kl_dtype rdt;
-			double *want = kltest_reference(ctx, what, apply_row_kn, in, &col, &nd, shape,
+			double *want = kltest_reference(ctx, what, apply_row_kn, in, &v, &nd, shape,
 			                                &rdt);
 			double *got = kltest_read(out);
 			assert_non_null(want);
 			assert_non_null(got);
 			assert_int_equal(nd, 2);
 			assert_int_equal(shape[0], 1);
+			assert_int_equal(shape[1], N);
 			assert_true(kltest_compare(what, rdt, nd, shape, got, want, factor_of(dt)));
 			free(want);
 			free(got);
 			kl_release(out);
 			kl_fn_free(f);
 		}
-		kl_release(in[0]);
-		kl_release(in[1]);
+		for (int i = 0; i < 3; i++)
+			kl_release(in[i]);
 	}
 	kl_ctx_free(ctx);
 }
