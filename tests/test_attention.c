@@ -81,27 +81,36 @@ static double factor_of(kl_dtype dt)
 	}
 }
 
+/* kl_sdpa of case c (dtype dt, K laid out as klay, inputs seeded seed,
+ * seed + 1, seed + 2) on ctx's device against the reference */
+static bool check_case(kl_ctx *ctx, const char *what, const acase *c, kl_dtype dt,
+                       kltest_layout klay, uint64_t seed, double factor)
+{
+	int64_t sh[3][KL_MAX_DIMS];
+	int nd;
+	shapes(c, sh, &nd);
+	kl_tensor *in[3];
+	for (int t = 0; t < 3; t++)
+		in[t] = kltest_rand(ctx, dt, nd, sh[t], KLTEST_NORMAL, t == 1 ? klay : KLTEST_CONTIG,
+		                    seed + (uint64_t)t);
+	sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
+	bool ok = kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, factor);
+	for (int t = 0; t < 3; t++)
+		kl_release(in[t]);
+	return ok;
+}
+
 /* kl_sdpa eagerly on ctx's device against the reference */
 static int run_eager_cases(kl_ctx *ctx, const kl_dtype *dts, int ndt, kltest_layout lay)
 {
 	int bad = 0;
 	for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++)
 		for (int di = 0; di < ndt; di++) {
-			const acase *c = &CASES[ci];
-			int64_t sh[3][KL_MAX_DIMS];
-			int nd;
-			shapes(c, sh, &nd);
-			kl_tensor *in[3];
-			for (int t = 0; t < 3; t++)
-				in[t] = kltest_rand(ctx, dts[di], nd, sh[t], KLTEST_NORMAL,
-				                    t == 1 ? lay : KLTEST_CONTIG, 1000 + ci * 10 + t);
-			sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
 			char what[96];
 			snprintf(what, sizeof what, "sdpa case %zu %s", ci, kl_dtype_name(dts[di]));
-			if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, factor_of(dts[di])))
+			if (!check_case(ctx, what, &CASES[ci], dts[di], lay, 1000 + ci * 10,
+			                factor_of(dts[di])))
 				bad++;
-			for (int t = 0; t < 3; t++)
-				kl_release(in[t]);
 		}
 	return bad;
 }
@@ -540,14 +549,6 @@ static void test_cuda_sdpa(void **state)
 				/* f32/f64 take the general kernel whatever is forced */
 				if (ki > 0 && di >= 2)
 					continue;
-				int64_t sh[3][KL_MAX_DIMS];
-				int nd;
-				shapes(c, sh, &nd);
-				kl_tensor *in[3];
-				for (int t = 0; t < 3; t++)
-					in[t] = kltest_rand(ctx, dts[di], nd, sh[t], KLTEST_NORMAL,
-					                    KLTEST_CONTIG, 3000 + ci * 10 + t + 100 * ki);
-				sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
 				char what[96];
 				snprintf(what, sizeof what, "cuda sdpa (%s) case %zu %s", kinds[ki], ci,
 				         kl_dtype_name(dts[di]));
@@ -557,10 +558,9 @@ static void test_cuda_sdpa(void **state)
 				 * rounding, up to a few bf16 units of its output */
 				double f = factor_of(dts[di]) *
 				           (dts[di] == KL_BF16 || dts[di] == KL_F16 ? 3 : 1);
-				if (!kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, f))
+				if (!check_case(ctx, what, c, dts[di], KLTEST_CONTIG,
+				                3000 + ci * 10 + 100 * ki, f))
 					bad++;
-				for (int t = 0; t < 3; t++)
-					kl_release(in[t]);
 			}
 	}
 	unsetenv("KILN_ATTENTION_KERNEL");
@@ -619,23 +619,14 @@ static void test_cuda_attention_cache(void **state)
 	const char *old = getenv("KILN_CACHE_DIR");
 	char *saved = old ? strdup(old) : NULL;
 	setenv("KILN_CACHE_DIR", dir, 1);
-	acase c = {1, 2, 0, 200, 200, 128, 128, true};
-	int64_t sh[3][KL_MAX_DIMS];
-	int nd;
-	shapes(&c, sh, &nd);
+	const acase c = {1, 2, 0, 200, 200, 128, 128, true};
 	for (int round = 0; round < 3; round++) {
 		kl_ctx *ctx = gpu_ctx();
 		assert_non_null(ctx);
-		kl_tensor *in[3];
-		for (int t = 0; t < 3; t++)
-			in[t] = kltest_rand(ctx, KL_BF16, nd, sh[t], KLTEST_NORMAL, KLTEST_CONTIG,
-			                    500 + round * 3 + t);
-		sdpa_p p = {true, 1.0 / sqrt(128.0)};
 		char what[64];
 		snprintf(what, sizeof what, "cuda sdpa through the cache, round %d", round);
-		assert_true(kltest_check_op(ctx, what, apply_sdpa, 3, in, &p, 3 * factor_of(KL_BF16)));
-		for (int t = 0; t < 3; t++)
-			kl_release(in[t]);
+		assert_true(check_case(ctx, what, &c, KL_BF16, KLTEST_CONTIG, 500 + round * 3,
+		                       3 * factor_of(KL_BF16)));
 		kl_ctx_free(ctx);
 		/* round 0 wrote the entry; round 1 read it, then it is spoiled
 		 * and round 2 must rebuild it */

@@ -147,6 +147,9 @@ static expect expected(int kind, kl_target t, kl_dtype dt)
 	}
 }
 
+/* rows of the unbatched cases (test_cpu_one_row makes it 1) */
+static int64_t g_rows = 8;
+
 /* inputs of case kind: M rows (over batch dims when batched), K, N */
 static void make_inputs(kl_ctx *ctx, int kind, kl_dtype dt, bool batched, uint64_t seed,
                         kltest_layout rlay, kl_tensor **in)
@@ -164,9 +167,9 @@ static void make_inputs(kl_ctx *ctx, int kind, kl_dtype dt, bool batched, uint64
 		int64_t xs[3] = {B, S, K}, rs[3] = {B, S, N};
 		int nd = batched ? 3 : 2;
 		if (!batched) {
-			xs[0] = 8;
+			xs[0] = g_rows;
 			xs[1] = K;
-			rs[0] = 8;
+			rs[0] = g_rows;
 			rs[1] = N;
 		}
 		in[0] = kltest_rand(ctx, dt, nd, xs, KLTEST_NORMAL, KLTEST_CONTIG, seed);
@@ -417,6 +420,92 @@ static void test_cpu_results(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* the one-row left operand: column 1 of a [K, 3] x as a [1, K] view
+ * (elements 3 apart), or a dense copy of it; times a [K, N] weight */
+static kl_tensor *apply_row_kn(kl_tensor *const *in, const void *p)
+{
+	int v = *(const int *)p; /* bit 0: x strided; bit 1: W given as [N, K], transposed */
+	kl_tensor *xt = kl_transpose(in[0], 0, 1); /* [3, K] */
+	kl_tensor *row = kl_slice(xt, 0, 1, 2, 1); /* [1, K]: elements 3 apart */
+	if (!(v & 1))
+		row = kl_contiguous(row);
+	return kl_matmul(row, v & 2 ? kl_transpose(in[2], 0, 1) : in[1]);
+}
+
+static kl_status body_row_kn(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)ctx;
+	(void)nin;
+	(void)nout;
+	out[0] = apply_row_kn(in, user);
+	return out[0] ? KL_OK : KL_EINVAL;
+}
+
+/* one row (a decode step): the CPU product becomes a matrix-vector product;
+ * every epilogue, f32 and f64, against the reference */
+static void test_cpu_one_row(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	uint64_t seed = 900;
+	g_rows = 1;
+	for (int kind = 0; kind < E_NKINDS; kind++) {
+		if (kind == E_BMM_SCALE_MASK)
+			continue; /* batched by construction */
+		run_case(ctx, ctx, kind, KL_F32, false, KL_TARGET_C, seed += 10);
+		run_case(ctx, ctx, kind, KL_F64, false, KL_TARGET_C, seed += 10);
+	}
+	g_rows = 8;
+	/* a weight stored k x n (x @ W, not x @ W^T): the other orientation,
+	 * and a row of x read at a stride (a column of a wider matrix's view) */
+	/* sizes: one block of outputs; several (1000 > 256) split across threads
+	 * (300 x 1000 is past the parallel threshold); the weight as [K, N] and
+	 * as the transpose of [N, K] (a Linear's), x dense and strided */
+	static const int64_t kn[2][2] = {{37, 53}, {300, 1000}};
+	for (int di = 0; di < 4; di++) {
+		kl_dtype dt = di & 1 ? KL_F64 : KL_F32;
+		int64_t K = kn[di >> 1][0], N = kn[di >> 1][1];
+		kl_tensor *in[3];
+		in[0] = kltest_rand(ctx, dt, 2, (int64_t[]){K, 3}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    seed += 10);
+		in[1] = kltest_rand(ctx, dt, 2, (int64_t[]){K, N}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    seed += 10);
+		in[2] = kltest_rand(ctx, dt, 2, (int64_t[]){N, K}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    seed += 10);
+		for (int v = 0; v < 4; v++) {
+			kl_fn *f = kl_compile(ctx, body_row_kn, &v, 3, 1, NULL);
+			assert_non_null(f);
+			kl_tensor *out = NULL;
+			assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+			char what[96];
+			snprintf(what, sizeof what, "one row x @ W (%lld x %lld%s) %s, x %s",
+			         (long long)K, (long long)N, v & 2 ? ", transposed" : "",
+			         kl_dtype_name(dt), v & 1 ? "strided" : "dense");
+			int nd;
+			int64_t shape[KL_MAX_DIMS];
+			kl_dtype rdt;
+			double *want = kltest_reference(ctx, what, apply_row_kn, in, &v, &nd, shape,
+			                                &rdt);
+			double *got = kltest_read(out);
+			assert_non_null(want);
+			assert_non_null(got);
+			assert_int_equal(nd, 2);
+			assert_int_equal(shape[0], 1);
+			assert_int_equal(shape[1], N);
+			assert_true(kltest_compare(what, rdt, nd, shape, got, want, factor_of(dt)));
+			free(want);
+			free(got);
+			kl_release(out);
+			kl_fn_free(f);
+		}
+		for (int i = 0; i < 3; i++)
+			kl_release(in[i]);
+	}
+	kl_ctx_free(ctx);
+}
+
 /* ---- the program format ---------------------------------------------------------------- */
 
 static void lower_for_bytes(kl_ctx *ctx, kl_tensor **in, kl_trace **tr, kl_program *P, int kind)
@@ -598,7 +687,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 	        cmocka_unit_test(test_folding_decisions),
-	        cmocka_unit_test(test_cpu_results),
+	        cmocka_unit_test(test_cpu_results),     cmocka_unit_test(test_cpu_one_row),
 	        cmocka_unit_test(test_program_format),
 	        cmocka_unit_test(test_gpu_results),
 	};

@@ -172,6 +172,24 @@ static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape
 	return add(d, &n);
 }
 
+/* x with its last two dims swapped (a view) */
+static int32_t transpose_last(dctx *d, int32_t x)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *n = nd(d, x);
+	int k = n->ndim;
+	kl_node p = mk(KL_OP_PERMUTE, (kl_dtype)n->dtype, k, n->shape, 1);
+	for (int i = 0; i < k; i++)
+		p.a.v[i] = i;
+	p.a.v[k - 2] = k - 1;
+	p.a.v[k - 1] = k - 2;
+	p.shape[k - 2] = n->shape[k - 1];
+	p.shape[k - 1] = n->shape[k - 2];
+	p.in[0] = x;
+	return add(d, &p);
+}
+
 static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 {
 	kl_dtype D = (kl_dtype)s->dtype;
@@ -189,18 +207,9 @@ static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
 	sh[k - 1] = 1;
 	a = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, a, k + 1, sh), k + 1, full);
 	/* b: [..., k, n] -> [..., n, k] -> [..., 1, n, k] -> [..., m, n, k] */
-	int32_t b = cast(d, in[1], C);
+	int32_t b = transpose_last(d, cast(d, in[1], C));
 	if (b < 0 || a < 0)
 		return -1;
-	kl_node p = mk(KL_OP_PERMUTE, C, k, nd(d, b)->shape, 1);
-	for (int i = 0; i < k; i++)
-		p.a.v[i] = i;
-	p.a.v[k - 2] = k - 1;
-	p.a.v[k - 1] = k - 2;
-	p.shape[k - 2] = nd(d, b)->shape[k - 1];
-	p.shape[k - 1] = nd(d, b)->shape[k - 2];
-	p.in[0] = b;
-	b = add(d, &p);
 	memcpy(sh, full, sizeof(sh));
 	sh[k - 2] = 1;
 	b = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, b, k + 1, sh), k + 1, full);
@@ -336,17 +345,9 @@ static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int
 		return add(d, &n);
 	}
 	int32_t q = cast(d, in[0], D), k = cast(d, in[1], D), v = cast(d, in[2], D);
-	if (k < 0)
+	int32_t kt = transpose_last(d, k);
+	if (kt < 0)
 		return -1;
-	kl_node p = mk(KL_OP_PERMUTE, D, rk, nd(d, k)->shape, 1);
-	for (int i = 0; i < rk; i++)
-		p.a.v[i] = i;
-	p.a.v[rk - 2] = rk - 1;
-	p.a.v[rk - 1] = rk - 2;
-	p.shape[rk - 2] = nd(d, k)->shape[rk - 1];
-	p.shape[rk - 1] = nd(d, k)->shape[rk - 2];
-	p.in[0] = k;
-	int32_t kt = add(d, &p);
 	int32_t sc = bin_s(d, KL_OP_MUL, product_of(d, q, kt, src_in[0], src_in[1]), s->a.s[0]);
 	if (sc < 0)
 		return -1;

@@ -7,13 +7,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "kiln_source_digest.h" /* generated: cmake/source_digest.cmake */
 #include "lower/lower.h"
 #include "runtime/rt.h"
 
-/* Bump when the meaning of a cached plan changes without its bytes changing,
- * and when lowering changes what a graph becomes (an older plan still runs
- * correctly, but a warm cache would keep serving it). 2: softmax by a row
- * reciprocal, skinny CUDA products, register-row prefetch. */
+/* Bump when the meaning of a cached plan changes without its bytes changing.
+ * A change to what lowering makes of a graph needs no bump: the digest of
+ * the sources (KILN_SOURCE_DIGEST) is part of every key, so a rebuilt
+ * library never serves an older build's plans. 2: softmax by a row
+ * reciprocal, skinny CUDA products, register-row prefetch; 3: kernel splits,
+ * merged products. */
 #define RT_PLAN_VERSION 3u
 
 static atomic_long n_lowerings, n_cache_hits;
@@ -112,6 +115,8 @@ static kl_status key_of(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cf
 {
 	uint64_t h = hash_str(KL_HASH_SEED, "kiln plan");
 	h = hash_str(h, KL_VERSION_STRING);
+	uint64_t digest = KILN_SOURCE_DIGEST; /* the code that made the plan */
+	h = kl__hash_bytes(h, &digest, sizeof digest);
 	uint32_t head[4] = {RT_PLAN_VERSION, (uint32_t)ctx->device, cfg->fusion ? 1u : 0u,
 	                    /* the CPU runs every mode alike: they share entries */
 	                    ctx->device == KL_CPU ? 0u : (uint32_t)cfg->mode};

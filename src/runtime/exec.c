@@ -173,6 +173,23 @@ static kl_status gemm_one(kl_compiled *c, const mm_args *x)
 	    blas_view(m, k, mm->a_rs, mm->a_cs, &tra, &lda) &&
 	    blas_view(k, n, mm->b_rs, mm->b_cs, &trb, &ldb)) {
 		int ldc = (int)(mm->ldc > 1 ? mm->ldc : 1);
+		if (m == 1 && n > 1 && mm->a_cs >= 1 && mm->a_cs <= INT_MAX) {
+			/* one row (a decode step): a matrix-vector product reads the
+			 * weight once, where a GEMM packs all of it first */
+			CBLAS_TRANSPOSE tv = trb == CblasTrans ? CblasNoTrans : CblasTrans;
+			int vr = (int)(trb == CblasTrans ? n : k), vc = (int)(trb == CblasTrans ? k : n);
+			if (x->tc == KL_F32)
+				cblas_sgemv(CblasRowMajor, tv, vr, vc, (float)mm->alpha,
+				            (const float *)x->b + x->bo, (int)ldb,
+				            (const float *)x->a + x->ao, (int)mm->a_cs, (float)mm->beta,
+				            (float *)x->c + x->co, 1);
+			else
+				cblas_dgemv(CblasRowMajor, tv, vr, vc, mm->alpha,
+				            (const double *)x->b + x->bo, (int)ldb,
+				            (const double *)x->a + x->ao, (int)mm->a_cs, mm->beta,
+				            (double *)x->c + x->co, 1);
+			return KL_OK;
+		}
 		if (x->tc == KL_F32)
 			cblas_sgemm(CblasRowMajor, tra, trb, (int)m, (int)n, (int)k,
 			            (float)mm->alpha, (const float *)x->a + x->ao, (int)lda,

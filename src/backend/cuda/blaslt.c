@@ -573,22 +573,14 @@ kl_status kl__lt_matmul(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl
 	kl_status s = plan_get(ctx, d, g, &st, &p);
 	if (s != KL_OK)
 		return s;
-	if (!algo) {
-		if (!p->have_algo) {
-			int n = 0;
-			if ((s = heuristics(ctx, st, g, p, 1, &p->algo, &n)) != KL_OK)
-				return s;
-			p->have_algo = true;
-		}
-		algo = &p->algo;
-	} else if (algo->workspace > st->ws_bytes) {
+	if (algo && algo->workspace > st->ws_bytes)
 		return kl__err(ctx, KL_EINVAL,
 		               "kl_matmul: algorithm needs %zu bytes of workspace, "
 		               "%zu available",
 		               algo->workspace, st->ws_bytes);
-	} else if (!algo_fits(p, algo)) {
-		/* chosen for better-aligned pointers than these: the heuristic's
-		 * choice for this alignment is the safe one */
+	/* none given, or one chosen for better-aligned pointers than these:
+	 * the heuristic's choice for this alignment is the safe one */
+	if (!algo || !algo_fits(p, algo)) {
 		if (!p->have_algo) {
 			int n = 0;
 			if ((s = heuristics(ctx, st, g, p, 1, &p->algo, &n)) != KL_OK)

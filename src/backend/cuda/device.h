@@ -132,6 +132,11 @@ kl_status kl__cuda_module_load(kl_ctx *ctx, kl_cuda_dev *d, const kl_cuda_image 
 /* compile for d, then load (one module per graph) */
 kl_status kl__cuda_module_build(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
                                 kl_cuda_module **out);
+/* An image as a disk-cache payload: a flag byte (1: PTX text), then the
+ * image (malloc'd; NULL when out of memory); and back (false when too short
+ * or out of memory; im is then empty). */
+uint8_t *kl__cuda_image_payload(const kl_cuda_image *im, size_t *len);
+bool kl__cuda_image_from_payload(const void *payload, size_t len, kl_cuda_image *im);
 /* the same through the disk cache (entry mod-<key>.klm, keyed by the source
  * and the target): a warm process loads the image without NVRTC; a corrupt
  * entry is rebuilt. arch_specific: sm_90a and the like. */

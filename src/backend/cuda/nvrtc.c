@@ -213,27 +213,44 @@ kl_status kl__cuda_module_build(kl_ctx *ctx, kl_cuda_dev *d, const char *src, co
 	return s;
 }
 
-/* the image from the disk cache entry `entry`: a flag byte (1: PTX text),
- * then the image, as kiln's graph modules are stored (rt_cuda.c) */
+uint8_t *kl__cuda_image_payload(const kl_cuda_image *im, size_t *len)
+{
+	uint8_t *payload = malloc(im->size + 1);
+	*len = payload ? im->size + 1 : 0;
+	if (payload) {
+		payload[0] = im->ptx ? 1 : 0;
+		memcpy(payload + 1, im->data, im->size);
+	}
+	return payload;
+}
+
+bool kl__cuda_image_from_payload(const void *payload, size_t len, kl_cuda_image *im)
+{
+	memset(im, 0, sizeof *im);
+	if (len < 2)
+		return false;
+	const uint8_t *p = payload;
+	im->data = calloc(1, len); /* PTX is text the driver wants NUL-terminated */
+	if (!im->data)
+		return false;
+	memcpy(im->data, p + 1, len - 1);
+	im->size = len - 1;
+	im->ptx = p[0] == 1;
+	return true;
+}
+
+/* the image from the disk cache entry `entry` */
 static bool cached_image(kl_ctx *ctx, const char *dir, const char *entry, uint64_t key,
                          kl_cuda_image *im)
 {
 	void *payload = NULL;
 	size_t len = 0;
-	if (kl__cache_get(ctx, dir, entry, key, &payload, &len) != KL_OK || len < 2) {
-		free(payload);
+	bool ok = kl__cache_get(ctx, dir, entry, key, &payload, &len) == KL_OK &&
+	          kl__cuda_image_from_payload(payload, len, im);
+	if (!ok)
 		kl_clear_error(ctx);
-		return false;
-	}
-	const uint8_t *p = payload;
-	im->data = calloc(1, len); /* PTX is text the driver wants NUL-terminated */
-	if (im->data) {
-		memcpy(im->data, p + 1, len - 1);
-		im->size = len - 1;
-		im->ptx = p[0] == 1;
-	}
 	free(payload);
-	return im->data != NULL;
+	return ok;
 }
 
 kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
@@ -264,16 +281,13 @@ kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, c
 	}
 	kl_status s = kl__nvrtc_compile(ctx, src, name, &o, &im);
 	if (s == KL_OK && have_dir) {
-		uint8_t *payload = malloc(im.size + 1);
-		if (payload) {
-			payload[0] = im.ptx ? 1 : 0;
-			memcpy(payload + 1, im.data, im.size);
-			if (kl__cache_put(ctx, dir, entry, key, payload, im.size + 1) == KL_OK)
-				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", entry, im.size + 1);
-			else
-				kl_clear_error(ctx);
-			free(payload);
-		}
+		size_t len;
+		uint8_t *payload = kl__cuda_image_payload(&im, &len);
+		if (payload && kl__cache_put(ctx, dir, entry, key, payload, len) == KL_OK)
+			kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", entry, len);
+		else
+			kl_clear_error(ctx);
+		free(payload);
 	}
 	if (s == KL_OK)
 		s = kl__cuda_module_load(ctx, d, &im, out);

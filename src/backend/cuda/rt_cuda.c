@@ -187,22 +187,19 @@ kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64
 			kl__cuda_image_free(&im);
 			return st;
 		}
-		/* the entry: a flag byte (1: PTX text), then the image */
-		uint8_t *payload = malloc(im.size + 1);
+		size_t len;
+		uint8_t *payload = kl__cuda_image_payload(&im, &len);
 		if (!payload) {
 			kl__cuda_image_free(&im);
 			return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 		}
-		payload[0] = im.ptx ? 1 : 0;
-		memcpy(payload + 1, im.data, im.size);
-		*bin_size = im.size + 1;
-		*bin_hash = kl__hash_bytes(KL_HASH_SEED, payload, im.size + 1);
+		*bin_size = len;
+		*bin_hash = kl__hash_bytes(KL_HASH_SEED, payload, len);
 		if (dir) {
 			char name[96];
 			bin_name(c->key, *bin_hash, name, sizeof name);
-			if (kl__cache_put(ctx, dir, name, c->key, payload, im.size + 1) == KL_OK)
-				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", name,
-				        im.size + 1);
+			if (kl__cache_put(ctx, dir, name, c->key, payload, len) == KL_OK)
+				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", name, len);
 			else
 				kl_clear_error(ctx);
 		}
@@ -232,17 +229,10 @@ kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_
 		kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt: rebuilding", name);
 		return KL_EFORMAT;
 	}
-	uint8_t *p = payload;
-	/* PTX is text the driver wants NUL-terminated */
-	im.data = calloc(1, len);
-	if (!im.data) {
-		free(payload);
-		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
-	}
-	memcpy(im.data, p + 1, len - 1);
-	im.size = len - 1;
-	im.ptx = p[0] == 1;
+	bool ok = kl__cuda_image_from_payload(payload, len, &im);
 	free(payload);
+	if (!ok)
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	st = load_module(ctx, c, &im);
 	kl__cuda_image_free(&im);
 	return st;
