@@ -159,11 +159,11 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	for (int i = 0; i < s->nbatch; i++)
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
 			return -1;
-	/* wgmma is sm_90a only; its block wants 5 tiles of 128 rows of
+	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows of
 	 * shared memory; it folds the scale into the exponent (so takes only
 	 * a positive one) */
 	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
-	          (size_t)d->smem_per_block_optin >= (size_t)5 * WG_BN * (size_t)s->d * 2 + 1024;
+	          (size_t)d->smem_per_block_optin >= (size_t)7 * WG_BN * (size_t)s->d * 2 + 1024;
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
@@ -225,8 +225,9 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			return st;
 		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
 		unsigned block[3] = {256, 1, 1};
-		/* Q, two K and two V tiles, and room to align them to 1024 bytes */
-		unsigned smem = (unsigned)(5 * WG_BN * s->d * 2 + 1024);
+		/* Q, three K and three V tiles, and room to align them to 1024
+		 * bytes */
+		unsigned smem = (unsigned)(7 * WG_BN * s->d * 2 + 1024);
 		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
 	}
 	if (var > 0) {
