@@ -29,6 +29,8 @@ typedef struct kl_at_args {
 #define BN 64    /* keys per tile, mma.sync kernel */
 #define WG_BM 128 /* the same, wgmma kernel */
 #define WG_BN 128
+#define WG_STAGES 3 /* K and V tiles in flight, wgmma kernel (KL_AT_WS in its source) */
+#define WG_SMEM(d) ((size_t)(1 + 2 * WG_STAGES) * WG_BN * (size_t)(d) * 2 + 1024) /* Q, K, V, alignment */
 
 enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, NVAR };
 
@@ -60,11 +62,11 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, bool wgmma)
 	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)) ||
 	    (wgmma && head_dim == 0))
 		return NULL;
-	size_t n = strlen(kl__cuda_attention_src) + 96;
+	size_t n = strlen(kl__cuda_attention_src) + 128;
 	char *s = malloc(n);
 	if (s)
-		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n%s", c,
-		         head_dim, wgmma ? 1 : 0, kl__cuda_attention_src);
+		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n#define KL_AT_WS %d\n%s",
+		         c, head_dim, wgmma ? 1 : 0, WG_STAGES, kl__cuda_attention_src);
 	return s;
 }
 
@@ -159,11 +161,11 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	for (int i = 0; i < s->nbatch; i++)
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
 			return -1;
-	/* wgmma is sm_90a only; its block wants 5 tiles of 128 rows of
+	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows of
 	 * shared memory; it folds the scale into the exponent (so takes only
 	 * a positive one) */
 	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
-	          (size_t)d->smem_per_block_optin >= (size_t)5 * WG_BN * (size_t)s->d * 2 + 1024;
+	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d);
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
@@ -225,8 +227,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			return st;
 		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
 		unsigned block[3] = {256, 1, 1};
-		/* Q, two K and two V tiles, and room to align them to 1024 bytes */
-		unsigned smem = (unsigned)(5 * WG_BN * s->d * 2 + 1024);
+		unsigned smem = (unsigned)WG_SMEM(s->d);
 		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
 	}
 	if (var > 0) {
