@@ -519,6 +519,74 @@ static kl_ctx *gpu_ctx(void)
 }
 #endif
 
+/* compiled on the GPU: the attention's output transposed to [b, t, h, d]
+ * and made dense, which the attention step writes itself (row stride h * d,
+ * not d), with each kernel forced; bf16 at head dims 128 and 64, causal and
+ * not, and a query count that is not a multiple of a tile */
+static int b_sdpa_bthd(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)ctx;
+	out[0] = kl_contiguous(kl_transpose(apply_sdpa(in, p), 1, 2));
+	return 1;
+}
+
+static void layout_cases(kl_ctx *ctx, int nkinds)
+{
+	static const acase lc[] = {{2, 2, 4, 256, 256, 128, 128, true},
+	                           {2, 2, 3, 200, 200, 64, 64, false},
+	                           {2, 1, 2, 1, 300, 128, 128, false}};
+	static const char *const kinds[3] = {"wgmma", "mma", "simple"};
+	for (int ki = 0; ki < nkinds; ki++) {
+		if (nkinds > 1)
+			setenv("KILN_ATTENTION_KERNEL", kinds[ki], 1);
+		for (size_t ci = 0; ci < sizeof lc / sizeof lc[0]; ci++) {
+			int64_t sh[3][KL_MAX_DIMS];
+			int nd;
+			shapes(&lc[ci], sh, &nd);
+			kl_tensor *in[3];
+			for (int t = 0; t < 3; t++)
+				in[t] = kltest_rand(ctx, KL_BF16, nd, sh[t], KLTEST_NORMAL, KLTEST_CONTIG,
+				                    5000 + ci * 10 + 100 * ki + t);
+			sdpa_p p = {lc[ci].causal, 1.0 / sqrt((double)lc[ci].d)};
+			kl_trace *tr = trace(ctx, b_sdpa_bthd, in, &p);
+			kl_compiled *cc = NULL;
+			run_compiled(ctx, tr, NULL, 3 * factor_of(KL_BF16), &cc);
+			/* one attention step, no copy kernel (tq = 1: the transpose moves
+			 * a unit dim, and the output is dense either way) */
+			assert_int_equal(count_kind(&cc->prog, KL_STEP_ATTENTION), 1);
+			assert_int_equal(count_kind(&cc->prog, KL_STEP_KERNEL), 0);
+			kl__compiled_free(cc);
+			kl__trace_free(tr);
+			for (int t = 0; t < 3; t++)
+				kl_release(in[t]);
+		}
+	}
+	unsetenv("KILN_ATTENTION_KERNEL");
+}
+
+static void test_sdpa_layout_cpu(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	layout_cases(ctx, 1);
+	kl_ctx_free(ctx);
+}
+
+static void test_cuda_sdpa_layout(void **state)
+{
+	(void)state;
+#ifdef KILN_HAVE_CUDA
+	kl_ctx *ctx = gpu_ctx();
+	if (!ctx)
+		skip();
+	layout_cases(ctx, 3);
+	kl_ctx_free(ctx);
+#else
+	print_message("test_attention: skipped, built without the CUDA backend\n");
+	skip();
+#endif
+}
+
 /* the CUDA kernels (wgmma on sm_90, mma.sync, general, split-key decode)
  * against the reference: bf16/f16 at head dims 64 and 128, causal and not,
  * query and key counts that are not multiples of any tile, Tq = 1; each
@@ -707,6 +775,7 @@ int main(void)
 	        cmocka_unit_test(test_pattern_refused),    cmocka_unit_test(test_program_io),
 	        cmocka_unit_test(test_cuda_kernels_compile), cmocka_unit_test(test_cuda_sdpa),
 	        cmocka_unit_test(test_cuda_attention_cache), cmocka_unit_test(test_cuda_sdpa_bench),
+	        cmocka_unit_test(test_sdpa_layout_cpu),    cmocka_unit_test(test_cuda_sdpa_layout),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

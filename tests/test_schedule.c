@@ -322,6 +322,66 @@ static kl_tensor *ap_gapped(kl_tensor *const *in, const void *p)
 	return kl_linear(a, g->wd, NULL);
 }
 
+/* ---- the attention step writing a permuted layout ------------------------------------- */
+
+/* out = transpose(sdpa(q, k, v), 1, 2), made dense, [b, t, h*d], times w:
+ * the attention step writes [b, t, h, d] itself; no copy kernel */
+static kl_tensor *ap_attn_proj(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	kl_tensor *o = kl_sdpa(in[0], in[1], in[2], true, 0.125);
+	kl_tensor *y = kl_reshape(kl_contiguous(kl_transpose(o, 1, 2)), 3, (int64_t[]){2, 16, 128});
+	return kl_matmul(y, in[3]);
+}
+
+/* the same copy, but the attention's output is read a second time */
+static kl_tensor *ap_attn_twice(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	kl_tensor *o = kl_sdpa(in[0], in[1], in[2], false, 0.125);
+	kl_tensor *t = kl_contiguous(kl_transpose(o, 1, 2));
+	return kl_add(t, kl_mul_scalar(kl_transpose(o, 1, 2), 2));
+}
+
+/* the projection's copy, and a sum over the attention's output besides */
+static kl_tensor *ap_attn_proj_sum(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	kl_tensor *o = kl_sdpa(in[0], in[1], in[2], true, 0.125);
+	kl_tensor *y = kl_reshape(kl_contiguous(kl_transpose(o, 1, 2)), 3, (int64_t[]){2, 16, 128});
+	return kl_add(kl_matmul(y, in[3]), kl_sum(o, 4, (int[]){0, 1, 2, 3}, false));
+}
+
+static void test_attention_layout(void **state)
+{
+	(void)state;
+	kl_tensor *in[4];
+	for (int i = 0; i < 3; i++)
+		in[i] = kltest_rand(ctx, KL_F32, 4, (int64_t[]){2, 4, 16, 32}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, 40 + i);
+	in[3] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){128, 64}, KLTEST_NORMAL, KLTEST_CONTIG, 44);
+	for (int i = 0; i < 4; i++)
+		assert_non_null(in[i]);
+	static const char *const logs[] = {"writes its output in the layout of", NULL};
+	free(lower_expect("attention then projection", ap_attn_proj, NULL, 4, in, KL_TARGET_C,
+	                  (counts){0, 1, 1}, logs));
+	free(lower_expect("attention then projection", ap_attn_proj, NULL, 4, in,
+	                  KL_TARGET_CUDA, (counts){0, 1, 1}, logs));
+	run_vs_reference("attention then projection", ap_attn_proj, NULL, 4, in, 8);
+	/* read twice, the output stays the attention's own, and the kernel reading
+	 * it does the transposes */
+	static const char *const twice[] = {"the attention step takes no epilogue", NULL};
+	free(lower_expect("attention read twice", ap_attn_twice, NULL, 3, in, KL_TARGET_C,
+	                  (counts){1, 0, 1}, twice));
+	run_vs_reference("attention read twice", ap_attn_twice, NULL, 3, in, 8);
+	static const char *const other[] = {"the attention's output has other readers", NULL};
+	free(lower_expect("attention, projected and summed", ap_attn_proj_sum, NULL, 4, in,
+	                  KL_TARGET_C, (counts){3, 1, 1}, other));
+	run_vs_reference("attention, projected and summed", ap_attn_proj_sum, NULL, 4, in, 8);
+	for (int i = 0; i < 4; i++)
+		kl_release(in[i]);
+}
+
 /* Weights that are not adjacent rows of one buffer stay two products, and
  * the log says why; the values are still the reference's. */
 static void test_merge_refused(void **state)
@@ -455,6 +515,7 @@ int main(void)
 	        cmocka_unit_test(test_merge_ffn),
 	        cmocka_unit_test(test_merge_refused),
 	        cmocka_unit_test(test_ffn_one_buffer),
+	        cmocka_unit_test(test_attention_layout),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -355,3 +355,48 @@ kl_status kl__attention_match(kl_lctx *L)
 	free(m.seen);
 	return KL_OK;
 }
+
+bool kl__attention_layout(const kl_lctx *L, const kl_group *G, int32_t c, int64_t *os, char *why,
+                          size_t cap)
+{
+	const kl_node *x = kl__nd(L, c);
+	int32_t at = G->first;
+	const kl_node *a = kl__nd(L, at);
+	if (x->op != KL_OP_CONTIGUOUS || G->nm != 1) {
+		snprintf(why, cap, "the attention step takes no epilogue, only a copy into another "
+		                   "layout");
+		return false;
+	}
+	if (L->nuse[at] != 1 || L->out_of[at] >= 0) {
+		snprintf(why, cap, "the attention's output has other readers");
+		return false;
+	}
+	/* c's input: reshapes (and copies that stayed views), over one
+	 * permutation of the attention's output */
+	int32_t v = x->in[0];
+	while ((kl__nd(L, v)->op == KL_OP_RESHAPE || kl__nd(L, v)->op == KL_OP_CONTIGUOUS) &&
+	       !L->mat[v] && L->nuse[v] == 1)
+		v = kl__nd(L, v)->in[0];
+	const kl_node *p = kl__nd(L, v);
+	int r = a->ndim;
+	if (p->op != KL_OP_PERMUTE || L->mat[v] || L->nuse[v] != 1 || p->in[0] != at ||
+	    p->ndim != r || p->a.v[r - 1] != r - 1) {
+		snprintf(why, cap, "the copy reads the attention's output through more than a "
+		                   "permutation that keeps the last dim");
+		return false;
+	}
+	if (x->dtype != a->dtype) {
+		snprintf(why, cap, "the copy changes the dtype");
+		return false;
+	}
+	if (os) {
+		/* a reshape keeps the row-major order, so c's buffer holds p's
+		 * elements densely in p's order: dim p->a.v[i] of the attention
+		 * output steps by the dense stride of p's dim i */
+		int64_t ps[KL_MAX_DIMS];
+		kl__contig_strides(r, p->shape, ps);
+		for (int i = 0; i < r; i++)
+			os[p->a.v[i]] = ps[i];
+	}
+	return true;
+}

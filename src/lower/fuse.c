@@ -671,9 +671,19 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 		if (*folded || !L->o->fusion)
 			continue;
 		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION) {
-			kl__lower_logf(L, "refused epilogue %s into %s: the attention step has no epilogues",
-			               kl__node_label(L, n, l1, sizeof l1),
-			               kl__node_label(L, L->gr[h].first, l2, sizeof l2));
+			if (!kl__attention_layout(L, &L->gr[h], n, NULL, why, sizeof why)) {
+				kl__lower_logf(L, "refused epilogue %s into %s: %s",
+				               kl__node_label(L, n, l1, sizeof l1),
+				               kl__node_label(L, L->gr[h].first, l2, sizeof l2), why);
+				continue;
+			}
+			if (!g_push(&L->gr[h], n, false))
+				return false;
+			L->home[n] = h;
+			*folded = true;
+			kl__lower_logf(L, "the attention step %s writes its output in the layout of %s "
+			               "(no copy)", kl__node_label(L, L->gr[h].first, l2, sizeof l2),
+			               kl__node_label(L, n, l1, sizeof l1));
 			continue;
 		}
 		kl_epart part;

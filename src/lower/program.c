@@ -328,8 +328,9 @@ static void add_attention_nodes(const kl_lctx *L, int32_t n, kl_step *sp)
 		add_node(sp, o);
 }
 
-static kl_status attention_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *sp)
+static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
 {
+	int32_t n = G->m[0];
 	const kl_node *x = &L->g.nodes[n];
 	kl_attn_step *a = &sp->at;
 	int r = x->ndim;
@@ -343,8 +344,18 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *s
 	a->q = ids[0];
 	a->k = ids[1];
 	a->v = ids[2];
-	a->o = L->bufof[n];
+	/* into the attention's own dense buffer, or the copy's that it took */
+	a->o = L->bufof[G->m[G->nm - 1]];
 	kl__contig_strides(r, x->shape, so);
+	if (G->nm > 1) {
+		char why[160];
+		if (!kl__attention_layout(L, &(kl_group){.first = n, .nm = 1}, G->m[1], so, why,
+		                          sizeof why)) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: attention layout: %s",
+			         why);
+			return KL_EINVAL;
+		}
+	}
 	a->tq = x->shape[r - 2];
 	a->dv = x->shape[r - 1];
 	a->tk = L->g.nodes[x->in[1]].shape[r - 2];
@@ -358,7 +369,7 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, int32_t n, kl_step *s
 	a->k_cs = st[1][r - 1];
 	a->v_rs = st[2][r - 2];
 	a->v_cs = st[2][r - 1];
-	a->o_rs = a->dv;
+	a->o_rs = so[r - 2];
 	a->scale = x->a.s[0];
 	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
 	double batch = 1;
@@ -512,7 +523,7 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 			sp->kind = KL_STEP_ATTENTION;
 			sp->kernel = -1;
 			add_attention_nodes(L, G->m[0], sp);
-			st = attention_step(L, P, G->m[0], sp);
+			st = attention_step(L, P, G, sp);
 		} else if (G->matmul) {
 			sp->kind = KL_STEP_MATMUL;
 			sp->kernel = -1;

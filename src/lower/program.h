@@ -79,7 +79,9 @@ typedef struct kl_matmul_step {
 } kl_matmul_step;
 
 /* O[b] = softmax(Q[b] K[b]^T * scale [+ causal mask]) V[b]: Q is tq x d, K
- * tk x d, V tk x dv, O tq x dv (dense rows, o_rs = dv). Operands are addressed
+ * tk x d, V tk x dv, O tq x dv (unit column stride, row stride o_rs >= dv: the
+ * step may write into a permuted layout, e.g. [b, t, h, d] for a [b, h, t, d]
+ * result that a copy would have transposed). Operands are addressed
  * by element offset, row and column strides and per batch-dim strides; the
  * batch spans nbatch dims. causal: key j is allowed for query i iff
  * j <= i + (tk - tq). All four buffers have one float dtype. */

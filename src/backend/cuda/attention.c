@@ -156,7 +156,7 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	    s->tq < 2 || a->rows / s->tq > 65535 || (s->tq + BM - 1) / BM > 0x7fffffff)
 		return -1;
 	if (!al16(a->q) || !al16(a->k) || !al16(a->v) || !al16(a->o) || s->q_rs % 8 ||
-	    s->k_rs % 8 || s->v_rs % 8)
+	    s->k_rs % 8 || s->v_rs % 8 || s->o_rs % 8)
 		return -1;
 	for (int i = 0; i < s->nbatch; i++)
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
