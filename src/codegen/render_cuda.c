@@ -11,7 +11,9 @@
  * rows a block, that reduce through warp shuffles and shared memory, each
  * group behind its own named barrier, the groups striding over the rows. A launch that finds every chunked buffer 16-byte aligned takes
  * the fast path (16-byte loads and stores; rows held in registers), decided
- * inside the kernel; the runtime needs to know nothing about it.
+ * inside the kernel; the runtime needs to know nothing about it. Two
+ * passes that row_onepass.c matches (max then sum of exp, sum then squared
+ * deviations) share one group reduction of per-thread partials.
  */
 #include <math.h>
 #include <stdarg.h>
