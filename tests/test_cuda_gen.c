@@ -17,6 +17,7 @@
 #include "core/core.h"
 #include "kltest.h"
 #include "codegen/render.h"
+#include "codegen/row_onepass.h"
 #include "lower/lower.h"
 
 #ifdef KILN_HAVE_CUDA
@@ -67,6 +68,27 @@ static int b_softmax(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
 	out[0] = kl_softmax(in[0], -1);
+	return 1;
+}
+
+/* softmax and layer norm written from primitives: the same one-reduction
+ * pairs of passes are found in their kernels */
+static int b_softmax_prims(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *x = in[0];
+	kl_tensor *e = kl_exp(kl_sub(x, kl_max(x, 1, (int[]){-1}, true)));
+	out[0] = kl_div(e, kl_sum(e, 1, (int[]){-1}, true));
+	return 1;
+}
+
+static int b_layer_norm_prims(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *x = in[0];
+	kl_tensor *d = kl_sub(x, kl_mean(x, 1, (int[]){-1}, true));
+	kl_tensor *v = kl_mean(kl_mul(d, d), 1, (int[]){-1}, true);
+	out[0] = kl_add(kl_mul(kl_mul(d, kl_rsqrt(kl_add_scalar(v, 1e-5))), in[1]), in[2]);
 	return 1;
 }
 
@@ -275,7 +297,40 @@ static const gcase CASES[] = {
         {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
          1, 0, 1, 32, false},
         {"reduce last 2048", b_reduce_last, 1, {2}, {{9, 2048}}, true, false, 0, 0, 1, 0, true},
+        /* the one-reduction pairs of passes (KILN_CUDA_ROW_ONEPASS): rows of
+         * -inf, NaN, threads whose values are all -inf in finite rows; rows
+         * of whole chunks (4096), of a last chunk slot partly empty (4100
+         * f32), of no whole chunks (4100 bf16, 1001: the scalar path) */
+        {"log_softmax 4096", b_log_softmax, 1, {2}, {{9, 4096}}, true, false, 1, 0, 1, 256, true},
+        {"softmax prims 4096", b_softmax_prims, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 256,
+         true},
+        {"layer_norm prims 4096", b_layer_norm_prims, 3, {2, 1, 1}, {{7, 4096}, {4096}, {4096}},
+         true, false, 1, 0, 1, 256, true},
+        {"softmax 4100", b_softmax, 1, {2}, {{7, 4100}}, true, false, 1, 0, 0, 0, true},
+        {"layer_norm 4100", b_layer_norm, 3, {2, 1, 1}, {{7, 4100}, {4100}, {4100}}, true, false,
+         1, 0, 0, 0, true},
+        {"softmax 1001", b_softmax, 1, {2}, {{9, 1001}}, true, false, 1, 0, 0, 0, true},
+        {"layer_norm prims 1001", b_layer_norm_prims, 3, {2, 1, 1}, {{7, 1001}, {1001}, {1001}},
+         true, false, 1, 0, 0, 0, true},
 };
+
+/* the cases whose fused kernel has a pair of passes that one reduction
+ * serves, in every float dtype */
+static const char *const ONEPASS[] = {
+        "softmax",          "softmax long",     "softmax short",         "log_softmax",
+        "layer_norm",       "softmax 4096",     "softmax 1000",          "softmax view+8",
+        "layer_norm 2000",  "softmax 19x4096",  "layer_norm 4096",       "log_softmax 4096",
+        "softmax prims 4096", "layer_norm prims 4096", "softmax 4100",   "layer_norm 4100",
+        "softmax 1001",     "layer_norm prims 1001",
+};
+
+static bool onepass_case(const gcase *c)
+{
+	for (size_t i = 0; i < sizeof(ONEPASS) / sizeof(ONEPASS[0]); i++)
+		if (strcmp(ONEPASS[i], c->name) == 0)
+			return true;
+	return false;
+}
 
 static const kl_dtype ALL_DT[] = {KL_F32, KL_F16, KL_BF16, KL_F64, KL_I32, KL_I64, KL_BOOL};
 
@@ -289,7 +344,11 @@ static bool dt_fits(const gcase *c, kl_dtype dt)
 	return dt != KL_BOOL || c->f == b_move;
 }
 
-/* the NaN and infinities of a special case's input 0 */
+/* the NaN and infinities of a special case's input 0: a NaN in row 1, row
+ * 2 all -inf, +inf in row 3; then rows (where there are) with -inf entries
+ * that leave some threads of a row group only -inf: row 4 every chunk of 8
+ * whose index is not a multiple of 3, row 5 positions 0..127 mod 256 (the
+ * scalar path's lanes 0..127), row 6 all but the first 7 (a causal mask) */
 static kl_tensor *with_specials(kl_ctx *ctx, kl_tensor *t, kl_dtype dt, const int64_t *shape)
 {
 	double *v = kltest_read(t);
@@ -299,6 +358,14 @@ static kl_tensor *with_specials(kl_ctx *ctx, kl_tensor *t, kl_dtype dt, const in
 	for (int64_t i = 0; i < n; i++)
 		v[2 * n + i] = -INFINITY;
 	v[3 * n + n - 1] = INFINITY;
+	for (int64_t i = 0; i < n; i++) {
+		if (shape[0] > 4 && (i / 8) % 3 != 0)
+			v[4 * n + i] = -INFINITY;
+		if (shape[0] > 5 && i % 256 < 128)
+			v[5 * n + i] = -INFINITY;
+		if (shape[0] > 6 && i >= 7)
+			v[6 * n + i] = -INFINITY;
+	}
 	kl_tensor *s = kltest_from_values(ctx, dt, 2, shape, v, KLTEST_CONTIG);
 	assert_non_null(s);
 	free(v);
@@ -510,6 +577,102 @@ static void test_cuda_row_groups(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* KILN_CUDA_ROW_ONEPASS set to `knob` (NULL: unset) around a test; returns
+ * the value it had, malloc'd, or NULL */
+static char *onepass_set(const char *knob)
+{
+	const char *was = getenv("KILN_CUDA_ROW_ONEPASS");
+	char *saved = was ? strdup(was) : NULL;
+	if (knob)
+		setenv("KILN_CUDA_ROW_ONEPASS", knob, 1);
+	else
+		unsetenv("KILN_CUDA_ROW_ONEPASS");
+	return saved;
+}
+
+static void onepass_restore(char *saved)
+{
+	if (saved)
+		setenv("KILN_CUDA_ROW_ONEPASS", saved, 1);
+	else
+		unsetenv("KILN_CUDA_ROW_ONEPASS");
+	free(saved);
+}
+
+/* The one-reduction pairs of passes: with KILN_CUDA_ROW_ONEPASS unset (on)
+ * every ONEPASS case's fused kernel has one, with "0" none has; either
+ * source compiles for sm_90, every float dtype, static and dynamic rows. */
+static void test_cuda_row_onepass(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	char *saved = onepass_set(NULL);
+	assert_int_equal(kl__cuda_row_onepass(), 1);
+	setenv("KILN_CUDA_ROW_ONEPASS", "1", 1);
+	assert_int_equal(kl__cuda_row_onepass(), 1);
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	const kl_dtype dts[] = {KL_F32, KL_BF16, KL_F16, KL_F64};
+	int compiled = 0;
+	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++) {
+		const gcase *c = &CASES[ci];
+		if (!onepass_case(c))
+			continue;
+		for (size_t di = 0; di < sizeof(dts) / sizeof(dts[0]); di++) {
+			kl_tensor *in[3] = {NULL};
+			make_inputs(ctx, c, dts[di], 1100 + ci, in);
+			kl_trace *tr = trace(ctx, c->f, in, NULL);
+			assert_non_null(tr);
+			for (int v = 0; v < 4; v++) {
+				bool on = v % 2 == 0, dyn = v >= 2;
+				if (on)
+					unsetenv("KILN_CUDA_ROW_ONEPASS");
+				else
+					setenv("KILN_CUDA_ROW_ONEPASS", "0", 1);
+				assert_int_equal(kl__cuda_row_onepass(), on ? 1 : 0);
+				uint32_t rows[3] = {1u, 0, 0};
+				kl_lower_opts o = {.target = KL_TARGET_CUDA,
+				                   .fusion = true,
+				                   .dyn_masks = dyn && !c->off ? rows : NULL};
+				kl_program P;
+				char err[512];
+				if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+					fail_msg("%s %s: lower: %s", c->name, kl_dtype_name(dts[di]), err);
+				bool has = strstr(P.source, ", one reduction:") != NULL;
+				if (has != on)
+					fail_msg("%s %s onepass %d%s: %s one-reduction pair", c->name,
+					         kl_dtype_name(dts[di]), on, dyn ? " dynamic rows" : "",
+					         has ? "a" : "no");
+				if (getenv("KILN_TEST_DUMP") && strstr(c->name, getenv("KILN_TEST_DUMP")))
+					fprintf(stderr, "==== %s %s onepass %d dyn %d\n%s\n", c->name,
+					        kl_dtype_name(dts[di]), on, dyn,
+					        strstr(P.source, "struct kl_args"));
+				kl_cuda_image im;
+				kl_nvrtc_opts no = {.arch = 90};
+				if (kl__nvrtc_compile(ctx, P.source, c->name, &no, &im) != KL_OK) {
+					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
+					        im.log ? im.log : "");
+					fail_msg("%s %s onepass %d: %s", c->name, kl_dtype_name(dts[di]),
+					         on, kl_last_error(ctx));
+				}
+				kl__cuda_image_free(&im);
+				kl__program_free(&P);
+				compiled++;
+			}
+			kl__trace_free(tr);
+			for (int i = 0; i < c->nin; i++)
+				kl_release(in[i]);
+		}
+	}
+	setenv("KILN_CUDA_ROW_ONEPASS", "no", 1); /* anything but "0" leaves it on */
+	assert_int_equal(kl__cuda_row_onepass(), 1);
+	onepass_restore(saved);
+	print_message("test_cuda_gen: %d row kernels with and without one-reduction pairs "
+	              "compiled for sm_90\n",
+	              compiled);
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -646,6 +809,33 @@ static void test_gpu_compiled(void **state)
 			}
 }
 
+/* the one-reduction pairs on and off (KILN_CUDA_ROW_ONEPASS, part of the
+ * plan's cache key) against the float64 reference: every ONEPASS case
+ * (NaN, -inf rows and threads, 4096-wide bf16, rows of no whole chunks) in
+ * every float dtype, static and dynamic rows */
+static void test_gpu_onepass(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	char *saved = onepass_set(NULL);
+	const kl_dtype dts[] = {KL_F32, KL_BF16, KL_F16, KL_F64};
+	for (int on = 0; on < 2; on++) {
+		setenv("KILN_CUDA_ROW_ONEPASS", on ? "1" : "0", 1);
+		for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++) {
+			if (!onepass_case(&CASES[ci]))
+				continue;
+			for (size_t di = 0; di < sizeof(dts) / sizeof(dts[0]); di++) {
+				check_compiled(&CASES[ci], dts[di], KL_MODE_DEFAULT, false,
+				               1300 + ci + 50 * (uint64_t)on);
+				if (!CASES[ci].off)
+					check_compiled(&CASES[ci], dts[di], KL_MODE_DEFAULT, true,
+					               1400 + ci + 50 * (uint64_t)on);
+			}
+		}
+	}
+	onepass_restore(saved);
+}
+
 static void test_gpu_reduce_overhead(void **state)
 {
 	(void)state;
@@ -690,10 +880,12 @@ int main(void)
 	const struct CMUnitTest host[] = {
 	        cmocka_unit_test(test_cuda_source_compiles),
 	        cmocka_unit_test(test_cuda_row_groups),
+	        cmocka_unit_test(test_cuda_row_onepass),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),
 	        cmocka_unit_test(test_gpu_compiled),
+	        cmocka_unit_test(test_gpu_onepass),
 	        cmocka_unit_test(test_gpu_reduce_overhead),
 	};
 	int fails = cmocka_run_group_tests_name("cuda_gen_host", host, NULL, NULL);

@@ -11,7 +11,9 @@
  * rows a block, that reduce through warp shuffles and shared memory, each
  * group behind its own named barrier, the groups striding over the rows. A launch that finds every chunked buffer 16-byte aligned takes
  * the fast path (16-byte loads and stores; rows held in registers), decided
- * inside the kernel; the runtime needs to know nothing about it.
+ * inside the kernel; the runtime needs to know nothing about it. Two
+ * passes that row_onepass.c matches (max then sum of exp, sum then squared
+ * deviations) share one group reduction of per-thread partials.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -21,6 +23,7 @@
 
 #include "codegen/helpers.h"
 #include "codegen/render.h"
+#include "codegen/row_onepass.h"
 #include "core/core.h"
 
 #define BLOCK 256
@@ -103,6 +106,97 @@ static const char prelude[] =
         "\t\t\tv = f(v, s[w0 + i]);\n"
         "\t}\n"
         "\treturn v;\n"
+        "}\n"
+        "/* two passes in one reduction (row_onepass.h). LSE: a thread's (m, s),\n"
+        " * s a sum of exp(v - m), merge as (max, each s rebased to it); a sum\n"
+        " * of zero terms stays zero (its m may be -inf) */\n"
+        "KL_FN float kl_expx(float x) { return expf(x); }\n"
+        "KL_FN double kl_expx(double x) { return exp(x); }\n"
+        "template <class S, class F> __device__ __forceinline__ S kl_rebase(S s, F from, F to)\n"
+        "{\n"
+        "\treturn from == to || s == (S)0 ? s : s * (S)kl_expx(from - to);\n"
+        "}\n"
+        "template <int G, class F, class S>\n"
+        "__device__ __forceinline__ void kl_glse(F &m, S &s, unsigned long long *sh, long long *shi, int &ph)\n"
+        "{\n"
+        "\tfor (int o = 16; o > 0; o >>= 1) {\n"
+        "\t\tF om = __shfl_xor_sync(0xffffffffu, m, o);\n"
+        "\t\tS os = __shfl_xor_sync(0xffffffffu, s, o);\n"
+        "\t\tF n = kl_maxn(m, om);\n"
+        "\t\ts = kl_rebase(s, m, n) + kl_rebase(os, om, n);\n"
+        "\t\tm = n;\n"
+        "\t}\n"
+        "\tif (G > 32) {\n"
+        "\t\tF *sm = (F *)(sh + ph * (KL_BLOCK / 32));\n"
+        "\t\tS *ss = (S *)(shi + ph * (KL_BLOCK / 32));\n"
+        "\t\tconst int w = (int)(threadIdx.x >> 5), w0 = w & ~(G / 32 - 1);\n"
+        "\t\tph ^= 1;\n"
+        "\t\tif ((threadIdx.x & 31) == 0) {\n"
+        "\t\t\tsm[w] = m;\n"
+        "\t\t\tss[w] = s;\n"
+        "\t\t}\n"
+        "\t\tkl_gbar<G>();\n"
+        "\t\tm = sm[w0];\n"
+        "\t\ts = ss[w0];\n"
+        "\t\tfor (int i = 1; i < G / 32; i++) {\n"
+        "\t\t\tF n = kl_maxn(m, sm[w0 + i]);\n"
+        "\t\t\ts = kl_rebase(s, m, n) + kl_rebase(ss[w0 + i], sm[w0 + i], n);\n"
+        "\t\t\tm = n;\n"
+        "\t\t}\n"
+        "\t}\n"
+        "}\n"
+        "/* the factor that turns a thread's exp(v - kl) (ml its max) into\n"
+        " * exp(v - kg) (mg the row's max): NaN where every exp(v - kg) is */\n"
+        "template <class F> __device__ __forceinline__ F kl_lse_fix(F ml, F kl, F mg, F kg)\n"
+        "{\n"
+        "\treturn mg == -INFINITY || mg != mg || kg != kg ? (F)NAN\n"
+        "\t       : ml == -INFINITY ? (F)0 : kl == kg ? (F)1 : kl_expx(kl - kg);\n"
+        "}\n"
+        "/* VAR: (count, sum, squared deviations from the mean) by Chan's\n"
+        " * formula, the same on both sides of a shuffle */\n"
+        "template <class S> __device__ __forceinline__ void kl_chan(S &n, S &s, S &q, S n2, S s2, S q2)\n"
+        "{\n"
+        "\tif (n2 == (S)0)\n"
+        "\t\treturn;\n"
+        "\tif (n == (S)0) {\n"
+        "\t\tn = n2;\n"
+        "\t\ts = s2;\n"
+        "\t\tq = q2;\n"
+        "\t\treturn;\n"
+        "\t}\n"
+        "\tconst S d = s2 / n2 - s / n, t = n + n2;\n"
+        "\tq = q + q2 + d * d * (n * n2 / t);\n"
+        "\ts = s + s2;\n"
+        "\tn = t;\n"
+        "}\n"
+        "template <int G, class S>\n"
+        "__device__ __forceinline__ void kl_gvar(S &n, S &s, S &q, unsigned long long *sh, long long *shi,\n"
+        "                                        unsigned long long *shv, int &ph)\n"
+        "{\n"
+        "\tfor (int o = 16; o > 0; o >>= 1) {\n"
+        "\t\tS n2 = __shfl_xor_sync(0xffffffffu, n, o);\n"
+        "\t\tS s2 = __shfl_xor_sync(0xffffffffu, s, o);\n"
+        "\t\tS q2 = __shfl_xor_sync(0xffffffffu, q, o);\n"
+        "\t\tkl_chan(n, s, q, n2, s2, q2);\n"
+        "\t}\n"
+        "\tif (G > 32) {\n"
+        "\t\tS *sn = (S *)(sh + ph * (KL_BLOCK / 32));\n"
+        "\t\tS *ss = (S *)(shi + ph * (KL_BLOCK / 32));\n"
+        "\t\tS *sq = (S *)(shv + ph * (KL_BLOCK / 32));\n"
+        "\t\tconst int w = (int)(threadIdx.x >> 5), w0 = w & ~(G / 32 - 1);\n"
+        "\t\tph ^= 1;\n"
+        "\t\tif ((threadIdx.x & 31) == 0) {\n"
+        "\t\t\tsn[w] = n;\n"
+        "\t\t\tss[w] = s;\n"
+        "\t\t\tsq[w] = q;\n"
+        "\t\t}\n"
+        "\t\tkl_gbar<G>();\n"
+        "\t\tn = sn[w0];\n"
+        "\t\ts = ss[w0];\n"
+        "\t\tq = sq[w0];\n"
+        "\t\tfor (int i = 1; i < G / 32; i++)\n"
+        "\t\t\tkl_chan(n, s, q, sn[w0 + i], ss[w0 + i], sq[w0 + i]);\n"
+        "\t}\n"
         "}\n"
         "/* argmax: the first maximum, the first NaN winning over everything */\n"
         "template <class T> __device__ __forceinline__ bool kl_arg_take(T v, long long i, T o, long long oi)\n"
@@ -223,6 +317,9 @@ typedef struct cctx {
 	int depth;
 	int G;  /* threads per row (reductions) */
 	int nj; /* row-cache slots per thread (0: no row cache) */
+	uint32_t mask; /* emit_block writes the instructions of these opcodes */
+	const kl_onepass *one; /* per pass p: passes p and p+1 as one reduction */
+	int fixp[KIR_MAX_LOCAL]; /* a row-local array rescaled as read: by kl_fx<p> */
 } cctx;
 
 static void ind(cctx *c)
@@ -739,6 +836,34 @@ static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *
 	chunk_io_to(c, vp, blk, store, slot, false);
 }
 
+/* A row-local array that holds exp(v - M) computed with a thread's own M
+ * (a one-reduction pair of passes): read as the row's, rescaled by
+ * kl_fx<p> and rounded again as the exp was on its way to the array. */
+static void fixed_load(cctx *c, const kir_ins *in, int32_t id, const char *lc)
+{
+	const kir_kernel *k = c->k;
+	int p = c->fixp[in->acc];
+	const kl_onepass *op = &c->one[p];
+	int32_t casts[16];
+	int nc = 0;
+	for (int32_t v = op->held[in->acc]; v != op->exp && v >= 0 && nc < 16; v = k->ins[v].a)
+		casts[nc++] = v;
+	kl_sb e = {0}, t = {0};
+	kl__sb_printf(&e, "(lc%d[%s] * kl_fx%d)", (int)in->acc, lc, p);
+	for (int i = nc - 1; i >= 0; i--) {
+		const kir_ins *x = &k->ins[casts[i]];
+		kl__sb_free(&t);
+		c->r->cast(&t, (kl_dtype)x->dt, (kl_dtype)x->in_dt, kl__sb_str(&e));
+		kl__sb_free(&e);
+		e = t;
+		memset(&t, 0, sizeof t);
+	}
+	if (e.oom)
+		c->sb->oom = true;
+	line(c, "%s t%d = %s;", c->r->ctype[in->dt], (int)id, kl__sb_str(&e));
+	kl__sb_free(&e);
+}
+
 /* The instructions of block blk. With a plan vp, chunked loads and stores
  * take element e of their chunk in `slot`, and (pointwise) broadcast loads
  * are left out, hoisted before the element loop. lc: the row-local arrays'
@@ -748,10 +873,12 @@ static void emit_block(cctx *c, int blk, const vplan *vp, const char *slot, cons
 	const kir_kernel *k = c->k;
 	for (int32_t i = 0; i < k->nins; i++) {
 		const kir_ins *in = &k->ins[i];
-		if (in->blk != blk || !c->live[i])
+		if (in->blk != blk || !c->live[i] || !(c->mask & (1u << in->opc)))
 			continue;
 		if (in->opc == KIR_LSTORE) {
 			line(c, "lc%d[%s] = t%d;", (int)in->acc, lc, (int)in->a);
+		} else if (in->opc == KIR_LLOAD && in->acc < KIR_MAX_LOCAL && c->fixp[in->acc]) {
+			fixed_load(c, in, i, lc);
 		} else if (in->opc == KIR_LLOAD) {
 			line(c, "%s t%d = lc%d[%s];", c->r->ctype[in->dt], (int)i, (int)in->acc, lc);
 		} else if (vp && vp->of[i] >= 0) {
@@ -1034,6 +1161,97 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 	close_brace(c);
 }
 
+static void pass_body(cctx *c, int p, const vplan *vp, uint32_t inner)
+{
+	if (vp)
+		pass_chunks(c, p, vp);
+	else
+		pass_scalar(c, p, inner);
+}
+
+/* block blk with only (or without) the instructions of the opcodes in mask */
+static void emit_part(cctx *c, int blk, uint32_t mask)
+{
+	c->mask = mask;
+	emit_block(c, blk, NULL, "", "0");
+	c->mask = ~0u;
+}
+
+/* Passes p and p+1 of a matched pair (row_onepass.h) with one group
+ * reduction: each thread reduces its own values in both passes, pass p+1
+ * seeing block 2p computed from its own partial result (a thread of -inf
+ * values subtracts 0; VAR: the sum scaled so that M is the thread's mean);
+ * the partials merge; block 2p then runs on the row's result, and pass
+ * p+1's sum is moved to the row's M. */
+static void onepass_pair(cctx *c, const kl_onepass *op, const vplan *vp, uint32_t inner)
+{
+	const kir_kernel *k = c->k;
+	int p = op->p, a = (int)op->acc_a, b = (int)op->acc_b, m = (int)op->m, G = c->G;
+	const uint32_t init = 1u << KIR_ACC_INIT, store = 1u << KIR_STORE;
+	const char *mt = c->r->ctype[k->ins[op->m].dt];
+	bool lse = op->kind == KL_ONEPASS_LSE;
+	line(c, "/* passes %d and %d, one reduction: %s */", p, p + 1,
+	     lse ? "max and sum of exp" : "count, sum and squared deviations");
+	pass_body(c, p, vp, inner);
+	emit_part(c, 2 * p, init);
+	if (lse) {
+		kl_dtype adt = KL_F32;
+		for (int32_t i = 0; i < k->nins; i++)
+			if (k->ins[i].opc == KIR_ACC && k->ins[i].acc == op->acc_a)
+				adt = (kl_dtype)k->ins[i].in_dt;
+		line(c, "const %s kl_m%d = acc%d;", c->r->ctype[adt], p, a);
+	} else {
+		if (vp)
+			line(c, "double kl_n%d = %d.0 * (%lld > lane ? (%lld - lane + %d) / %d : 0);", p,
+			     vp->V, (long long)vp->nch, (long long)vp->nch, G - 1, G);
+		else
+			line(c, "double kl_n%d = (double)(rn > lane ? (rn - lane + %d) / %d : 0);", p,
+			     G - 1, G);
+		line(c, "const double kl_s%d = acc%d;", p, a);
+	}
+	line(c, "%s kl_ml%d;", mt, p);
+	open_brace(c);
+	if (lse)
+		line(c, "acc%d = acc%d == -INFINITY ? 0 : acc%d;", a, a, a);
+	else
+		line(c, "acc%d = kl_n%d > 0 ? acc%d * (%lld.0 / kl_n%d) : 0;", a, p, a,
+		     (long long)op->n, p);
+	emit_part(c, 2 * p, ~(init | store));
+	line(c, "acc%d = kl_%s%d;", a, lse ? "m" : "s", p);
+	line(c, "kl_ml%d = t%d;", p, m);
+	pass_body(c, p + 1, vp, inner);
+	close_brace(c);
+	if (lse) {
+		line(c, "acc%d = kl_rebase(acc%d, kl_ml%d, (%s)acc%d);", b, b, p, mt, a);
+		line(c, "kl_glse<%d>(acc%d, acc%d, kl_sh, kl_shi, kl_ph);", G, a, b);
+		/* a row of -inf: every exp(v - M) is NaN */
+		line(c, "if (acc%d == -INFINITY && rn > 0)", a);
+		line(c, "\tacc%d = NAN;", b);
+	} else {
+		line(c, "if (kl_n%d > 0)", p);
+		line(c, "\tacc%d -= kl_n%d * (kl_s%d / kl_n%d - (double)kl_ml%d) * "
+		        "(kl_s%d / kl_n%d - (double)kl_ml%d);",
+		     b, p, p, p, p, p, p, p);
+		line(c, "kl_gvar<%d>(kl_n%d, acc%d, acc%d, kl_sh, kl_shi, kl_shv, kl_ph);", G, p, a, b);
+	}
+	emit_part(c, 2 * p, ~init);
+	if (lse) {
+		line(c, "acc%d = kl_rebase(acc%d, (%s)acc%d, t%d);", b, b, mt, a, m);
+		bool held = false;
+		for (int i = 0; i < KIR_MAX_LOCAL; i++)
+			if (op->held[i] >= 0) {
+				c->fixp[i] = p;
+				held = true;
+			}
+		if (held)
+			line(c, "const %s kl_fx%d = kl_lse_fix((%s)kl_m%d, kl_ml%d, (%s)acc%d, t%d);", mt,
+			     p, mt, p, p, mt, a, m);
+	} else {
+		line(c, "acc%d += %lld.0 * (acc%d / %lld.0 - (double)t%d) * (acc%d / %lld.0 - (double)t%d);",
+		     b, (long long)op->n, a, (long long)op->n, m, a, (long long)op->n, m);
+	}
+}
+
 /* the loop over rows: a group of G threads per row; with vp, the row in
  * registers */
 static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan *vp)
@@ -1079,12 +1297,15 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	for (int i = 0; i < k->nlocal; i++)
 		line(c, "%s lc%d[%d];", c->r->ctype[k->local_dt[i]], i, slots);
 	emit_block(c, 0, NULL, "", "0");
+	memset(c->fixp, 0, sizeof c->fixp);
 	for (int p = 1; p <= k->npass; p++) {
-		if (vp)
-			pass_chunks(c, p, vp);
-		else
-			pass_scalar(c, p, inner);
-		combine(c, p);
+		if (c->one && c->one[p].kind != KL_ONEPASS_NONE) {
+			onepass_pair(c, &c->one[p], vp, inner);
+			p++;
+		} else {
+			pass_body(c, p, vp, inner);
+			combine(c, p);
+		}
 		emit_block(c, 2 * p, NULL, "", "0");
 	}
 	if (vp) {
@@ -1132,6 +1353,21 @@ static void render_rows(cctx *c)
 	line(c, "__shared__ long long kl_shi[%d];", 2 * BLOCK / 32);
 	line(c, "(void)kl_sh;");
 	line(c, "(void)kl_shi;");
+	/* pairs of passes that one reduction serves */
+	kl_onepass *one = NULL;
+	bool var = false;
+	if (kl__cuda_row_onepass() && k->npass >= 2 &&
+	    !(one = calloc((size_t)k->npass + 2, sizeof *one)))
+		c->sb->oom = true;
+	for (int p = 1; one && p < k->npass; p++) {
+		/* a pass that ends a pair starts none */
+		if (one[p - 1].kind == KL_ONEPASS_NONE)
+			kl__onepass_match(k, c->live, p, rstat ? (int64_t)vr : 0, &one[p]);
+		var |= one[p].kind == KL_ONEPASS_VAR;
+	}
+	c->one = one;
+	if (var)
+		line(c, "__shared__ unsigned long long kl_shv[%d];", 2 * BLOCK / 32);
 	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));
 	line(c, "(void)rn;");
 	vplan vp;
@@ -1144,13 +1380,15 @@ static void render_rows(cctx *c)
 	}
 	row_loop(c, outer, inner, G, NULL);
 	plan_free(&vp);
+	c->one = NULL;
+	free(one);
 	kl__sb_free(&rows);
 	kl__sb_free(&rn);
 }
 
 static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
-	cctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
+	cctx c = {.r = r, .k = k, .sb = sb, .depth = 1, .mask = ~0u};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
 		return;

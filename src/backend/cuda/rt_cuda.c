@@ -15,6 +15,7 @@
 
 #include "backend/cuda/rt_cuda.h"
 #include "codegen/render.h"
+#include "codegen/row_onepass.h"
 
 #define BLOCK 256
 
@@ -40,8 +41,9 @@ void kl__cuda_count_tune(int which)
 uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
 {
 	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
-	/* the forced row group changes the generated kernels */
-	int v[5] = {d->cc_major, d->cc_minor, 0, 0, kl__cuda_row_group()};
+	/* the forced row group and the one-reduction pairs change the
+	 * generated kernels */
+	int v[6] = {d->cc_major, d->cc_minor, 0, 0, kl__cuda_row_group(), kl__cuda_row_onepass()};
 	if (kl__cuda_load_nvrtc(ctx) == KL_OK) {
 		v[2] = kl__nvrtc.major;
 		v[3] = kl__nvrtc.minor;
