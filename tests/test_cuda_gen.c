@@ -263,8 +263,10 @@ static const gcase CASES[] = {
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1, 0, false},
         {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}},
          true, false, 1, 0, 1, 0, false},
+        /* skinny products are dot rows (plan_rows): mlp24's layer takes 64
+         * threads a row (2048 rows of 32 chunks keep 131072 threads busy) */
         {"skinny linear", b_skinny_linear, 3, {2, 2, 1}, {{8, 256}, {256, 256}, {256}}, true,
-         false, 1, 0, 1, 32, false},
+         false, 1, 0, 1, 64, false},
         /* row groups between a warp and the block: rows not a multiple of
          * the rows a block takes, NaN and infinite rows */
         {"softmax 19x4096", b_softmax, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 256, true},
@@ -272,8 +274,18 @@ static const gcase CASES[] = {
          1, 0, 1, 256, true},
         {"rms_norm 4096", b_rms_norm, 2, {2, 1}, {{5, 4096}, {4096}}, true, false, 1, 0, 1, 256,
          true},
+        /* few rows: the block each */
         {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
-         1, 0, 1, 32, false},
+         1, 0, 1, 256, false},
+        /* the one-token decoder's products: 2048 -> 6144 (QKV), 2048 ->
+         * 16384 (gate and up), 64 threads a row of 4 chunks each; 8192 ->
+         * 2048 (down), the block a row */
+        {"skinny qkv", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {6144, 2048}, {6144}}, true,
+         false, 1, 0, 1, 64, false},
+        {"skinny gate_up", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {16384, 2048}, {16384}},
+         true, false, 1, 0, 1, 64, false},
+        {"skinny down", b_skinny_linear, 3, {2, 2, 1}, {{1, 8192}, {2048, 8192}, {2048}}, true,
+         false, 1, 0, 1, 256, false},
         {"reduce last 2048", b_reduce_last, 1, {2}, {{9, 2048}}, true, false, 0, 0, 1, 0, true},
 };
 
