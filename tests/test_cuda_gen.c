@@ -285,8 +285,10 @@ static const gcase CASES[] = {
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1, 0, false},
         {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}},
          true, false, 1, 0, 1, 0, false},
+        /* skinny products are dot rows (plan_rows): mlp24's layer takes 64
+         * threads a row (2048 rows of 32 chunks keep 131072 threads busy) */
         {"skinny linear", b_skinny_linear, 3, {2, 2, 1}, {{8, 256}, {256, 256}, {256}}, true,
-         false, 1, 0, 1, 32, false},
+         false, 1, 0, 1, 64, false},
         /* row groups between a warp and the block: rows not a multiple of
          * the rows a block takes, NaN and infinite rows */
         {"softmax 19x4096", b_softmax, 1, {2}, {{19, 4096}}, true, false, 1, 0, 1, 256, true},
@@ -294,8 +296,18 @@ static const gcase CASES[] = {
          1, 0, 1, 256, true},
         {"rms_norm 4096", b_rms_norm, 2, {2, 1}, {{5, 4096}, {4096}}, true, false, 1, 0, 1, 256,
          true},
+        /* few rows: the block each */
         {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
-         1, 0, 1, 32, false},
+         1, 0, 1, 256, false},
+        /* the one-token decoder's products: 2048 -> 6144 (QKV), 2048 ->
+         * 16384 (gate and up), 64 threads a row of 4 chunks each; 8192 ->
+         * 2048 (down), the block a row */
+        {"skinny qkv", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {6144, 2048}, {6144}}, true,
+         false, 1, 0, 1, 64, false},
+        {"skinny gate_up", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {16384, 2048}, {16384}},
+         true, false, 1, 0, 1, 64, false},
+        {"skinny down", b_skinny_linear, 3, {2, 2, 1}, {{1, 8192}, {2048, 8192}, {2048}}, true,
+         false, 1, 0, 1, 256, false},
         {"reduce last 2048", b_reduce_last, 1, {2}, {{9, 2048}}, true, false, 0, 0, 1, 0, true},
         /* the one-reduction pairs of passes (KILN_CUDA_ROW_ONEPASS): rows of
          * -inf, NaN, threads whose values are all -inf in finite rows; rows
@@ -673,6 +685,89 @@ static void test_cuda_row_onepass(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* The dot rows' knobs (KILN_CUDA_DOT_*): each changes the chosen group or
+ * the partial sums as documented, out-of-range values are ignored, and every
+ * source compiles for sm_90. */
+typedef struct dot_try {
+	const char *chunks, *threads, *f32;
+	int64_t rows, n, k; /* linear [rows, k] x [n, k]^T, bf16 */
+	int group;          /* the chunked path's threads per row */
+	bool partial;       /* float partials (kp0) in the source */
+} dot_try;
+
+static void set_or_unset(const char *name, const char *v)
+{
+	if (v)
+		setenv(name, v, 1);
+	else
+		unsetenv(name);
+}
+
+static void test_cuda_dot_knobs(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	static const char *const names[3] = {"KILN_CUDA_DOT_CHUNKS", "KILN_CUDA_DOT_THREADS",
+	                                     "KILN_CUDA_DOT_F32"};
+	char *saved[3];
+	for (int i = 0; i < 3; i++)
+		saved[i] = getenv(names[i]) ? strdup(getenv(names[i])) : NULL;
+	static const dot_try tries[] = {
+	        {NULL, NULL, NULL, 8, 256, 256, 64, true},
+	        {NULL, "0", NULL, 8, 256, 256, 32, true},     /* any rows: the warp */
+	        {NULL, "1000000", NULL, 8, 256, 256, 256, true}, /* never enough: the block */
+	        {NULL, NULL, "0", 8, 256, 256, 64, false},
+	        {"8", NULL, NULL, 1, 6144, 2048, 32, true},  /* 8 chunks a lane */
+	        {"2", NULL, NULL, 1, 6144, 2048, 128, true}, /* 2 chunks a thread */
+	        {"9", "-4", "7", 1, 6144, 2048, 64, true},   /* out of range: defaults */
+	        {"8", NULL, NULL, 1, 2048, 8192, 128, true}, /* a long row: 8 of 1024 chunks */
+	};
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	for (size_t t = 0; t < sizeof tries / sizeof tries[0]; t++) {
+		const dot_try *d = &tries[t];
+		set_or_unset(names[0], d->chunks);
+		set_or_unset(names[1], d->threads);
+		set_or_unset(names[2], d->f32);
+		kl_tensor *in[3];
+		in[0] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){d->rows, d->k}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, 700 + t);
+		in[1] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){d->n, d->k}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, 710 + t);
+		in[2] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){d->n}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    720 + t);
+		kl_trace *tr = trace(ctx, b_skinny_linear, in, NULL);
+		assert_non_null(tr);
+		kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+		kl_program P;
+		char err[512];
+		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+			fail_msg("dot knobs %zu: lower: %s", t, err);
+		if (!has_group(P.source, true, d->group))
+			fail_msg("dot knobs %zu (%lldx%lld @ %lld): no chunked row group of %d threads",
+			         t, (long long)d->rows, (long long)d->k, (long long)d->n, d->group);
+		if ((strstr(P.source, "kp0 += ") != NULL) != d->partial)
+			fail_msg("dot knobs %zu: float partials %s", t, d->partial ? "missing" : "taken");
+		kl_cuda_image im;
+		kl_nvrtc_opts no = {.arch = 90};
+		if (kl__nvrtc_compile(ctx, P.source, "dot knobs", &no, &im) != KL_OK) {
+			fprintf(stderr, "%s\n---- log\n%s\n", P.source, im.log ? im.log : "");
+			fail_msg("dot knobs %zu: %s", t, kl_last_error(ctx));
+		}
+		kl__cuda_image_free(&im);
+		kl__program_free(&P);
+		kl__trace_free(tr);
+		for (int i = 0; i < 3; i++)
+			kl_release(in[i]);
+	}
+	for (int i = 0; i < 3; i++) {
+		set_or_unset(names[i], saved[i]);
+		free(saved[i]);
+	}
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -881,6 +976,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_source_compiles),
 	        cmocka_unit_test(test_cuda_row_groups),
 	        cmocka_unit_test(test_cuda_row_onepass),
+	        cmocka_unit_test(test_cuda_dot_knobs),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),

@@ -91,6 +91,19 @@ extern const kl_renderer kl__render_cuda;
  * row kernels are forced to (where the row fits), else 0: the renderer
  * chooses. Part of the compiled programs' cache key. */
 int kl__cuda_row_group(void);
+/* The dot rows' knobs (a row read in one pass and none of it stored: a
+ * skinny product's dot, a norm's sum of squares), each from the environment,
+ * for A/B timing; part of the compiled programs' cache key with the group.
+ * chunks: KILN_CUDA_DOT_CHUNKS (1-8, default 4), the most 16-byte chunks of a
+ * row one thread holds; the group is the smallest that holds the row so.
+ * threads: KILN_CUDA_DOT_THREADS (default 131072), the fewest threads the
+ * rows must keep busy for a group below the block (fewer rows: a larger
+ * group each). f32: KILN_CUDA_DOT_F32 (0 or 1, default 1), each thread sums
+ * its chunks in float and adds that once to the double accumulator. */
+typedef struct kl_cuda_dot {
+	int chunks, threads, f32;
+} kl_cuda_dot;
+kl_cuda_dot kl__cuda_dot_knobs(void);
 
 /* For walkers: which instructions some store needs (a malloc'd flag per
  * instruction, NULL when out of memory), and one instruction as a statement

@@ -413,6 +413,10 @@ struct vplan {
 	int64_t nch; /* rows: chunks per row */
 	uint32_t outer; /* rows: the dims rows run over (a load whose address
 	                 * depends on them is fetched a row ahead) */
+	bool dot;       /* rows: one pass that reads the row and stores none of
+	                 * it (plan_rows) */
+	bool part;      /* rows: the dot's float sums go through a float
+	                 * partial per thread (dot_partial) */
 };
 
 static int msize(kl_dtype dt)
@@ -637,6 +641,19 @@ int kl__cuda_row_group(void)
 	return g == 32 || g == 64 || g == 128 || g == BLOCK ? g : 0;
 }
 
+kl_cuda_dot kl__cuda_dot_knobs(void)
+{
+	kl_cuda_dot d = {4, 131072, 1};
+	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
+	if (e && atoi(e) >= 1 && atoi(e) <= 8)
+		d.chunks = atoi(e);
+	if ((e = getenv("KILN_CUDA_DOT_THREADS")) && atol(e) >= 0 && atol(e) <= (1L << 24))
+		d.threads = (int)atol(e);
+	if ((e = getenv("KILN_CUDA_DOT_F32")) && (atoi(e) == 0 || atoi(e) == 1))
+		d.f32 = atoi(e);
+	return d;
+}
+
 /* G threads per row of vp->nch chunks: each thread's nj chunks within cap
  * values, its chunks and row-local values within max_bytes, the unrolled
  * element loops within the budget; sets vp->G and vp->nj when they are */
@@ -659,7 +676,27 @@ static bool row_fits(const cctx *c, vplan *vp, int G, int cap, int64_t max_bytes
 	return true;
 }
 
-static bool plan_rows(cctx *c, vplan *vp)
+/* The group of a dot row (vp->dot): the smallest of 32 ... 256 threads at
+ * which a thread holds at most kl_cuda_dot.chunks chunks and the rows keep
+ * kl_cuda_dot.threads threads busy (fewer rows: a larger group each; one
+ * row: the block), within the limits. Several loads in flight a thread,
+ * several rows a block where rows are short; a long row (a down
+ * projection's 8192) takes the block. The block when nothing smaller fits
+ * the knobs. */
+static bool dot_group(const cctx *c, vplan *vp, int cap, int64_t nrows)
+{
+	kl_cuda_dot kn = kl__cuda_dot_knobs();
+	for (int g = 32; g < BLOCK; g *= 2) {
+		if ((vp->nch + g - 1) / g > kn.chunks || nrows < ((int64_t)kn.threads + g - 1) / g)
+			continue;
+		if (row_fits(c, vp, g, cap, ROW_BYTES))
+			return true;
+	}
+	return row_fits(c, vp, BLOCK, cap, ROW_BYTES);
+}
+
+/* nrows: the rows when static, else INT64_MAX */
+static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 {
 	const kir_kernel *k = c->k;
 	memset(vp, 0, sizeof *vp);
@@ -684,7 +721,11 @@ static bool plan_rows(cctx *c, vplan *vp)
 	for (int i = 0; i < k->nlocal; i++)
 		wide |= msize((kl_dtype)k->local_dt[i]) == 8;
 	int cap = wide ? ROW_REGS / 2 : ROW_REGS;
-	/* The group: a warp when a lane's share fits (up to cap values and half
+	vp->dot = k->npass == 1;
+	for (int a = 0; a < vp->nacc; a++)
+		vp->dot &= !vp->acc[a].store;
+	vp->part = vp->dot && kl__cuda_dot_knobs().f32;
+	/* A dot row takes dot_group's choice. Otherwise the group: a warp when a lane's share fits (up to cap values and half
 	 * the bytes: no barrier at all), else the block. Groups of 64 or 128
 	 * threads (several rows a block, fewer chunks a thread) measured slower
 	 * on an H200 for 4096-wide bf16 rows (softmax 88.2 vs 82.7 us, layer
@@ -693,6 +734,8 @@ static bool plan_rows(cctx *c, vplan *vp)
 	 * KILN_CUDA_ROW_GROUP forces a group that fits the limits. */
 	int force = kl__cuda_row_group();
 	bool fits = force && row_fits(c, vp, force, cap, ROW_BYTES);
+	if (!fits && vp->dot)
+		fits = dot_group(c, vp, cap, nrows);
 	if (!fits)
 		fits = row_fits(c, vp, 32, cap, ROW_BYTES / 2);
 	if (!fits && !row_fits(c, vp, BLOCK, cap, ROW_BYTES))
@@ -864,6 +907,39 @@ static void fixed_load(cctx *c, const kir_ins *in, int32_t id, const char *lc)
 	kl__sb_free(&e);
 }
 
+/* a float sum that a dot row's thread adds up in float first (vp->part) */
+static bool part_acc(const kir_ins *in)
+{
+	return in->opc == KIR_ACC && in->op == KL_OP_SUM &&
+	       (in->in_dt == KL_F32 || in->in_dt == KL_F16 || in->in_dt == KL_BF16);
+}
+
+/* A dot row's float partials of pass block blk: declared (open) or added to
+ * their double accumulators (!open). A thread's share is at most 64
+ * products; the F2F.F64 conversion per element, at 16 a clock an SM on
+ * sm_90, would otherwise bound the product below the memory's rate. */
+static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
+{
+	const kir_kernel *k = c->k;
+	if (!vp->part)
+		return;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (!c->live[i] || in->blk != blk || !part_acc(in))
+			continue;
+		bool first = true; /* one partial per accumulator */
+		for (int32_t j = 0; j < i && first; j++)
+			first = !(c->live[j] && k->ins[j].blk == blk && part_acc(&k->ins[j]) &&
+			          k->ins[j].acc == in->acc);
+		if (!first)
+			continue;
+		if (open)
+			line(c, "float kp%d = 0.0f;", (int)in->acc);
+		else
+			line(c, "acc%d += (double)kp%d;", (int)in->acc, (int)in->acc);
+	}
+}
+
 /* The instructions of block blk. With a plan vp, chunked loads and stores
  * take element e of their chunk in `slot`, and (pointwise) broadcast loads
  * are left out, hoisted before the element loop. lc: the row-local arrays'
@@ -881,6 +957,8 @@ static void emit_block(cctx *c, int blk, const vplan *vp, const char *slot, cons
 			fixed_load(c, in, i, lc);
 		} else if (in->opc == KIR_LLOAD) {
 			line(c, "%s t%d = lc%d[%s];", c->r->ctype[in->dt], (int)i, (int)in->acc, lc);
+		} else if (vp && vp->part && part_acc(in)) {
+			line(c, "kp%d += t%d;", (int)in->acc, (int)in->a);
 		} else if (vp && vp->of[i] >= 0) {
 			char el[48];
 			snprintf(el, sizeof el, "kv%d%s.e[e]", (int)vp->of[i], slot);
@@ -1144,6 +1222,7 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 			close_brace(c);
 		}
 	}
+	dot_partial(c, vp, blk, true);
 	open_slots(c, vp);
 	line(c, "#pragma unroll");
 	line(c, "for (int e = 0; e < %d; e++)", V);
@@ -1159,6 +1238,7 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 	}
 	close_brace(c);
 	close_brace(c);
+	dot_partial(c, vp, blk, false);
 }
 
 static void pass_body(cctx *c, int p, const vplan *vp, uint32_t inner)
@@ -1338,7 +1418,7 @@ static void render_rows(cctx *c)
 	}
 	kl_sb rows = {0}, rn = {0};
 	double nrows, vr;
-	kl__render_extent(c->r, k, outer, &rows, &nrows);
+	bool nstat = kl__render_extent(c->r, k, outer, &rows, &nrows);
 	bool rstat = kl__render_extent(c->r, k, inner, &rn, &vr);
 	/* the scalar path: the smallest group at which a thread takes at most
 	 * 8 positions of a static row, else the block */
@@ -1371,7 +1451,7 @@ static void render_rows(cctx *c)
 	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));
 	line(c, "(void)rn;");
 	vplan vp;
-	if (plan_rows(c, &vp)) {
+	if (plan_rows(c, &vp, nstat && nrows < 9.0e18 ? (int64_t)nrows : INT64_MAX)) {
 		vp.outer = outer;
 		plan_cond(c, &vp);
 		line(c, "if (kl_vok)");
