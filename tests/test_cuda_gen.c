@@ -611,8 +611,8 @@ static void onepass_restore(char *saved)
 	free(saved);
 }
 
-/* The one-reduction pairs of passes: with KILN_CUDA_ROW_ONEPASS unset (on)
- * every ONEPASS case's fused kernel has one, with "0" none has; either
+/* The one-reduction pairs of passes: with KILN_CUDA_ROW_ONEPASS=1 every
+ * ONEPASS case's fused kernel has one, unset (the default) none has; either
  * source compiles for sm_90, every float dtype, static and dynamic rows. */
 static void test_cuda_row_onepass(void **state)
 {
@@ -620,7 +620,7 @@ static void test_cuda_row_onepass(void **state)
 	if (!nvrtc_ok())
 		skip();
 	char *saved = onepass_set(NULL);
-	assert_int_equal(kl__cuda_row_onepass(), 1);
+	assert_int_equal(kl__cuda_row_onepass(), 0);
 	setenv("KILN_CUDA_ROW_ONEPASS", "1", 1);
 	assert_int_equal(kl__cuda_row_onepass(), 1);
 	kl_ctx *ctx = kl_ctx_new(NULL);
@@ -638,9 +638,9 @@ static void test_cuda_row_onepass(void **state)
 			for (int v = 0; v < 4; v++) {
 				bool on = v % 2 == 0, dyn = v >= 2;
 				if (on)
-					unsetenv("KILN_CUDA_ROW_ONEPASS");
+					setenv("KILN_CUDA_ROW_ONEPASS", "1", 1);
 				else
-					setenv("KILN_CUDA_ROW_ONEPASS", "0", 1);
+					unsetenv("KILN_CUDA_ROW_ONEPASS");
 				assert_int_equal(kl__cuda_row_onepass(), on ? 1 : 0);
 				uint32_t rows[3] = {1u, 0, 0};
 				kl_lower_opts o = {.target = KL_TARGET_CUDA,
@@ -676,8 +676,8 @@ static void test_cuda_row_onepass(void **state)
 				kl_release(in[i]);
 		}
 	}
-	setenv("KILN_CUDA_ROW_ONEPASS", "no", 1); /* anything but "0" leaves it on */
-	assert_int_equal(kl__cuda_row_onepass(), 1);
+	setenv("KILN_CUDA_ROW_ONEPASS", "yes", 1); /* anything but "1" leaves it off */
+	assert_int_equal(kl__cuda_row_onepass(), 0);
 	onepass_restore(saved);
 	print_message("test_cuda_gen: %d row kernels with and without one-reduction pairs "
 	              "compiled for sm_90\n",

@@ -99,7 +99,8 @@ int kl__cuda_row_group(void);
  * threads: KILN_CUDA_DOT_THREADS (default 131072), the fewest threads the
  * rows must keep busy for a group below the block (fewer rows: a larger
  * group each). f32: KILN_CUDA_DOT_F32 (0 or 1, default 1), each thread sums
- * its chunks in float and adds that once to the double accumulator. */
+ * its chunks in float and adds that once to the double accumulator, where
+ * every chunked operand is 16-bit (f32 inputs keep a double per element). */
 typedef struct kl_cuda_dot {
 	int chunks, threads, f32;
 } kl_cuda_dot;

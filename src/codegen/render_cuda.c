@@ -724,7 +724,14 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 	vp->dot = k->npass == 1;
 	for (int a = 0; a < vp->nacc; a++)
 		vp->dot &= !vp->acc[a].store;
-	vp->part = vp->dot && kl__cuda_dot_knobs().f32;
+	/* float partials only where every chunked operand is 16-bit: they lose
+	 * nothing such inputs had, while f32 inputs keep a double per element
+	 * (an 8192-long f32 dot drifted 2.3e-4 relative with partials on an
+	 * H200) */
+	bool half = vp->nacc > 0;
+	for (int a = 0; a < vp->nacc; a++)
+		half &= msize(vp->acc[a].dt) == 2;
+	vp->part = vp->dot && half && kl__cuda_dot_knobs().f32;
 	/* A dot row takes dot_group's choice. Otherwise the group: a warp when a lane's share fits (up to cap values and half
 	 * the bytes: no barrier at all), else the block. Groups of 64 or 128
 	 * threads (several rows a block, fewer chunks a thread) measured slower
