@@ -419,6 +419,20 @@ static void make_inputs(kl_ctx *ctx, const gcase *c, kl_dtype dt, uint64_t seed,
 	}
 }
 
+/* P's source compiles for sm_90 through NVRTC into a cubin; else the source
+ * and NVRTC's log go to stderr and the test fails naming what */
+static void must_compile(kl_ctx *ctx, const kl_program *P, const char *name, const char *what)
+{
+	kl_cuda_image im;
+	kl_nvrtc_opts no = {.arch = 90};
+	if (kl__nvrtc_compile(ctx, P->source, name, &no, &im) != KL_OK) {
+		fprintf(stderr, "%s\n---- log\n%s\n", P->source, im.log ? im.log : "");
+		fail_msg("%s: %s", what, kl_last_error(ctx));
+	}
+	assert_memory_equal(im.data, "\177ELF", 4);
+	kl__cuda_image_free(&im);
+}
+
 /* the group sizes of a source's row loops: "row group: G threads" (the
  * chunked path) or "row group (scalar): G threads" */
 static bool has_group(const char *src, bool chunked, int G)
@@ -497,17 +511,9 @@ static void test_cuda_source_compiles(void **state)
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
 					        kl_dtype_name(dt), fu,
 					        getenv("KILN_TEST_DUMP_ALL") ? P.source : strstr(P.source, "struct kl_args"));
-				kl_cuda_image im;
-				kl_nvrtc_opts no = {.arch = 90};
-				st = kl__nvrtc_compile(ctx, P.source, c->name, &no, &im);
-				if (st != KL_OK) {
-					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
-					        im.log ? im.log : "");
-					fail_msg("%s %s fusion %d: %s", c->name, kl_dtype_name(dt),
-					         fu, kl_last_error(ctx));
-				}
-				assert_memory_equal(im.data, "\177ELF", 4);
-				kl__cuda_image_free(&im);
+				char what[96];
+				snprintf(what, sizeof what, "%s %s fusion %d", c->name, kl_dtype_name(dt), fu);
+				must_compile(ctx, &P, c->name, what);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -560,15 +566,10 @@ static void test_cuda_row_groups(void **state)
 				if (dts[di] == KL_BF16 && G >= c->group && !has_group(P.source, true, G))
 					fail_msg("%s bf16: the chunked path is not forced to %d",
 					         c->name, G);
-				kl_cuda_image im;
-				kl_nvrtc_opts no = {.arch = 90};
-				if (kl__nvrtc_compile(ctx, P.source, c->name, &no, &im) != KL_OK) {
-					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
-					        im.log ? im.log : "");
-					fail_msg("%s %s group %d: %s", c->name, kl_dtype_name(dts[di]),
-					         G, kl_last_error(ctx));
-				}
-				kl__cuda_image_free(&im);
+				char what[96];
+				snprintf(what, sizeof what, "%s %s group %d", c->name,
+				         kl_dtype_name(dts[di]), G);
+				must_compile(ctx, &P, c->name, what);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -659,15 +660,10 @@ static void test_cuda_row_onepass(void **state)
 					fprintf(stderr, "==== %s %s onepass %d dyn %d\n%s\n", c->name,
 					        kl_dtype_name(dts[di]), on, dyn,
 					        strstr(P.source, "struct kl_args"));
-				kl_cuda_image im;
-				kl_nvrtc_opts no = {.arch = 90};
-				if (kl__nvrtc_compile(ctx, P.source, c->name, &no, &im) != KL_OK) {
-					fprintf(stderr, "%s\n---- log\n%s\n", P.source,
-					        im.log ? im.log : "");
-					fail_msg("%s %s onepass %d: %s", c->name, kl_dtype_name(dts[di]),
-					         on, kl_last_error(ctx));
-				}
-				kl__cuda_image_free(&im);
+				char what[96];
+				snprintf(what, sizeof what, "%s %s onepass %d", c->name,
+				         kl_dtype_name(dts[di]), on);
+				must_compile(ctx, &P, c->name, what);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -749,13 +745,9 @@ static void test_cuda_dot_knobs(void **state)
 			         t, (long long)d->rows, (long long)d->k, (long long)d->n, d->group);
 		if ((strstr(P.source, "kp0 += ") != NULL) != d->partial)
 			fail_msg("dot knobs %zu: float partials %s", t, d->partial ? "missing" : "taken");
-		kl_cuda_image im;
-		kl_nvrtc_opts no = {.arch = 90};
-		if (kl__nvrtc_compile(ctx, P.source, "dot knobs", &no, &im) != KL_OK) {
-			fprintf(stderr, "%s\n---- log\n%s\n", P.source, im.log ? im.log : "");
-			fail_msg("dot knobs %zu: %s", t, kl_last_error(ctx));
-		}
-		kl__cuda_image_free(&im);
+		char what[64];
+		snprintf(what, sizeof what, "dot knobs %zu", t);
+		must_compile(ctx, &P, "dot knobs", what);
 		kl__program_free(&P);
 		kl__trace_free(tr);
 		for (int i = 0; i < 3; i++)
