@@ -86,6 +86,11 @@ typedef struct kl_renderer {
 
 extern const kl_renderer kl__render_c;
 extern const kl_renderer kl__render_cuda;
+/* threads of a CUDA block (a row kernel's largest group) */
+#define KL_CUDA_BLOCK 256
+/* the text that starts every generated CUDA translation unit
+ * (render_cuda_prelude.c) */
+extern const char kl__render_cuda_prelude[];
 
 /* KILN_CUDA_ROW_GROUP (32, 64, 128 or 256): the threads per row the CUDA
  * row kernels are forced to (where the row fits), else 0: the renderer
