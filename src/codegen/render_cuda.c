@@ -1115,7 +1115,11 @@ static void onepass_pair(cctx *c, const kl_onepass *op, const vplan *vp, uint32_
 		line(c, "\tacc%d -= kl_n%d * (kl_s%d / kl_n%d - (double)kl_ml%d) * "
 		        "(kl_s%d / kl_n%d - (double)kl_ml%d);",
 		     b, p, p, p, p, p, p, p);
-		line(c, "kl_gvar<%d>(kl_n%d, acc%d, acc%d, kl_sh, kl_shi, kl_shv, kl_ph);", G, p, a, b);
+		/* sums of squares about 0 for values of f32 or narrower (held in
+		 * double), Chan's merge for f64 */
+		bool sq = k->ins[op->m].dt != KL_F64;
+		line(c, "kl_gvar<%d, %s>(kl_n%d, acc%d, acc%d, kl_sh, kl_shi, kl_shv, kl_ph);", G,
+		     sq ? "true" : "false", p, a, b);
 	}
 	emit_part(c, 2 * p, ~init);
 	if (lse) {
