@@ -420,12 +420,19 @@ static void make_inputs(kl_ctx *ctx, const gcase *c, kl_dtype dt, uint64_t seed,
 }
 
 /* P's source compiles for sm_90 through NVRTC into a cubin; else the source
- * and NVRTC's log go to stderr and the test fails naming what */
-static void must_compile(kl_ctx *ctx, const kl_program *P, const char *name, const char *what)
+ * and NVRTC's log go to stderr and the test fails naming what (a format) */
+static void must_compile(kl_ctx *ctx, const kl_program *P, const char *name, const char *fmt, ...)
+        KL_PRINTF(4, 5);
+static void must_compile(kl_ctx *ctx, const kl_program *P, const char *name, const char *fmt, ...)
 {
 	kl_cuda_image im;
 	kl_nvrtc_opts no = {.arch = 90};
 	if (kl__nvrtc_compile(ctx, P->source, name, &no, &im) != KL_OK) {
+		char what[160];
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(what, sizeof what, fmt, ap);
+		va_end(ap);
 		fprintf(stderr, "%s\n---- log\n%s\n", P->source, im.log ? im.log : "");
 		fail_msg("%s: %s", what, kl_last_error(ctx));
 	}
@@ -511,9 +518,8 @@ static void test_cuda_source_compiles(void **state)
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
 					        kl_dtype_name(dt), fu,
 					        getenv("KILN_TEST_DUMP_ALL") ? P.source : strstr(P.source, "struct kl_args"));
-				char what[96];
-				snprintf(what, sizeof what, "%s %s fusion %d", c->name, kl_dtype_name(dt), fu);
-				must_compile(ctx, &P, c->name, what);
+				must_compile(ctx, &P, c->name, "%s %s fusion %d", c->name, kl_dtype_name(dt),
+				             fu);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -566,10 +572,8 @@ static void test_cuda_row_groups(void **state)
 				if (dts[di] == KL_BF16 && G >= c->group && !has_group(P.source, true, G))
 					fail_msg("%s bf16: the chunked path is not forced to %d",
 					         c->name, G);
-				char what[96];
-				snprintf(what, sizeof what, "%s %s group %d", c->name,
-				         kl_dtype_name(dts[di]), G);
-				must_compile(ctx, &P, c->name, what);
+				must_compile(ctx, &P, c->name, "%s %s group %d", c->name,
+				             kl_dtype_name(dts[di]), G);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -660,10 +664,8 @@ static void test_cuda_row_onepass(void **state)
 					fprintf(stderr, "==== %s %s onepass %d dyn %d\n%s\n", c->name,
 					        kl_dtype_name(dts[di]), on, dyn,
 					        strstr(P.source, "struct kl_args"));
-				char what[96];
-				snprintf(what, sizeof what, "%s %s onepass %d", c->name,
-				         kl_dtype_name(dts[di]), on);
-				must_compile(ctx, &P, c->name, what);
+				must_compile(ctx, &P, c->name, "%s %s onepass %d", c->name,
+				             kl_dtype_name(dts[di]), on);
 				kl__program_free(&P);
 				compiled++;
 			}
@@ -745,9 +747,7 @@ static void test_cuda_dot_knobs(void **state)
 			         t, (long long)d->rows, (long long)d->k, (long long)d->n, d->group);
 		if ((strstr(P.source, "kp0 += ") != NULL) != d->partial)
 			fail_msg("dot knobs %zu: float partials %s", t, d->partial ? "missing" : "taken");
-		char what[64];
-		snprintf(what, sizeof what, "dot knobs %zu", t);
-		must_compile(ctx, &P, "dot knobs", what);
+		must_compile(ctx, &P, "dot knobs", "dot knobs %zu", t);
 		kl__program_free(&P);
 		kl__trace_free(tr);
 		for (int i = 0; i < 3; i++)

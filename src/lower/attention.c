@@ -356,13 +356,12 @@ kl_status kl__attention_match(kl_lctx *L)
 	return KL_OK;
 }
 
-bool kl__attention_layout(const kl_lctx *L, const kl_group *G, int32_t c, int64_t *os, char *why,
+bool kl__attention_layout(const kl_lctx *L, int32_t at, int32_t c, int64_t *os, char *why,
                           size_t cap)
 {
 	const kl_node *x = kl__nd(L, c);
-	int32_t at = G->first;
 	const kl_node *a = kl__nd(L, at);
-	if (x->op != KL_OP_CONTIGUOUS || G->nm != 1) {
+	if (x->op != KL_OP_CONTIGUOUS) {
 		snprintf(why, cap, "the attention step takes no epilogue, only a copy into another "
 		                   "layout");
 		return false;

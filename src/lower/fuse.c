@@ -671,7 +671,13 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 		if (*folded || !L->o->fusion)
 			continue;
 		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION) {
-			if (!kl__attention_layout(L, &L->gr[h], n, NULL, why, sizeof why)) {
+			bool ok = L->gr[h].nm == 1; /* one copy at most */
+			if (!ok)
+				snprintf(why, sizeof why, "the attention step takes no epilogue, only a "
+				                          "copy into another layout");
+			else
+				ok = kl__attention_layout(L, L->gr[h].first, n, NULL, why, sizeof why);
+			if (!ok) {
 				kl__lower_logf(L, "refused epilogue %s into %s: %s",
 				               kl__node_label(L, n, l1, sizeof l1),
 				               kl__node_label(L, L->gr[h].first, l2, sizeof l2), why);

@@ -107,13 +107,13 @@ typedef enum kl_epart {
 } kl_epart;
 kl_epart kl__epilogue_part(const kl_lctx *L, int32_t n, int32_t prev, int32_t *other, char *why,
                            size_t cap);
-/* Can attention group G (its attention node alone) also take node c, a
- * copy into a dense buffer of its output seen through a permutation that
- * keeps the last dim last (and reshapes above it): the attention step then
- * writes straight into c's buffer, and the copy is gone. When it can and
- * os is not NULL, os receives the strides, in c's buffer, of each dim of
- * the attention's output. False with the reason in why otherwise. */
-bool kl__attention_layout(const kl_lctx *L, const kl_group *G, int32_t c, int64_t *os, char *why,
+/* Is node c a copy into a dense buffer of attention node at's output, seen
+ * through a permutation that keeps the last dim last (and reshapes above
+ * it), so that the attention step can write straight into c's buffer and
+ * the copy is gone? When it is and os is not NULL, os receives the strides,
+ * in c's buffer, of each dim of the attention's output. False with the
+ * reason in why otherwise. */
+bool kl__attention_layout(const kl_lctx *L, int32_t at, int32_t c, int64_t *os, char *why,
                           size_t cap);
 /* the activation of an KL_EPART_ACT node */
 kl_mm_act kl__epilogue_act(const kl_node *x);

@@ -349,8 +349,7 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	kl__contig_strides(r, x->shape, so);
 	if (G->nm > 1) {
 		char why[160];
-		if (!kl__attention_layout(L, &(kl_group){.first = n, .nm = 1}, G->m[1], so, why,
-		                          sizeof why)) {
+		if (!kl__attention_layout(L, n, G->m[1], so, why, sizeof why)) {
 			snprintf(L->err, L->errcap, "kl__lower: internal error: attention layout: %s",
 			         why);
 			return KL_EINVAL;
