@@ -58,6 +58,20 @@ static const char VADD_SRC[] =
         "\tfloat s = kl_block_sum(v, scratch);\n"
         "\tif (threadIdx.x == 0) out[blockIdx.x] = s;\n"
         "}\n"
+        /* a slow producer that lets its dependants start at once, and a
+         * consumer that must see all of its writes (programmatic launch) */
+        "extern \"C\" __global__ void pdl_slow(float *y, int n, int spin) {\n"
+        "\tkl_pdl_wait();\n"
+        "\tint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "\tfloat v = (float)i;\n"
+        "\tfor (int k = 0; k < spin; k++) v = v * 0.999999f + 1e-6f * (float)i;\n"
+        "\tif (i < n) y[i] = v + 1.0f;\n"
+        "}\n"
+        "extern \"C\" __global__ void pdl_next(float *z, const float *y, int n) {\n"
+        "\tkl_pdl_wait();\n"
+        "\tint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "\tif (i < n) z[i] = 2.0f * y[i];\n"
+        "}\n"
         "extern \"C\" __global__ void axpb(float *y, const float *x, float a, float b, int n) {\n"
         "\tint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
         "\tif (i < n) y[i] = a * x[i] + b;\n"
@@ -890,7 +904,7 @@ static void test_gpu_kernel(void **state)
 	void *args[] = {&da, &db, &dc, &n};
 	unsigned threads = 256, blocks = (unsigned)((n / 8 + 1 + threads - 1) / threads);
 	assert_int_equal(kl__cuda_launch(gctx, gdev, vadd, (unsigned[3]){blocks, 1, 1},
-	                                 (unsigned[3]){threads, 1, 1}, 0, args),
+	                                 (unsigned[3]){threads, 1, 1}, 0, args, 0),
 	                 KL_OK);
 	assert_int_equal(kl__cuda_d2h(gctx, gdev, c, dc, nb), KL_OK);
 	int64_t bad = 0;
@@ -913,7 +927,7 @@ static void test_gpu_kernel(void **state)
 	assert_int_equal(kl__cuda_h2d(gctx, gdev, dx, x, (size_t)rows * cols * 2), KL_OK);
 	void *rargs[] = {&dx, &ds, &cols};
 	assert_int_equal(kl__cuda_launch(gctx, gdev, rowsum, (unsigned[3]){(unsigned)rows, 1, 1},
-	                                 (unsigned[3]){128, 1, 1}, 0, rargs),
+	                                 (unsigned[3]){128, 1, 1}, 0, rargs, 0),
 	                 KL_OK);
 	assert_int_equal(kl__cuda_d2h(gctx, gdev, sums, ds, sizeof sums), KL_OK);
 	for (int r = 0; r < rows; r++) {
@@ -926,7 +940,7 @@ static void test_gpu_kernel(void **state)
 	/* too much shared memory is refused before the launch */
 	assert_int_equal(kl__cuda_launch(gctx, gdev, vadd, (unsigned[3]){1, 1, 1},
 	                                 (unsigned[3]){32, 1, 1},
-	                                 (unsigned)gdev->smem_per_block_optin + 1, args),
+	                                 (unsigned)gdev->smem_per_block_optin + 1, args, 0),
 	                 KL_EINVAL);
 	kl__cuda_free(gctx, gdev, da);
 	kl__cuda_free(gctx, gdev, db);
@@ -1295,10 +1309,10 @@ static void test_gpu_graph(void **state)
 	assert_int_equal(kl__cuda_capture_begin(gctx, gdev), KL_OK);
 	assert_int_equal(kl__cuda_capture_begin(gctx, gdev), KL_ESTATE);
 	void *args1[] = {&d1, &dx, &a1, &b1, &n};
-	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args1), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args1, 0), KL_OK);
 	assert_int_equal(kl__cuda_capture_last_node(gctx, gdev, &n1), KL_OK);
 	void *args2[] = {&d2, &d1, &a2, &b2, &n};
-	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args2), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args2, 0), KL_OK);
 	assert_int_equal(kl__cuda_capture_last_node(gctx, gdev, &n2), KL_OK);
 	/* allocation inside a capture: cached blocks only */
 	CUdeviceptr inside = 0;
@@ -1345,7 +1359,7 @@ static void test_gpu_graph(void **state)
 
 	/* a second capture into the same graph object replaces it */
 	assert_int_equal(kl__cuda_capture_begin(gctx, gdev), KL_OK);
-	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args1), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, axpb, grid, block, 0, args1, 0), KL_OK);
 	assert_int_equal(kl__cuda_capture_end(gctx, gdev, &g), KL_OK);
 	assert_int_equal(kl__cuda_graph_launch(gctx, gdev, &g), KL_OK);
 	assert_int_equal(kl__cuda_d2h(gctx, gdev, y, d1, nb), KL_OK);
@@ -1361,6 +1375,66 @@ static void test_gpu_graph(void **state)
 	kl__cuda_module_free(m);
 	free(x);
 	free(y);
+}
+
+/* Programmatic dependent launch: a consumer flagged KL_LAUNCH_PDL starts
+ * while a slow producer (which triggers its dependants at once) still runs,
+ * and must still read every value the producer wrote: run directly and as
+ * a captured graph, outputs poisoned before each run. */
+static void test_gpu_pdl(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	kl_cuda_module *m = NULL;
+	assert_int_equal(kl__cuda_module_build(gctx, gdev, VADD_SRC, "pdl.cu", &m), KL_OK);
+	CUfunction slow, next;
+	assert_int_equal(kl__cuda_module_fn(gctx, m, "pdl_slow", &slow), KL_OK);
+	assert_int_equal(kl__cuda_module_fn(gctx, m, "pdl_next", &next), KL_OK);
+	int n = 1 << 20, spin = 4000;
+	size_t nb = (size_t)n * 4;
+	float *want = malloc(nb), *got = malloc(nb);
+	assert_non_null(want);
+	assert_non_null(got);
+	CUdeviceptr y, z;
+	assert_int_equal(kl__cuda_malloc(gctx, gdev, nb, &y), KL_OK);
+	assert_int_equal(kl__cuda_malloc(gctx, gdev, nb, &z), KL_OK);
+	unsigned grid[3] = {(unsigned)(n + 255) / 256, 1, 1}, block[3] = {256, 1, 1};
+	void *a1[] = {&y, &n, &spin}, *a2[] = {&z, &y, &n};
+	/* the reference: the same chain, plain launches */
+	assert_int_equal(kl__cuda_memset(gctx, gdev, z, 0xFF, nb), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, slow, grid, block, 0, a1, 0), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, next, grid, block, 0, a2, 0), KL_OK);
+	assert_int_equal(kl__cuda_d2h(gctx, gdev, want, z, nb), KL_OK);
+	for (int i = 0; i < n; i++)
+		assert_false(isnan(want[i]));
+	for (int rep = 0; rep < 3; rep++) {
+		assert_int_equal(kl__cuda_memset(gctx, gdev, y, 0xFF, nb), KL_OK);
+		assert_int_equal(kl__cuda_memset(gctx, gdev, z, 0xFF, nb), KL_OK);
+		assert_int_equal(kl__cuda_launch(gctx, gdev, slow, grid, block, 0, a1, KL_LAUNCH_PDL),
+		                 KL_OK);
+		assert_int_equal(kl__cuda_launch(gctx, gdev, next, grid, block, 0, a2, KL_LAUNCH_PDL),
+		                 KL_OK);
+		assert_int_equal(kl__cuda_d2h(gctx, gdev, got, z, nb), KL_OK);
+		assert_memory_equal(got, want, nb);
+	}
+	kl_cuda_graph g = {0};
+	assert_int_equal(kl__cuda_capture_begin(gctx, gdev), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, slow, grid, block, 0, a1, KL_LAUNCH_PDL), KL_OK);
+	assert_int_equal(kl__cuda_launch(gctx, gdev, next, grid, block, 0, a2, KL_LAUNCH_PDL), KL_OK);
+	assert_int_equal(kl__cuda_capture_end(gctx, gdev, &g), KL_OK);
+	for (int rep = 0; rep < 3; rep++) {
+		assert_int_equal(kl__cuda_memset(gctx, gdev, y, 0xFF, nb), KL_OK);
+		assert_int_equal(kl__cuda_memset(gctx, gdev, z, 0xFF, nb), KL_OK);
+		assert_int_equal(kl__cuda_graph_launch(gctx, gdev, &g), KL_OK);
+		assert_int_equal(kl__cuda_d2h(gctx, gdev, got, z, nb), KL_OK);
+		assert_memory_equal(got, want, nb);
+	}
+	kl__cuda_graph_free(&g);
+	kl__cuda_free(gctx, gdev, y);
+	kl__cuda_free(gctx, gdev, z);
+	kl__cuda_module_free(m);
+	free(want);
+	free(got);
 }
 
 static void test_gpu_timing(void **state)
@@ -1748,6 +1822,7 @@ int main(void)
 	        cmocka_unit_test(test_gpu_kernel),  cmocka_unit_test(test_gpu_gemm),
 	        cmocka_unit_test(test_gpu_gemm_nd), cmocka_unit_test(test_gpu_eager_matmul),
 	        cmocka_unit_test(test_gpu_graph),   cmocka_unit_test(test_gpu_timing),
+	        cmocka_unit_test(test_gpu_pdl),
 	        cmocka_unit_test(test_gpu_graph_matmul_moving),
 	        cmocka_unit_test(test_gpu_graph_kernels_moving),
 	        cmocka_unit_test(test_gpu_autotune),

@@ -442,6 +442,22 @@ static void must_compile(kl_ctx *ctx, const kl_program *P, const char *name, con
 
 /* the group sizes of a source's row loops: "row group: G threads" (the
  * chunked path) or "row group (scalar): G threads" */
+/* The runtime launches generated kernels with programmatic dependent launch:
+ * each must wait for the kernel before it first thing (kl_pdl_wait). */
+static bool every_kernel_waits(const char *src)
+{
+	int n = 0;
+	const char *sig = "extern \"C\" __global__";
+	for (const char *p = strstr(src, sig); p; p = strstr(p + 1, sig)) {
+		const char *body = strchr(p, '{');
+		const char *want = "{\n\tkl_pdl_wait();\n";
+		if (!body || strncmp(body, want, strlen(want)) != 0)
+			return false;
+		n++;
+	}
+	return n > 0;
+}
+
 static bool has_group(const char *src, bool chunked, int G)
 {
 	char want[64];
@@ -518,6 +534,10 @@ static void test_cuda_source_compiles(void **state)
 					fprintf(stderr, "==== %s %s fusion %d\n%s\n", c->name,
 					        kl_dtype_name(dt), fu,
 					        getenv("KILN_TEST_DUMP_ALL") ? P.source : strstr(P.source, "struct kl_args"));
+				if (!every_kernel_waits(P.source))
+					fail_msg("%s %s fusion %d: a kernel touches memory before "
+					         "kl_pdl_wait",
+					         c->name, kl_dtype_name(dt), fu);
 				must_compile(ctx, &P, c->name, "%s %s fusion %d", c->name, kl_dtype_name(dt),
 				             fu);
 				kl__program_free(&P);

@@ -1281,7 +1281,9 @@ static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
 		return;
 	}
 	kl__sb_printf(sb, r->kernel_fmt, name);
-	kl__sb_puts(sb, "\n{\n");
+	/* first, before any global access: the runtime may launch this kernel
+	 * while the one before it still runs (kl_pdl_wait in the prelude) */
+	kl__sb_puts(sb, "\n{\n\tkl_pdl_wait();\n");
 	bool empty = false;
 	for (int d = 0; d < k->ndim; d++)
 		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));

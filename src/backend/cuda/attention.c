@@ -228,7 +228,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
 		unsigned block[3] = {256, 1, 1};
 		unsigned smem = (unsigned)WG_SMEM(s->d);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, 0);
 	}
 	if (var > 0) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
@@ -236,7 +236,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		unsigned grid[3] = {(unsigned)((s->tq + BM - 1) / BM), (unsigned)nbt, 1};
 		unsigned block[3] = {128, 1, 1};
 		unsigned smem = (unsigned)((BM + 4 * BN) * s->d * 2);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, 0);
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;
@@ -277,10 +277,10 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: %lld query rows exceed one grid",
 		               (long long)a.rows);
 	unsigned grid[3] = {(unsigned)((items + 3) / 4), 1, 1};
-	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv);
+	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv, 0);
 	if (st == KL_OK && a.nsplit > 1) {
 		unsigned g2[3] = {(unsigned)((a.rows + 3) / 4), 1, 1};
-		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv);
+		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, 0);
 	}
 	return st;
 }

@@ -166,10 +166,13 @@ kl_status kl__cuda_dev_open(kl_ctx *ctx, int index, kl_cuda_dev **out)
 	if ((s = KL_CU(ctx, cuStreamCreate, &d->stream, CU_STREAM_NON_BLOCKING)) != KL_OK)
 		goto fail_release;
 	t3 = kl__now_ms();
+	const char *e = getenv("KILN_CUDA_PDL");
+	d->pdl = d->cc_major >= 9 && !(e && strcmp(e, "0") == 0);
 	kl__log(ctx, KL_LOG_STARTUP,
 	        "CUDA device %d (%s, sm_%d%d): primary context %.3f ms, properties %.3f ms, "
-	        "stream %.3f ms",
-	        index, d->name, d->cc_major, d->cc_minor, t1 - t0, t2 - t1, t3 - t2);
+	        "stream %.3f ms; programmatic dependent launch %s",
+	        index, d->name, d->cc_major, d->cc_minor, t1 - t0, t2 - t1, t3 - t2,
+	        d->pdl ? "on" : "off");
 	*out = d;
 	return KL_OK;
 fail_release:

@@ -47,6 +47,9 @@ typedef struct kl_cuda_dev {
 	int warp_size;
 	size_t total_mem;
 	kl_pool pool;
+	/* launches flagged KL_LAUNCH_PDL overlap the kernel before them (sm_90
+	 * and later; KILN_CUDA_PDL=0 turns it off) */
+	bool pdl;
 	bool capturing;         /* inside kl__cuda_capture_begin/end */
 	bool synced;            /* the stream was waited for once (the startup log) */
 	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made at device open */
@@ -146,9 +149,14 @@ kl_status kl__cuda_module_fn(kl_ctx *ctx, kl_cuda_module *m, const char *fn, CUf
 void kl__cuda_module_free(kl_cuda_module *m);
 
 /* Launch on d's stream; args as cuLaunchKernel wants them (pointers to each
- * argument's value). smem above 48 KiB is opted in on the function first. */
+ * argument's value). smem above 48 KiB is opted in on the function first.
+ * flags: KL_LAUNCH_PDL when the kernel calls kl_pdl_wait (kiln_prelude.cuh)
+ * before any global access; on a device with d->pdl it may then start while
+ * the kernel before it still runs (programmatic dependent launch; stream
+ * capture keeps it as a programmatic edge). */
+enum { KL_LAUNCH_PDL = 1u };
 kl_status kl__cuda_launch(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, const unsigned grid[3],
-                          const unsigned block[3], unsigned smem, void **args);
+                          const unsigned block[3], unsigned smem, void **args, unsigned flags);
 
 /* ---- cuBLASLt -------------------------------------------------------------------- */
 

@@ -56,6 +56,7 @@
 	X(cuFuncSetAttribute)                          \
 	X(cuFuncGetAttribute)                          \
 	X(cuLaunchKernel)                              \
+	X(cuLaunchKernelEx)                            \
 	X(cuOccupancyMaxActiveBlocksPerMultiprocessor) \
 	X(cuGraphInstantiate)                          \
 	X(cuGraphUpload)                               \

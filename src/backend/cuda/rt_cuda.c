@@ -400,7 +400,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			blocks = INT32_MAX;
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
 		void *argv[1] = {rt->args};
-		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv);
+		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv,
+		                     KL_LAUNCH_PDL);
 		if (st == KL_OK && rt->recording)
 			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->knode[s]);
 	}
