@@ -777,6 +777,50 @@ static void test_cuda_dot_knobs(void **state)
 		set_or_unset(names[i], saved[i]);
 		free(saved[i]);
 	}
+	/* a layer norm's two sums: float partials for bf16 rows, a double per
+	 * element for f32 ones; KILN_CUDA_ROW_MINBLOCKS caps the row kernel's
+	 * registers through __launch_bounds__ (out of range: no cap) */
+	char *saved_mb = getenv("KILN_CUDA_ROW_MINBLOCKS") ? strdup(getenv("KILN_CUDA_ROW_MINBLOCKS"))
+	                                                  : NULL;
+	static const struct {
+		kl_dtype dt;
+		const char *minb;
+		bool partial;
+		const char *bounds;
+	} ln[] = {{KL_BF16, NULL, true, "__launch_bounds__(256) "},
+	          {KL_F32, NULL, false, "__launch_bounds__(256) "},
+	          {KL_BF16, "6", true, "__launch_bounds__(256, 6) "},
+	          {KL_BF16, "9", true, "__launch_bounds__(256) "}};
+	for (size_t t = 0; t < sizeof ln / sizeof ln[0]; t++) {
+		set_or_unset("KILN_CUDA_ROW_MINBLOCKS", ln[t].minb);
+		kl_tensor *in[3];
+		in[0] = kltest_rand(ctx, ln[t].dt, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, 730 + t);
+		in[1] = kltest_rand(ctx, ln[t].dt, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    740 + t);
+		in[2] = kltest_rand(ctx, ln[t].dt, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    750 + t);
+		kl_trace *tr = trace(ctx, b_layer_norm, in, NULL);
+		assert_non_null(tr);
+		kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+		kl_program P;
+		char err[512];
+		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+			fail_msg("layer norm %zu: lower: %s", t, err);
+		bool part = strstr(P.source, "kp0 += ") && strstr(P.source, "kp1 += ");
+		if (part != ln[t].partial)
+			fail_msg("layer norm %zu (%s): float partials %s", t, kl_dtype_name(ln[t].dt),
+			         ln[t].partial ? "missing" : "taken");
+		if (!strstr(P.source, ln[t].bounds))
+			fail_msg("layer norm %zu: no %s", t, ln[t].bounds);
+		must_compile(ctx, &P, "layer norm", "layer norm %zu", t);
+		kl__program_free(&P);
+		kl__trace_free(tr);
+		for (int i = 0; i < 3; i++)
+			kl_release(in[i]);
+	}
+	set_or_unset("KILN_CUDA_ROW_MINBLOCKS", saved_mb);
+	free(saved_mb);
 	kl_ctx_free(ctx);
 }
 

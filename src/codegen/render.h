@@ -103,11 +103,14 @@ int kl__cuda_row_group(void);
  * row one thread holds; the group is the smallest that holds the row so.
  * threads: KILN_CUDA_DOT_THREADS (default 131072), the fewest threads the
  * rows must keep busy for a group below the block (fewer rows: a larger
- * group each). f32: KILN_CUDA_DOT_F32 (0 or 1, default 1), each thread sums
- * its chunks in float and adds that once to the double accumulator, where
- * every chunked operand is 16-bit (f32 inputs keep a double per element). */
+ * group each). f32: KILN_CUDA_DOT_F32 (0 or 1, default 1), each thread of
+ * any chunked row kernel (dot rows, norms, softmax) sums its chunks in float
+ * and adds that once to the double accumulator, where every chunked operand
+ * is 16-bit (f32 inputs keep a double per element). */
 typedef struct kl_cuda_dot {
 	int chunks, threads, f32;
+	int minb; /* KILN_CUDA_ROW_MINBLOCKS (1-8; default 0, none): a row kernel's
+	           * blocks per SM for __launch_bounds__, which caps its registers */
 } kl_cuda_dot;
 kl_cuda_dot kl__cuda_dot_knobs(void);
 

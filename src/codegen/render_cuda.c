@@ -211,8 +211,8 @@ struct vplan {
 	                 * depends on them is fetched a row ahead) */
 	bool dot;       /* rows: one pass that reads the row and stores none of
 	                 * it (plan_rows) */
-	bool part;      /* rows: the dot's float sums go through a float
-	                 * partial per thread (dot_partial) */
+	bool part;      /* rows: float sums go through a float partial per
+	                 * thread and chunk pass (dot_partial) */
 };
 
 static int msize(kl_dtype dt)
@@ -439,7 +439,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1};
+	kl_cuda_dot d = {4, 131072, 1, 0};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -447,6 +447,8 @@ kl_cuda_dot kl__cuda_dot_knobs(void)
 		d.threads = (int)atol(e);
 	if ((e = getenv("KILN_CUDA_DOT_F32")) && (atoi(e) == 0 || atoi(e) == 1))
 		d.f32 = atoi(e);
+	if ((e = getenv("KILN_CUDA_ROW_MINBLOCKS")) && atoi(e) >= 1 && atoi(e) <= 8)
+		d.minb = atoi(e);
 	return d;
 }
 
@@ -527,7 +529,10 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 	bool half = vp->nacc > 0;
 	for (int a = 0; a < vp->nacc; a++)
 		half &= msize(vp->acc[a].dt) == 2;
-	vp->part = vp->dot && half && kl__cuda_dot_knobs().f32;
+	/* every row kernel's sums, not only dot rows': a layer norm's two sums
+	 * converted each bf16 element to double, 2 x 67 M F2F.F64 at 16 a clock
+	 * an SM, about 36 us of its 88 on an H200 (run of 2026-12-03) */
+	vp->part = half && kl__cuda_dot_knobs().f32;
 	/* A dot row takes dot_group's choice. Otherwise the group: a warp when a lane's share fits (up to cap values and half
 	 * the bytes: no barrier at all), else the block. Groups of 64 or 128
 	 * threads (several rows a block, fewer chunks a thread) measured slower
@@ -710,14 +715,14 @@ static void fixed_load(cctx *c, const kir_ins *in, int32_t id, const char *lc)
 	kl__sb_free(&e);
 }
 
-/* a float sum that a dot row's thread adds up in float first (vp->part) */
+/* a float sum that a row's thread adds up in float first (vp->part) */
 static bool part_acc(const kir_ins *in)
 {
 	return in->opc == KIR_ACC && in->op == KL_OP_SUM &&
 	       (in->in_dt == KL_F32 || in->in_dt == KL_F16 || in->in_dt == KL_BF16);
 }
 
-/* A dot row's float partials of pass block blk: declared (open) or added to
+/* A row's float partials of pass block blk: declared (open) or added to
  * their double accumulators (!open). A thread's share is at most 64
  * products; the F2F.F64 conversion per element, at 16 a clock an SM on
  * sm_90, would otherwise bound the product below the memory's rate. */
@@ -1280,7 +1285,13 @@ static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
 		sb->oom = true;
 		return;
 	}
-	kl__sb_printf(sb, r->kernel_fmt, name);
+	int minb = k->rmask ? kl__cuda_dot_knobs().minb : 0;
+	if (minb)
+		kl__sb_printf(sb,
+		              "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(const kl_args A)",
+		              BLOCK, minb, name);
+	else
+		kl__sb_printf(sb, r->kernel_fmt, name);
 	/* first, before any global access: the runtime may launch this kernel
 	 * while the one before it still runs (kl_pdl_wait in the prelude) */
 	kl__sb_puts(sb, "\n{\n\tkl_pdl_wait();\n");
