@@ -6,7 +6,10 @@
  * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
  * keys across warps and merges them; everything else takes the general
  * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
- * that cannot take the step falls back as above).
+ * that cannot take the step falls back as above). The tensor-core kernels'
+ * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
+ * heaviest causal block first: the scheduler hands out every batch's
+ * heaviest block before any lighter one.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -151,9 +154,10 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
                        const kl_attn_step *s, kl_dtype dt)
 {
 	kl_attn_pick pick = forced(ctx);
+	/* grid: x = batch, y = query blocks of BM (the wgmma kernel's are larger) */
 	if (pick == PICK_SIMPLE || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
 	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
-	    s->tq < 2 || a->rows / s->tq > 65535 || (s->tq + BM - 1) / BM > 0x7fffffff)
+	    s->tq < 2 || a->rows / s->tq > 0x7fffffff || (s->tq + BM - 1) / BM > 65535)
 		return -1;
 	if (!al16(a->q) || !al16(a->k) || !al16(a->v) || !al16(a->o) || s->q_rs % 8 ||
 	    s->k_rs % 8 || s->v_rs % 8 || s->o_rs % 8)
@@ -225,7 +229,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	if (var == VAR_WG64 || var == VAR_WG128) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
-		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM - 1) / WG_BM), 1};
 		unsigned block[3] = {256, 1, 1};
 		unsigned smem = (unsigned)WG_SMEM(s->d);
 		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);
@@ -233,7 +237,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	if (var > 0) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
-		unsigned grid[3] = {(unsigned)((s->tq + BM - 1) / BM), (unsigned)nbt, 1};
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + BM - 1) / BM), 1};
 		unsigned block[3] = {128, 1, 1};
 		unsigned smem = (unsigned)((BM + 4 * BN) * s->d * 2);
 		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv);

@@ -13,8 +13,10 @@
  * softmax is online in registers (base 2, the scale folded with log2 e).
  * Causal blocks stop at the last tile a row of theirs may see, and the mask
  * is applied only on tiles that cross the diagonal or the end of the keys.
- * Grid: x = query blocks (last first: under a causal mask they are the
- * longest), y = batch.
+ * Grid: x = batch, y = query blocks (last first: under a causal mask they are
+ * the longest). The block scheduler dispatches x fastest, so every batch's
+ * heaviest block goes out before any lighter one (longest first over the
+ * whole grid, not per batch); the same grid for kl_attn_wgmma.
  *
  * kl_attn_rows: any float dtype, any strides, head dims up to 256: one warp
  * per (query row, split of the keys), a lane per 32nd of the head dim, the
@@ -224,9 +226,9 @@ const char kl__cuda_attention_src[] =
         "\tuint4 *sQ = smem, *sK = sQ + BM * CH, *sV = sK + 2 * BN * CH;\n"
         "\tint tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;\n"
         "\tlong long nqb = (a.tq + BM - 1) / BM;\n"
-        "\tint q0 = (int)((nqb - 1 - blockIdx.x) * BM);\n"
+        "\tint q0 = (int)((nqb - 1 - blockIdx.y) * BM);\n"
         "\tlong long qo, ko, vo, oo;\n"
-        "\tbatch_offs(a, blockIdx.y, &qo, &ko, &vo, &oo);\n"
+        "\tbatch_offs(a, blockIdx.x, &qo, &ko, &vo, &oo);\n"
         "\tconst T *Q = (const T *)a.q + qo, *K = (const T *)a.k + ko, *V = (const T *)a.v + vo;\n"
         "\tlong long lag = a.tk - a.tq, kend = a.tk;\n"
         "\tif (a.causal) { long long e = q0 + BM + lag; kend = e < 0 ? 0 : e < a.tk ? e : a.tk; }\n"
@@ -461,9 +463,9 @@ const char kl__cuda_attention_src[] =
         "\tunsigned char *sQ = sb, *sK = sQ + WTILE, *sV = sK + KL_AT_WS * WTILE;\n"
         "\tint tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;\n"
         "\tlong long nqb = (a.tq + WBM - 1) / WBM;\n"
-        "\tlong long q0 = (nqb - 1 - blockIdx.x) * WBM;\n"
+        "\tlong long q0 = (nqb - 1 - blockIdx.y) * WBM;\n"
         "\tlong long qo, ko, vo, oo;\n"
-        "\tbatch_offs(a, blockIdx.y, &qo, &ko, &vo, &oo);\n"
+        "\tbatch_offs(a, blockIdx.x, &qo, &ko, &vo, &oo);\n"
         "\tconst T *Q = (const T *)a.q + qo, *K = (const T *)a.k + ko, *V = (const T *)a.v + vo;\n"
         "\tlong long lag = a.tk - a.tq, kend = a.tk;\n"
         "\tif (a.causal) { long long e = q0 + WBM + lag; kend = e < 0 ? 0 : e < a.tk ? e : a.tk; }\n"
