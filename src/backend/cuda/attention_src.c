@@ -1,9 +1,13 @@
 /* attention_src.c - the CUDA source of kiln's fused attention, compiled by
- * NVRTC once per (dtype, head dim) variant and device (attention.c). The
- * variant comes from two macros put in front of it:
+ * NVRTC once per variant and device (attention.c). The variant comes from
+ * the macros put in front of it:
  *   KL_AT_DT  0 f32, 1 f64, 2 f16, 3 bf16 (the storage type of q, k, v, o)
  *   KL_AT_D   64 or 128: the tensor-core kernel kl_attn_mma (f16/bf16 only);
  *             0: the general kernels kl_attn_rows and kl_attn_combine
+ *   KL_AT_WG  1: also kl_attn_wgmma (sm_90a only)
+ *   KL_AT_WG1 1: kl_attn_wgmma with one warpgroup per block (below)
+ *   KL_AT_WS  K/V stages of kl_attn_wgmma (attention.c sizes its shared
+ *             memory from the same numbers)
  *
  * kl_attn_mma: a block of 4 warps owns 64 query rows (16 per warp) and walks
  * the keys in tiles of 64. Q stays in registers as mma fragments; K and V
@@ -348,10 +352,27 @@ const char kl__cuda_attention_src[] =
         " * shared memory (K-major); the online softmax runs on the accumulators in\n"
         " * registers, which become the A operand of O += P V (V read N-major,\n"
         " * transposed by the instruction). P V of tile t - 1 is issued behind S of\n"
-        " * tile t and runs while tile t's softmax does; O takes its rescale after. */\n"
+        " * tile t and runs while tile t's softmax does; O takes its rescale after.\n"
+        " * The two warpgroups meet at one barrier per tile, so both run their softmax\n"
+        " * at the same time and the tensor cores wait. With KL_AT_WG1 a block is one\n"
+        " * warpgroup, 64 query rows, tiles of 64 keys, and takes under half an SM's\n"
+        " * shared memory: two blocks share an SM and, with no barrier between them,\n"
+        " * one's softmax overlaps the other's products (the code is the same; the\n"
+        " * barrier per tile spans the one warpgroup). */\n"
+        "#if KL_AT_WG1\n"
+        "#define WTH 128 /* threads per block */\n"
+        "#define WBM 64\n"
+        "#define WBN 64\n"
+        "#else\n"
+        "#define WTH 256\n"
         "#define WBM 128\n"
         "#define WBN 128\n"
-        "#define WTILE (WBN * D * 2) /* bytes of one 128-row tile */\n"
+        "#endif\n"
+        "/* Q's tile has the layout (and the panel size) of a K/V tile */\n"
+        "#if WBM != WBN\n"
+        "#error WBM != WBN\n"
+        "#endif\n"
+        "#define WTILE (WBN * D * 2) /* bytes of one tile (WBN rows) */\n"
         "#define WPANEL (WBN * 128)  /* bytes of one 64-column panel of a tile */\n"
         "__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo) {\n"
         "\treturn (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |\n"
@@ -422,12 +443,28 @@ const char kl__cuda_attention_src[] =
         "\t               KL_D4(8), KL_D4(9), KL_D4(10), KL_D4(11), KL_D4(12), KL_D4(13), KL_D4(14), KL_D4(15)\n"
         "\t             : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(db), \"r\"(1));\n"
         "}\n"
+        "__device__ __forceinline__ void wg_ss64(float (&d)[8][4], unsigned long long da,\n"
+        "                                       unsigned long long db, int acc) {\n"
+        "\tasm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n\"\n"
+        "\t             \"wgmma.mma_async.sync.aligned.m64n64k16.f32.\" KL_WGT \".\" KL_WGT \" {\"\n"
+        "\t             \"%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,\"\n"
+        "\t             \"%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},\"\n"
+        "\t             \" %32, %33, p, 1, 1, 0, 0;\\n}\\n\"\n"
+        "\t             : KL_D4(0), KL_D4(1), KL_D4(2), KL_D4(3), KL_D4(4), KL_D4(5), KL_D4(6), KL_D4(7)\n"
+        "\t             : \"l\"(da), \"l\"(db), \"r\"(acc));\n"
+        "}\n"
+        "/* O += P V has N = D; S = Q K^T has N = WBN */\n"
         "#if D == 128\n"
         "#define WG_RS wg_rs128\n"
         "#else\n"
         "#define WG_RS wg_rs64\n"
         "#endif\n"
-        "/* One 128-row tile of a [rows][D] operand into the swizzled layout: a\n"
+        "#if WBN == 128\n"
+        "#define WG_SS wg_ss128\n"
+        "#else\n"
+        "#define WG_SS wg_ss64\n"
+        "#endif\n"
+        "/* One WBN-row tile of a [rows][D] operand into the swizzled layout: a\n"
         " * thread copies the 16-byte chunk column WCH-th of its id, in rows\n"
         " * lrb + i * WRP. Rows a pass covers are a multiple of 8, so the swizzle\n"
         " * term (row & 7) and with it the thread's offset in the tile (soff) are the\n"
@@ -436,7 +473,7 @@ const char kl__cuda_attention_src[] =
         " * thread's chunk in row r0 + lrb. Rows at or past lim (only in a tile that\n"
         " * runs past the end) are zero-filled, reading nothing. */\n"
         "#define WCH (D / 8)\n"
-        "#define WRP (256 / WCH)\n"
+        "#define WRP (WTH / WCH)\n"
         "#define WNP (WBN / WRP)\n"
 
         "__device__ __forceinline__ void wg_tile(unsigned dst, const T *src, long long rs, long long r0, int lrb,\n"
@@ -456,7 +493,7 @@ const char kl__cuda_attention_src[] =
         " * the address field is bits 0-13 in 16-byte units and smem stays under\n"
         " * 256 KB, so the sum never carries out of it) */\n"
         "#define WG_OFF(desc, bytes) ((desc) + (unsigned long long)((bytes) >> 4))\n"
-        "extern \"C\" __global__ void __launch_bounds__(256, 1) kl_attn_wgmma(const kl_at_args a) {\n"
+        "extern \"C\" __global__ void __launch_bounds__(WTH, 256 / WTH) kl_attn_wgmma(const kl_at_args a) {\n"
         "\textern __shared__ uint4 smem[];\n"
         "\tunsigned char *sb = (unsigned char *)smem;\n"
         "\tsb += (1024 - (smem_u32(sb) & 1023)) & 1023;\n"
@@ -527,7 +564,7 @@ const char kl__cuda_attention_src[] =
         "#pragma unroll\n"
         "\t\tfor (int kk = 0; kk < D / 16; kk++) {\n"
         "\t\t\tconst unsigned off = (kk >> 2) * WPANEL + (kk & 3) * 32;\n"
-        "\t\t\twg_ss128(s, WG_OFF(dQ, off), WG_OFF(dK, off), kk > 0);\n"
+        "\t\t\tWG_SS(s, WG_OFF(dQ, off), WG_OFF(dK, off), kk > 0);\n"
         "\t\t}\n"
         "\t\twg_commit();\n"
         "\t\t{\n"
