@@ -528,6 +528,8 @@ static void test_cuda_kernels_compile(void **state)
 				free(src);
 				n++;
 			}
+	assert_null(kl__cuda_attention_source(KL_BF16, 128, 3));
+	assert_null(kl__cuda_attention_source(KL_BF16, 128, -1));
 	print_message("test_attention: %d attention kernel variants compiled for sm_90/sm_90a\n", n);
 	kl_ctx_free(ctx);
 #else

@@ -10,7 +10,7 @@
  * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
  * heaviest causal block first: the scheduler hands out every batch's
  * heaviest block before any lighter one. KILN_CUDA_ATTN_WG=1 takes the
- * wgmma kernel with one warpgroup per block (KL_AT_WG1: two blocks per SM
+ * wgmma kernel with one warpgroup per block (KL_AT_BM 64: two blocks per SM
  * whose softmax and products interleave) in place of the two-warpgroup one.
  */
 #include <stdio.h>
@@ -32,10 +32,11 @@ typedef struct kl_at_args {
 
 #define BM 64    /* query rows per block, mma.sync kernel */
 #define BN 64    /* keys per tile, mma.sync kernel */
-/* the wgmma kernel, two warpgroups a block (one: KL_AT_WG1): query rows
- * per block (WBM of its source) = keys per tile (WBN), threads per block,
- * K and V tiles in flight (KL_AT_WS) and the shared memory they take (Q, K,
- * V, alignment); the launch and the source's defines both come from here */
+/* the wgmma kernel, two warpgroups a block (one: KILN_CUDA_ATTN_WG=1): query
+ * rows per block = keys per tile (KL_AT_BM in its source), threads per
+ * block (KL_AT_TH), K and V tiles in flight (KL_AT_WS) and the shared memory
+ * they take (Q, K, V, alignment); the launch and the source's defines both
+ * come from here */
 #define WG_BM(one) ((one) ? 64 : 128)
 #define WG_THREADS(one) ((one) ? 128 : 256)
 #define WG_STAGES 3
@@ -76,8 +77,9 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 	if (s)
 		snprintf(s, n,
 		         "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n"
-		         "#define KL_AT_WG1 %d\n#define KL_AT_WS %d\n%s",
-		         c, head_dim, wgmma ? 1 : 0, wgmma == 2, WG_STAGES, kl__cuda_attention_src);
+		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n%s",
+		         c, head_dim, wgmma ? 1 : 0, WG_BM(wgmma == 2), WG_THREADS(wgmma == 2),
+		         WG_STAGES, kl__cuda_attention_src);
 	return s;
 }
 
@@ -108,11 +110,24 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 			st = kl__cuda_module_fn(ctx, m, wg ? "kl_attn_wgmma" : "kl_attn_mma", &f[0]);
 		}
 		/* two one-warpgroup blocks per SM need all of its shared memory:
-		 * ask for the largest carveout (a hint the driver may overrule) */
-		if (st == KL_OK && wgs[var] == 2)
+		 * ask for the largest carveout (a hint the driver may overrule) and
+		 * say how many blocks fit (KILN_LOGS=fusion) */
+		if (st == KL_OK && wgs[var] == 2) {
+			size_t smem = WG_SMEM(hds[var], true);
 			st = KL_CU(ctx, cuFuncSetAttribute, f[0],
 			           CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
 			           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
+			if (st == KL_OK)
+				st = KL_CU(ctx, cuFuncSetAttribute, f[0],
+				           CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
+			int nb = 0;
+			if (st == KL_OK && kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			                           &nb, f[0], WG_THREADS(true), smem) == CUDA_SUCCESS)
+				kl__log(ctx, KL_LOG_FUSION,
+				        "kl_sdpa: wgmma kernel, one warpgroup a block, head dim %d: %d "
+				        "blocks per SM%s",
+				        hds[var], nb, nb < 2 ? " (wants 2: no overlap)" : "");
+		}
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
 			return st;

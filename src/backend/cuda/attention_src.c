@@ -4,10 +4,11 @@
  *   KL_AT_DT  0 f32, 1 f64, 2 f16, 3 bf16 (the storage type of q, k, v, o)
  *   KL_AT_D   64 or 128: the tensor-core kernel kl_attn_mma (f16/bf16 only);
  *             0: the general kernels kl_attn_rows and kl_attn_combine
- *   KL_AT_WG  1: also kl_attn_wgmma (sm_90a only)
- *   KL_AT_WG1 1: kl_attn_wgmma with one warpgroup per block (below)
- *   KL_AT_WS  K/V stages of kl_attn_wgmma (attention.c sizes its shared
- *             memory from the same numbers)
+ *   KL_AT_WG  1: also kl_attn_wgmma (sm_90a only), whose block shape comes
+ *             from attention.c (which sizes its launch and shared memory from
+ *             the same numbers): KL_AT_BM query rows per block = keys per
+ *             tile, KL_AT_TH threads (a warpgroup per 64 rows), KL_AT_WS
+ *             K/V stages
  *
  * kl_attn_mma: a block of 4 warps owns 64 query rows (16 per warp) and walks
  * the keys in tiles of 64. Q stays in registers as mma fragments; K and V
@@ -354,23 +355,16 @@ const char kl__cuda_attention_src[] =
         " * transposed by the instruction). P V of tile t - 1 is issued behind S of\n"
         " * tile t and runs while tile t's softmax does; O takes its rescale after.\n"
         " * The two warpgroups meet at one barrier per tile, so both run their softmax\n"
-        " * at the same time and the tensor cores wait. With KL_AT_WG1 a block is one\n"
+        " * at the same time and the tensor cores wait. With KL_AT_BM 64 a block is one\n"
         " * warpgroup, 64 query rows, tiles of 64 keys, and takes under half an SM's\n"
         " * shared memory: two blocks share an SM and, with no barrier between them,\n"
         " * one's softmax overlaps the other's products (the code is the same; the\n"
         " * barrier per tile spans the one warpgroup). */\n"
-        "#if KL_AT_WG1\n"
-        "#define WTH 128 /* threads per block */\n"
-        "#define WBM 64\n"
-        "#define WBN 64\n"
-        "#else\n"
-        "#define WTH 256\n"
-        "#define WBM 128\n"
-        "#define WBN 128\n"
-        "#endif\n"
-        "/* Q's tile has the layout (and the panel size) of a K/V tile */\n"
-        "#if WBM != WBN\n"
-        "#error WBM != WBN\n"
+        "#define WTH KL_AT_TH /* threads per block */\n"
+        "#define WBM KL_AT_BM /* query rows per block */\n"
+        "#define WBN KL_AT_BM /* keys per tile: Q's tile has the layout of a K/V one */\n"
+        "#if (WBM != 64 && WBM != 128) || WTH != 2 * WBM\n"
+        "#error kl_attn_wgmma: KL_AT_BM 64 or 128, a warpgroup per 64 rows\n"
         "#endif\n"
         "#define WTILE (WBN * D * 2) /* bytes of one tile (WBN rows) */\n"
         "#define WPANEL (WBN * 128)  /* bytes of one 64-column panel of a tile */\n"
