@@ -5,7 +5,8 @@
  * the decomposition for targets without the step; attention steps through
  * the program serializer and validator; every CUDA kernel variant compiled
  * by NVRTC for sm_90 (wgmma for sm_90a); on a GPU (skipped without one) the
- * CUDA kernels against the reference, their modules through the disk cache
+ * CUDA kernels against the reference (each forced in turn, the wgmma one
+ * with two warpgroups a block and with one), their modules through the disk cache
  * (written, reused, a corrupt entry rebuilt), and a timing of B4 H16 T1024
  * D128 bf16.
  */
@@ -69,6 +70,31 @@ static const acase CASES[] = {
         {2, 2, 3, 1, 77, 128, 128, false}, {2, 2, 2, 70, 70, 128, 128, true},
         {2, 1, 2, 17, 130, 16, 16, true}, {1, 2, 0, 1, 9, 64, 64, true},
 };
+
+/* the CUDA kernels the GPU tests force in turn: KILN_ATTENTION_KERNEL, and
+ * KILN_CUDA_ATTN_WG (1: wgmma with one warpgroup per block) */
+typedef struct akind {
+	const char *name, *kernel, *wg;
+} akind;
+
+static const akind KINDS[4] = {
+        {"wgmma", "wgmma", "0"},
+        {"wgmma-1wg", "wgmma", "1"},
+        {"mma", "mma", "0"},
+        {"simple", "simple", "0"},
+};
+
+static void force_kind(const akind *k)
+{
+	setenv("KILN_ATTENTION_KERNEL", k->kernel, 1);
+	setenv("KILN_CUDA_ATTN_WG", k->wg, 1);
+}
+
+static void unforce_kind(void)
+{
+	unsetenv("KILN_ATTENTION_KERNEL");
+	unsetenv("KILN_CUDA_ATTN_WG");
+}
 
 static double factor_of(kl_dtype dt)
 {
@@ -477,9 +503,11 @@ static void test_cuda_kernels_compile(void **state)
 	const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
 	const int hds[3] = {0, 64, 128};
 	int n = 0;
+	/* wg: 0 mma.sync only, 1 and wgmma (two warpgroups a block), 2 and
+	 * wgmma with one warpgroup a block (KILN_CUDA_ATTN_WG=1) */
 	for (int di = 0; di < 4; di++)
 		for (int hi = 0; hi < 3; hi++)
-			for (int wg = 0; wg < 2; wg++) {
+			for (int wg = 0; wg < 3; wg++) {
 				char *src = kl__cuda_attention_source(dts[di], hds[hi], wg);
 				bool exists = hds[hi] == 0 ? !wg : dts[di] == KL_F16 || dts[di] == KL_BF16;
 				if (!exists) {
@@ -487,7 +515,7 @@ static void test_cuda_kernels_compile(void **state)
 					continue;
 				}
 				assert_non_null(src);
-				kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg};
+				kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg != 0};
 				kl_cuda_image im;
 				if (kl__nvrtc_compile(ctx, src, "kiln_attention.cu", &o, &im) != KL_OK)
 					fail_msg("%s d%d wgmma %d: %s\n%s", kl_dtype_name(dts[di]), hds[hi],
@@ -500,6 +528,8 @@ static void test_cuda_kernels_compile(void **state)
 				free(src);
 				n++;
 			}
+	assert_null(kl__cuda_attention_source(KL_BF16, 128, 3));
+	assert_null(kl__cuda_attention_source(KL_BF16, 128, -1));
 	print_message("test_attention: %d attention kernel variants compiled for sm_90/sm_90a\n", n);
 	kl_ctx_free(ctx);
 #else
@@ -535,10 +565,9 @@ static void layout_cases(kl_ctx *ctx, int nkinds)
 	static const acase lc[] = {{2, 2, 4, 256, 256, 128, 128, true},
 	                           {2, 2, 3, 200, 200, 64, 64, false},
 	                           {2, 1, 2, 1, 300, 128, 128, false}};
-	static const char *const kinds[3] = {"wgmma", "mma", "simple"};
 	for (int ki = 0; ki < nkinds; ki++) {
 		if (nkinds > 1)
-			setenv("KILN_ATTENTION_KERNEL", kinds[ki], 1);
+			force_kind(&KINDS[ki]);
 		for (size_t ci = 0; ci < sizeof lc / sizeof lc[0]; ci++) {
 			int64_t sh[3][KL_MAX_DIMS];
 			int nd;
@@ -561,7 +590,7 @@ static void layout_cases(kl_ctx *ctx, int nkinds)
 				kl_release(in[t]);
 		}
 	}
-	unsetenv("KILN_ATTENTION_KERNEL");
+	unforce_kind();
 }
 
 static void test_sdpa_layout_cpu(void **state)
@@ -579,7 +608,7 @@ static void test_cuda_sdpa_layout(void **state)
 	kl_ctx *ctx = gpu_ctx();
 	if (!ctx)
 		skip();
-	layout_cases(ctx, 3);
+	layout_cases(ctx, (int)(sizeof KINDS / sizeof KINDS[0]));
 	kl_ctx_free(ctx);
 #else
 	print_message("test_attention: skipped, built without the CUDA backend\n");
@@ -589,8 +618,8 @@ static void test_cuda_sdpa_layout(void **state)
 
 /* the CUDA kernels (wgmma on sm_90, mma.sync, general, split-key decode)
  * against the reference: bf16/f16 at head dims 64 and 128, causal and not,
- * query and key counts that are not multiples of any tile, Tq = 1; each
- * tensor-core kernel forced in turn through KILN_ATTENTION_KERNEL */
+ * query and key counts that are not multiples of any tile (Tq < Tk and
+ * Tq > Tk), Tq = 1; each tensor-core kernel forced in turn (KINDS) */
 static void test_cuda_sdpa(void **state)
 {
 	(void)state;
@@ -605,12 +634,13 @@ static void test_cuda_sdpa(void **state)
 	        {1, 3, 0, 70, 90, 80, 80, true},      {0, 0, 0, 65, 64, 128, 128, true},
 	        {2, 1, 2, 300, 300, 128, 128, true},  {2, 2, 1, 129, 385, 128, 128, true},
 	        {1, 2, 0, 640, 640, 64, 64, true},    {1, 1, 0, 1024, 1024, 128, 128, false},
+	        {2, 1, 2, 190, 333, 128, 128, false}, {1, 2, 0, 333, 190, 128, 128, true},
+	        {1, 3, 0, 201, 97, 64, 64, false},    {1, 2, 0, 97, 201, 64, 64, true},
 	};
-	static const char *const kinds[3] = {"wgmma", "mma", "simple"};
 	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
 	int bad = 0;
-	for (int ki = 0; ki < 3; ki++) {
-		setenv("KILN_ATTENTION_KERNEL", kinds[ki], 1);
+	for (int ki = 0; ki < (int)(sizeof KINDS / sizeof KINDS[0]); ki++) {
+		force_kind(&KINDS[ki]);
 		for (size_t ci = 0; ci < sizeof gc / sizeof gc[0]; ci++)
 			for (int di = 0; di < 4; di++) {
 				const acase *c = &gc[ci];
@@ -618,8 +648,8 @@ static void test_cuda_sdpa(void **state)
 				if (ki > 0 && di >= 2)
 					continue;
 				char what[96];
-				snprintf(what, sizeof what, "cuda sdpa (%s) case %zu %s", kinds[ki], ci,
-				         kl_dtype_name(dts[di]));
+				snprintf(what, sizeof what, "cuda sdpa (%s) case %zu %s", KINDS[ki].name,
+				         ci, kl_dtype_name(dts[di]));
 				/* the tensor-core kernels round the probabilities to the
 				 * input format for the second product (as every flash
 				 * kernel does): a row that sees few keys keeps that
@@ -627,11 +657,11 @@ static void test_cuda_sdpa(void **state)
 				double f = factor_of(dts[di]) *
 				           (dts[di] == KL_BF16 || dts[di] == KL_F16 ? 3 : 1);
 				if (!check_case(ctx, what, c, dts[di], KLTEST_CONTIG,
-				                3000 + ci * 10 + 100 * ki, f))
+				                3000 + ci * 10 + 1000 * ki, f))
 					bad++;
 			}
 	}
-	unsetenv("KILN_ATTENTION_KERNEL");
+	unforce_kind();
 	assert_int_equal(bad, 0);
 	kl_ctx_free(ctx);
 #else
@@ -713,8 +743,8 @@ static void test_cuda_attention_cache(void **state)
 #endif
 }
 
-/* B4 H16 T1024 D128 bf16, causal and not, wgmma and mma.sync: prints
- * TFLOP/s (causal FLOPs counted as half) */
+/* B4 H16 T1024 D128 bf16, causal and not, wgmma (two warpgroups a block and
+ * one) and mma.sync: prints TFLOP/s (causal FLOPs counted as half) */
 static void test_cuda_sdpa_bench(void **state)
 {
 	(void)state;
@@ -727,10 +757,10 @@ static void test_cuda_sdpa_bench(void **state)
 	kl_tensor *in[3];
 	for (int t = 0; t < 3; t++)
 		in[t] = kltest_rand(ctx, KL_BF16, 4, sh, KLTEST_NORMAL, KLTEST_CONTIG, 40 + t);
-	static const char *const kinds[2] = {"wgmma", "mma"};
-	for (int run = 0; run < 4; run++) {
+	for (int run = 0; run < 6; run++) {
 		int causal = run & 1;
-		setenv("KILN_ATTENTION_KERNEL", kinds[run >> 1], 1);
+		const akind *k = &KINDS[run >> 1]; /* wgmma, wgmma-1wg, mma */
+		force_kind(k);
 		sdpa_p p = {causal == 1, 1.0 / sqrt(128.0)};
 		kl_tensor *r = apply_sdpa(in, &p);
 		assert_non_null(r);
@@ -752,12 +782,12 @@ static void test_cuda_sdpa_bench(void **state)
 		double flops = 4.0 * 4 * 16 * 1024.0 * 1024.0 * 128 * (causal ? 0.5 : 1.0);
 		print_message("test_attention: B4 H16 T1024 D128 bf16 %s (%s): %.3f ms, "
 		              "%.1f TFLOP/s\n",
-		              causal ? "causal" : "non-causal", kinds[run >> 1], ms / reps,
+		              causal ? "causal" : "non-causal", k->name, ms / reps,
 		              flops / (ms / reps * 1e-3) / 1e12);
 		kl__cuda_event_free(d, e0);
 		kl__cuda_event_free(d, e1);
 	}
-	unsetenv("KILN_ATTENTION_KERNEL");
+	unforce_kind();
 	for (int t = 0; t < 3; t++)
 		kl_release(in[t]);
 	kl_ctx_free(ctx);

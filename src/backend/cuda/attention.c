@@ -6,7 +6,12 @@
  * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
  * keys across warps and merges them; everything else takes the general
  * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
- * that cannot take the step falls back as above).
+ * that cannot take the step falls back as above). The tensor-core kernels'
+ * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
+ * heaviest causal block first: the scheduler hands out every batch's
+ * heaviest block before any lighter one. KILN_CUDA_ATTN_WG=1 takes the
+ * wgmma kernel with one warpgroup per block (KL_AT_BM 64: two blocks per SM
+ * whose softmax and products interleave) in place of the two-warpgroup one.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,12 +32,17 @@ typedef struct kl_at_args {
 
 #define BM 64    /* query rows per block, mma.sync kernel */
 #define BN 64    /* keys per tile, mma.sync kernel */
-#define WG_BM 128 /* the same, wgmma kernel */
-#define WG_BN 128
-#define WG_STAGES 3 /* K and V tiles in flight, wgmma kernel (KL_AT_WS in its source) */
-#define WG_SMEM(d) ((size_t)(1 + 2 * WG_STAGES) * WG_BN * (size_t)(d) * 2 + 1024) /* Q, K, V, alignment */
+/* the wgmma kernel, two warpgroups a block (one: KILN_CUDA_ATTN_WG=1): query
+ * rows per block = keys per tile (KL_AT_BM in its source), threads per
+ * block (KL_AT_TH), K and V tiles in flight (KL_AT_WS) and the shared memory
+ * they take (Q, K, V, alignment); the launch and the source's defines both
+ * come from here */
+#define WG_BM(one) ((one) ? 64 : 128)
+#define WG_THREADS(one) ((one) ? 128 : 256)
+#define WG_STAGES 3
+#define WG_SMEM(d, one) ((size_t)(1 + 2 * WG_STAGES) * WG_BM(one) * (size_t)(d) * 2 + 1024)
 
-enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, NVAR };
+enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, VAR_WG1_64, VAR_WG1_128, NVAR };
 
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
@@ -56,17 +66,20 @@ static int dt_code(kl_dtype dt)
 	}
 }
 
-char *kl__cuda_attention_source(kl_dtype dt, int head_dim, bool wgmma)
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 {
 	int c = dt_code(dt);
 	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)) ||
-	    (wgmma && head_dim == 0))
+	    wgmma < 0 || wgmma > 2 || (wgmma && head_dim == 0))
 		return NULL;
-	size_t n = strlen(kl__cuda_attention_src) + 128;
+	size_t n = strlen(kl__cuda_attention_src) + 160;
 	char *s = malloc(n);
 	if (s)
-		snprintf(s, n, "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n#define KL_AT_WS %d\n%s",
-		         c, head_dim, wgmma ? 1 : 0, WG_STAGES, kl__cuda_attention_src);
+		snprintf(s, n,
+		         "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n"
+		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n%s",
+		         c, head_dim, wgmma ? 1 : 0, WG_BM(wgmma == 2), WG_THREADS(wgmma == 2),
+		         WG_STAGES, kl__cuda_attention_src);
 	return s;
 }
 
@@ -77,9 +90,10 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 	kl_cuda_attn *A = d->attn;
 	if (!A->mod[c][var]) {
 		static const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
-		static const int hds[NVAR] = {0, 64, 128, 64, 128};
-		bool wg = var == VAR_WG64 || var == VAR_WG128;
-		char *src = kl__cuda_attention_source(dts[c], hds[var], wg);
+		static const int hds[NVAR] = {0, 64, 128, 64, 128, 64, 128};
+		static const int wgs[NVAR] = {0, 0, 0, 1, 1, 2, 2};
+		bool wg = wgs[var] != 0;
+		char *src = kl__cuda_attention_source(dts[c], hds[var], wgs[var]);
 		if (!src)
 			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
 		kl_cuda_module *m = NULL;
@@ -94,6 +108,25 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
 		} else {
 			st = kl__cuda_module_fn(ctx, m, wg ? "kl_attn_wgmma" : "kl_attn_mma", &f[0]);
+		}
+		/* two one-warpgroup blocks per SM need all of its shared memory:
+		 * ask for the largest carveout (a hint the driver may overrule) and
+		 * say how many blocks fit (KILN_LOGS=fusion) */
+		if (st == KL_OK && wgs[var] == 2) {
+			size_t smem = WG_SMEM(hds[var], true);
+			st = KL_CU(ctx, cuFuncSetAttribute, f[0],
+			           CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+			           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
+			if (st == KL_OK)
+				st = KL_CU(ctx, cuFuncSetAttribute, f[0],
+				           CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
+			int nb = 0;
+			if (st == KL_OK && kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			                           &nb, f[0], WG_THREADS(true), smem) == CUDA_SUCCESS)
+				kl__log(ctx, KL_LOG_FUSION,
+				        "kl_sdpa: wgmma kernel, one warpgroup a block, head dim %d: %d "
+				        "blocks per SM%s",
+				        hds[var], nb, nb < 2 ? " (wants 2: no overlap)" : "");
 		}
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
@@ -146,14 +179,27 @@ static kl_attn_pick forced(kl_ctx *ctx)
 	return PICK_ANY;
 }
 
+/* KILN_CUDA_ATTN_WG=1: the wgmma kernel with one warpgroup per block */
+static bool one_wg(kl_ctx *ctx)
+{
+	const char *e = getenv("KILN_CUDA_ATTN_WG");
+	if (!e || !*e || !strcmp(e, "0"))
+		return false;
+	if (!strcmp(e, "1"))
+		return true;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_WG=%.32s ignored (0 or 1)", e);
+	return false;
+}
+
 /* can a tensor-core kernel take a? (pointers already at their offsets) */
 static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
                        const kl_attn_step *s, kl_dtype dt)
 {
 	kl_attn_pick pick = forced(ctx);
+	/* grid: x = batch, y = query blocks of BM (the wgmma kernel's are larger) */
 	if (pick == PICK_SIMPLE || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
 	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
-	    s->tq < 2 || a->rows / s->tq > 65535 || (s->tq + BM - 1) / BM > 0x7fffffff)
+	    s->tq < 2 || a->rows / s->tq > 0x7fffffff || (s->tq + BM - 1) / BM > 65535)
 		return -1;
 	if (!al16(a->q) || !al16(a->k) || !al16(a->v) || !al16(a->o) || s->q_rs % 8 ||
 	    s->k_rs % 8 || s->v_rs % 8 || s->o_rs % 8)
@@ -161,11 +207,14 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	for (int i = 0; i < s->nbatch; i++)
 		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
 			return -1;
-	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows of
-	 * shared memory; it folds the scale into the exponent (so takes only
-	 * a positive one) */
+	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows (64 with
+	 * one warpgroup) of shared memory; it folds the scale into the exponent
+	 * (so takes only a positive one) */
+	bool one = one_wg(ctx);
 	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
-	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d);
+	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d, one);
+	if (wg && one)
+		return s->d == 64 ? VAR_WG1_64 : VAR_WG1_128;
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
@@ -222,21 +271,22 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	CUfunction f[2];
 	int var = mma_variant(ctx, d, &a, s, dt);
 	kl_status st;
-	if (var == VAR_WG64 || var == VAR_WG128) {
+	if (var == VAR_WG64 || var == VAR_WG128 || var == VAR_WG1_64 || var == VAR_WG1_128) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
-		unsigned grid[3] = {(unsigned)((s->tq + WG_BM - 1) / WG_BM), (unsigned)nbt, 1};
-		unsigned block[3] = {256, 1, 1};
-		unsigned smem = (unsigned)WG_SMEM(s->d);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, 0);
+		bool one = var == VAR_WG1_64 || var == VAR_WG1_128;
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(one) - 1) / WG_BM(one)), 1};
+		unsigned block[3] = {WG_THREADS(one), 1, 1};
+		unsigned smem = (unsigned)WG_SMEM(s->d, one);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, KL_LAUNCH_PDL);
 	}
 	if (var > 0) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
-		unsigned grid[3] = {(unsigned)((s->tq + BM - 1) / BM), (unsigned)nbt, 1};
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + BM - 1) / BM), 1};
 		unsigned block[3] = {128, 1, 1};
 		unsigned smem = (unsigned)((BM + 4 * BN) * s->d * 2);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, 0);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, KL_LAUNCH_PDL);
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;
@@ -277,10 +327,10 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: %lld query rows exceed one grid",
 		               (long long)a.rows);
 	unsigned grid[3] = {(unsigned)((items + 3) / 4), 1, 1};
-	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv, 0);
+	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv, KL_LAUNCH_PDL);
 	if (st == KL_OK && a.nsplit > 1) {
 		unsigned g2[3] = {(unsigned)((a.rows + 3) / 4), 1, 1};
-		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, 0);
+		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, KL_LAUNCH_PDL);
 	}
 	return st;
 }

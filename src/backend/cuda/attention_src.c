@@ -1,9 +1,14 @@
 /* attention_src.c - the CUDA source of kiln's fused attention, compiled by
- * NVRTC once per (dtype, head dim) variant and device (attention.c). The
- * variant comes from two macros put in front of it:
+ * NVRTC once per variant and device (attention.c). The variant comes from
+ * the macros put in front of it:
  *   KL_AT_DT  0 f32, 1 f64, 2 f16, 3 bf16 (the storage type of q, k, v, o)
  *   KL_AT_D   64 or 128: the tensor-core kernel kl_attn_mma (f16/bf16 only);
  *             0: the general kernels kl_attn_rows and kl_attn_combine
+ *   KL_AT_WG  1: also kl_attn_wgmma (sm_90a only), whose block shape comes
+ *             from attention.c (which sizes its launch and shared memory from
+ *             the same numbers): KL_AT_BM query rows per block = keys per
+ *             tile, KL_AT_TH threads (a warpgroup per 64 rows), KL_AT_WS
+ *             K/V stages
  *
  * kl_attn_mma: a block of 4 warps owns 64 query rows (16 per warp) and walks
  * the keys in tiles of 64. Q stays in registers as mma fragments; K and V
@@ -13,8 +18,10 @@
  * softmax is online in registers (base 2, the scale folded with log2 e).
  * Causal blocks stop at the last tile a row of theirs may see, and the mask
  * is applied only on tiles that cross the diagonal or the end of the keys.
- * Grid: x = query blocks (last first: under a causal mask they are the
- * longest), y = batch.
+ * Grid: x = batch, y = query blocks (last first: under a causal mask they are
+ * the longest). The block scheduler dispatches x fastest, so every batch's
+ * heaviest block goes out before any lighter one (longest first over the
+ * whole grid, not per batch); the same grid for kl_attn_wgmma.
  *
  * kl_attn_rows: any float dtype, any strides, head dims up to 256: one warp
  * per (query row, split of the keys), a lane per 32nd of the head dim, the
@@ -92,6 +99,7 @@ const char kl__cuda_attention_src[] =
         "}\n"
         "/* 4 warps per block; work item w = (row, split) */\n"
         "extern \"C\" __global__ void __launch_bounds__(128) kl_attn_rows(const kl_at_args a) {\n"
+        "\tkl_pdl_wait(); /* launched with KL_LAUNCH_PDL */\n"
         "\tint lane = threadIdx.x & 31;\n"
         "\tlong long w = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);\n"
         "\tif (w >= a.rows * a.nsplit) return;\n"
@@ -147,6 +155,7 @@ const char kl__cuda_attention_src[] =
         "}\n"
         "/* one warp per row: merge the splits' (max, sum, output) */\n"
         "extern \"C\" __global__ void __launch_bounds__(128) kl_attn_combine(const kl_at_args a) {\n"
+        "\tkl_pdl_wait(); /* launched with KL_LAUNCH_PDL */\n"
         "\tint lane = threadIdx.x & 31;\n"
         "\tlong long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);\n"
         "\tif (row >= a.rows) return;\n"
@@ -220,13 +229,14 @@ const char kl__cuda_attention_src[] =
         "\t}\n"
         "}\n"
         "extern \"C\" __global__ void __launch_bounds__(128) kl_attn_mma(const kl_at_args a) {\n"
+        "\tkl_pdl_wait(); /* launched with KL_LAUNCH_PDL */\n"
         "\textern __shared__ uint4 smem[];\n"
         "\tuint4 *sQ = smem, *sK = sQ + BM * CH, *sV = sK + 2 * BN * CH;\n"
         "\tint tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;\n"
         "\tlong long nqb = (a.tq + BM - 1) / BM;\n"
-        "\tint q0 = (int)((nqb - 1 - blockIdx.x) * BM);\n"
+        "\tint q0 = (int)((nqb - 1 - blockIdx.y) * BM);\n"
         "\tlong long qo, ko, vo, oo;\n"
-        "\tbatch_offs(a, blockIdx.y, &qo, &ko, &vo, &oo);\n"
+        "\tbatch_offs(a, blockIdx.x, &qo, &ko, &vo, &oo);\n"
         "\tconst T *Q = (const T *)a.q + qo, *K = (const T *)a.k + ko, *V = (const T *)a.v + vo;\n"
         "\tlong long lag = a.tk - a.tq, kend = a.tk;\n"
         "\tif (a.causal) { long long e = q0 + BM + lag; kend = e < 0 ? 0 : e < a.tk ? e : a.tk; }\n"
@@ -346,10 +356,20 @@ const char kl__cuda_attention_src[] =
         " * shared memory (K-major); the online softmax runs on the accumulators in\n"
         " * registers, which become the A operand of O += P V (V read N-major,\n"
         " * transposed by the instruction). P V of tile t - 1 is issued behind S of\n"
-        " * tile t and runs while tile t's softmax does; O takes its rescale after. */\n"
-        "#define WBM 128\n"
-        "#define WBN 128\n"
-        "#define WTILE (WBN * D * 2) /* bytes of one 128-row tile */\n"
+        " * tile t and runs while tile t's softmax does; O takes its rescale after.\n"
+        " * The two warpgroups meet at one barrier per tile, so both run their softmax\n"
+        " * at the same time and the tensor cores wait. With KL_AT_BM 64 a block is one\n"
+        " * warpgroup, 64 query rows, tiles of 64 keys, and takes under half an SM's\n"
+        " * shared memory: two blocks share an SM and, with no barrier between them,\n"
+        " * one's softmax overlaps the other's products (the code is the same; the\n"
+        " * barrier per tile spans the one warpgroup). */\n"
+        "#define WTH KL_AT_TH /* threads per block */\n"
+        "#define WBM KL_AT_BM /* query rows per block */\n"
+        "#define WBN KL_AT_BM /* keys per tile: Q's tile has the layout of a K/V one */\n"
+        "#if (WBM != 64 && WBM != 128) || WTH != 2 * WBM\n"
+        "#error kl_attn_wgmma: KL_AT_BM 64 or 128, a warpgroup per 64 rows\n"
+        "#endif\n"
+        "#define WTILE (WBN * D * 2) /* bytes of one tile (WBN rows) */\n"
         "#define WPANEL (WBN * 128)  /* bytes of one 64-column panel of a tile */\n"
         "__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo) {\n"
         "\treturn (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |\n"
@@ -420,12 +440,28 @@ const char kl__cuda_attention_src[] =
         "\t               KL_D4(8), KL_D4(9), KL_D4(10), KL_D4(11), KL_D4(12), KL_D4(13), KL_D4(14), KL_D4(15)\n"
         "\t             : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(db), \"r\"(1));\n"
         "}\n"
+        "__device__ __forceinline__ void wg_ss64(float (&d)[8][4], unsigned long long da,\n"
+        "                                       unsigned long long db, int acc) {\n"
+        "\tasm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n\"\n"
+        "\t             \"wgmma.mma_async.sync.aligned.m64n64k16.f32.\" KL_WGT \".\" KL_WGT \" {\"\n"
+        "\t             \"%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,\"\n"
+        "\t             \"%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},\"\n"
+        "\t             \" %32, %33, p, 1, 1, 0, 0;\\n}\\n\"\n"
+        "\t             : KL_D4(0), KL_D4(1), KL_D4(2), KL_D4(3), KL_D4(4), KL_D4(5), KL_D4(6), KL_D4(7)\n"
+        "\t             : \"l\"(da), \"l\"(db), \"r\"(acc));\n"
+        "}\n"
+        "/* O += P V has N = D; S = Q K^T has N = WBN */\n"
         "#if D == 128\n"
         "#define WG_RS wg_rs128\n"
         "#else\n"
         "#define WG_RS wg_rs64\n"
         "#endif\n"
-        "/* One 128-row tile of a [rows][D] operand into the swizzled layout: a\n"
+        "#if WBN == 128\n"
+        "#define WG_SS wg_ss128\n"
+        "#else\n"
+        "#define WG_SS wg_ss64\n"
+        "#endif\n"
+        "/* One WBN-row tile of a [rows][D] operand into the swizzled layout: a\n"
         " * thread copies the 16-byte chunk column WCH-th of its id, in rows\n"
         " * lrb + i * WRP. Rows a pass covers are a multiple of 8, so the swizzle\n"
         " * term (row & 7) and with it the thread's offset in the tile (soff) are the\n"
@@ -434,7 +470,7 @@ const char kl__cuda_attention_src[] =
         " * thread's chunk in row r0 + lrb. Rows at or past lim (only in a tile that\n"
         " * runs past the end) are zero-filled, reading nothing. */\n"
         "#define WCH (D / 8)\n"
-        "#define WRP (256 / WCH)\n"
+        "#define WRP (WTH / WCH)\n"
         "#define WNP (WBN / WRP)\n"
 
         "__device__ __forceinline__ void wg_tile(unsigned dst, const T *src, long long rs, long long r0, int lrb,\n"
@@ -454,16 +490,17 @@ const char kl__cuda_attention_src[] =
         " * the address field is bits 0-13 in 16-byte units and smem stays under\n"
         " * 256 KB, so the sum never carries out of it) */\n"
         "#define WG_OFF(desc, bytes) ((desc) + (unsigned long long)((bytes) >> 4))\n"
-        "extern \"C\" __global__ void __launch_bounds__(256, 1) kl_attn_wgmma(const kl_at_args a) {\n"
+        "extern \"C\" __global__ void __launch_bounds__(WTH, 256 / WTH) kl_attn_wgmma(const kl_at_args a) {\n"
+        "\tkl_pdl_wait(); /* launched with KL_LAUNCH_PDL */\n"
         "\textern __shared__ uint4 smem[];\n"
         "\tunsigned char *sb = (unsigned char *)smem;\n"
         "\tsb += (1024 - (smem_u32(sb) & 1023)) & 1023;\n"
         "\tunsigned char *sQ = sb, *sK = sQ + WTILE, *sV = sK + KL_AT_WS * WTILE;\n"
         "\tint tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;\n"
         "\tlong long nqb = (a.tq + WBM - 1) / WBM;\n"
-        "\tlong long q0 = (nqb - 1 - blockIdx.x) * WBM;\n"
+        "\tlong long q0 = (nqb - 1 - blockIdx.y) * WBM;\n"
         "\tlong long qo, ko, vo, oo;\n"
-        "\tbatch_offs(a, blockIdx.y, &qo, &ko, &vo, &oo);\n"
+        "\tbatch_offs(a, blockIdx.x, &qo, &ko, &vo, &oo);\n"
         "\tconst T *Q = (const T *)a.q + qo, *K = (const T *)a.k + ko, *V = (const T *)a.v + vo;\n"
         "\tlong long lag = a.tk - a.tq, kend = a.tk;\n"
         "\tif (a.causal) { long long e = q0 + WBM + lag; kend = e < 0 ? 0 : e < a.tk ? e : a.tk; }\n"
@@ -525,7 +562,7 @@ const char kl__cuda_attention_src[] =
         "#pragma unroll\n"
         "\t\tfor (int kk = 0; kk < D / 16; kk++) {\n"
         "\t\t\tconst unsigned off = (kk >> 2) * WPANEL + (kk & 3) * 32;\n"
-        "\t\t\twg_ss128(s, WG_OFF(dQ, off), WG_OFF(dK, off), kk > 0);\n"
+        "\t\t\tWG_SS(s, WG_OFF(dQ, off), WG_OFF(dK, off), kk > 0);\n"
         "\t\t}\n"
         "\t\twg_commit();\n"
         "\t\t{\n"

@@ -270,10 +270,10 @@ void kl__lt_release(kl_cuda_dev *d);
 /* The fixed CUDA source of the attention kernels (variants by macros). */
 extern const char kl__cuda_attention_src[];
 /* That source for one variant: dtype, and head_dim 64 or 128 for the
- * tensor-core kernels (f16/bf16; wgmma: the sm_90a one too) or 0 for the
- * general kernels; malloc'd, NULL for a variant that does not exist (or out
- * of memory). */
-char *kl__cuda_attention_source(kl_dtype dt, int head_dim, bool wgmma);
+ * tensor-core kernels (f16/bf16; wgmma 1: the sm_90a one too, two
+ * warpgroups a block; 2: the same with one) or 0 for the general kernels;
+ * malloc'd, NULL for a variant that does not exist (or out of memory). */
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
 /* One attention step (lower/program.h) on the stream; q, k, v, o are the
  * buffers' bases. */
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
