@@ -239,9 +239,12 @@ static void test_decoder_one_token(void **state)
 {
 	(void)state;
 	static const char *const logs[] = {
-	        "split the kernel of mul#35(matmul): it would store 3 values (at most 2); "
-	        "mul#40(rms_norm) becomes a kernel of its own",
-	        "the kernel of sum#40(rms_norm) recomputes mul#40(rms_norm)",
+	        /* every product reads its bf16 x and widens it itself: the norms
+	         * store one bf16 vector, not an f32 copy per product */
+	        "mul#6(matmul) widens cast#6(matmul) itself: it reads the narrower value",
+	        "mul#45(matmul) widens cast#45(matmul) itself: it reads the narrower value",
+	        "mul#49(matmul) widens cast#49(matmul) itself: it reads the narrower value",
+	        "mul#55(matmul) widens cast#55(matmul) itself: it reads the narrower value",
 	        /* the FFN's gate and up stay two reductions (in one kernel) */
 	        "a skinny product is a generated row reduction on CUDA", NULL};
 	kl_nn_decoder d;

@@ -408,6 +408,18 @@ static bool try_merge(sched *s, int32_t a, int32_t b, char *why, size_t cap)
 }
 
 /* the members of p's kernel h that computing p in group s would need */
+/* x converts a float to a wider float: exact, so a kernel that reads x may
+ * as well read x's input and convert it itself */
+static bool widening(const kl_lctx *L, int32_t x)
+{
+	const kl_node *nx = &L->g.nodes[x];
+	if (nx->op != KL_OP_CAST || nx->nin != 1)
+		return false;
+	kl_dtype to = (kl_dtype)nx->dtype, from = (kl_dtype)L->g.nodes[nx->in[0]].dtype;
+	bool narrow = from == KL_F16 || from == KL_BF16;
+	return (narrow && (to == KL_F32 || to == KL_F64)) || (from == KL_F32 && to == KL_F64);
+}
+
 static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int budget, char *why,
                 size_t cap)
 {
@@ -440,6 +452,12 @@ static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int 
 			int32_t c = nx->in[j];
 			while (kl__is_view((kl_op)L->g.nodes[c].op) && !L->mat[c])
 				c = L->g.nodes[c].in[0];
+			/* p widens a value of h: read that narrower value (h stores it
+			 * in place of p, in half the bytes) and widen it here; a 16-bit
+			 * row operand also keeps its dot's sums in float (render_cuda) */
+			if (x == p && widening(L, x) && L->home[c] == h &&
+			    !kl__is_view((kl_op)L->g.nodes[c].op))
+				continue;
 			if (sp == 256) {
 				snprintf(why, cap, "it depends on too many nodes");
 				return -1;
@@ -771,8 +789,13 @@ static bool schedule_node(sched *s, int32_t n)
 		if (L->g.nodes[b].op == KL_OP_INPUT || h < 0 || h == si || L->gr[h].matmul ||
 		    in_group(L, &L->gr[si], si, b))
 			continue;
-		if (try_copy(s, si, b, why, sizeof(why)))
+		if (try_copy(s, si, b, why, sizeof(why))) {
+			if (widening(L, b))
+				kl__lower_logf(L, "%s widens %s itself: it reads the narrower value",
+				               kl__node_label(L, n, l1, sizeof(l1)),
+				               kl__node_label(L, b, l2, sizeof(l2)));
 			continue;
+		}
 		kl__lower_logf(L, "%s reads %s from memory, not recomputed: %s",
 		      kl__node_label(L, n, l1, sizeof(l1)), kl__node_label(L, b, l2, sizeof(l2)), why);
 	}
