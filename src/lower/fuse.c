@@ -790,7 +790,10 @@ static bool schedule_node(sched *s, int32_t n)
 		    in_group(L, &L->gr[si], si, b))
 			continue;
 		if (try_copy(s, si, b, why, sizeof(why))) {
-			if (widening(L, b))
+			int32_t c = L->g.nodes[b].in[0];
+			while (kl__is_view((kl_op)L->g.nodes[c].op) && !L->mat[c])
+				c = L->g.nodes[c].in[0];
+			if (widening(L, b) && L->g.nodes[c].op != KL_OP_INPUT)
 				kl__lower_logf(L, "%s widens %s itself: it reads the narrower value",
 				               kl__node_label(L, n, l1, sizeof(l1)),
 				               kl__node_label(L, b, l2, sizeof(l2)));
