@@ -116,6 +116,8 @@ typedef struct cctx {
 	uint32_t mask; /* emit_block writes the instructions of these opcodes */
 	const kl_onepass *one; /* per pass p: passes p and p+1 as one reduction */
 	int fixp[KIR_MAX_LOCAL]; /* a row-local array rescaled as read: by kl_fx<p> */
+	bool wait;  /* kl_pdl_wait is still to be emitted (row_loop does it) */
+	bool early; /* the first row's early loads were emitted before the wait */
 } cctx;
 
 static void ind(cctx *c)
@@ -649,13 +651,22 @@ static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
 	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
 }
 
-/* ahead: the loads of the next row into kn<a> (row-dependent ones only) */
+/* an access loaded before kl_pdl_wait (row_loop) */
+static bool early_acc(const cctx *c, const vacc *a)
+{
+	return c->k->early && !a->store && a->blk == 1 && c->k->early[a->buf];
+}
+
+/* ahead: the loads of the next row into kn<a> (row-dependent ones only).
+ * which: 0 every access, 1 the early ones, 2 all but the early ones */
 static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
-                        bool ahead)
+                        bool ahead, int which)
 {
 	for (int ai = 0; ai < vp->nacc; ai++) {
 		const vacc *a = &vp->acc[ai];
 		if (a->store != store || a->blk != blk || (ahead && !row_dependent(c, vp, a)))
+			continue;
+		if ((which == 1 && !early_acc(c, a)) || (which == 2 && early_acc(c, a)))
 			continue;
 		const char *kv = ahead ? "kn" : "kv";
 		const char *w;
@@ -684,7 +695,7 @@ static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
 
 static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
 {
-	chunk_io_to(c, vp, blk, store, slot, false);
+	chunk_io_to(c, vp, blk, store, slot, false, 0);
 }
 
 /* A row-local array that holds exp(v - M) computed with a thread's own M
@@ -1006,7 +1017,7 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 		line(c, "if (!kl_ahead)");
 		open_brace(c);
 		open_slots(c, vp);
-		chunk_io(c, vp, blk, false, "[j]");
+		chunk_io_to(c, vp, blk, false, "[j]", false, c->early ? 2 : 0);
 		close_brace(c);
 		close_brace(c);
 		close_brace(c);
@@ -1023,7 +1034,7 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 			open_brace(c);
 			decompose(c, vp->outer, "kl_next");
 			open_slots(c, vp);
-			chunk_io_to(c, vp, blk, false, "[j]", true);
+			chunk_io_to(c, vp, blk, false, "[j]", true, 0);
 			close_brace(c);
 			close_brace(c);
 			close_brace(c);
@@ -1174,6 +1185,33 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 		}
 		line(c, "bool kl_ahead = false;");
 	}
+	c->early = false;
+	if (c->wait) {
+		/* the first row's chunks of buffers no step writes (weights) are
+		 * in flight while the kernel before this one finishes */
+		bool any = false;
+		for (int a = 0; vp && !c->one && a < vp->nacc; a++)
+			any |= early_acc(c, &vp->acc[a]);
+		if (any) {
+			open_brace(c);
+			line(c, "const int64_t row = (int64_t)blockIdx.x * %d + threadIdx.x / %d;", per,
+			     G);
+			line(c, "if (row < nrows)");
+			open_brace(c);
+			decompose(c, outer, "row");
+			for (int d = 0; d < k->ndim; d++)
+				if (inner & (1u << d))
+					line(c, "int64_t i%d = 0;", d);
+			open_slots(c, vp);
+			chunk_io_to(c, vp, 1, false, "[j]", false, 1);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+			c->early = true;
+		}
+		line(c, "kl_pdl_wait();");
+	}
 	/* every thread of a group runs the same number of iterations: the
 	 * shuffles and barriers inside see full groups */
 	line(c,
@@ -1293,8 +1331,12 @@ static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
 	else
 		kl__sb_printf(sb, r->kernel_fmt, name);
 	/* first, before any global access: the runtime may launch this kernel
-	 * while the one before it still runs (kl_pdl_wait in the prelude) */
-	kl__sb_puts(sb, "\n{\n\tkl_pdl_wait();\n");
+	 * while the one before it still runs (kl_pdl_wait in the prelude); a row
+	 * kernel's row_loop waits after the loads it may issue earlier */
+	kl__sb_puts(sb, "\n{\n");
+	c.wait = k->rmask && k->early;
+	if (!c.wait)
+		kl__sb_puts(sb, "\tkl_pdl_wait();\n");
 	bool empty = false;
 	for (int d = 0; d < k->ndim; d++)
 		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));

@@ -154,6 +154,11 @@ typedef struct kir_kernel {
 	int nlocal;     /* row-local arrays, each row_n elements of local_dt */
 	uint8_t local_dt[KIR_MAX_LOCAL];
 	int64_t row_n;
+	/* CUDA: early[b] != 0 when buffer b may be read before kl_pdl_wait (no
+	 * step of the program writes it, and this kernel's step is not the
+	 * first: the kernel before it is one of the program's); NULL: none.
+	 * Owned by the caller. */
+	const uint8_t *early;
 } kir_kernel;
 
 void kl__kir_init(kir_kernel *k);

@@ -439,11 +439,13 @@ static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
 }
 
 static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp,
-                             kl_sb *src)
+                             kl_sb *src, const uint8_t *early)
 {
 	kir_kernel k;
 	char why[256];
-	if (!kl__kbuild(L, G, false, &k, why, sizeof(why))) {
+	bool built = kl__kbuild(L, G, false, &k, why, sizeof(why));
+	k.early = early;
+	if (!built) {
 		char l[64];
 		snprintf(L->err, L->errcap, "kl__lower: internal error: kernel of %s: %s",
 		         kl__node_label(L, G->first, l, sizeof(l)), why);
@@ -515,6 +517,18 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 	} else {
 		kl__sb_puts(&src, kl__render_c.prelude);
 	}
+	/* the program's inputs: no step writes them, so a CUDA kernel after the
+	 * first step may start reading them before the step before it ends
+	 * (the runtime launches a range's first step without overlap) */
+	uint8_t *early = NULL;
+	if (L->o->target == KL_TARGET_CUDA && P->nbufs > 0) {
+		if (!(early = calloc((size_t)P->nbufs, 1))) {
+			kl__sb_free(&src);
+			return KL_ENOMEM;
+		}
+		for (int32_t b = 0; b < P->nbufs; b++)
+			early[b] = P->bufs[b].role == KL_BUF_INPUT;
+	}
 	for (int32_t k = 0; k < L->norder && st == KL_OK; k++) {
 		const kl_group *G = &L->gr[L->order[k]];
 		kl_step *sp = &P->steps[P->nsteps++];
@@ -529,9 +543,10 @@ static kl_status assemble(kl_lctx *L, kl_program *P)
 			add_node(sp, L->orig[G->m[0]]);
 			st = matmul_step(L, P, G, sp);
 		} else {
-			st = kernel_step(L, P, G, sp, &src);
+			st = kernel_step(L, P, G, sp, &src, P->nsteps > 1 ? early : NULL);
 		}
 	}
+	free(early);
 	if (st == KL_OK && src.oom)
 		st = KL_ENOMEM;
 	if (st == KL_OK) {

@@ -400,8 +400,11 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			blocks = INT32_MAX;
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
 		void *argv[1] = {rt->args};
+		/* the range's first kernel waits for whatever ran before it in full:
+		 * a later one may read the program's inputs before its wait
+		 * (kir_kernel.early), which only a kernel outside the program writes */
 		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv,
-		                     KL_LAUNCH_PDL);
+		                     s == s0 ? 0 : KL_LAUNCH_PDL);
 		if (st == KL_OK && rt->recording)
 			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->knode[s]);
 	}
