@@ -116,6 +116,15 @@ static int b_layer_norm(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
+/* a skinny product, then a layer norm with the product's own weight and
+ * bias (the second step's row-invariant inputs) */
+static int b_linear_layer_norm(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_layer_norm(kl_linear(in[0], in[1], NULL), in[2], in[2], 1e-5);
+	return 1;
+}
+
 static int b_rms_norm(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
@@ -867,6 +876,155 @@ static void test_cuda_dot_knobs(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* KILN_CUDA_ROW_HOLD and KILN_CUDA_ROW_ONEPASS set to hold and one (NULL:
+ * unset) while f's graph of in is lowered for CUDA with fusion into *P */
+static void lower_hold(kl_ctx *ctx, build_fn f, kl_tensor *const *in, const char *hold,
+                       const char *one, kl_program *P)
+{
+	set_or_unset("KILN_CUDA_ROW_HOLD", hold);
+	set_or_unset("KILN_CUDA_ROW_ONEPASS", one);
+	kl_trace *tr = trace(ctx, f, in, NULL);
+	assert_non_null(tr);
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	char err[512];
+	if (kl__lower(&tr->g, &o, P, err, sizeof err) != KL_OK)
+		fail_msg("row hold %s: lower: %s", hold ? hold : "unset", err);
+	kl__trace_free(tr);
+}
+
+/* the buffer of graph input `index` in P */
+static int input_buf(const kl_program *P, int index)
+{
+	for (int32_t b = 0; b < P->nbufs; b++)
+		if (P->bufs[b].role == KL_BUF_INPUT && P->bufs[b].index == index)
+			return (int)b;
+	fail_msg("no buffer for input %d", index);
+	return -1;
+}
+
+/* Where, in the chunked row loop of src (from "if (kl_vok)" to the scalar
+ * loop), buffer b's 16-byte chunks are loaded: each load after `after`
+ * and before `before` (NULL: the region's ends); *n counts them */
+static bool loads_between(const char *src, int b, const char *after, const char *before, int *n)
+{
+	const char *start = strstr(src, "if (kl_vok)");
+	const char *end = start ? strstr(start, "row group (scalar)") : NULL;
+	if (!start || !end)
+		return false;
+	char want[64];
+	snprintf(want, sizeof want, "__ldg((const uint4 *)(b%d + ", b);
+	/* the last `after` and the first `before` in the region */
+	const char *lo = start, *hi = end;
+	for (const char *q = after ? strstr(start, after) : NULL; q && q < end;
+	     q = strstr(q + 1, after))
+		lo = q;
+	const char *q = before ? strstr(lo, before) : NULL;
+	if (q && q < end)
+		hi = q;
+	*n = 0;
+	bool inside = true;
+	for (q = strstr(start, want); q && q < end; q = strstr(q + 1, want)) {
+		(*n)++;
+		inside &= q > lo && q < hi;
+	}
+	return inside && *n > 0;
+}
+
+/* KILN_CUDA_ROW_HOLD: unset or 1, a bf16 layer norm's weight and bias are
+ * loaded with the first row's chunks (under !kl_ahead, before the
+ * reductions) and held; 0, every row loads them after its reductions, in
+ * the pass that uses them, none under kl_ahead; unset and 1 give the same
+ * source; the scalar path is the same either way; the one-reduction pairs
+ * and a later step's early loads (the weights are then not early) keep
+ * working; every source compiles for sm_90. */
+static void test_cuda_row_hold(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	char *saved = getenv("KILN_CUDA_ROW_HOLD") ? strdup(getenv("KILN_CUDA_ROW_HOLD")) : NULL;
+	char *saved_one = onepass_set(NULL);
+	static const struct {
+		const char *v;
+		int hold;
+	} parse[] = {{NULL, 1}, {"1", 1}, {"0", 0}, {"2", 1}, {"no", 1}, {"", 1}, {"01", 1}};
+	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
+		set_or_unset("KILN_CUDA_ROW_HOLD", parse[t].v);
+		if (kl__cuda_dot_knobs().hold != parse[t].hold)
+			fail_msg("KILN_CUDA_ROW_HOLD=%s: hold %d, want %d", parse[t].v ? parse[t].v : "unset",
+			         kl__cuda_dot_knobs().hold, parse[t].hold);
+	}
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	kl_tensor *in[3];
+	in[0] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 760);
+	in[1] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 761);
+	in[2] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 762);
+	kl_program P[3];
+	static const char *const holds[3] = {NULL, "1", "0"};
+	for (int h = 0; h < 3; h++)
+		lower_hold(ctx, b_layer_norm, in, holds[h], NULL, &P[h]);
+	if (strcmp(P[0].source, P[1].source) != 0)
+		fail_msg("layer norm: KILN_CUDA_ROW_HOLD=1 changes the source");
+	assert_true(strcmp(P[0].source, P[2].source) != 0);
+	for (int h = 0; h < 3; h += 2) {
+		const char *src = P[h].source;
+		for (int w = 1; w <= 2; w++) {
+			int b = input_buf(&P[h], w), n;
+			bool ok = h == 0 ? loads_between(src, b, "if (!kl_ahead)", "kl_next", &n) &&
+			                           loads_between(src, b, NULL, "kl_gred<", &n)
+			                 : loads_between(src, b, "kl_gred<", "kl_ahead = true;", &n) &&
+			                           !loads_between(src, b, "if (!kl_ahead)", "kl_next", &n);
+			if (!ok || n != 1) /* one load in the loop over a thread's chunks */
+				fail_msg("layer norm, hold %s: input %d (b%d) loaded %d times, not %s",
+				         h ? "0" : "unset", w, b, n,
+				         h ? "after the reductions" : "with the first row's chunks");
+		}
+		must_compile(ctx, &P[h], "row hold", "layer norm hold %s", h ? "0" : "unset");
+	}
+	/* the scalar path (misaligned launches) is untouched */
+	const char *s0 = strstr(P[0].source, "row group (scalar)");
+	const char *s2 = strstr(P[2].source, "row group (scalar)");
+	assert_non_null(s0);
+	assert_non_null(s2);
+	assert_string_equal(s0, s2);
+	for (int h = 0; h < 3; h++)
+		kl__program_free(&P[h]);
+	/* with one reduction for the two sums: the weight after it all the same */
+	lower_hold(ctx, b_layer_norm, in, "0", "1", &P[0]);
+	int n;
+	if (!strstr(P[0].source, ", one reduction:") ||
+	    !loads_between(P[0].source, input_buf(&P[0], 1), "kl_gvar<", "kl_ahead = true;", &n))
+		fail_msg("layer norm, hold 0, one-reduction pair: the weight not loaded after it");
+	must_compile(ctx, &P[0], "row hold", "layer norm hold 0 onepass");
+	kl__program_free(&P[0]);
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+	/* a layer norm after a skinny product: its weight and bias load before
+	 * kl_pdl_wait when held, not when every row loads them */
+	in[0] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 763);
+	in[1] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){512, 256}, KLTEST_NORMAL, KLTEST_CONTIG,
+	                    764);
+	in[2] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){512}, KLTEST_NORMAL, KLTEST_CONTIG, 765);
+	for (int h = 0; h < 3; h += 2) {
+		lower_hold(ctx, b_linear_layer_norm, in, holds[h], NULL, &P[0]);
+		int early = 0;
+		if (P[0].nkernels != 2 || !every_kernel_waits(P[0].source, &early) ||
+		    early != (h ? 0 : 1))
+			fail_msg("linear then layer norm, hold %s: %d kernels, %d load early",
+			         h ? "0" : "unset", P[0].nkernels, early);
+		must_compile(ctx, &P[0], "row hold", "linear then layer norm hold %s",
+		             h ? "0" : "unset");
+		kl__program_free(&P[0]);
+	}
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+	set_or_unset("KILN_CUDA_ROW_HOLD", saved);
+	free(saved);
+	onepass_restore(saved_one);
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -1076,6 +1234,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_row_groups),
 	        cmocka_unit_test(test_cuda_row_onepass),
 	        cmocka_unit_test(test_cuda_dot_knobs),
+	        cmocka_unit_test(test_cuda_row_hold),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),

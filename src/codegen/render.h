@@ -111,6 +111,13 @@ typedef struct kl_cuda_dot {
 	int chunks, threads, f32;
 	int minb; /* KILN_CUDA_ROW_MINBLOCKS (1-8; default 0, none): a row kernel's
 	           * blocks per SM for __launch_bounds__, which caps its registers */
+	int hold; /* KILN_CUDA_ROW_HOLD (0 or 1, default 1): 1, a chunked row
+	           * kernel loads its row-invariant chunks (a norm's weight and
+	           * bias) once, with the first row's, and holds them in registers
+	           * across rows; 0, every row loads them again (__ldg: L1/L2 hits)
+	           * in the pass that first uses them, each chunk right before its
+	           * use, so they hold registers only there. The group and chunks
+	           * per thread are chosen alike either way. */
 } kl_cuda_dot;
 kl_cuda_dot kl__cuda_dot_knobs(void);
 

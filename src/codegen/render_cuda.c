@@ -196,6 +196,8 @@ typedef struct vacc {
 	bool store;
 	bool ro;  /* the kernel only reads buf: the read-only cache path */
 	int blk;  /* the first block that uses it */
+	bool each; /* rows: row-invariant, loaded by every row in block blk
+	            * right before use, not held (KILN_CUDA_ROW_HOLD=0) */
 	const kir_addr *ad;
 } vacc;
 
@@ -441,7 +443,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1, 0};
+	kl_cuda_dot d = {4, 131072, 1, 0, 1};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -451,6 +453,8 @@ kl_cuda_dot kl__cuda_dot_knobs(void)
 		d.f32 = atoi(e);
 	if ((e = getenv("KILN_CUDA_ROW_MINBLOCKS")) && atoi(e) >= 1 && atoi(e) <= 8)
 		d.minb = atoi(e);
+	if ((e = getenv("KILN_CUDA_ROW_HOLD")) && (strcmp(e, "0") == 0 || strcmp(e, "1") == 0))
+		d.hold = atoi(e);
 	return d;
 }
 
@@ -493,6 +497,13 @@ static bool dot_group(const cctx *c, vplan *vp, int cap, int64_t nrows)
 			return true;
 	}
 	return row_fits(c, vp, BLOCK, cap, ROW_BYTES);
+}
+
+/* a's address moves with the row (or has symbolic strides): not one chunk
+ * for every row */
+static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
+{
+	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
 }
 
 /* nrows: the rows when static, else INT64_MAX */
@@ -552,10 +563,20 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 		return false;
 	/* every chunk of the row is loaded at the start of the first pass, all
 	 * in flight at once (not a wait for the weights of a layer norm in the
-	 * last pass) */
-	for (int a = 0; a < vp->nacc; a++)
-		if (!vp->acc[a].store)
+	 * last pass); KILN_CUDA_ROW_HOLD=0 leaves the row-invariant ones in the
+	 * block that first uses them, loaded there by every row */
+	for (int d = 0; d < k->ndim; d++)
+		if (!(k->rmask & (1u << d)))
+			vp->outer |= 1u << d;
+	bool hold = kl__cuda_dot_knobs().hold != 0;
+	for (int a = 0; a < vp->nacc; a++) {
+		if (vp->acc[a].store)
+			continue;
+		if (!hold && !row_dependent(c, vp, &vp->acc[a]))
+			vp->acc[a].each = true;
+		else
 			vp->acc[a].blk = 1;
+	}
 	return plan_aligned(c, vp);
 }
 
@@ -644,27 +665,26 @@ static void chunk_decls(cctx *c, const vplan *vp, int slots)
 	}
 }
 
-/* load or store the chunks of the accesses first used in block blk (the
- * loads) or stored there (the stores) */
-static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
-{
-	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
-}
-
-/* an access loaded before kl_pdl_wait (row_loop) */
+/* an access loaded before kl_pdl_wait (row_loop): the first row's, so not
+ * one that every row loads again (vacc.each) */
 static bool early_acc(const cctx *c, const vacc *a)
 {
-	return c->k->early && !a->store && a->blk == 1 && c->k->early[a->buf];
+	return c->k->early && !a->store && a->blk == 1 && !a->each && c->k->early[a->buf];
 }
 
-/* ahead: the loads of the next row into kn<a> (row-dependent ones only).
- * which: 0 every access, 1 the early ones, 2 all but the early ones */
+/* load or store the chunks of the accesses first used in block blk (the
+ * loads) or stored there (the stores).
+ * ahead: the loads of the next row into kn<a> (row-dependent ones only).
+ * which: 0 every access, 1 the early ones, 2 all but the early ones, 3 the
+ * loads every row makes right before use (vacc.each; 0-2 leave them out) */
 static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
                         bool ahead, int which)
 {
 	for (int ai = 0; ai < vp->nacc; ai++) {
 		const vacc *a = &vp->acc[ai];
 		if (a->store != store || a->blk != blk || (ahead && !row_dependent(c, vp, a)))
+			continue;
+		if (!store && a->each != (which == 3))
 			continue;
 		if ((which == 1 && !early_acc(c, a)) || (which == 2 && early_acc(c, a)))
 			continue;
@@ -1006,14 +1026,16 @@ static void open_slots(cctx *c, const vplan *vp)
 static void pass_chunks(cctx *c, int p, const vplan *vp)
 {
 	int V = vp->V, d = vp->d, blk = 2 * p - 1;
-	bool loads = false, stores = false;
+	bool loads = false, each = false, stores = false;
 	for (int a = 0; a < vp->nacc; a++) {
-		loads |= !vp->acc[a].store && vp->acc[a].blk == blk;
+		loads |= !vp->acc[a].store && vp->acc[a].blk == blk && !vp->acc[a].each;
+		each |= vp->acc[a].each && vp->acc[a].blk == blk;
 		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
 	}
 	if (loads) {
 		/* a later row's chunks came ahead (and row-invariant ones, such
-		 * as a norm's weight, are still held): loaded on the first only */
+		 * as a norm's weight, are still held, unless KILN_CUDA_ROW_HOLD=0
+		 * has every row load them below): loaded on the first only */
 		line(c, "if (!kl_ahead)");
 		open_brace(c);
 		open_slots(c, vp);
@@ -1043,6 +1065,10 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 	}
 	dot_partial(c, vp, blk, true);
 	open_slots(c, vp);
+	/* KILN_CUDA_ROW_HOLD=0: this row's row-invariant chunks, each right
+	 * before the elements that read it */
+	if (each)
+		chunk_io_to(c, vp, blk, false, "[j]", false, 3);
 	line(c, "#pragma unroll");
 	line(c, "for (int e = 0; e < %d; e++)", V);
 	open_brace(c);
@@ -1302,7 +1328,6 @@ static void render_rows(cctx *c)
 	line(c, "(void)rn;");
 	vplan vp;
 	if (plan_rows(c, &vp, nstat && nrows < 9.0e18 ? (int64_t)nrows : INT64_MAX)) {
-		vp.outer = outer;
 		plan_cond(c, &vp);
 		line(c, "if (kl_vok)");
 		row_loop(c, outer, inner, vp.G, &vp);
