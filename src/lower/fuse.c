@@ -407,7 +407,6 @@ static bool try_merge(sched *s, int32_t a, int32_t b, char *why, size_t cap)
 	return true;
 }
 
-/* the members of p's kernel h that computing p in group s would need */
 /* x converts a float to a wider float: exact, so a kernel that reads x may
  * as well read x's input and convert it itself */
 static bool widening(const kl_lctx *L, int32_t x)
@@ -420,6 +419,7 @@ static bool widening(const kl_lctx *L, int32_t x)
 	return (narrow && (to == KL_F32 || to == KL_F64)) || (from == KL_F32 && to == KL_F64);
 }
 
+/* the members of p's kernel h that computing p in group s would need */
 static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int budget, char *why,
                 size_t cap)
 {
@@ -449,9 +449,7 @@ static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int 
 		}
 		out[n++] = x;
 		for (int j = 0; j < nx->nin; j++) {
-			int32_t c = nx->in[j];
-			while (kl__is_view((kl_op)L->g.nodes[c].op) && !L->mat[c])
-				c = L->g.nodes[c].in[0];
+			int32_t c = kl__resolve(L, nx->in[j]);
 			/* p widens a value of h: read that narrower value (h stores it
 			 * in place of p, in half the bytes) and widen it here; a 16-bit
 			 * row operand also keeps its dot's sums in float (render_cuda) */
@@ -790,10 +788,8 @@ static bool schedule_node(sched *s, int32_t n)
 		    in_group(L, &L->gr[si], si, b))
 			continue;
 		if (try_copy(s, si, b, why, sizeof(why))) {
-			int32_t c = L->g.nodes[b].in[0];
-			while (kl__is_view((kl_op)L->g.nodes[c].op) && !L->mat[c])
-				c = L->g.nodes[c].in[0];
-			if (widening(L, b) && L->g.nodes[c].op != KL_OP_INPUT)
+			if (widening(L, b) &&
+			    L->g.nodes[kl__resolve(L, L->g.nodes[b].in[0])].op != KL_OP_INPUT)
 				kl__lower_logf(L, "%s widens %s itself: it reads the narrower value",
 				               kl__node_label(L, n, l1, sizeof(l1)),
 				               kl__node_label(L, b, l2, sizeof(l2)));

@@ -43,6 +43,18 @@ typedef struct kl_at_args {
 #define WG_SMEM(d, one) ((size_t)(1 + 2 * WG_STAGES) * WG_BM(one) * (size_t)(d) * 2 + 1024)
 
 enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, VAR_WG1_64, VAR_WG1_128, NVAR };
+/* per variant: head dim (0: any), wgmma kernel (0 none, 1 two warpgroups a
+ * block, 2 one) */
+static const int var_hd[NVAR] = {0, 64, 128, 64, 128, 64, 128};
+static const int var_wg[NVAR] = {0, 0, 0, 1, 1, 2, 2};
+
+/* the dynamic shared memory a variant's block takes */
+static unsigned var_smem(int var)
+{
+	if (var_wg[var])
+		return (unsigned)WG_SMEM(var_hd[var], var_wg[var] == 2);
+	return var == VAR_GENERAL ? 0u : (unsigned)((BM + 4 * BN) * var_hd[var] * 2);
+}
 
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
@@ -90,10 +102,8 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 	kl_cuda_attn *A = d->attn;
 	if (!A->mod[c][var]) {
 		static const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
-		static const int hds[NVAR] = {0, 64, 128, 64, 128, 64, 128};
-		static const int wgs[NVAR] = {0, 0, 0, 1, 1, 2, 2};
-		bool wg = wgs[var] != 0;
-		char *src = kl__cuda_attention_source(dts[c], hds[var], wgs[var]);
+		bool wg = var_wg[var] != 0;
+		char *src = kl__cuda_attention_source(dts[c], var_hd[var], var_wg[var]);
 		if (!src)
 			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
 		kl_cuda_module *m = NULL;
@@ -109,24 +119,24 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 		} else {
 			st = kl__cuda_module_fn(ctx, m, wg ? "kl_attn_wgmma" : "kl_attn_mma", &f[0]);
 		}
+		/* the tensor-core kernels' shared memory, opted in once here */
+		if (st == KL_OK && var != VAR_GENERAL)
+			st = kl__cuda_fn_smem(ctx, d, f[0], var_smem(var));
 		/* two one-warpgroup blocks per SM need all of its shared memory:
 		 * ask for the largest carveout (a hint the driver may overrule) and
 		 * say how many blocks fit (KILN_LOGS=fusion) */
-		if (st == KL_OK && wgs[var] == 2) {
-			size_t smem = WG_SMEM(hds[var], true);
+		if (st == KL_OK && var_wg[var] == 2) {
 			st = KL_CU(ctx, cuFuncSetAttribute, f[0],
 			           CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
 			           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
-			if (st == KL_OK)
-				st = KL_CU(ctx, cuFuncSetAttribute, f[0],
-				           CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
 			int nb = 0;
 			if (st == KL_OK && kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-			                           &nb, f[0], WG_THREADS(true), smem) == CUDA_SUCCESS)
+			                           &nb, f[0], WG_THREADS(true), var_smem(var)) ==
+			                           CUDA_SUCCESS)
 				kl__log(ctx, KL_LOG_FUSION,
 				        "kl_sdpa: wgmma kernel, one warpgroup a block, head dim %d: %d "
 				        "blocks per SM%s",
-				        hds[var], nb, nb < 2 ? " (wants 2: no overlap)" : "");
+				        var_hd[var], nb, nb < 2 ? " (wants 2: no overlap)" : "");
 		}
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
@@ -277,16 +287,14 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		bool one = var == VAR_WG1_64 || var == VAR_WG1_128;
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(one) - 1) / WG_BM(one)), 1};
 		unsigned block[3] = {WG_THREADS(one), 1, 1};
-		unsigned smem = (unsigned)WG_SMEM(s->d, one);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, KL_LAUNCH_PDL);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
 	}
 	if (var > 0) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + BM - 1) / BM), 1};
 		unsigned block[3] = {128, 1, 1};
-		unsigned smem = (unsigned)((BM + 4 * BN) * s->d * 2);
-		return kl__cuda_launch(ctx, d, f[0], grid, block, smem, argv, KL_LAUNCH_PDL);
+		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;

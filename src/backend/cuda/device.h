@@ -148,8 +148,13 @@ kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, c
 kl_status kl__cuda_module_fn(kl_ctx *ctx, kl_cuda_module *m, const char *fn, CUfunction *out);
 void kl__cuda_module_free(kl_cuda_module *m);
 
-/* Launch on d's stream; args as cuLaunchKernel wants them (pointers to each
- * argument's value). smem above 48 KiB is opted in on the function first.
+/* Lets f take smem bytes of dynamic shared memory: above 48 KiB an opt-in on
+ * the function, made once before its launches; more than the device allows
+ * per block is an error. */
+kl_status kl__cuda_fn_smem(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, unsigned smem);
+/* Launch on d's stream; args as cuLaunchKernelEx wants them (pointers to each
+ * argument's value). smem above 48 KiB needs kl__cuda_fn_smem first; more
+ * than the device allows is refused before the launch.
  * flags: KL_LAUNCH_PDL when the kernel calls kl_pdl_wait (kiln_prelude.cuh)
  * before any global access; on a device with d->pdl it may then start while
  * the kernel before it still runs (programmatic dependent launch; stream
@@ -304,7 +309,7 @@ kl_status kl__cuda_graph_launch(kl_ctx *ctx, kl_cuda_dev *d, const kl_cuda_graph
 kl_status kl__cuda_graph_kernel_nodes(kl_ctx *ctx, const kl_cuda_graph *g, CUgraphNode **nodes,
                                       int *n);
 /* New arguments for one kernel node of the executable graph: same function
- * and launch shape, args as for cuLaunchKernel. */
+ * and launch shape, args as for kl__cuda_launch. */
 kl_status kl__cuda_graph_set_args(kl_ctx *ctx, kl_cuda_graph *g, CUgraphNode node, void **args);
 /* Full replacement of a kernel node's parameters. */
 kl_status kl__cuda_graph_set_kernel(kl_ctx *ctx, kl_cuda_graph *g, CUgraphNode node,

@@ -55,7 +55,6 @@
 	X(cuModuleGetFunction)                         \
 	X(cuFuncSetAttribute)                          \
 	X(cuFuncGetAttribute)                          \
-	X(cuLaunchKernel)                              \
 	X(cuLaunchKernelEx)                            \
 	X(cuOccupancyMaxActiveBlocksPerMultiprocessor) \
 	X(cuGraphInstantiate)                          \

@@ -316,41 +316,45 @@ void kl__cuda_module_free(kl_cuda_module *m)
 	free(m);
 }
 
+static kl_status smem_fits(kl_ctx *ctx, const kl_cuda_dev *d, unsigned smem)
+{
+	if (smem > (unsigned)d->smem_per_block_optin)
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_cuda: a kernel asks for %u bytes of shared memory; %s allows %d "
+		               "per block",
+		               smem, d->name, d->smem_per_block_optin);
+	return KL_OK;
+}
+
+kl_status kl__cuda_fn_smem(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, unsigned smem)
+{
+	kl_status s = smem_fits(ctx, d, smem);
+	if (s == KL_OK && smem > (unsigned)d->smem_per_block)
+		s = KL_CU(ctx, cuFuncSetAttribute, f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+		          (int)smem);
+	return s;
+}
+
 kl_status kl__cuda_launch(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, const unsigned grid[3],
                           const unsigned block[3], unsigned smem, void **args, unsigned flags)
 {
 	kl_status s = kl__cuda_bind(ctx, d);
-	if (s != KL_OK)
+	if (s != KL_OK || (s = smem_fits(ctx, d, smem)) != KL_OK)
 		return s;
-	if (smem > (unsigned)d->smem_per_block) {
-		if (smem > (unsigned)d->smem_per_block_optin)
-			return kl__err(
-			        ctx, KL_EINVAL,
-			        "kl_cuda: a kernel asks for %u bytes of shared memory; %s allows "
-			        "%d per block",
-			        smem, d->name, d->smem_per_block_optin);
-		KL_CU_TRY(ctx, cuFuncSetAttribute, f,
-		          CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)smem);
-	}
-	if ((flags & KL_LAUNCH_PDL) && d->pdl) {
-		CUlaunchAttribute at;
-		memset(&at, 0, sizeof at);
-		at.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-		at.value.programmaticStreamSerializationAllowed = 1;
-		CUlaunchConfig cfg = {.gridDimX = grid[0],
-		                      .gridDimY = grid[1],
-		                      .gridDimZ = grid[2],
-		                      .blockDimX = block[0],
-		                      .blockDimY = block[1],
-		                      .blockDimZ = block[2],
-		                      .sharedMemBytes = smem,
-		                      .hStream = d->stream,
-		                      .attrs = &at,
-		                      .numAttrs = 1};
-		KL_CU_TRY(ctx, cuLaunchKernelEx, &cfg, f, args, NULL);
-		return KL_OK;
-	}
-	KL_CU_TRY(ctx, cuLaunchKernel, f, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-	          smem, d->stream, args, NULL);
+	CUlaunchAttribute at;
+	memset(&at, 0, sizeof at);
+	at.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+	at.value.programmaticStreamSerializationAllowed = 1;
+	CUlaunchConfig cfg = {.gridDimX = grid[0],
+	                      .gridDimY = grid[1],
+	                      .gridDimZ = grid[2],
+	                      .blockDimX = block[0],
+	                      .blockDimY = block[1],
+	                      .blockDimZ = block[2],
+	                      .sharedMemBytes = smem,
+	                      .hStream = d->stream,
+	                      .attrs = &at,
+	                      .numAttrs = (flags & KL_LAUNCH_PDL) && d->pdl ? 1u : 0u};
+	KL_CU_TRY(ctx, cuLaunchKernelEx, &cfg, f, args, NULL);
 	return KL_OK;
 }
