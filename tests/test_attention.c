@@ -4,9 +4,11 @@
  * of attention written by hand (one attention step, or a logged refusal);
  * the decomposition for targets without the step; attention steps through
  * the program serializer and validator; every CUDA kernel variant compiled
- * by NVRTC for sm_90 (wgmma for sm_90a); on a GPU (skipped without one) the
+ * by NVRTC for sm_90 (wgmma for sm_90a; kl_attn_fa3 with no spill and no
+ * ptxas performance note); on a GPU (skipped without one) the
  * CUDA kernels against the reference (each forced in turn, the wgmma one
- * with two warpgroups a block and with one), their modules through the disk cache
+ * with two warpgroups a block, with one, and the TMA-fed kl_attn_fa3), their
+ * modules through the disk cache
  * (written, reused, a corrupt entry rebuilt), and a timing of B4 H16 T1024
  * D128 bf16.
  */
@@ -72,14 +74,16 @@ static const acase CASES[] = {
 };
 
 /* the CUDA kernels the GPU tests force in turn: KILN_ATTENTION_KERNEL, and
- * KILN_CUDA_ATTN_WG (1: wgmma with one warpgroup per block) */
+ * KILN_CUDA_ATTN_WG (1: wgmma with one warpgroup per block; 2: kl_attn_fa3,
+ * TMA loads by a producer warpgroup, the consumers taking turns) */
 typedef struct akind {
 	const char *name, *kernel, *wg;
 } akind;
 
-static const akind KINDS[4] = {
+static const akind KINDS[5] = {
         {"wgmma", "wgmma", "0"},
         {"wgmma-1wg", "wgmma", "1"},
+        {"wgmma-fa3", "wgmma", "2"},
         {"mma", "mma", "0"},
         {"simple", "simple", "0"},
 };
@@ -489,6 +493,35 @@ static bool nvrtc_ok(void)
 	kl_ctx_free(ctx);
 	return ok;
 }
+
+/* ptxas's figures for kl_attn_fa3 in a --ptxas-options=-v log: no stack
+ * frame, no spill, and no performance note (C75xx: wgmma serialized for
+ * want of registers or around other instructions, setmaxnreg ignored);
+ * returns the registers ptxas reports for the kernel */
+static int fa3_ptxas_clean(const char *log, const char *what)
+{
+	const char *f = log ? strstr(log, "Function properties for kl_attn_fa3") : NULL;
+	const char *nl = f ? strchr(f, '\n') : NULL;
+	if (!nl)
+		fail_msg("%s: no ptxas figures for kl_attn_fa3 in the log:\n%s", what,
+		         log ? log : "(no log)");
+	const char *p = nl + 1;
+	while (*p && (*p < '0' || *p > '9') && *p != '\n')
+		p++;
+	int frame = -1, st = -1, ld = -1, regs = -1;
+	if (sscanf(p, "%d bytes stack frame, %d bytes spill stores, %d bytes spill loads", &frame,
+	           &st, &ld) != 3)
+		fail_msg("%s: unreadable ptxas figures for kl_attn_fa3:\n%s", what, log);
+	const char *u = strstr(p, "Used ");
+	if (!u || sscanf(u, "Used %d registers", &regs) != 1)
+		fail_msg("%s: no register count for kl_attn_fa3:\n%s", what, log);
+	if (frame != 0 || st != 0 || ld != 0)
+		fail_msg("%s: kl_attn_fa3 spills (%d-byte frame, %d bytes stored, %d loaded):\n%s",
+		         what, frame, st, ld, log);
+	if (strstr(log, "(C75"))
+		fail_msg("%s: ptxas performance notes:\n%s", what, log);
+	return regs;
+}
 #endif
 
 /* every variant of the attention kernels compiles for sm_90 (the wgmma ones
@@ -504,10 +537,11 @@ static void test_cuda_kernels_compile(void **state)
 	const int hds[3] = {0, 64, 128};
 	int n = 0;
 	/* wg: 0 mma.sync only, 1 and wgmma (two warpgroups a block), 2 and
-	 * wgmma with one warpgroup a block (KILN_CUDA_ATTN_WG=1) */
+	 * wgmma with one warpgroup a block (KILN_CUDA_ATTN_WG=1), 3 and
+	 * kl_attn_fa3 (KILN_CUDA_ATTN_WG=2) */
 	for (int di = 0; di < 4; di++)
 		for (int hi = 0; hi < 3; hi++)
-			for (int wg = 0; wg < 3; wg++) {
+			for (int wg = 0; wg < 4; wg++) {
 				char *src = kl__cuda_attention_source(dts[di], hds[hi], wg);
 				bool exists = hds[hi] == 0 ? !wg : dts[di] == KL_F16 || dts[di] == KL_BF16;
 				if (!exists) {
@@ -515,7 +549,10 @@ static void test_cuda_kernels_compile(void **state)
 					continue;
 				}
 				assert_non_null(src);
-				kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg != 0};
+				/* kl_attn_fa3 with ptxas's figures: its consumers must
+				 * get the setmaxnreg budget, not spill */
+				kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg != 0,
+				                   .ptxas_info = wg == 3};
 				kl_cuda_image im;
 				if (kl__nvrtc_compile(ctx, src, "kiln_attention.cu", &o, &im) != KL_OK)
 					fail_msg("%s d%d wgmma %d: %s\n%s", kl_dtype_name(dts[di]), hds[hi],
@@ -524,11 +561,19 @@ static void test_cuda_kernels_compile(void **state)
 				if (im.log && strstr(im.log, "warning"))
 					fail_msg("%s d%d wgmma %d: warnings:\n%s", kl_dtype_name(dts[di]),
 					         hds[hi], wg, im.log);
+				if (wg == 3) {
+					char what[64];
+					snprintf(what, sizeof what, "%s d%d kl_attn_fa3",
+					         kl_dtype_name(dts[di]), hds[hi]);
+					int regs = fa3_ptxas_clean(im.log, what);
+					print_message("test_attention: %s: %d registers, no spill\n", what,
+					              regs);
+				}
 				kl__cuda_image_free(&im);
 				free(src);
 				n++;
 			}
-	assert_null(kl__cuda_attention_source(KL_BF16, 128, 3));
+	assert_null(kl__cuda_attention_source(KL_BF16, 128, 4));
 	assert_null(kl__cuda_attention_source(KL_BF16, 128, -1));
 	print_message("test_attention: %d attention kernel variants compiled for sm_90/sm_90a\n", n);
 	kl_ctx_free(ctx);
@@ -743,8 +788,9 @@ static void test_cuda_attention_cache(void **state)
 #endif
 }
 
-/* B4 H16 T1024 D128 bf16, causal and not, wgmma (two warpgroups a block and
- * one) and mma.sync: prints TFLOP/s (causal FLOPs counted as half) */
+/* B4 H16 T1024 D128 bf16, causal and not, wgmma (two warpgroups a block,
+ * one, and kl_attn_fa3) and mma.sync: prints TFLOP/s (causal FLOPs counted
+ * as half) */
 static void test_cuda_sdpa_bench(void **state)
 {
 	(void)state;
@@ -757,9 +803,9 @@ static void test_cuda_sdpa_bench(void **state)
 	kl_tensor *in[3];
 	for (int t = 0; t < 3; t++)
 		in[t] = kltest_rand(ctx, KL_BF16, 4, sh, KLTEST_NORMAL, KLTEST_CONTIG, 40 + t);
-	for (int run = 0; run < 6; run++) {
+	for (int run = 0; run < 8; run++) {
 		int causal = run & 1;
-		const akind *k = &KINDS[run >> 1]; /* wgmma, wgmma-1wg, mma */
+		const akind *k = &KINDS[run >> 1]; /* wgmma, wgmma-1wg, wgmma-fa3, mma */
 		force_kind(k);
 		sdpa_p p = {causal == 1, 1.0 / sqrt(128.0)};
 		kl_tensor *r = apply_sdpa(in, &p);

@@ -11,8 +11,13 @@
  * heaviest causal block first: the scheduler hands out every batch's
  * heaviest block before any lighter one. KILN_CUDA_ATTN_WG=1 takes the
  * wgmma kernel with one warpgroup per block (KL_AT_BM 64: two blocks per SM
- * whose softmax and products interleave) in place of the two-warpgroup one.
+ * whose softmax and products interleave) in place of the two-warpgroup one;
+ * KILN_CUDA_ATTN_WG=2 takes kl_attn_fa3 (attention_fa3_src.c: a producer
+ * warp loads Q, K and V with TMA into mbarrier-guarded stages, the two
+ * consumer warpgroups take turns on the tensor cores) where each of q, k
+ * and v fits a 3-d tensor map (tma_map), else the two-warpgroup kernel.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -32,27 +37,56 @@ typedef struct kl_at_args {
 
 #define BM 64    /* query rows per block, mma.sync kernel */
 #define BN 64    /* keys per tile, mma.sync kernel */
-/* the wgmma kernel, two warpgroups a block (one: KILN_CUDA_ATTN_WG=1): query
- * rows per block = keys per tile (KL_AT_BM in its source), threads per
- * block (KL_AT_TH), K and V tiles in flight (KL_AT_WS) and the shared memory
- * they take (Q, K, V, alignment); the launch and the source's defines both
- * come from here */
-#define WG_BM(one) ((one) ? 64 : 128)
-#define WG_THREADS(one) ((one) ? 128 : 256)
+/* the wgmma kernel's shapes: two warpgroups a block (KILN_CUDA_ATTN_WG unset
+ * or 0), one (1), kl_attn_fa3 (2: two consumer warpgroups and a producer
+ * warp). Query rows per block = keys per tile (KL_AT_BM in its source),
+ * threads per block (KL_AT_TH), K and V tiles in flight (KL_AT_WS), the
+ * bytes of kl_attn_fa3's mbarriers (KL_AT_BB: Q's, a full and an empty one
+ * per stage) and the shared memory they take (Q, K, V, alignment,
+ * barriers); the launch and the source's defines both come from here */
+enum { WG_TWO, WG_ONE, WG_FA3 };
+#define WG_BM(k) ((k) == WG_ONE ? 64 : 128)
+#define WG_THREADS(k) ((k) == WG_ONE ? 128 : (k) == WG_FA3 ? 384 : 256)
 #define WG_STAGES 3
-#define WG_SMEM(d, one) ((size_t)(1 + 2 * WG_STAGES) * WG_BM(one) * (size_t)(d) * 2 + 1024)
+#define WG_BAR_BYTES ((2 * WG_STAGES + 1) * 8)
+/* kl_attn_fa3's registers a thread after setmaxnreg (KL_AT_PR, KL_AT_CR):
+ * the producer warpgroup's and the consumers'. The consumers' increase
+ * waits until the block's pool holds it, so the kernel is launched only
+ * where ptxas gave it at least the mean (fa3_regs_ok) */
+#define WG_FA3_PRODUCER_REGS 24
+#define WG_FA3_CONSUMER_REGS 240
+#define WG_SMEM(d, k)                                                          \
+	((size_t)(1 + 2 * WG_STAGES) * WG_BM(k) * (size_t)(d) * 2 + 1024 + \
+	 ((k) == WG_FA3 ? WG_BAR_BYTES : 0))
 
-enum { VAR_GENERAL, VAR_D64, VAR_D128, VAR_WG64, VAR_WG128, VAR_WG1_64, VAR_WG1_128, NVAR };
+enum {
+	VAR_GENERAL,
+	VAR_D64,
+	VAR_D128,
+	VAR_WG64,
+	VAR_WG128,
+	VAR_WG1_64,
+	VAR_WG1_128,
+	VAR_FA3_64,
+	VAR_FA3_128,
+	NVAR
+};
 /* per variant: head dim (0: any), wgmma kernel (0 none, 1 two warpgroups a
- * block, 2 one) */
-static const int var_hd[NVAR] = {0, 64, 128, 64, 128, 64, 128};
-static const int var_wg[NVAR] = {0, 0, 0, 1, 1, 2, 2};
+ * block, 2 one, 3 kl_attn_fa3) */
+static const int var_hd[NVAR] = {0, 64, 128, 64, 128, 64, 128, 64, 128};
+static const int var_wg[NVAR] = {0, 0, 0, 1, 1, 2, 2, 3, 3};
+
+/* the wgmma shape (WG_TWO, WG_ONE, WG_FA3) of a variant with var_wg > 0 */
+static int var_shape(int var)
+{
+	return var_wg[var] == 3 ? WG_FA3 : var_wg[var] == 2 ? WG_ONE : WG_TWO;
+}
 
 /* the dynamic shared memory a variant's block takes */
 static unsigned var_smem(int var)
 {
 	if (var_wg[var])
-		return (unsigned)WG_SMEM(var_hd[var], var_wg[var] == 2);
+		return (unsigned)WG_SMEM(var_hd[var], var_shape(var));
 	return var == VAR_GENERAL ? 0u : (unsigned)((BM + 4 * BN) * var_hd[var] * 2);
 }
 
@@ -82,16 +116,25 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 {
 	int c = dt_code(dt);
 	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)) ||
-	    wgmma < 0 || wgmma > 2 || (wgmma && head_dim == 0))
+	    wgmma < 0 || wgmma > 3 || (wgmma && head_dim == 0))
 		return NULL;
-	size_t n = strlen(kl__cuda_attention_src) + 160;
+	/* kl_attn_fa3's source only where it is compiled: the other variants'
+	 * sources (and module cache keys) stay as they were */
+	const char *fa3 = wgmma == 3 ? kl__cuda_attention_fa3_src : "";
+	int k = wgmma == 3 ? WG_FA3 : wgmma == 2 ? WG_ONE : WG_TWO;
+	size_t n = strlen(kl__cuda_attention_src) + strlen(fa3) + 200;
 	char *s = malloc(n);
 	if (s)
 		snprintf(s, n,
 		         "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n"
 		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n%s",
-		         c, head_dim, wgmma ? 1 : 0, WG_BM(wgmma == 2), WG_THREADS(wgmma == 2),
+		         c, head_dim, wgmma == 3 ? 2 : wgmma ? 1 : 0, WG_BM(k), WG_THREADS(k),
 		         WG_STAGES, kl__cuda_attention_src);
+	if (s && wgmma == 3) {
+		size_t u = strlen(s);
+		snprintf(s + u, n - u, "#define KL_AT_BB %d\n#define KL_AT_PR %d\n#define KL_AT_CR %d\n%s",
+		         WG_BAR_BYTES, WG_FA3_PRODUCER_REGS, WG_FA3_CONSUMER_REGS, fa3);
+	}
 	return s;
 }
 
@@ -117,7 +160,11 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 			if (st == KL_OK)
 				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
 		} else {
-			st = kl__cuda_module_fn(ctx, m, wg ? "kl_attn_wgmma" : "kl_attn_mma", &f[0]);
+			st = kl__cuda_module_fn(ctx, m,
+			                        var_wg[var] == 3 ? "kl_attn_fa3"
+			                        : wg          ? "kl_attn_wgmma"
+			                                      : "kl_attn_mma",
+			                        &f[0]);
 		}
 		/* the tensor-core kernels' shared memory, opted in once here */
 		if (st == KL_OK && var != VAR_GENERAL)
@@ -131,7 +178,7 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 			           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
 			int nb = 0;
 			if (st == KL_OK && kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-			                           &nb, f[0], WG_THREADS(true), var_smem(var)) ==
+			                           &nb, f[0], WG_THREADS(WG_ONE), var_smem(var)) ==
 			                           CUDA_SUCCESS)
 				kl__log(ctx, KL_LOG_FUSION,
 				        "kl_sdpa: wgmma kernel, one warpgroup a block, head dim %d: %d "
@@ -189,16 +236,18 @@ static kl_attn_pick forced(kl_ctx *ctx)
 	return PICK_ANY;
 }
 
-/* KILN_CUDA_ATTN_WG=1: the wgmma kernel with one warpgroup per block */
-static bool one_wg(kl_ctx *ctx)
+/* KILN_CUDA_ATTN_WG: the wgmma kernel's shape (WG_TWO, WG_ONE, WG_FA3) */
+static int wg_shape(kl_ctx *ctx)
 {
 	const char *e = getenv("KILN_CUDA_ATTN_WG");
 	if (!e || !*e || !strcmp(e, "0"))
-		return false;
+		return WG_TWO;
 	if (!strcmp(e, "1"))
-		return true;
-	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_WG=%.32s ignored (0 or 1)", e);
-	return false;
+		return WG_ONE;
+	if (!strcmp(e, "2"))
+		return WG_FA3;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_WG=%.32s ignored (0, 1 or 2)", e);
+	return WG_TWO;
 }
 
 /* can a tensor-core kernel take a? (pointers already at their offsets) */
@@ -219,15 +268,71 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 			return -1;
 	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows (64 with
 	 * one warpgroup) of shared memory; it folds the scale into the exponent
-	 * (so takes only a positive one) */
-	bool one = one_wg(ctx);
+	 * (so takes only a positive one). kl_attn_fa3 also wants its tensor
+	 * maps, which the launch builds (and falls back without). */
+	int k = wg_shape(ctx);
 	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
-	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d, one);
-	if (wg && one)
+	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d, k);
+	if (wg && k == WG_ONE)
 		return s->d == 64 ? VAR_WG1_64 : VAR_WG1_128;
+	if (wg && k == WG_FA3)
+		return s->d == 64 ? VAR_FA3_64 : VAR_FA3_128;
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
+}
+
+/* does kl_attn_fa3 start with the registers its setmaxnreg pair moves? (a
+ * smaller count would leave the consumers' increase waiting forever) */
+static bool fa3_regs_ok(kl_ctx *ctx, CUfunction f)
+{
+	int regs = 0;
+	if (kl__cu.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f) != CUDA_SUCCESS)
+		return false;
+	int need = (WG_FA3_PRODUCER_REGS + 2 * WG_FA3_CONSUMER_REGS + 2) / 3;
+	if (regs < need)
+		kl__log(ctx, KL_LOG_FUSION,
+		        "kl_sdpa: kl_attn_fa3 has %d registers a thread, its setmaxnreg pair needs "
+		        "%d: the two-warpgroup wgmma kernel",
+		        regs, need);
+	return regs >= need;
+}
+
+/* kl_attn_fa3's tensor map of one operand (base p, t rows of d elements,
+ * row stride rs, batch strides bs): dims (d, t, batch) with the batches
+ * flattened, box 64 x WG_BM rows x 1 (one 64-column panel of a tile, 128
+ * bytes a row, the 128-byte swizzle wgmma reads). It fits where the batch
+ * dims of size > 1 flatten to one stride S (each the next inner one's
+ * stride times that one's size) and the layout is the one the driver
+ * documents: row stride >= d and a multiple of 16 bytes, S >= t row strides
+ * and a multiple of 16 bytes, both under 2^40 bytes. False where it does not
+ * fit or the driver refuses it. */
+static bool tma_map(CUtensorMap *m, kl_dtype dt, CUdeviceptr p, int64_t t, int64_t d, int64_t rs,
+                    const int64_t *bs, const kl_attn_step *s, int64_t nbt)
+{
+	int64_t S = 0, next = -1;
+	for (int i = s->nbatch - 1; i >= 0; i--) {
+		if (s->batch[i] == 1)
+			continue;
+		if (bs[i] <= 0 || (next >= 0 && bs[i] != next) || bs[i] > INT64_MAX / s->batch[i])
+			return false;
+		if (next < 0)
+			S = bs[i];
+		next = bs[i] * s->batch[i];
+	}
+	if (next < 0)
+		S = t * rs; /* one batch: any stride past the rows */
+	const int64_t lim = (int64_t)1 << 39; /* 2^40 bytes */
+	if (rs < d || rs >= lim || S >= lim || S / rs < t || (rs * 2) % 16 || (S * 2) % 16)
+		return false;
+	cuuint64_t dim[3] = {(cuuint64_t)d, (cuuint64_t)t, (cuuint64_t)nbt};
+	cuuint64_t str[2] = {(cuuint64_t)rs * 2, (cuuint64_t)S * 2};
+	cuuint32_t box[3] = {64, WG_BM(WG_FA3), 1}, es[3] = {1, 1, 1};
+	return kl__cu.cuTensorMapEncodeTiled(
+	               m, dt == KL_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+	               3, (void *)(uintptr_t)p, dim, str, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+	               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+	               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
@@ -281,12 +386,39 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	CUfunction f[2];
 	int var = mma_variant(ctx, d, &a, s, dt);
 	kl_status st;
+	if (var == VAR_FA3_64 || var == VAR_FA3_128) {
+		/* q, k and v each as a tensor map (its coordinates, rows up to a
+		 * tile past the end, stay in int); else the two-warpgroup kernel */
+		CUtensorMap maps[3];
+		const int64_t room = INT32_MAX - 2 * WG_BM(WG_FA3);
+		if (s->tq < room && s->tk < room &&
+		    tma_map(&maps[0], dt, a.q, s->tq, s->d, s->q_rs, s->q_bs, s, nbt) &&
+		    tma_map(&maps[1], dt, a.k, s->tk, s->d, s->k_rs, s->k_bs, s, nbt) &&
+		    tma_map(&maps[2], dt, a.v, s->tk, s->d, s->v_rs, s->v_bs, s, nbt)) {
+			if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+				return st;
+			if (!fa3_regs_ok(ctx, f[0]))
+				goto two_wg;
+			void *fargv[4] = {&a, &maps[0], &maps[1], &maps[2]};
+			unsigned grid[3] = {(unsigned)nbt,
+			                    (unsigned)((s->tq + WG_BM(WG_FA3) - 1) / WG_BM(WG_FA3)), 1};
+			unsigned block[3] = {WG_THREADS(WG_FA3), 1, 1};
+			return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), fargv,
+			                       KL_LAUNCH_PDL);
+		}
+		kl__log(ctx, KL_LOG_FUSION,
+		        "kl_sdpa: KILN_CUDA_ATTN_WG=2: q, k or v does not fit a tensor map (strides "
+		        "q %lld k %lld v %lld a row): the two-warpgroup wgmma kernel",
+		        (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs);
+	two_wg:
+		var = var == VAR_FA3_64 ? VAR_WG64 : VAR_WG128;
+	}
 	if (var == VAR_WG64 || var == VAR_WG128 || var == VAR_WG1_64 || var == VAR_WG1_128) {
 		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 			return st;
-		bool one = var == VAR_WG1_64 || var == VAR_WG1_128;
-		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(one) - 1) / WG_BM(one)), 1};
-		unsigned block[3] = {WG_THREADS(one), 1, 1};
+		int sh = var_shape(var);
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(sh) - 1) / WG_BM(sh)), 1};
+		unsigned block[3] = {WG_THREADS(sh), 1, 1};
 		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
 	}
 	if (var > 0) {

@@ -8,7 +8,9 @@
  *             from attention.c (which sizes its launch and shared memory from
  *             the same numbers): KL_AT_BM query rows per block = keys per
  *             tile, KL_AT_TH threads (a warpgroup per 64 rows), KL_AT_WS
- *             K/V stages
+ *             K/V stages; 2: kl_attn_fa3 instead (attention_fa3_src.c, put
+ *             after this source: the same helpers, KL_AT_BB bytes of
+ *             mbarriers past the tiles)
  *
  * kl_attn_mma: a block of 4 warps owns 64 query rows (16 per warp) and walks
  * the keys in tiles of 64. Q stays in registers as mma fragments; K and V
@@ -366,8 +368,11 @@ const char kl__cuda_attention_src[] =
         "#define WTH KL_AT_TH /* threads per block */\n"
         "#define WBM KL_AT_BM /* query rows per block */\n"
         "#define WBN KL_AT_BM /* keys per tile: Q's tile has the layout of a K/V one */\n"
-        "#if (WBM != 64 && WBM != 128) || WTH != 2 * WBM\n"
+        "#if KL_AT_WG == 1 && ((WBM != 64 && WBM != 128) || WTH != 2 * WBM)\n"
         "#error kl_attn_wgmma: KL_AT_BM 64 or 128, a warpgroup per 64 rows\n"
+        "#endif\n"
+        "#if KL_AT_WG == 2 && (WBM != 128 || WTH != 384)\n"
+        "#error kl_attn_fa3: KL_AT_BM 128, two consumer warpgroups and a producer one\n"
         "#endif\n"
         "#define WTILE (WBN * D * 2) /* bytes of one tile (WBN rows) */\n"
         "#define WPANEL (WBN * 128)  /* bytes of one 64-column panel of a tile */\n"
@@ -461,6 +466,11 @@ const char kl__cuda_attention_src[] =
         "#else\n"
         "#define WG_SS wg_ss64\n"
         "#endif\n"
+        "/* a wgmma shared-memory descriptor plus a byte offset (a multiple of 16;\n"
+        " * the address field is bits 0-13 in 16-byte units and smem stays under\n"
+        " * 256 KB, so the sum never carries out of it) */\n"
+        "#define WG_OFF(desc, bytes) ((desc) + (unsigned long long)((bytes) >> 4))\n"
+        "#if KL_AT_WG == 1\n"
         "/* One WBN-row tile of a [rows][D] operand into the swizzled layout: a\n"
         " * thread copies the 16-byte chunk column WCH-th of its id, in rows\n"
         " * lrb + i * WRP. Rows a pass covers are a multiple of 8, so the swizzle\n"
@@ -486,10 +496,6 @@ const char kl__cuda_attention_src[] =
         "\t\t}\n"
         "\t}\n"
         "}\n"
-        "/* a wgmma shared-memory descriptor plus a byte offset (a multiple of 16;\n"
-        " * the address field is bits 0-13 in 16-byte units and smem stays under\n"
-        " * 256 KB, so the sum never carries out of it) */\n"
-        "#define WG_OFF(desc, bytes) ((desc) + (unsigned long long)((bytes) >> 4))\n"
         "extern \"C\" __global__ void __launch_bounds__(WTH, 256 / WTH) kl_attn_wgmma(const kl_at_args a) {\n"
         "\tkl_pdl_wait(); /* launched with KL_LAUNCH_PDL */\n"
         "\textern __shared__ uint4 smem[];\n"
@@ -670,5 +676,6 @@ const char kl__cuda_attention_src[] =
         "\t\t\t*(unsigned *)(out + n * 8 + 2 * (lane & 3)) = pack2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);\n"
         "\t}\n"
         "}\n"
-        "#endif\n"
-        "#endif\n";
+        "#endif /* KL_AT_WG == 1 */\n"
+        "#endif /* KL_AT_WG */\n"
+        "#endif /* KL_AT_D */\n";

@@ -103,6 +103,8 @@ typedef struct kl_nvrtc_opts {
 	bool lineinfo;      /* -lineinfo, for ncu and compute-sanitizer */
 	int max_regs;       /* --maxrregcount, 0 = compiler's choice */
 	bool no_fmad;       /* --fmad=false: a * b + c rounds twice, as generated C does */
+	bool ptxas_info;    /* --ptxas-options=-v: registers, spills and ptxas's
+	                     * performance notes in the log (for tests) */
 } kl_nvrtc_opts;
 
 /* A compiled module image: a cubin, or PTX (text, NUL-terminated) when the
@@ -272,12 +274,16 @@ void kl__lt_release(kl_cuda_dev *d);
 
 /* ---- attention (attention.c, attention_src.c) -------------------------------------- */
 
-/* The fixed CUDA source of the attention kernels (variants by macros). */
+/* The fixed CUDA source of the attention kernels (variants by macros), and
+ * that of kl_attn_fa3 (attention_fa3_src.c), which follows it. */
 extern const char kl__cuda_attention_src[];
+extern const char kl__cuda_attention_fa3_src[];
 /* That source for one variant: dtype, and head_dim 64 or 128 for the
  * tensor-core kernels (f16/bf16; wgmma 1: the sm_90a one too, two
- * warpgroups a block; 2: the same with one) or 0 for the general kernels;
- * malloc'd, NULL for a variant that does not exist (or out of memory). */
+ * warpgroups a block; 2: the same with one; 3: kl_attn_fa3 in its place,
+ * TMA-fed, two consumer warpgroups and a producer warp) or 0 for the general
+ * kernels; malloc'd, NULL for a variant that does not exist (or out of
+ * memory). */
 char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
 /* One attention step (lower/program.h) on the stream; q, k, v, o are the
  * buffers' bases. */

@@ -57,6 +57,7 @@
 	X(cuFuncGetAttribute)                          \
 	X(cuLaunchKernelEx)                            \
 	X(cuOccupancyMaxActiveBlocksPerMultiprocessor) \
+	X(cuTensorMapEncodeTiled)                      \
 	X(cuGraphInstantiate)                          \
 	X(cuGraphUpload)                               \
 	X(cuGraphLaunch)                               \

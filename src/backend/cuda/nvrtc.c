@@ -118,6 +118,8 @@ kl_status kl__nvrtc_compile(kl_ctx *ctx, const char *src, const char *name,
 		argv[argc++] = "-lineinfo";
 	if (opts->no_fmad)
 		argv[argc++] = "--fmad=false";
+	if (opts->ptxas_info)
+		argv[argc++] = "--ptxas-options=-v";
 	if (opts->max_regs > 0) {
 		snprintf(regopt, sizeof regopt, "--maxrregcount=%d", opts->max_regs);
 		argv[argc++] = regopt;
