@@ -9,13 +9,16 @@
  * that cannot take the step falls back as above). The tensor-core kernels'
  * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
  * heaviest causal block first: the scheduler hands out every batch's
- * heaviest block before any lighter one. KILN_CUDA_ATTN_WG=1 takes the
- * wgmma kernel with one warpgroup per block (KL_AT_BM 64: two blocks per SM
- * whose softmax and products interleave) in place of the two-warpgroup one;
- * KILN_CUDA_ATTN_WG=2 takes kl_attn_fa3 (attention_fa3_src.c: a producer
- * warp loads Q, K and V with TMA into mbarrier-guarded stages, the two
- * consumer warpgroups take turns on the tensor cores) where each of q, k
- * and v fits a 3-d tensor map (tma_map), else the two-warpgroup kernel.
+ * heaviest block before any lighter one. On sm_90 the wgmma kernel is
+ * kl_attn_fa3 (attention_fa3_src.c: a producer warpgroup loads Q, K and V
+ * with TMA into mbarrier-guarded stages, the two consumer warpgroups take
+ * turns on the tensor cores) where each of q, k and v fits a 3-d tensor map
+ * (tma_map), else kl_attn_wgmma with two warpgroups a block (cp.async
+ * loads by the consumers themselves). KILN_CUDA_ATTN_WG=0 takes that one
+ * always, KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block
+ * (KL_AT_BM 64: two blocks per SM whose softmax and products interleave).
+ * H200, B4 H16 T1024 D128 bf16: fa3 458 TFLOP/s (causal 326), two
+ * warpgroups 372 (282).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -37,9 +40,9 @@ typedef struct kl_at_args {
 
 #define BM 64    /* query rows per block, mma.sync kernel */
 #define BN 64    /* keys per tile, mma.sync kernel */
-/* the wgmma kernel's shapes: two warpgroups a block (KILN_CUDA_ATTN_WG unset
- * or 0), one (1), kl_attn_fa3 (2: two consumer warpgroups and a producer
- * warp). Query rows per block = keys per tile (KL_AT_BM in its source),
+/* the wgmma kernel's shapes: two warpgroups a block (KILN_CUDA_ATTN_WG=0),
+ * one (1), kl_attn_fa3 (unset or 2: two consumer warpgroups and a producer
+ * warpgroup). Query rows per block = keys per tile (KL_AT_BM in its source),
  * threads per block (KL_AT_TH), K and V tiles in flight (KL_AT_WS), the
  * bytes of kl_attn_fa3's mbarriers (KL_AT_BB: Q's, a full and an empty one
  * per stage) and the shared memory they take (Q, K, V, alignment,
@@ -236,18 +239,19 @@ static kl_attn_pick forced(kl_ctx *ctx)
 	return PICK_ANY;
 }
 
-/* KILN_CUDA_ATTN_WG: the wgmma kernel's shape (WG_TWO, WG_ONE, WG_FA3) */
+/* KILN_CUDA_ATTN_WG: the wgmma kernel's shape: unset or 2 kl_attn_fa3
+ * (WG_FA3), 0 two warpgroups (WG_TWO), 1 one (WG_ONE) */
 static int wg_shape(kl_ctx *ctx)
 {
 	const char *e = getenv("KILN_CUDA_ATTN_WG");
-	if (!e || !*e || !strcmp(e, "0"))
+	if (!e || !*e || !strcmp(e, "2"))
+		return WG_FA3;
+	if (!strcmp(e, "0"))
 		return WG_TWO;
 	if (!strcmp(e, "1"))
 		return WG_ONE;
-	if (!strcmp(e, "2"))
-		return WG_FA3;
 	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_WG=%.32s ignored (0, 1 or 2)", e);
-	return WG_TWO;
+	return WG_FA3;
 }
 
 /* can a tensor-core kernel take a? (pointers already at their offsets) */
@@ -407,7 +411,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			                       KL_LAUNCH_PDL);
 		}
 		kl__log(ctx, KL_LOG_FUSION,
-		        "kl_sdpa: KILN_CUDA_ATTN_WG=2: q, k or v does not fit a tensor map (strides "
+		        "kl_sdpa: kl_attn_fa3: q, k or v does not fit a tensor map (strides "
 		        "q %lld k %lld v %lld a row): the two-warpgroup wgmma kernel",
 		        (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs);
 	two_wg:
