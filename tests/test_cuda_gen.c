@@ -46,6 +46,22 @@ static int b_fma_relu(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
+/* one load a point: a pointwise kernel whose chunks are unrolled most */
+static int b_gelu1(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_gelu(in[0]);
+	return 1;
+}
+
+/* four loads a point (in[0..3]): no chunk unrolled by default */
+static int b_four(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_relu(kl_add(kl_mul(in[0], in[1]), kl_mul(in[2], in[3])));
+	return 1;
+}
+
 /* a skinny linear layer (8 rows against a 256x256 weight): one generated
  * row reduction with its bias and GELU, no library product */
 static int b_skinny_linear(kl_tensor *const *in, kl_tensor **out, const void *p)
@@ -1025,6 +1041,68 @@ static void test_cuda_row_hold(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* KILN_CUDA_PW_UNROLL: parsed (1, 2, 4, 8; anything else is the default,
+ * 0); by default a pointwise kernel's thread loads 4 chunks before it
+ * computes when it has one chunked load, 2 with two or three, 1 with four
+ * or more; the knob forces the count; every source compiles for sm_90 */
+static void test_cuda_pw_unroll(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
+	static const struct {
+		const char *v;
+		int pw;
+	} parse[] = {{NULL, 0}, {"1", 1}, {"2", 2}, {"4", 4}, {"8", 8},
+	             {"3", 0},  {"0", 0}, {"16", 0}, {"x", 0}, {"", 0}};
+	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
+		set_or_unset("KILN_CUDA_PW_UNROLL", parse[t].v);
+		if (kl__cuda_dot_knobs().pw != parse[t].pw)
+			fail_msg("KILN_CUDA_PW_UNROLL=%s: %d, want %d", parse[t].v ? parse[t].v : "unset",
+			         kl__cuda_dot_knobs().pw, parse[t].pw);
+	}
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	kl_tensor *in[4];
+	for (int i = 0; i < 4; i++)
+		in[i] = kltest_rand(ctx, KL_F16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    770 + (uint64_t)i);
+	static const struct {
+		build_fn f;
+		const char *knob;
+		const char *want;
+	} tries[] = {
+	        {b_gelu1, NULL, "/* 4 chunks a thread in flight */"},
+	        {b_fma_relu, NULL, "/* 2 chunks a thread in flight */"},
+	        {b_four, NULL, "/* 1 chunk a thread in flight */"},
+	        {b_gelu1, "1", "/* 1 chunk a thread in flight */"},
+	        {b_fma_relu, "8", "/* 8 chunks a thread in flight */"},
+	        {b_gelu1, "2", "/* 2 chunks a thread in flight */"},
+	};
+	for (size_t t = 0; t < sizeof tries / sizeof tries[0]; t++) {
+		set_or_unset("KILN_CUDA_PW_UNROLL", tries[t].knob);
+		kl_trace *tr = trace(ctx, tries[t].f, in, NULL);
+		assert_non_null(tr);
+		kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+		kl_program P;
+		char err[512];
+		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+			fail_msg("pointwise %zu: lower: %s", t, err);
+		if (P.nkernels != 1 || !strstr(P.source, tries[t].want))
+			fail_msg("pointwise %zu (KILN_CUDA_PW_UNROLL=%s): %d kernels, no \"%s\"", t,
+			         tries[t].knob ? tries[t].knob : "unset", P.nkernels, tries[t].want);
+		must_compile(ctx, &P, "pointwise unroll", "pointwise %zu", t);
+		kl__program_free(&P);
+		kl__trace_free(tr);
+	}
+	for (int i = 0; i < 4; i++)
+		kl_release(in[i]);
+	set_or_unset("KILN_CUDA_PW_UNROLL", saved);
+	free(saved);
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -1188,6 +1266,33 @@ static void test_gpu_onepass(void **state)
 	onepass_restore(saved);
 }
 
+/* pointwise kernels over more points than one wave of threads holds
+ * (4.65 M: grid-stride iterations, and the last one's chunks cut short
+ * inside the unrolled loads) with every KILN_CUDA_PW_UNROLL against the
+ * float64 reference, f32 and f16, static and dynamic extents */
+static void test_gpu_pw_unroll(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	static const gcase big[] = {
+	        {"gelu big", b_gelu1, 1, {2}, {{517, 9001}}, true, false, 1, 0, 0, 0, false},
+	        {"relu big", b_fma_relu, 3, {2, 2, 2}, {{517, 9001}, {517, 9001}, {517, 9001}},
+	         false, false, 1, 0, 0, 0, false},
+	};
+	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
+	static const char *const knobs[] = {NULL, "1", "2", "8"};
+	const kl_dtype dts[] = {KL_F32, KL_F16};
+	for (size_t k = 0; k < sizeof knobs / sizeof knobs[0]; k++) {
+		set_or_unset("KILN_CUDA_PW_UNROLL", knobs[k]);
+		for (size_t ci = 0; ci < sizeof big / sizeof big[0]; ci++)
+			for (size_t di = 0; di < 2; di++)
+				check_compiled(&big[ci], dts[di], KL_MODE_DEFAULT, di == 1,
+				               1500 + 10 * k + 2 * ci + di);
+	}
+	set_or_unset("KILN_CUDA_PW_UNROLL", saved);
+	free(saved);
+}
+
 static void test_gpu_reduce_overhead(void **state)
 {
 	(void)state;
@@ -1235,11 +1340,13 @@ int main(void)
 	        cmocka_unit_test(test_cuda_row_onepass),
 	        cmocka_unit_test(test_cuda_dot_knobs),
 	        cmocka_unit_test(test_cuda_row_hold),
+	        cmocka_unit_test(test_cuda_pw_unroll),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),
 	        cmocka_unit_test(test_gpu_compiled),
 	        cmocka_unit_test(test_gpu_onepass),
+	        cmocka_unit_test(test_gpu_pw_unroll),
 	        cmocka_unit_test(test_gpu_reduce_overhead),
 	};
 	/* ctest runs each GPU test, and the host ones, as a process of its own

@@ -443,7 +443,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1, 0, 1};
+	kl_cuda_dot d = {4, 131072, 1, 0, 1, 0};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -455,6 +455,9 @@ kl_cuda_dot kl__cuda_dot_knobs(void)
 		d.minb = atoi(e);
 	if ((e = getenv("KILN_CUDA_ROW_HOLD")) && (strcmp(e, "0") == 0 || strcmp(e, "1") == 0))
 		d.hold = atoi(e);
+	if ((e = getenv("KILN_CUDA_PW_UNROLL")) &&
+	    (!strcmp(e, "1") || !strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")))
+		d.pw = atoi(e);
 	return d;
 }
 
@@ -855,42 +858,71 @@ static void decompose(cctx *c, uint32_t mask, const char *q)
 
 /* ---- pointwise kernels ------------------------------------------------------------------ */
 
-/* The fast path: thread T of the grid-stride loop takes the chunk of flat
- * indices [V*T, V*T + V); the scalar loop then does the rest (a tail, or
- * everything when kl_vok is false). */
+/* Chunks of one thread in flight: U = KILN_CUDA_PW_UNROLL where set, else
+ * enough that a thread has at least PW_INFLIGHT chunk loads outstanding
+ * (a copy's one load a chunk left the bandwidth short of the device's);
+ * within the unrolled body's budget. */
+#define PW_INFLIGHT 4
+static int pw_unroll(const cctx *c, const vplan *vp)
+{
+	int loads = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		loads += !vp->acc[a].store;
+	int u = kl__cuda_dot_knobs().pw;
+	if (u == 0)
+		u = loads >= PW_INFLIGHT ? 1 : loads >= 2 ? 2 : PW_INFLIGHT;
+	while (u > 1 && body_cost(c) * vp->V * u > UNROLL_BUDGET)
+		u /= 2;
+	return u;
+}
+
+/* The fast path: a grid-stride loop whose thread T takes U chunks of flat
+ * indices a grid apart, [V*(T + u*G), ... + V) with G = the grid's threads:
+ * the loads of all U first, then each one's elements and stores. The
+ * scalar loop then does the rest (a tail, or everything when kl_vok is
+ * false). */
 static void pointwise_chunks(cctx *c, const vplan *vp, uint32_t all)
 {
 	const kir_kernel *k = c->k;
-	int V = vp->V;
+	int V = vp->V, U = pw_unroll(c, vp);
 	plan_cond(c, vp);
 	line(c, "const int64_t nv = kl_vok ? n / %d : 0;", V);
-	line(c,
-	     "for (int64_t T = (int64_t)blockIdx.x * %d + threadIdx.x; T < nv; "
-	     "T += (int64_t)gridDim.x * %d)",
-	     BLOCK, BLOCK);
+	line(c, "const int64_t kl_gs = (int64_t)gridDim.x * %d; /* %d chunk%s a thread in flight */",
+	     BLOCK, U, U > 1 ? "s" : "");
+	line(c, "for (int64_t T = (int64_t)blockIdx.x * %d + threadIdx.x; T < nv; T += kl_gs * %d)",
+	     BLOCK, U);
 	open_brace(c);
-	line(c, "const int64_t L0 = T * %d;", V);
-	if (!vp->flat)
-		decompose(c, all, "L0");
-	chunk_decls(c, vp, 1);
-	chunk_io(c, vp, 0, false, "[0]");
+	chunk_decls(c, vp, U);
 	bool vars = false;
-	for (int32_t i = 0; i < k->nins; i++) {
-		const kir_ins *in = &k->ins[i];
-		if (!c->live[i])
+	for (int32_t i = 0; i < k->nins; i++)
+		vars |= c->live[i] && (k->ins[i].opc == KIR_INDEX || k->ins[i].opc == KIR_IDXLT);
+	for (int pass = 0; pass < 2; pass++) {
+		line(c, "#pragma unroll");
+		line(c, "for (int u = 0; u < %d; u++)", U);
+		open_brace(c);
+		line(c, "if (T + u * kl_gs >= nv)");
+		line(c, "\tbreak;");
+		line(c, "const int64_t L0 = (T + u * kl_gs) * %d;", V);
+		if (!vp->flat)
+			decompose(c, all, "L0");
+		if (pass == 0) {
+			chunk_io(c, vp, 0, false, "[u]");
+			close_brace(c);
 			continue;
-		if (in->opc == KIR_LOAD && vp->of[i] < 0)
-			kl__render_ins(c->r, k, i, c->depth, c->sb);
-		vars |= in->opc == KIR_INDEX || in->opc == KIR_IDXLT;
+		}
+		for (int32_t i = 0; i < k->nins; i++)
+			if (c->live[i] && k->ins[i].opc == KIR_LOAD && vp->of[i] < 0)
+				kl__render_ins(c->r, k, i, c->depth, c->sb);
+		line(c, "#pragma unroll");
+		line(c, "for (int e = 0; e < %d; e++)", V);
+		open_brace(c);
+		if (vars)
+			decompose(c, all, "L0 + e");
+		emit_block(c, 0, vp, "[u]", "0");
+		close_brace(c);
+		chunk_io(c, vp, 0, true, "[u]");
+		close_brace(c);
 	}
-	line(c, "#pragma unroll");
-	line(c, "for (int e = 0; e < %d; e++)", V);
-	open_brace(c);
-	if (vars)
-		decompose(c, all, "L0 + e");
-	emit_block(c, 0, vp, "[0]", "0");
-	close_brace(c);
-	chunk_io(c, vp, 0, true, "[0]");
 	close_brace(c);
 }
 
