@@ -664,7 +664,8 @@ static void test_cuda_sdpa_layout(void **state)
 /* the CUDA kernels (wgmma on sm_90, mma.sync, general, split-key decode)
  * against the reference: bf16/f16 at head dims 64 and 128, causal and not,
  * query and key counts that are not multiples of any tile (Tq < Tk and
- * Tq > Tk), Tq = 1; each tensor-core kernel forced in turn (KINDS) */
+ * Tq > Tk), Tq = 1, more and fewer work items than a persistent grid has
+ * blocks; each tensor-core kernel forced in turn (KINDS) */
 static void test_cuda_sdpa(void **state)
 {
 	(void)state;
@@ -681,6 +682,14 @@ static void test_cuda_sdpa(void **state)
 	        {1, 2, 0, 640, 640, 64, 64, true},    {1, 1, 0, 1024, 1024, 128, 128, false},
 	        {2, 1, 2, 190, 333, 128, 128, false}, {1, 2, 0, 333, 190, 128, 128, true},
 	        {1, 3, 0, 201, 97, 64, 64, false},    {1, 2, 0, 97, 201, 64, 64, true},
+	        /* for the persistent kl_attn_fa3 (one block an SM, 132 on an H200,
+	         * walking the (batch, query block) items): 300 causal items of
+	         * two tiles, Tq < Tk, the second query block 2 rows; 420 causal
+	         * items, Tq > Tk, every block ending on items with no key (rows
+	         * 0-199 see none: NaN) after ones with; 288 non-causal items;
+	         * 18 items, fewer than the SMs */
+	        {2, 10, 15, 130, 200, 128, 128, true}, {2, 7, 20, 300, 100, 64, 64, true},
+	        {2, 8, 18, 130, 150, 128, 128, false}, {2, 2, 3, 333, 455, 128, 128, true},
 	};
 	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
 	int bad = 0;
