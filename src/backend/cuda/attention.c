@@ -14,11 +14,12 @@
  * with TMA into mbarrier-guarded stages, the two consumer warpgroups take
  * turns on the tensor cores) where each of q, k and v fits a 3-d tensor map
  * (tma_map) and the work items (batch, query block) number under 2^31 less
- * an SM count, else kl_attn_wgmma with two warpgroups a block (cp.async
+ * two SM counts, else kl_attn_wgmma with two warpgroups a block (cp.async
  * loads by the consumers themselves). kl_attn_fa3 is persistent: a 1-d grid
- * of min(items, SMs) blocks (one fits an SM), block x taking items x,
- * x + grid, ... in the same heaviest-first order, so that one item's
- * epilogue and the next one's first loads overlap. KILN_CUDA_ATTN_WG=0 takes that one
+ * of min(items, SMs) blocks (one fits an SM), block x taking one item of
+ * each round of grid items in the same heaviest-first order (x, then
+ * 2 grid - 1 - x, 2 grid + x, ...: a heavy causal item, then a light one),
+ * so that one item's epilogue and the next one's first loads overlap. KILN_CUDA_ATTN_WG=0 takes that one
  * always, KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block
  * (KL_AT_BM 64: two blocks per SM whose softmax and products interleave).
  * H200, B4 H16 T1024 D128 bf16: fa3 458 TFLOP/s (causal 326), two
@@ -408,12 +409,12 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			if (!fa3_regs_ok(ctx, f[0]))
 				goto two_wg;
 			/* persistent: one block an SM (its shared memory takes the
-			 * SM's) walks the items (batch, query block) in strides of
-			 * the grid; the items, and one stride past the last, are an
-			 * int in the kernel */
+			 * SM's) walks the items (batch, query block), one of each
+			 * round of grid items; the items, and the step of up to two
+			 * rounds past the last, are an int in the kernel */
 			int64_t items = nbt * ((s->tq + WG_BM(WG_FA3) - 1) / WG_BM(WG_FA3));
 			int64_t sms = d->sm_count > 0 ? d->sm_count : 1;
-			if (items > INT32_MAX - sms) {
+			if (items > INT32_MAX - 2 * sms) {
 				kl__log(ctx, KL_LOG_FUSION,
 				        "kl_sdpa: kl_attn_fa3: %lld work items (batches times query "
 				        "blocks) exceed an int: the two-warpgroup wgmma kernel",
