@@ -686,8 +686,9 @@ static void test_cuda_sdpa(void **state)
 	         * SM, 132 on an H200, walking the (batch, query block) items; the
 	         * cases above have fewer items than SMs): 280 causal items of
 	         * two tiles, Tq < Tk, the second query block 2 rows; 420 causal
-	         * items, Tq > Tk, every block ending on items with no key (rows
-	         * 0-199 see none: NaN) after ones with; 288 non-causal items */
+	         * items, Tq > Tk, 116 blocks ending on one or two items with no
+	         * key (rows 0-199 see none: NaN) after ones with; 288 non-causal
+	         * items */
 	        {2, 10, 14, 130, 140, 128, 128, true}, {2, 7, 20, 300, 100, 64, 64, true},
 	        {2, 8, 18, 130, 70, 64, 64, false},
 	};
