@@ -6,8 +6,9 @@
  * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
  * keys across warps and merges them; everything else takes the general
  * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
- * that cannot take the step falls back as above). The tensor-core kernels'
- * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
+ * that cannot take the step falls back as above). The mma.sync and
+ * kl_attn_wgmma grids are x = batch (up to 2^31 - 1), y = query blocks (up
+ * to 65535), the
  * heaviest causal block first: the scheduler hands out every batch's
  * heaviest block before any lighter one. On sm_90 the wgmma kernel is
  * kl_attn_fa3 (attention_fa3_src.c: a producer warpgroup loads Q, K and V
@@ -19,11 +20,12 @@
  * of min(items, SMs) blocks (one fits an SM), block x taking one item of
  * each round of grid items in the same heaviest-first order (x, then
  * 2 grid - 1 - x, 2 grid + x, ...: a heavy causal item, then a light one),
- * so that one item's epilogue and the next one's first loads overlap. KILN_CUDA_ATTN_WG=0 takes that one
- * always, KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block
- * (KL_AT_BM 64: two blocks per SM whose softmax and products interleave).
- * H200, B4 H16 T1024 D128 bf16: fa3 458 TFLOP/s (causal 326), two
- * warpgroups 372 (282).
+ * so that one item's epilogue and the next one's first loads overlap.
+ * KILN_CUDA_ATTN_WG=0 takes the two-warpgroup kernel always,
+ * KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block (KL_AT_BM 64:
+ * two blocks per SM whose softmax and products interleave). H200, B4 H16
+ * T1024 D128 bf16: fa3 458 TFLOP/s (causal 326) before it was persistent,
+ * two warpgroups 372 (282).
  */
 #include <stdint.h>
 #include <stdio.h>
