@@ -664,7 +664,8 @@ static void test_cuda_sdpa_layout(void **state)
 /* the CUDA kernels (wgmma on sm_90, mma.sync, general, split-key decode)
  * against the reference: bf16/f16 at head dims 64 and 128, causal and not,
  * query and key counts that are not multiples of any tile (Tq < Tk and
- * Tq > Tk), Tq = 1; each tensor-core kernel forced in turn (KINDS) */
+ * Tq > Tk), Tq = 1, more and fewer work items than a persistent grid has
+ * blocks; each tensor-core kernel forced in turn (KINDS) */
 static void test_cuda_sdpa(void **state)
 {
 	(void)state;
@@ -681,16 +682,31 @@ static void test_cuda_sdpa(void **state)
 	        {1, 2, 0, 640, 640, 64, 64, true},    {1, 1, 0, 1024, 1024, 128, 128, false},
 	        {2, 1, 2, 190, 333, 128, 128, false}, {1, 2, 0, 333, 190, 128, 128, true},
 	        {1, 3, 0, 201, 97, 64, 64, false},    {1, 2, 0, 97, 201, 64, 64, true},
+	        /* for the persistent kl_attn_fa3 alone (FA3_CASES; one block an
+	         * SM, 132 on an H200, walking the (batch, query block) items; the
+	         * cases above have fewer items than SMs): 280 causal items of
+	         * two tiles, Tq < Tk, the second query block 2 rows; 420 causal
+	         * items, Tq > Tk, 116 blocks ending on one or two items with no
+	         * key (rows 0-199 see none: NaN) after ones with; 288 non-causal
+	         * items */
+	        {2, 10, 14, 130, 140, 128, 128, true}, {2, 7, 20, 300, 100, 64, 64, true},
+	        {2, 8, 18, 130, 70, 64, 64, false},
 	};
+	/* the last FA3_CASES run with kl_attn_fa3 forced only: the other
+	 * kernels have no rounds of items, and the reference of these many
+	 * batches takes seconds */
+	enum { FA3_CASES = 3 };
+	const size_t ngc = sizeof gc / sizeof gc[0];
 	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
 	int bad = 0;
 	for (int ki = 0; ki < (int)(sizeof KINDS / sizeof KINDS[0]); ki++) {
 		force_kind(&KINDS[ki]);
-		for (size_t ci = 0; ci < sizeof gc / sizeof gc[0]; ci++)
+		bool fa3 = !strcmp(KINDS[ki].name, "wgmma-fa3");
+		for (size_t ci = 0; ci < ngc; ci++)
 			for (int di = 0; di < 4; di++) {
 				const acase *c = &gc[ci];
 				/* f32/f64 take the general kernel whatever is forced */
-				if (ki > 0 && di >= 2)
+				if ((ki > 0 && di >= 2) || (ci >= ngc - FA3_CASES && (!fa3 || di >= 2)))
 					continue;
 				char what[96];
 				snprintf(what, sizeof what, "cuda sdpa (%s) case %zu %s", KINDS[ki].name,

@@ -6,19 +6,26 @@
  * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
  * keys across warps and merges them; everything else takes the general
  * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
- * that cannot take the step falls back as above). The tensor-core kernels'
- * grid is x = batch (up to 2^31 - 1), y = query blocks (up to 65535), the
+ * that cannot take the step falls back as above). The mma.sync and
+ * kl_attn_wgmma grids are x = batch (up to 2^31 - 1), y = query blocks (up
+ * to 65535), the
  * heaviest causal block first: the scheduler hands out every batch's
  * heaviest block before any lighter one. On sm_90 the wgmma kernel is
  * kl_attn_fa3 (attention_fa3_src.c: a producer warpgroup loads Q, K and V
  * with TMA into mbarrier-guarded stages, the two consumer warpgroups take
  * turns on the tensor cores) where each of q, k and v fits a 3-d tensor map
- * (tma_map), else kl_attn_wgmma with two warpgroups a block (cp.async
- * loads by the consumers themselves). KILN_CUDA_ATTN_WG=0 takes that one
- * always, KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block
- * (KL_AT_BM 64: two blocks per SM whose softmax and products interleave).
- * H200, B4 H16 T1024 D128 bf16: fa3 458 TFLOP/s (causal 326), two
- * warpgroups 372 (282).
+ * (tma_map) and the work items (batch, query block) number under 2^31 less
+ * two SM counts, else kl_attn_wgmma with two warpgroups a block (cp.async
+ * loads by the consumers themselves). kl_attn_fa3 is persistent: a 1-d grid
+ * of min(items, SMs) blocks (one fits an SM), block x taking one item of
+ * each round of grid items in the same heaviest-first order (x, then
+ * 2 grid - 1 - x, 2 grid + x, ...: a heavy causal item, then a light one),
+ * so that one item's epilogue and the next one's first loads overlap.
+ * KILN_CUDA_ATTN_WG=0 takes the two-warpgroup kernel always,
+ * KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block (KL_AT_BM 64:
+ * two blocks per SM whose softmax and products interleave). H200, B4 H16
+ * T1024 D128 bf16: fa3 458 TFLOP/s (causal 326) before it was persistent,
+ * two warpgroups 372 (282).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -44,14 +51,14 @@ typedef struct kl_at_args {
  * one (1), kl_attn_fa3 (unset or 2: two consumer warpgroups and a producer
  * warpgroup). Query rows per block = keys per tile (KL_AT_BM in its source),
  * threads per block (KL_AT_TH), K and V tiles in flight (KL_AT_WS), the
- * bytes of kl_attn_fa3's mbarriers (KL_AT_BB: Q's, a full and an empty one
- * per stage) and the shared memory they take (Q, K, V, alignment,
+ * bytes of kl_attn_fa3's mbarriers (KL_AT_BB: Q's full and empty ones, a
+ * full and an empty one per stage) and the shared memory they take (Q, K, V, alignment,
  * barriers); the launch and the source's defines both come from here */
 enum { WG_TWO, WG_ONE, WG_FA3 };
 #define WG_BM(k) ((k) == WG_ONE ? 64 : 128)
 #define WG_THREADS(k) ((k) == WG_ONE ? 128 : (k) == WG_FA3 ? 384 : 256)
 #define WG_STAGES 3
-#define WG_BAR_BYTES ((2 * WG_STAGES + 1) * 8)
+#define WG_BAR_BYTES ((2 * WG_STAGES + 2) * 8)
 /* kl_attn_fa3's registers a thread after setmaxnreg (KL_AT_PR, KL_AT_CR):
  * the producer warpgroup's and the consumers'. The consumers' increase
  * waits until the block's pool holds it, so the kernel is launched only
@@ -403,9 +410,21 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 				return st;
 			if (!fa3_regs_ok(ctx, f[0]))
 				goto two_wg;
+			/* persistent: one block an SM (its shared memory takes the
+			 * SM's) walks the items (batch, query block), one of each
+			 * round of grid items; the items, and the step of up to two
+			 * rounds past the last, are an int in the kernel */
+			int64_t items = nbt * ((s->tq + WG_BM(WG_FA3) - 1) / WG_BM(WG_FA3));
+			int64_t sms = d->sm_count > 0 ? d->sm_count : 1;
+			if (items > INT32_MAX - 2 * sms) {
+				kl__log(ctx, KL_LOG_FUSION,
+				        "kl_sdpa: kl_attn_fa3: %lld work items (batches times query "
+				        "blocks) exceed an int: the two-warpgroup wgmma kernel",
+				        (long long)items);
+				goto two_wg;
+			}
 			void *fargv[4] = {&a, &maps[0], &maps[1], &maps[2]};
-			unsigned grid[3] = {(unsigned)nbt,
-			                    (unsigned)((s->tq + WG_BM(WG_FA3) - 1) / WG_BM(WG_FA3)), 1};
+			unsigned grid[3] = {(unsigned)(items < sms ? items : sms), 1, 1};
 			unsigned block[3] = {WG_THREADS(WG_FA3), 1, 1};
 			return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), fargv,
 			                       KL_LAUNCH_PDL);
