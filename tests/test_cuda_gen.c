@@ -1103,58 +1103,6 @@ static void test_cuda_pw_unroll(void **state)
 	kl_ctx_free(ctx);
 }
 
-/* KILN_CUDA_ROW_AHEAD: parsed (1 or 2, else 1); at 2 a chunked row kernel
- * loads the first row and the next on its first iteration and then two
- * rows on (into km, moved down to kn after each row); 1 (the default) is
- * one row on, no km; both compile */
-static void test_cuda_row_ahead(void **state)
-{
-	(void)state;
-	if (!nvrtc_ok())
-		skip();
-	char *saved = getenv("KILN_CUDA_ROW_AHEAD") ? strdup(getenv("KILN_CUDA_ROW_AHEAD")) : NULL;
-	static const struct {
-		const char *v;
-		int ahead;
-	} parse[] = {{NULL, 1}, {"1", 1}, {"2", 2}, {"3", 1}, {"0", 1}, {"x", 1}};
-	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
-		set_or_unset("KILN_CUDA_ROW_AHEAD", parse[t].v);
-		if (kl__cuda_dot_knobs().ahead != parse[t].ahead)
-			fail_msg("KILN_CUDA_ROW_AHEAD=%s: %d, want %d", parse[t].v ? parse[t].v : "unset",
-			         kl__cuda_dot_knobs().ahead, parse[t].ahead);
-	}
-	kl_ctx *ctx = kl_ctx_new(NULL);
-	assert_non_null(ctx);
-	kl_tensor *in[3];
-	in[0] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 780);
-	in[1] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 781);
-	in[2] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 782);
-	for (int two = 0; two < 2; two++) {
-		set_or_unset("KILN_CUDA_ROW_AHEAD", two ? "2" : NULL);
-		kl_trace *tr = trace(ctx, b_layer_norm, in, NULL);
-		assert_non_null(tr);
-		kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
-		kl_program P;
-		char err[512];
-		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
-			fail_msg("layer norm, ahead %d: lower: %s", two + 1, err);
-		bool km = strstr(P.source, "km0[j].u[0] = __ldg(") != NULL;
-		bool far = strstr(P.source, "kl_next = row + (int64_t)gridDim.x * 2;") != NULL;
-		bool down = strstr(P.source, "kn0[j].u[u] = km0[j].u[u];") != NULL;
-		if (km != (two == 1) || far != (two == 1) || down != (two == 1))
-			fail_msg("layer norm, ahead %d: km loads %d, two rows on %d, km moved down %d",
-			         two + 1, km, far, down);
-		must_compile(ctx, &P, "row ahead", "layer norm ahead %d", two + 1);
-		kl__program_free(&P);
-		kl__trace_free(tr);
-	}
-	for (int i = 0; i < 3; i++)
-		kl_release(in[i]);
-	set_or_unset("KILN_CUDA_ROW_AHEAD", saved);
-	free(saved);
-	kl_ctx_free(ctx);
-}
-
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -1345,26 +1293,6 @@ static void test_gpu_pw_unroll(void **state)
 	free(saved);
 }
 
-/* two rows fetched ahead (KILN_CUDA_ROW_AHEAD=2): every case with a
- * chunked path against the float64 reference, f32 and bf16, static and
- * dynamic extents */
-static void test_gpu_row_ahead(void **state)
-{
-	(void)state;
-	NEED_GPU();
-	char *saved = getenv("KILN_CUDA_ROW_AHEAD") ? strdup(getenv("KILN_CUDA_ROW_AHEAD")) : NULL;
-	setenv("KILN_CUDA_ROW_AHEAD", "2", 1);
-	const kl_dtype dts[] = {KL_F32, KL_BF16};
-	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
-		for (size_t di = 0; di < 2; di++)
-			if (CASES[ci].chunked && dt_fits(&CASES[ci], dts[di])) {
-				check_compiled(&CASES[ci], dts[di], KL_MODE_DEFAULT, false, 1600 + ci);
-				check_compiled(&CASES[ci], dts[di], KL_MODE_DEFAULT, true, 1700 + ci);
-			}
-	set_or_unset("KILN_CUDA_ROW_AHEAD", saved);
-	free(saved);
-}
-
 static void test_gpu_reduce_overhead(void **state)
 {
 	(void)state;
@@ -1413,14 +1341,12 @@ int main(void)
 	        cmocka_unit_test(test_cuda_dot_knobs),
 	        cmocka_unit_test(test_cuda_row_hold),
 	        cmocka_unit_test(test_cuda_pw_unroll),
-	        cmocka_unit_test(test_cuda_row_ahead),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),
 	        cmocka_unit_test(test_gpu_compiled),
 	        cmocka_unit_test(test_gpu_onepass),
 	        cmocka_unit_test(test_gpu_pw_unroll),
-	        cmocka_unit_test(test_gpu_row_ahead),
 	        cmocka_unit_test(test_gpu_reduce_overhead),
 	};
 	/* ctest runs each GPU test, and the host ones, as a process of its own

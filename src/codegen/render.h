@@ -121,9 +121,6 @@ typedef struct kl_cuda_dot {
 	int pw; /* KILN_CUDA_PW_UNROLL (1, 2, 4 or 8; default 0: by the loads):
 	         * the chunks a pointwise kernel's thread loads before it computes
 	         * and stores any of them */
-	int ahead; /* KILN_CUDA_ROW_AHEAD (1 or 2, default 1): how many rows on
-	            * a chunked row kernel fetches the next row's chunks while it
-	            * reduces this one (2: two rows in flight, more registers) */
 } kl_cuda_dot;
 kl_cuda_dot kl__cuda_dot_knobs(void);
 

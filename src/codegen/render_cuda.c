@@ -443,7 +443,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1, 0, 1, 0, 1};
+	kl_cuda_dot d = {4, 131072, 1, 0, 1, 0};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -458,8 +458,6 @@ kl_cuda_dot kl__cuda_dot_knobs(void)
 	if ((e = getenv("KILN_CUDA_PW_UNROLL")) &&
 	    (!strcmp(e, "1") || !strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")))
 		d.pw = atoi(e);
-	if ((e = getenv("KILN_CUDA_ROW_AHEAD")) && (!strcmp(e, "1") || !strcmp(e, "2")))
-		d.ahead = atoi(e);
 	return d;
 }
 
@@ -683,7 +681,7 @@ static bool early_acc(const cctx *c, const vacc *a)
  * which: 0 every access, 1 the early ones, 2 all but the early ones, 3 the
  * loads every row makes right before use (vacc.each; 0-2 leave them out) */
 static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
-                        int ahead, int which)
+                        bool ahead, int which)
 {
 	for (int ai = 0; ai < vp->nacc; ai++) {
 		const vacc *a = &vp->acc[ai];
@@ -693,7 +691,7 @@ static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
 			continue;
 		if ((which == 1 && !early_acc(c, a)) || (which == 2 && early_acc(c, a)))
 			continue;
-		const char *kv = ahead == 2 ? "km" : ahead ? "kn" : "kv";
+		const char *kv = ahead ? "kn" : "kv";
 		const char *w;
 		int nw;
 		chunk_word(vp, a, &w, &nw);
@@ -720,7 +718,7 @@ static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
 
 static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
 {
-	chunk_io_to(c, vp, blk, store, slot, 0, 0);
+	chunk_io_to(c, vp, blk, store, slot, false, 0);
 }
 
 /* A row-local array that holds exp(v - M) computed with a thread's own M
@@ -1054,23 +1052,6 @@ static void open_slots(cctx *c, const vplan *vp)
 	line(c, "i%d = ch * %d;", vp->d, vp->V);
 }
 
-/* the row-dependent chunks of block blk of the row n group-strides on
- * (n 1 or 2) into kn (1) or km (2), where that row exists */
-static void row_ahead(cctx *c, const vplan *vp, int blk, int n)
-{
-	open_brace(c);
-	line(c, "const int64_t kl_next = row + (int64_t)gridDim.x * %d;", n * (BLOCK / vp->G));
-	line(c, "if (kl_next < nrows)");
-	open_brace(c);
-	decompose(c, vp->outer, "kl_next");
-	open_slots(c, vp);
-	chunk_io_to(c, vp, blk, false, "[j]", n, 0);
-	close_brace(c);
-	close_brace(c);
-	close_brace(c);
-	close_brace(c);
-}
-
 /* pass p over a row held in registers: thread lane has the chunks
  * lane + G * j, all loaded (in flight together) before the first pass
  * reads them */
@@ -1084,34 +1065,42 @@ static void pass_chunks(cctx *c, int p, const vplan *vp)
 		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
 	}
 	if (loads) {
+		/* a later row's chunks came ahead (and row-invariant ones, such
+		 * as a norm's weight, are still held, unless KILN_CUDA_ROW_HOLD=0
+		 * has every row load them below): loaded on the first only */
+		line(c, "if (!kl_ahead)");
+		open_brace(c);
+		open_slots(c, vp);
+		chunk_io_to(c, vp, blk, false, "[j]", false, c->early ? 2 : 0);
+		close_brace(c);
+		close_brace(c);
+		close_brace(c);
+		/* the next row's chunks, in flight while this one is reduced */
 		bool any = false;
 		for (int a = 0; a < vp->nacc; a++)
 			any |= !vp->acc[a].store && vp->acc[a].blk == blk &&
 			       row_dependent(c, vp, &vp->acc[a]);
-		int depth = any ? kl__cuda_dot_knobs().ahead : 0;
-		/* a later row's chunks came ahead (and row-invariant ones, such
-		 * as a norm's weight, are still held, unless KILN_CUDA_ROW_HOLD=0
-		 * has every row load them below): loaded on the first only, with
-		 * the next row's when two rows are fetched ahead */
-		line(c, "if (!kl_ahead)");
-		open_brace(c);
-		open_slots(c, vp);
-		chunk_io_to(c, vp, blk, false, "[j]", 0, c->early ? 2 : 0);
-		close_brace(c);
-		close_brace(c);
-		if (depth == 2)
-			row_ahead(c, vp, blk, 1);
-		close_brace(c);
-		/* the row `depth` rows on, in flight while this one is reduced */
-		if (depth)
-			row_ahead(c, vp, blk, depth);
+		if (any) {
+			open_brace(c);
+			line(c, "const int64_t kl_next = row + (int64_t)gridDim.x * %d;",
+			     BLOCK / vp->G);
+			line(c, "if (kl_next < nrows)");
+			open_brace(c);
+			decompose(c, vp->outer, "kl_next");
+			open_slots(c, vp);
+			chunk_io_to(c, vp, blk, false, "[j]", true, 0);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+			close_brace(c);
+		}
 	}
 	dot_partial(c, vp, blk, true);
 	open_slots(c, vp);
 	/* KILN_CUDA_ROW_HOLD=0: this row's row-invariant chunks, each right
 	 * before the elements that read it */
 	if (each)
-		chunk_io_to(c, vp, blk, false, "[j]", 0, 3);
+		chunk_io_to(c, vp, blk, false, "[j]", false, 3);
 	line(c, "#pragma unroll");
 	line(c, "for (int e = 0; e < %d; e++)", V);
 	open_brace(c);
@@ -1249,9 +1238,8 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 			const char *w;
 			int nw;
 			chunk_word(vp, &vp->acc[a], &w, &nw);
-			for (int n = 1; n <= kl__cuda_dot_knobs().ahead; n++)
-				line(c, "union { %s u[%d]; %s e[%d]; } k%c%d[%d];", w, nw,
-				     c->r->mtype[vp->acc[a].dt], vp->V, n == 2 ? 'm' : 'n', a, vp->nj);
+			line(c, "union { %s u[%d]; %s e[%d]; } kn%d[%d];", w, nw,
+			     c->r->mtype[vp->acc[a].dt], vp->V, a, vp->nj);
 		}
 		line(c, "bool kl_ahead = false;");
 	}
@@ -1273,7 +1261,7 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 				if (inner & (1u << d))
 					line(c, "int64_t i%d = 0;", d);
 			open_slots(c, vp);
-			chunk_io_to(c, vp, 1, false, "[j]", 0, 1);
+			chunk_io_to(c, vp, 1, false, "[j]", false, 1);
 			close_brace(c);
 			close_brace(c);
 			close_brace(c);
@@ -1319,12 +1307,6 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 			line(c, "for (int j = 0; j < %d; j++)", vp->nj);
 			line(c, "\tfor (int u = 0; u < %d; u++)", nw);
 			line(c, "\t\tkv%d[j].u[u] = kn%d[j].u[u];", a, a);
-			if (kl__cuda_dot_knobs().ahead == 2) {
-				line(c, "#pragma unroll");
-				line(c, "for (int j = 0; j < %d; j++)", vp->nj);
-				line(c, "\tfor (int u = 0; u < %d; u++)", nw);
-				line(c, "\t\tkn%d[j].u[u] = km%d[j].u[u];", a, a);
-			}
 		}
 		line(c, "kl_ahead = true;");
 	}

@@ -44,9 +44,9 @@ uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
 	/* the forced row group, the one-reduction pairs and the dot rows' knobs
 	 * change the generated kernels */
 	kl_cuda_dot dot = kl__cuda_dot_knobs();
-	int v[13] = {d->cc_major, d->cc_minor, 0,         0,        kl__cuda_row_group(),
+	int v[12] = {d->cc_major, d->cc_minor, 0,         0,        kl__cuda_row_group(),
 	             kl__cuda_row_onepass(), dot.chunks, dot.threads, dot.f32, dot.minb,
-	             dot.hold, dot.pw, dot.ahead};
+	             dot.hold, dot.pw};
 	if (kl__cuda_load_nvrtc(ctx) == KL_OK) {
 		v[2] = kl__nvrtc.major;
 		v[3] = kl__nvrtc.minor;
