@@ -54,7 +54,7 @@ static int b_gelu1(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
-/* four loads a point (in[0..3]): no chunk unrolled by default */
+/* four loads a point (in[0..3]) */
 static int b_four(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
 	(void)p;
@@ -1042,9 +1042,8 @@ static void test_cuda_row_hold(void **state)
 }
 
 /* KILN_CUDA_PW_UNROLL: parsed (1, 2, 4, 8; anything else is the default,
- * 0); by default a pointwise kernel's thread loads 4 chunks before it
- * computes when it has one chunked load, 2 with two or three, 1 with four
- * or more; the knob forces the count; every source compiles for sm_90 */
+ * 1); a pointwise kernel's thread loads that many chunks before it
+ * computes, whatever its loads; every source compiles for sm_90 */
 static void test_cuda_pw_unroll(void **state)
 {
 	(void)state;
@@ -1054,8 +1053,8 @@ static void test_cuda_pw_unroll(void **state)
 	static const struct {
 		const char *v;
 		int pw;
-	} parse[] = {{NULL, 0}, {"1", 1}, {"2", 2}, {"4", 4}, {"8", 8},
-	             {"3", 0},  {"0", 0}, {"16", 0}, {"x", 0}, {"", 0}};
+	} parse[] = {{NULL, 1}, {"1", 1}, {"2", 2}, {"4", 4}, {"8", 8},
+	             {"3", 1},  {"0", 1}, {"16", 1}, {"x", 1}, {"", 1}};
 	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
 		set_or_unset("KILN_CUDA_PW_UNROLL", parse[t].v);
 		if (kl__cuda_dot_knobs().pw != parse[t].pw)
@@ -1073,9 +1072,9 @@ static void test_cuda_pw_unroll(void **state)
 		const char *knob;
 		const char *want;
 	} tries[] = {
-	        {b_gelu1, NULL, "/* 4 chunks a thread in flight */"},
-	        {b_fma_relu, NULL, "/* 2 chunks a thread in flight */"},
-	        {b_four, NULL, "/* 1 chunk a thread in flight */"},
+	        {b_gelu1, NULL, "/* 1 chunk a thread in flight */"},
+	        {b_fma_relu, NULL, "/* 1 chunk a thread in flight */"},
+	        {b_four, "4", "/* 4 chunks a thread in flight */"},
 	        {b_gelu1, "1", "/* 1 chunk a thread in flight */"},
 	        {b_fma_relu, "8", "/* 8 chunks a thread in flight */"},
 	        {b_gelu1, "2", "/* 2 chunks a thread in flight */"},

@@ -118,7 +118,7 @@ typedef struct kl_cuda_dot {
 	           * in the pass that first uses them, each chunk right before its
 	           * use, so they hold registers only there. The group and chunks
 	           * per thread are chosen alike either way. */
-	int pw; /* KILN_CUDA_PW_UNROLL (1, 2, 4 or 8; default 0: by the loads):
+	int pw; /* KILN_CUDA_PW_UNROLL (1, 2, 4 or 8; default 1):
 	         * the chunks a pointwise kernel's thread loads before it computes
 	         * and stores any of them */
 } kl_cuda_dot;

@@ -443,7 +443,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1, 0, 1, 0};
+	kl_cuda_dot d = {4, 131072, 1, 0, 1, 1};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -858,19 +858,14 @@ static void decompose(cctx *c, uint32_t mask, const char *q)
 
 /* ---- pointwise kernels ------------------------------------------------------------------ */
 
-/* Chunks of one thread in flight: U = KILN_CUDA_PW_UNROLL where set, else
- * enough that a thread has at least PW_INFLIGHT chunk loads outstanding
- * (a copy's one load a chunk left the bandwidth short of the device's);
- * within the unrolled body's budget. */
-#define PW_INFLIGHT 4
+/* Chunks of one thread in flight: U = KILN_CUDA_PW_UNROLL (default 1),
+ * within the unrolled body's budget. More than one measured slower on the
+ * H200 (run 15: the decoder layer 990 against 941 us, relu(a*b+c) at
+ * 8192^2 4.16 against 4.21 TB/s, the copy 3.91 either way), so it is an
+ * A/B knob. */
 static int pw_unroll(const cctx *c, const vplan *vp)
 {
-	int loads = 0;
-	for (int a = 0; a < vp->nacc; a++)
-		loads += !vp->acc[a].store;
 	int u = kl__cuda_dot_knobs().pw;
-	if (u == 0)
-		u = loads >= PW_INFLIGHT ? 1 : loads >= 2 ? 2 : PW_INFLIGHT;
 	while (u > 1 && body_cost(c) * vp->V * u > UNROLL_BUDGET)
 		u /= 2;
 	return u;
