@@ -946,6 +946,34 @@ static bool loads_between(const char *src, int b, const char *after, const char 
 	return inside && *n > 0;
 }
 
+/* a knob's value for v (NULL: unset) and the field kl__cuda_dot_knobs
+ * gives for it */
+typedef struct knob_try {
+	const char *v;
+	int want;
+} knob_try;
+
+static int knob_hold(void)
+{
+	return kl__cuda_dot_knobs().hold;
+}
+
+static int knob_pw(void)
+{
+	return kl__cuda_dot_knobs().pw;
+}
+
+/* each of the n settings of environment variable name reads as its want */
+static void knob_parses(const char *name, const knob_try *t, size_t n, int (*get)(void))
+{
+	for (size_t i = 0; i < n; i++) {
+		set_or_unset(name, t[i].v);
+		if (get() != t[i].want)
+			fail_msg("%s=%s: %d, want %d", name, t[i].v ? t[i].v : "unset", get(),
+			         t[i].want);
+	}
+}
+
 /* KILN_CUDA_ROW_HOLD: unset or 1, a bf16 layer norm's weight and bias are
  * loaded with the first row's chunks (under !kl_ahead, before the
  * reductions) and held; 0, every row loads them after its reductions, in
@@ -960,16 +988,9 @@ static void test_cuda_row_hold(void **state)
 		skip();
 	char *saved = getenv("KILN_CUDA_ROW_HOLD") ? strdup(getenv("KILN_CUDA_ROW_HOLD")) : NULL;
 	char *saved_one = onepass_set(NULL);
-	static const struct {
-		const char *v;
-		int hold;
-	} parse[] = {{NULL, 1}, {"1", 1}, {"0", 0}, {"2", 1}, {"no", 1}, {"", 1}, {"01", 1}};
-	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
-		set_or_unset("KILN_CUDA_ROW_HOLD", parse[t].v);
-		if (kl__cuda_dot_knobs().hold != parse[t].hold)
-			fail_msg("KILN_CUDA_ROW_HOLD=%s: hold %d, want %d", parse[t].v ? parse[t].v : "unset",
-			         kl__cuda_dot_knobs().hold, parse[t].hold);
-	}
+	static const knob_try parse[] = {{NULL, 1}, {"1", 1}, {"0", 0}, {"2", 1},
+	                                 {"no", 1}, {"", 1},  {"01", 1}};
+	knob_parses("KILN_CUDA_ROW_HOLD", parse, sizeof parse / sizeof parse[0], knob_hold);
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	assert_non_null(ctx);
 	kl_tensor *in[3];
@@ -1050,17 +1071,9 @@ static void test_cuda_pw_unroll(void **state)
 	if (!nvrtc_ok())
 		skip();
 	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
-	static const struct {
-		const char *v;
-		int pw;
-	} parse[] = {{NULL, 1}, {"1", 1}, {"2", 2}, {"4", 4}, {"8", 8},
-	             {"3", 1},  {"0", 1}, {"16", 1}, {"x", 1}, {"", 1}};
-	for (size_t t = 0; t < sizeof parse / sizeof parse[0]; t++) {
-		set_or_unset("KILN_CUDA_PW_UNROLL", parse[t].v);
-		if (kl__cuda_dot_knobs().pw != parse[t].pw)
-			fail_msg("KILN_CUDA_PW_UNROLL=%s: %d, want %d", parse[t].v ? parse[t].v : "unset",
-			         kl__cuda_dot_knobs().pw, parse[t].pw);
-	}
+	static const knob_try parse[] = {{NULL, 1}, {"1", 1}, {"2", 2},  {"4", 4}, {"8", 8},
+	                                 {"3", 1},  {"0", 1}, {"16", 1}, {"x", 1}, {"", 1}};
+	knob_parses("KILN_CUDA_PW_UNROLL", parse, sizeof parse / sizeof parse[0], knob_pw);
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	assert_non_null(ctx);
 	kl_tensor *in[4];
