@@ -15,8 +15,8 @@
 # bench,cold,peer,jax (stages to leave out), GPU_CHECK_JOBS (default 16),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 460), GPU_CHECK_CMAKE_ARGS
 # (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit),
-# GPU_CHECK_PROBES=1 (also build and run bench/probes/copy_probe.cu with nvcc,
-# where nvcc is found: copy variants against cudaMemcpy, reported only),
+# GPU_CHECK_PROBES=1 (also build and run each bench/probes/*.cu with nvcc,
+# where nvcc is found: stand-alone experiments, reported only),
 # GPU_CHECK_TESTS (a ctest -R regex: a targeted run tests only those; the
 # default runs the whole suite), GPU_CHECK_AFTER (a command run last, in this
 # script's environment: the toolkit's libraries found, the build in build/;
@@ -192,11 +192,13 @@ if [[ ${GPU_CHECK_PROBES:-0} == 1 ]]; then
 	if [[ -z $nvcc_bin ]]; then
 		say "probes: no nvcc on this machine, skipped"
 	else
-		# shellcheck disable=SC2016 # $0, $1 and $2 are the inner shell's
-		stage copy_probe 60 bash -c '"$0" -O3 -arch=sm_90a -std=c++17 -o "$1/copy_probe" "$2" && "$1/copy_probe"' \
-			"$nvcc_bin" "$build" "$root/bench/probes/copy_probe.cu" ||
-			say "copy_probe did not complete: see copy_probe.log"
-		cat "$logs/copy_probe.log"
+		for src in "$root"/bench/probes/*.cu; do
+			p=$(basename "$src" .cu)
+			# shellcheck disable=SC2016 # $0, $1 and $2 are the inner shell's
+			stage "$p" 60 bash -c '"$0" -O3 -arch=sm_90a -std=c++17 -o "$1" "$2" && "$1"' \
+				"$nvcc_bin" "$build/$p" "$src" || say "$p did not complete: see $p.log"
+			cat "$logs/$p.log"
+		done
 	fi
 fi
 
