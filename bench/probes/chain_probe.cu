@@ -16,30 +16,21 @@
 // Build and run on the GPU machine (not part of the library or its tests):
 //   nvcc -O3 -arch=sm_90a -o chain_probe bench/probes/chain_probe.cu && ./chain_probe
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "probe.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CHECK(x)                                                                          \
-	do {                                                                              \
-		cudaError_t e_ = (x);                                                     \
-		if (e_ != cudaSuccess) {                                                  \
-			fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,        \
-			        cudaGetErrorString(e_));                                  \
-			exit(1);                                                          \
-		}                                                                         \
-	} while (0)
 
 enum { B = 8, N = 256, L = 24, CL = 8 };
 
-__device__ __forceinline__ float r16(float v)
+__host__ __device__ __forceinline__ float r16(float v)
 {
 	return __half2float(__float2half_rn(v));
 }
 
-__device__ __forceinline__ float gelu(float v)
+__host__ __device__ __forceinline__ float gelu(float v)
 {
 	return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
 }
@@ -70,6 +61,52 @@ __device__ __forceinline__ float warp_sum(float v)
 __device__ __forceinline__ __half finish(float acc, __half bias)
 {
 	return __float2half_rn(r16(gelu(r16(r16(acc) + __half2float(bias)))));
+}
+
+// the lane's 16 bytes of the weight rows o0 .. o0 + K - 1 of one layer's w
+template <int K>
+__device__ __forceinline__ void load_w(uint4 (&wr)[K], const __half *w, int o0, int lane)
+{
+#pragma unroll
+	for (int k = 0; k < K; k++)
+		wr[k] = *(const uint4 *)(w + (size_t)(o0 + k) * N + lane * 8);
+}
+
+// a layer's K dots for outputs o0 .. o0 + K - 1, each summed across the warp,
+// from the lane's inputs xc[0 .. 8) and weights wr; the next layer's weights
+// (wn, NULL after the last layer) go into wr while the sums run
+template <int K>
+__device__ __forceinline__ void layer_dots(uint4 (&wr)[K], const float *xc, const __half *wn, int o0,
+                                           int lane, float (&part)[K])
+{
+	float xf[8];
+#pragma unroll
+	for (int e = 0; e < 8; e++)
+		xf[e] = xc[e];
+#pragma unroll
+	for (int k = 0; k < K; k++)
+		part[k] = dot8(wr[k], xf);
+	if (wn)
+		load_w(wr, wn, o0, lane);
+#pragma unroll
+	for (int k = 0; k < K; k++)
+		part[k] = warp_sum(part[k]);
+}
+
+// part[k] for a k known only at run time (each lane its own), kept in registers
+template <int K>
+__device__ __forceinline__ float pick(const float (&part)[K], int k)
+{
+	float v = part[0];
+#pragma unroll
+	for (int j = 1; j < K; j++)
+		v = k == j ? part[j] : v;
+	return v;
+}
+
+__device__ __forceinline__ void cluster_sync(void)
+{
+	asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 // ---- graph24: one layer a launch, a warp an output ------------------------------------
@@ -103,36 +140,15 @@ __global__ void __launch_bounds__(1024) k_rowblock(const __half *x, const __half
 	if (threadIdx.x < N)
 		xs[0][threadIdx.x] = __half2float(x[(size_t)i * N + threadIdx.x]);
 	uint4 wr[8];
-#pragma unroll
-	for (int k = 0; k < 8; k++)
-		wr[k] = *(const uint4 *)(w + (size_t)(warp * 8 + k) * N + lane * 8);
+	load_w(wr, w, warp * 8, lane);
 	__syncthreads();
 	for (int l = 0; l < L; l++) {
-		const float *xc = xs[l & 1] + lane * 8;
-		float xf[8];
-#pragma unroll
-		for (int e = 0; e < 8; e++)
-			xf[e] = xc[e];
 		float part[8];
-#pragma unroll
-		for (int k = 0; k < 8; k++)
-			part[k] = dot8(wr[k], xf);
-		if (l + 1 < L) { // the next layer's weights, in flight while this one reduces
-			const __half *wn = w + (size_t)(l + 1) * N * N;
-#pragma unroll
-			for (int k = 0; k < 8; k++)
-				wr[k] = *(const uint4 *)(wn + (size_t)(warp * 8 + k) * N + lane * 8);
-		}
-#pragma unroll
-		for (int k = 0; k < 8; k++)
-			part[k] = warp_sum(part[k]);
+		layer_dots(wr, xs[l & 1] + lane * 8, l + 1 < L ? w + (size_t)(l + 1) * N * N : NULL,
+		           warp * 8, lane, part);
 		if (lane < 8) {
 			int o = warp * 8 + lane;
-			float v = part[0];
-#pragma unroll
-			for (int k = 1; k < 8; k++)
-				v = lane == k ? part[k] : v;
-			__half h = finish(v, b[(size_t)l * N + o]);
+			__half h = finish(pick(part, lane), b[(size_t)l * N + o]);
 			if (l + 1 < L)
 				xs[(l + 1) & 1][o] = __half2float(h);
 			else
@@ -154,35 +170,17 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256)
 	const int o0 = (int)rank * (N / CL) + warp * 4;
 	xs[0][threadIdx.x] = __half2float(x[(size_t)i * N + threadIdx.x]); // 256 threads = N
 	uint4 wr[4];
-#pragma unroll
-	for (int k = 0; k < 4; k++)
-		wr[k] = *(const uint4 *)(w + (size_t)(o0 + k) * N + lane * 8);
+	load_w(wr, w, o0, lane);
 	// every block's shared memory is in use only after all have started
-	asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+	cluster_sync();
 	for (int l = 0; l < L; l++) {
-		const float *xc = xs[l & 1] + lane * 8;
-		float xf[8];
-#pragma unroll
-		for (int e = 0; e < 8; e++)
-			xf[e] = xc[e];
 		float part[4];
-#pragma unroll
-		for (int k = 0; k < 4; k++)
-			part[k] = dot8(wr[k], xf);
-		if (l + 1 < L) {
-			const __half *wn = w + (size_t)(l + 1) * N * N;
-#pragma unroll
-			for (int k = 0; k < 4; k++)
-				wr[k] = *(const uint4 *)(wn + (size_t)(o0 + k) * N + lane * 8);
-		}
-#pragma unroll
-		for (int k = 0; k < 4; k++)
-			part[k] = warp_sum(part[k]);
-		// lanes 4k .. 4k+3 ... : lane (k * CL + r) writes output k into block r's buffer
+		layer_dots(wr, xs[l & 1] + lane * 8, l + 1 < L ? w + (size_t)(l + 1) * N * N : NULL, o0,
+		           lane, part);
+		// lane k * CL + r writes output k into block r's buffer
 		if (lane < 4 * CL) {
 			int k = lane / CL, r = lane % CL;
-			float v = k == 0 ? part[0] : k == 1 ? part[1] : k == 2 ? part[2] : part[3];
-			__half h = finish(v, b[(size_t)l * N + o0 + k]);
+			__half h = finish(pick(part, k), b[(size_t)l * N + o0 + k]);
 			if (l + 1 < L) {
 				unsigned local = (unsigned)__cvta_generic_to_shared(&xs[(l + 1) & 1][o0 + k]), remote;
 				asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
@@ -191,16 +189,11 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256)
 				y[(size_t)i * N + o0 + k] = h;
 			}
 		}
-		asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+		cluster_sync();
 	}
 }
 
 // ---- host -------------------------------------------------------------------------------
-static float hround(float v)
-{
-	return __half2float(__float2half_rn(v));
-}
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float randn(void)
 {
@@ -230,8 +223,7 @@ int main(void)
 				double s = 0;
 				for (int e = 0; e < N; e++)
 					s += (double)__half2float(hw[(size_t)l * N * N + (size_t)o * N + e]) * cur[i * N + e];
-				float v = hround(hround((float)s) + __half2float(hb[l * N + o]));
-				ref[i * N + o] = hround(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
+				ref[i * N + o] = r16(gelu(r16(r16((float)s) + __half2float(hb[l * N + o]))));
 			}
 		for (int k = 0; k < B * N; k++)
 			cur[k] = ref[k];

@@ -16,22 +16,13 @@
 //   memcpy      cudaMemcpyAsync device to device
 // Build and run on the GPU machine (not part of the library or its tests):
 //   nvcc -O3 -arch=sm_90a -o copy_probe bench/probes/copy_probe.cu && ./copy_probe
-#include <cuda_runtime.h>
+#include "probe.h"
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <algorithm>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-	do {                                                                              \
-		cudaError_t e_ = (x);                                                     \
-		if (e_ != cudaSuccess) {                                                  \
-			fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,        \
-			        cudaGetErrorString(e_));                                  \
-			exit(1);                                                          \
-		}                                                                         \
-	} while (0)
 
 static const size_t BYTES = (size_t)1 << 30; // 1 GiB read, 1 GiB written
 static const int BLOCK = 256;

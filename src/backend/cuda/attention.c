@@ -62,7 +62,7 @@ enum { WG_TWO, WG_ONE, WG_FA3 };
 /* kl_attn_fa3's registers a thread after setmaxnreg (KL_AT_PR, KL_AT_CR):
  * the producer warpgroup's and the consumers'. The consumers' increase
  * waits until the block's pool holds it, so the kernel is launched only
- * where ptxas gave it at least the mean (fa3_regs_ok) */
+ * where ptxas gave it at least the mean (fa3_regs_ok, when it loads) */
 #define WG_FA3_PRODUCER_REGS 24
 #define WG_FA3_CONSUMER_REGS 240
 #define WG_SMEM(d, k)                                                          \
@@ -109,6 +109,9 @@ typedef struct kl_cuda_attn {
 	 * they live until the device closes (sizes double: few of them) */
 	CUdeviceptr old[48];
 	int nold;
+	/* kl_attn_fa3 got fewer registers than its setmaxnreg pair moves: it
+	 * is not launched (found once, when its module loads) */
+	bool fa3_short[4][NVAR];
 } kl_cuda_attn;
 
 static int dt_code(kl_dtype dt)
@@ -146,6 +149,22 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 		         WG_BAR_BYTES, WG_FA3_PRODUCER_REGS, WG_FA3_CONSUMER_REGS, fa3);
 	}
 	return s;
+}
+
+/* does kl_attn_fa3 start with the registers its setmaxnreg pair moves? (a
+ * smaller count would leave the consumers' increase waiting forever) */
+static bool fa3_regs_ok(kl_ctx *ctx, CUfunction f)
+{
+	int regs = 0;
+	if (kl__cu.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f) != CUDA_SUCCESS)
+		return false;
+	int need = (WG_FA3_PRODUCER_REGS + 2 * WG_FA3_CONSUMER_REGS + 2) / 3;
+	if (regs < need)
+		kl__log(ctx, KL_LOG_FUSION,
+		        "kl_sdpa: kl_attn_fa3 has %d registers a thread, its setmaxnreg pair needs "
+		        "%d: the two-warpgroup wgmma kernel",
+		        regs, need);
+	return regs >= need;
 }
 
 static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction *out)
@@ -199,6 +218,8 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 			kl__cuda_module_free(m);
 			return st;
 		}
+		if (var_wg[var] == 3)
+			A->fa3_short[c][var] = !fa3_regs_ok(ctx, f[0]);
 		A->mod[c][var] = m;
 		A->fn[c][var][0] = f[0];
 		A->fn[c][var][1] = f[1];
@@ -291,22 +312,6 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	if (wg)
 		return s->d == 64 ? VAR_WG64 : VAR_WG128;
 	return s->d == 64 ? VAR_D64 : VAR_D128;
-}
-
-/* does kl_attn_fa3 start with the registers its setmaxnreg pair moves? (a
- * smaller count would leave the consumers' increase waiting forever) */
-static bool fa3_regs_ok(kl_ctx *ctx, CUfunction f)
-{
-	int regs = 0;
-	if (kl__cu.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f) != CUDA_SUCCESS)
-		return false;
-	int need = (WG_FA3_PRODUCER_REGS + 2 * WG_FA3_CONSUMER_REGS + 2) / 3;
-	if (regs < need)
-		kl__log(ctx, KL_LOG_FUSION,
-		        "kl_sdpa: kl_attn_fa3 has %d registers a thread, its setmaxnreg pair needs "
-		        "%d: the two-warpgroup wgmma kernel",
-		        regs, need);
-	return regs >= need;
 }
 
 /* kl_attn_fa3's tensor map of one operand (base p, t rows of d elements,
@@ -408,7 +413,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		    tma_map(&maps[2], dt, a.v, s->tk, s->d, s->v_rs, s->v_bs, s, nbt)) {
 			if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 				return st;
-			if (!fa3_regs_ok(ctx, f[0]))
+			if (d->attn->fa3_short[c][var])
 				goto two_wg;
 			/* persistent: one block an SM (its shared memory takes the
 			 * SM's) walks the items (batch, query block), one of each
