@@ -83,6 +83,10 @@ typedef struct kt_row {
 	int kernels;          /* compiled modes: kernels and library calls per call; else -1 */
 	bool as_default;      /* a compiled mode that runs as default on this device */
 	double peak_bytes;    /* the context's peak memory over the mode's calls; -1: unknown */
+	double host_ms;       /* CUDA: the median over the samples of the host's time a
+	                       * call, the batch's calls issued, before its wait; near
+	                       * ms, the row is bound by the host, not the device.
+	                       * 0: not measured (CPU rows) */
 } kt_row;
 
 double kt_now_ms(void)
@@ -188,12 +192,12 @@ static double host_copy_bandwidth(int nthreads, double *bytes_out, double *ms_ou
 
 /* ---- printing ------------------------------------------------------------------ */
 
-#define TABLE_FMT "%-16s %-6s %-5s %-23s %-16s %11s %10s %9s %15s %6s %10s %7s %9s\n"
+#define TABLE_FMT "%-16s %-6s %-5s %-23s %-16s %11s %10s %9s %15s %6s %10s %7s %9s %9s\n"
 
 static void print_table_header(void)
 {
 	printf(TABLE_FMT, "workload", "device", "dtype", "shape", "mode", "time", "iter/s",
-	       "vs eager", "rate", "of bw", "first ms", "kernels", "peak MiB");
+	       "vs eager", "rate", "of bw", "first ms", "kernels", "peak MiB", "host us");
 }
 
 static void format_time(char *buf, size_t cap, double ms)
@@ -218,7 +222,8 @@ static void format_rate(char *buf, size_t cap, const kt_row *r)
 
 static void print_row_table(const kt_row *r)
 {
-	char mode[32], tm[32], ips[32], sp[32], rate[32], bw[32], first[32], kern[16], peak[32];
+	char mode[32], tm[32], ips[32], sp[32], rate[32], bw[32], first[32], kern[16], peak[32],
+	        host[32];
 	snprintf(mode, sizeof(mode), "%s%s", r->mode, r->as_default ? "*" : "");
 	if (r->kernels >= 0)
 		snprintf(kern, sizeof(kern), "%d", r->kernels);
@@ -243,8 +248,12 @@ static void print_row_table(const kt_row *r)
 		snprintf(peak, sizeof(peak), "%.1f", r->peak_bytes / (1024.0 * 1024.0));
 	else
 		snprintf(peak, sizeof(peak), "-");
+	if (r->host_ms > 0)
+		snprintf(host, sizeof(host), "%.2f", r->host_ms * 1e3);
+	else
+		snprintf(host, sizeof(host), "-");
 	printf(TABLE_FMT, r->workload, r->device, r->dtype ? r->dtype : "-", r->shape, mode, tm,
-	       ips, sp, rate, bw, first, kern, peak);
+	       ips, sp, rate, bw, first, kern, peak, host);
 }
 
 /* Names come from the tables in this program, never from input, so they need
@@ -281,6 +290,8 @@ static void print_row_json(const kt_row *r)
 	else
 		printf(",\"flops\":null");
 	printf(",\"bw_tbs\":%.6g", r->bytes / (r->ms * 1e-3) * 1e-12);
+	if (r->host_ms > 0)
+		printf(",\"host_us\":%.6g", r->host_ms * 1e3);
 	if (r->gbps > 0)
 		printf(",\"gbps\":%.6g", r->gbps);
 	if (r->tflops > 0)
@@ -358,13 +369,32 @@ double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum)
 	return st == KL_OK ? (t1 - t0) + (t3 - t2) : -1;
 }
 
-/* n calls back to back, the last one waited for; ms per call, or -1. */
-static double timed_batch(kt_run *r, const kt_mode_desc *m, int n)
+/* n calls back to back, then a wait for the last one's output; ms per call,
+ * or -1. *host (when not NULL): ms per call until the wait, the host's share
+ * (the calls issued, the device maybe still behind). */
+static double timed_batch(kt_run *r, const kt_mode_desc *m, int n, double *host)
 {
-	double t0 = kt_now_ms();
-	for (int i = 0; i < n; i++)
-		if (kt_timed_call(r, m, i == n - 1, NULL) < 0)
+	double t0 = kt_now_ms(), t1 = t0;
+	for (int i = 0; i < n; i++) {
+		kl_tensor *out[KT_MAX_OUTPUTS] = {NULL};
+		kl_scope_begin(r->ctx);
+		kl_status st = m->call(r, m, out);
+		if (i == n - 1) {
+			t1 = kt_now_ms();
+			if (st == KL_OK)
+				st = wait_for(r->ctx, out[0]);
+		}
+		kl_scope_end(r->ctx);
+		/* kl_fn_call hands out plain references, which the scope does not own */
+		if (m->compiled)
+			for (int j = 0; j < r->w->nout; j++)
+				if (out[j])
+					kl_release(out[j]);
+		if (st != KL_OK)
 			return -1;
+	}
+	if (host)
+		*host = (t1 - t0) / n;
 	return (kt_now_ms() - t0) / n;
 }
 
@@ -425,7 +455,7 @@ static int time_device(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_ro
 	int warm = o->warmup >= 0 ? o->warmup : GPU_WARMUP;
 	double est = row->first_call_ms;
 	if (warm > 0) {
-		double w = timed_batch(r, m, warm);
+		double w = timed_batch(r, m, warm, NULL);
 		if (w < 0)
 			return -1;
 		est = w;
@@ -439,25 +469,41 @@ static int time_device(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_ro
 		batch = b < GPU_MIN_BATCH ? GPU_MIN_BATCH : b > GPU_MAX_BATCH ? GPU_MAX_BATCH : (int)b;
 		total = batch * GPU_SAMPLES;
 	}
+	/* the samples: device time (t) and the host's share (h) of each batch */
 	int cap = 16, n = 0, done = 0;
-	double *t = malloc((size_t)cap * sizeof(*t));
-	if (!t) {
+	double *t = malloc((size_t)cap * sizeof(*t)), *h = malloc((size_t)cap * sizeof(*h));
+	if (!t || !h) {
+		free(t);
+		free(h);
 		fprintf(stderr, "kiln bench: out of memory\n");
 		return 1;
 	}
 	while (done < total) {
 		int k = total - done < batch ? total - done : batch;
-		if (n == cap && !(t = grow(t, &cap)))
-			return 1;
-		if ((t[n++] = timed_batch(r, m, k)) < 0) {
+		if (n == cap) {
+			int c2 = cap;
+			if (!(t = grow(t, &c2))) {
+				free(h);
+				return 1;
+			}
+			if (!(h = grow(h, &cap))) {
+				free(t);
+				return 1;
+			}
+		}
+		if ((t[n] = timed_batch(r, m, k, &h[n])) < 0) {
 			free(t);
+			free(h);
 			return -1;
 		}
+		n++;
 		done += k;
 	}
 	row->iters = total;
 	row->ms = median(t, n);
+	row->host_ms = median(h, n);
 	free(t);
+	free(h);
 	return 0;
 }
 
@@ -624,6 +670,8 @@ static void usage(FILE *f)
 	        "or exactly N with --iters). The CUDA rows are ANCHORS.md's f16/bf16\n"
 	        "problems; after %d warm-up calls a sample is a batch of calls (>= %d, about\n"
 	        "%.0f ms) ended by a wait for the device, %d samples (--iters N: N calls).\n"
+	        "The host us column (CUDA) is the host's time a call before the batch's\n"
+	        "wait: near the time column, the host, not the device, sets the pace.\n"
 	        "\n"
 	        "  --device D     cpu (default) or cuda\n"
 	        "  --json         one JSON object per line instead of a table\n"

@@ -71,6 +71,8 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->gs = getenv("KILN_DISABLE_CUDAGRAPHS") && atoi(getenv("KILN_DISABLE_CUDAGRAPHS")) == 1
 	                 ? KL_G_OFF
 	                 : KL_G_WARMUP;
+	const char *wv = getenv("KILN_CUDA_WAVES");
+	rt->waves = wv && atoi(wv) >= 1 && atoi(wv) <= 64 ? atoi(wv) : 1;
 	c->dev = rt;
 	size_t nb = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1);
 	size_t ns = (size_t)(c->prog.nsteps > 0 ? c->prog.nsteps : 1);
@@ -391,7 +393,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		bool pw =
 		        strncmp(sp->what, "pointwise", 9) == 0 || strncmp(sp->what, "copy", 4) == 0;
 		int64_t blocks = pw ? (work + BLOCK - 1) / BLOCK : work;
-		int64_t cap = sms * blocks_per_sm(rt, sp->kernel);
+		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * rt->waves;
 		if (blocks > cap)
 			blocks = cap;
 		/* max-autotune's cap for this step (0: none) */

@@ -31,6 +31,8 @@ typedef struct kl_cuda_rt {
 	/* launch choices per step (max-autotune; zero: the defaults) */
 	uint32_t *gcap;    /* kernel steps: grid cap in blocks, 0 = the renderer's choice */
 	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
+	int waves;         /* KILN_CUDA_WAVES (1-64, default 1): a kernel's grid is at most
+	                    * this many full waves (an A/B knob; read when the module loads) */
 	kl_lt_algo *algo;  /* matmul steps: cuBLASLt algorithm when has_algo */
 	bool *has_algo;
 	bool tuned;        /* choices made (timed or read back) for this variant */
