@@ -1180,12 +1180,15 @@ static int n_outputs(const gcase *c, kl_tensor *const *in)
 	return n;
 }
 
-/* compiled (mode) vs the float64 reference, output by output; twice with
- * fresh inputs, so that a replayed graph must see the new data */
-static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, uint64_t seed)
+/* compiled (mode; full: .fullgraph, whose later calls replay the plan
+ * without the body) vs the float64 reference, output by output; four calls,
+ * each but the first with fresh inputs, so that a replayed graph must see
+ * the new data */
+static void check_compiled_as(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, bool full,
+                              uint64_t seed)
 {
 	body_arg ba = {c->f, 0};
-	kl_compile_opts co = {.mode = mode, .dynamic = dyn ? KL_DYNAMIC_ALL : 0};
+	kl_compile_opts co = {.mode = mode, .fullgraph = full, .dynamic = dyn ? KL_DYNAMIC_ALL : 0};
 	kl_tensor *in[3] = {NULL};
 	make_inputs(gctx, c, dt, seed, in);
 	int nout = n_outputs(c, in);
@@ -1219,8 +1222,9 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, 
 			double *got = kltest_read(out[j]);
 			assert_non_null(got);
 			char what[128];
-			snprintf(what, sizeof what, "%s %s mode %d%s call %d output %d", c->name,
-			         kl_dtype_name(dt), (int)mode, dyn ? " dynamic" : "", call, j);
+			snprintf(what, sizeof what, "%s %s mode %d%s%s call %d output %d", c->name,
+			         kl_dtype_name(dt), (int)mode, dyn ? " dynamic" : "",
+			         full ? " fullgraph" : "", call, j);
 			bool ok = kl_tensor_dtype(out[j]) == rdt &&
 			          kltest_compare(what, rdt, nd, shape, got, ref, 8);
 			free(ref);
@@ -1233,6 +1237,11 @@ static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, 
 	for (int i = 0; i < c->nin; i++)
 		kl_release(in[i]);
 	kl_fn_free(fn);
+}
+
+static void check_compiled(const gcase *c, kl_dtype dt, kl_mode mode, bool dyn, uint64_t seed)
+{
+	check_compiled_as(c, dt, mode, dyn, false, seed);
 }
 
 static void test_gpu_compiled(void **state)
@@ -1279,9 +1288,10 @@ static void test_gpu_onepass(void **state)
 }
 
 /* pointwise kernels over more points than one wave of threads holds
- * (4.65 M: grid-stride iterations, and the last one's chunks cut short
- * inside the unrolled loads) with every KILN_CUDA_PW_UNROLL against the
- * float64 reference, f32 and f16, static and dynamic extents */
+ * (4.65 M: with KILN_CUDA_PW_FLAT=0 grid-stride iterations; the last
+ * chunks cut short inside the unrolled loads) with every
+ * KILN_CUDA_PW_UNROLL, flat grids and one wave, against the float64
+ * reference, f32 and f16, static and dynamic extents */
 static void test_gpu_pw_unroll(void **state)
 {
 	(void)state;
@@ -1292,17 +1302,24 @@ static void test_gpu_pw_unroll(void **state)
 	         false, false, 1, 0, 0, 0, false},
 	};
 	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
+	char *flat = getenv("KILN_CUDA_PW_FLAT") ? strdup(getenv("KILN_CUDA_PW_FLAT")) : NULL;
 	static const char *const knobs[] = {NULL, "1", "2", "8"};
 	const kl_dtype dts[] = {KL_F32, KL_F16};
-	for (size_t k = 0; k < sizeof knobs / sizeof knobs[0]; k++) {
-		set_or_unset("KILN_CUDA_PW_UNROLL", knobs[k]);
-		for (size_t ci = 0; ci < sizeof big / sizeof big[0]; ci++)
-			for (size_t di = 0; di < 2; di++)
-				check_compiled(&big[ci], dts[di], KL_MODE_DEFAULT, di == 1,
-				               1500 + 10 * k + 2 * ci + di);
+	/* the flat grid (default) and one wave of grid-stride loops */
+	for (int f = 0; f < 2; f++) {
+		set_or_unset("KILN_CUDA_PW_FLAT", f ? "0" : NULL);
+		for (size_t k = 0; k < sizeof knobs / sizeof knobs[0]; k++) {
+			set_or_unset("KILN_CUDA_PW_UNROLL", knobs[k]);
+			for (size_t ci = 0; ci < sizeof big / sizeof big[0]; ci++)
+				for (size_t di = 0; di < 2; di++)
+					check_compiled(&big[ci], dts[di], KL_MODE_DEFAULT, di == 1,
+					               1500 + 100 * (uint64_t)f + 10 * k + 2 * ci + di);
+		}
 	}
 	set_or_unset("KILN_CUDA_PW_UNROLL", saved);
+	set_or_unset("KILN_CUDA_PW_FLAT", flat);
 	free(saved);
+	free(flat);
 }
 
 static void test_gpu_reduce_overhead(void **state)
@@ -1312,9 +1329,13 @@ static void test_gpu_reduce_overhead(void **state)
 	const kl_dtype dts[] = {KL_F32, KL_BF16};
 	for (size_t ci = 0; ci < sizeof(CASES) / sizeof(CASES[0]); ci++)
 		for (size_t di = 0; di < 2; di++)
-			if (dt_fits(&CASES[ci], dts[di]))
+			if (dt_fits(&CASES[ci], dts[di])) {
 				check_compiled(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD, false,
 				               900 + ci);
+				/* the bench's way: guards, then the graph replayed, no body */
+				check_compiled_as(&CASES[ci], dts[di], KL_MODE_REDUCE_OVERHEAD, false,
+				                  true, 950 + ci);
+			}
 }
 
 /* every case eagerly: each op through its own generated one-node kernel */

@@ -73,6 +73,9 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	                 : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
 	rt->waves = wv && atoi(wv) >= 1 && atoi(wv) <= 64 ? atoi(wv) : 1;
+	const char *pf = getenv("KILN_CUDA_PW_FLAT");
+	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
+	rt->pw_unroll = kl__cuda_dot_knobs().pw;
 	c->dev = rt;
 	size_t nb = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1);
 	size_t ns = (size_t)(c->prog.nsteps > 0 ? c->prog.nsteps : 1);
@@ -388,13 +391,29 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (work == 0)
 			continue; /* nothing stored: every iterated dim or result is empty */
-		/* pointwise: a thread per point; reductions: a block per result row
-		 * (work counts points, so both are upper bounds), at most a wave */
+		/* pointwise: a thread per U chunks of V points (V as the renderer
+		 * chooses it, from the narrowest element the step touches: a
+		 * scalar kernel, V points a thread, loops over the rest), the grid
+		 * flat, every chunk its own thread (rt->pw_flat; else at most
+		 * rt->waves waves); reductions: a block per result row (work counts
+		 * points: an upper bound), at most rt->waves waves */
 		bool pw =
 		        strncmp(sp->what, "pointwise", 9) == 0 || strncmp(sp->what, "copy", 4) == 0;
-		int64_t blocks = pw ? (work + BLOCK - 1) / BLOCK : work;
+		int64_t blocks = work;
+		if (pw) {
+			size_t minsz = 8;
+			for (int32_t i = 0; i < sp->nreads + sp->nwrites; i++) {
+				int32_t b = i < sp->nreads ? sp->reads[i] : sp->writes[i - sp->nreads];
+				size_t sz = kl_dtype_size(p->bufs[b].dtype);
+				if (sz && sz < minsz)
+					minsz = sz;
+			}
+			int64_t v = 16 / (int64_t)minsz > 8 ? 8 : 16 / (int64_t)minsz;
+			v *= rt->pw_unroll; /* KILN_CUDA_PW_UNROLL: chunks a thread */
+			blocks = (work + BLOCK * v - 1) / (BLOCK * v);
+		}
 		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * rt->waves;
-		if (blocks > cap)
+		if (blocks > cap && !(pw && rt->pw_flat))
 			blocks = cap;
 		/* max-autotune's cap for this step (0: none) */
 		if (rt->gcap[s] && blocks > (int64_t)rt->gcap[s])

@@ -33,6 +33,9 @@ typedef struct kl_cuda_rt {
 	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
 	int waves;         /* KILN_CUDA_WAVES (1-64, default 1): a kernel's grid is at most
 	                    * this many full waves (an A/B knob; read when the module loads) */
+	bool pw_flat;      /* KILN_CUDA_PW_FLAT (default 1; 0: off): a pointwise kernel's grid
+	                    * holds every chunk, one a thread, not at most rt->waves waves */
+	int pw_unroll;     /* KILN_CUDA_PW_UNROLL when the module loaded: chunks a thread */
 	kl_lt_algo *algo;  /* matmul steps: cuBLASLt algorithm when has_algo */
 	bool *has_algo;
 	bool tuned;        /* choices made (timed or read back) for this variant */
