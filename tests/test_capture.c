@@ -544,6 +544,7 @@ static void test_fullgraph_replay(void **state)
 	kl_ctx *ctx = new_ctx();
 	counter c = {0};
 	int64_t xs[2] = {6, 4}, ws[2] = {4, 3}, ys[2] = {6, 3};
+	size_t held = 0;
 	c.w = kltest_rand(ctx, KL_F32, 2, ws, KLTEST_NORMAL, KLTEST_CONTIG, 50);
 	kl_fn *f =
 	        kl_compile(ctx, body_affine, &c, 2, 2,
@@ -560,6 +561,15 @@ static void test_fullgraph_replay(void **state)
 		check_against(ctx, out[0], apply_affine, in, &c, 2, "replay");
 		release_all(out, 2);
 		release_all(in, 2);
+		/* a replay's outputs are the caller's alone: released, nothing stays */
+		kl_memory_usage mu;
+		assert_int_equal(kl_memory_stats(ctx, &mu), KL_OK);
+		if (call == 0)
+			held = mu.in_use;
+		else if (mu.in_use != held)
+			fail_msg("replay %d: %zu bytes in use after its outputs were released, %zu "
+			         "after the first call's",
+			         call, mu.in_use, held);
 	}
 	/* another shape: the guard fails, fn is traced again */
 	int64_t xs2[2] = {2, 4}, ys2[2] = {2, 3};

@@ -837,6 +837,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 	if (ctx->nscopes != scopes + 1)
 		return kl_last_status(ctx);
 	kl_status st = KL_OK;
+	bool owned = false; /* out[] holds the caller's references already */
 	kl_tensor **pin = malloc(sizeof *pin * (size_t)(f->nin ? f->nin : 1));
 	if (!pin)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
@@ -881,12 +882,14 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			f->eager_calls++;
 			st = eager_call(f, pin, out, true);
 		} else if (v->replay) {
+			/* replay hands out references of its own, not the scope's */
 			st = replay(f, v, pin, out);
+			owned = true;
 		} else {
 			st = traced_call(f, v, fresh, pin, out);
 		}
 	}
-	if (st == KL_OK)
+	if (st == KL_OK && !owned)
 		for (int k = 0; k < f->nout; k++)
 			kl_retain(out[k]);
 	free(pin);
