@@ -350,12 +350,17 @@ static kl_status wait_for(kl_ctx *ctx, kl_tensor *t)
 	return v ? kl_item(v, &x) : kl_last_status(ctx);
 }
 
-double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum)
+/* One call in its own scope; with sync, then a wait for its first output
+ * (*issued, when not NULL: the clock when the call returned, before the
+ * wait); with sum, the outputs' checksum (untimed). Returns ms, or -1. */
+static double one_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum, double *issued)
 {
 	kl_tensor *out[KT_MAX_OUTPUTS] = {NULL};
 	double t0 = kt_now_ms();
 	kl_scope_begin(r->ctx);
 	kl_status st = m->call(r, m, out);
+	if (issued)
+		*issued = kt_now_ms();
 	if (st == KL_OK && sync)
 		st = wait_for(r->ctx, out[0]);
 	double t1 = kt_now_ms();
@@ -372,30 +377,20 @@ double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum)
 	return st == KL_OK ? (t1 - t0) + (t3 - t2) : -1;
 }
 
+double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum)
+{
+	return one_call(r, m, sync, sum, NULL);
+}
+
 /* n calls back to back, then a wait for the last one's output; ms per call,
  * or -1. *host (when not NULL): ms per call until the wait, the host's share
  * (the calls issued, the device maybe still behind). */
 static double timed_batch(kt_run *r, const kt_mode_desc *m, int n, double *host)
 {
 	double t0 = kt_now_ms(), t1 = t0;
-	for (int i = 0; i < n; i++) {
-		kl_tensor *out[KT_MAX_OUTPUTS] = {NULL};
-		kl_scope_begin(r->ctx);
-		kl_status st = m->call(r, m, out);
-		if (i == n - 1) {
-			t1 = kt_now_ms();
-			if (st == KL_OK)
-				st = wait_for(r->ctx, out[0]);
-		}
-		kl_scope_end(r->ctx);
-		/* kl_fn_call hands out plain references, which the scope does not own */
-		if (m->compiled)
-			for (int j = 0; j < r->w->nout; j++)
-				if (out[j])
-					kl_release(out[j]);
-		if (st != KL_OK)
+	for (int i = 0; i < n; i++)
+		if (one_call(r, m, i == n - 1, NULL, i == n - 1 ? &t1 : NULL) < 0)
 			return -1;
-	}
 	if (host)
 		*host = (t1 - t0) / n;
 	return (kt_now_ms() - t0) / n;
