@@ -621,6 +621,28 @@ static void test_cuda_source_compiles(void **state)
 	kl_ctx_free(ctx);
 }
 
+static void set_or_unset(const char *name, const char *v)
+{
+	if (v)
+		setenv(name, v, 1);
+	else
+		unsetenv(name);
+}
+
+/* a copy of the environment's name (NULL: unset), for env_restore */
+static char *env_save(const char *name)
+{
+	const char *v = getenv(name);
+	return v ? strdup(v) : NULL;
+}
+
+/* name back to what env_save found; frees that */
+static void env_restore(const char *name, char *saved)
+{
+	set_or_unset(name, saved);
+	free(saved);
+}
+
 /* KILN_CUDA_ROW_GROUP forces every group size on the row cases: the scalar
  * path always, the chunked path from the chosen group up (a larger group
  * holds less a thread); each source compiles */
@@ -629,8 +651,7 @@ static void test_cuda_row_groups(void **state)
 	(void)state;
 	if (!nvrtc_ok())
 		skip();
-	const char *was = getenv("KILN_CUDA_ROW_GROUP");
-	char *saved = was ? strdup(was) : NULL;
+	char *saved = env_save("KILN_CUDA_ROW_GROUP");
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	const kl_dtype dts[] = {KL_BF16, KL_F32};
 	int compiled = 0;
@@ -672,11 +693,7 @@ static void test_cuda_row_groups(void **state)
 	}
 	setenv("KILN_CUDA_ROW_GROUP", "48", 1); /* not a group size: ignored */
 	assert_int_equal(kl__cuda_row_group(), 0);
-	if (saved)
-		setenv("KILN_CUDA_ROW_GROUP", saved, 1);
-	else
-		unsetenv("KILN_CUDA_ROW_GROUP");
-	free(saved);
+	env_restore("KILN_CUDA_ROW_GROUP", saved);
 	print_message("test_cuda_gen: %d row kernels with forced groups compiled for sm_90\n",
 	              compiled);
 	kl_ctx_free(ctx);
@@ -686,22 +703,14 @@ static void test_cuda_row_groups(void **state)
  * the value it had, malloc'd, or NULL */
 static char *onepass_set(const char *knob)
 {
-	const char *was = getenv("KILN_CUDA_ROW_ONEPASS");
-	char *saved = was ? strdup(was) : NULL;
-	if (knob)
-		setenv("KILN_CUDA_ROW_ONEPASS", knob, 1);
-	else
-		unsetenv("KILN_CUDA_ROW_ONEPASS");
+	char *saved = env_save("KILN_CUDA_ROW_ONEPASS");
+	set_or_unset("KILN_CUDA_ROW_ONEPASS", knob);
 	return saved;
 }
 
 static void onepass_restore(char *saved)
 {
-	if (saved)
-		setenv("KILN_CUDA_ROW_ONEPASS", saved, 1);
-	else
-		unsetenv("KILN_CUDA_ROW_ONEPASS");
-	free(saved);
+	env_restore("KILN_CUDA_ROW_ONEPASS", saved);
 }
 
 /* The one-reduction pairs of passes: with KILN_CUDA_ROW_ONEPASS=1 every
@@ -781,14 +790,6 @@ typedef struct dot_try {
 	bool partial;       /* float partials (kp0) in the source */
 } dot_try;
 
-static void set_or_unset(const char *name, const char *v)
-{
-	if (v)
-		setenv(name, v, 1);
-	else
-		unsetenv(name);
-}
-
 static void test_cuda_dot_knobs(void **state)
 {
 	(void)state;
@@ -798,7 +799,7 @@ static void test_cuda_dot_knobs(void **state)
 	                                     "KILN_CUDA_DOT_F32"};
 	char *saved[3];
 	for (int i = 0; i < 3; i++)
-		saved[i] = getenv(names[i]) ? strdup(getenv(names[i])) : NULL;
+		saved[i] = env_save(names[i]);
 	static const dot_try tries[] = {
 	        {NULL, NULL, NULL, 8, 256, 256, 64, true},
 	        {NULL, "0", NULL, 8, 256, 256, 32, true},     /* any rows: the warp */
@@ -842,14 +843,12 @@ static void test_cuda_dot_knobs(void **state)
 			kl_release(in[i]);
 	}
 	for (int i = 0; i < 3; i++) {
-		set_or_unset(names[i], saved[i]);
-		free(saved[i]);
+		env_restore(names[i], saved[i]);
 	}
 	/* a layer norm's two sums: float partials for bf16 rows, a double per
 	 * element for f32 ones; KILN_CUDA_ROW_MINBLOCKS caps the row kernel's
 	 * registers through __launch_bounds__ (out of range: no cap) */
-	char *saved_mb = getenv("KILN_CUDA_ROW_MINBLOCKS") ? strdup(getenv("KILN_CUDA_ROW_MINBLOCKS"))
-	                                                  : NULL;
+	char *saved_mb = env_save("KILN_CUDA_ROW_MINBLOCKS");
 	static const struct {
 		kl_dtype dt;
 		const char *minb;
@@ -887,8 +886,7 @@ static void test_cuda_dot_knobs(void **state)
 		for (int i = 0; i < 3; i++)
 			kl_release(in[i]);
 	}
-	set_or_unset("KILN_CUDA_ROW_MINBLOCKS", saved_mb);
-	free(saved_mb);
+	env_restore("KILN_CUDA_ROW_MINBLOCKS", saved_mb);
 	kl_ctx_free(ctx);
 }
 
@@ -986,7 +984,7 @@ static void test_cuda_row_hold(void **state)
 	(void)state;
 	if (!nvrtc_ok())
 		skip();
-	char *saved = getenv("KILN_CUDA_ROW_HOLD") ? strdup(getenv("KILN_CUDA_ROW_HOLD")) : NULL;
+	char *saved = env_save("KILN_CUDA_ROW_HOLD");
 	char *saved_one = onepass_set(NULL);
 	static const knob_try parse[] = {{NULL, 1}, {"1", 1}, {"0", 0}, {"2", 1},
 	                                 {"no", 1}, {"", 1},  {"01", 1}};
@@ -1056,8 +1054,7 @@ static void test_cuda_row_hold(void **state)
 	}
 	for (int i = 0; i < 3; i++)
 		kl_release(in[i]);
-	set_or_unset("KILN_CUDA_ROW_HOLD", saved);
-	free(saved);
+	env_restore("KILN_CUDA_ROW_HOLD", saved);
 	onepass_restore(saved_one);
 	kl_ctx_free(ctx);
 }
@@ -1070,7 +1067,7 @@ static void test_cuda_pw_unroll(void **state)
 	(void)state;
 	if (!nvrtc_ok())
 		skip();
-	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
+	char *saved = env_save("KILN_CUDA_PW_UNROLL");
 	static const knob_try parse[] = {{NULL, 1}, {"1", 1}, {"2", 2},  {"4", 4}, {"8", 8},
 	                                 {"3", 1},  {"0", 1}, {"16", 1}, {"x", 1}, {"", 1}};
 	knob_parses("KILN_CUDA_PW_UNROLL", parse, sizeof parse / sizeof parse[0], knob_pw);
@@ -1110,8 +1107,7 @@ static void test_cuda_pw_unroll(void **state)
 	}
 	for (int i = 0; i < 4; i++)
 		kl_release(in[i]);
-	set_or_unset("KILN_CUDA_PW_UNROLL", saved);
-	free(saved);
+	env_restore("KILN_CUDA_PW_UNROLL", saved);
 	kl_ctx_free(ctx);
 }
 
@@ -1301,8 +1297,8 @@ static void test_gpu_pw_unroll(void **state)
 	        {"relu big", b_fma_relu, 3, {2, 2, 2}, {{517, 9001}, {517, 9001}, {517, 9001}},
 	         false, false, 1, 0, 0, 0, false},
 	};
-	char *saved = getenv("KILN_CUDA_PW_UNROLL") ? strdup(getenv("KILN_CUDA_PW_UNROLL")) : NULL;
-	char *flat = getenv("KILN_CUDA_PW_FLAT") ? strdup(getenv("KILN_CUDA_PW_FLAT")) : NULL;
+	char *saved = env_save("KILN_CUDA_PW_UNROLL");
+	char *flat = env_save("KILN_CUDA_PW_FLAT");
 	static const char *const knobs[] = {NULL, "1", "2", "8"};
 	const kl_dtype dts[] = {KL_F32, KL_F16};
 	/* the flat grid (default) and one wave of grid-stride loops */
@@ -1316,10 +1312,8 @@ static void test_gpu_pw_unroll(void **state)
 					               1500 + 100 * (uint64_t)f + 10 * k + 2 * ci + di);
 		}
 	}
-	set_or_unset("KILN_CUDA_PW_UNROLL", saved);
-	set_or_unset("KILN_CUDA_PW_FLAT", flat);
-	free(saved);
-	free(flat);
+	env_restore("KILN_CUDA_PW_UNROLL", saved);
+	env_restore("KILN_CUDA_PW_FLAT", flat);
 }
 
 static void test_gpu_reduce_overhead(void **state)

@@ -467,41 +467,26 @@ static int time_device(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_ro
 		batch = b < GPU_MIN_BATCH ? GPU_MIN_BATCH : b > GPU_MAX_BATCH ? GPU_MAX_BATCH : (int)b;
 		total = batch * GPU_SAMPLES;
 	}
-	/* the samples: device time (t) and the host's share (h) of each batch */
-	int cap = 16, n = 0, done = 0;
-	double *t = malloc((size_t)cap * sizeof(*t)), *h = malloc((size_t)cap * sizeof(*h));
-	if (!t || !h) {
-		free(t);
-		free(h);
+	/* the samples, as many as batches: device time (t) and the host's share
+	 * (h) of each */
+	int ns = (total + batch - 1) / batch, n = 0;
+	double *t = malloc(2 * (size_t)ns * sizeof(*t));
+	if (!t) {
 		fprintf(stderr, "kiln bench: out of memory\n");
 		return 1;
 	}
-	while (done < total) {
+	double *h = t + ns;
+	for (int done = 0; done < total; done += batch, n++) {
 		int k = total - done < batch ? total - done : batch;
-		if (n == cap) {
-			int c2 = cap;
-			if (!(t = grow(t, &c2))) {
-				free(h);
-				return 1;
-			}
-			if (!(h = grow(h, &cap))) {
-				free(t);
-				return 1;
-			}
-		}
 		if ((t[n] = timed_batch(r, m, k, &h[n])) < 0) {
 			free(t);
-			free(h);
 			return -1;
 		}
-		n++;
-		done += k;
 	}
 	row->iters = total;
 	row->ms = median(t, n);
 	row->host_ms = median(h, n);
 	free(t);
-	free(h);
 	return 0;
 }
 

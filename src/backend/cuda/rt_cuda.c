@@ -61,6 +61,26 @@ static void bin_name(uint64_t key, uint64_t h, char *buf, size_t cap)
 	snprintf(buf, cap, "cubin-%016" PRIx64 "-%016" PRIx64 ".bin", key, h);
 }
 
+/* The points a thread of pointwise (or copy) step sp takes: U chunks
+ * (KILN_CUDA_PW_UNROLL) of V points, V as the renderer chooses it from the
+ * narrowest element the step touches (a scalar kernel takes fewer and loops
+ * over the rest); 0 for any other step. */
+static int64_t pointwise_points(const kl_program *p, const kl_step *sp, int unroll)
+{
+	if (sp->kind != KL_STEP_KERNEL ||
+	    (strncmp(sp->what, "pointwise", 9) != 0 && strncmp(sp->what, "copy", 4) != 0))
+		return 0;
+	size_t minsz = 8;
+	for (int32_t i = 0; i < sp->nreads + sp->nwrites; i++) {
+		int32_t b = i < sp->nreads ? sp->reads[i] : sp->writes[i - sp->nreads];
+		size_t sz = kl_dtype_size(p->bufs[b].dtype);
+		if (sz && sz < minsz)
+			minsz = sz;
+	}
+	int64_t v = 16 / (int64_t)minsz > 8 ? 8 : 16 / (int64_t)minsz;
+	return v * unroll;
+}
+
 static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *im)
 {
 	kl_cuda_rt *rt = calloc(1, sizeof *rt);
@@ -75,7 +95,6 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->waves = wv && atoi(wv) >= 1 && atoi(wv) <= 64 ? atoi(wv) : 1;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
 	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
-	rt->pw_unroll = kl__cuda_dot_knobs().pw;
 	c->dev = rt;
 	size_t nb = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1);
 	size_t ns = (size_t)(c->prog.nsteps > 0 ? c->prog.nsteps : 1);
@@ -98,11 +117,15 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->copy_params = calloc(nb, sizeof *rt->copy_params);
 	rt->sb = calloc(nb, sizeof *rt->sb);
 	rt->fit = calloc((size_t)c->prog.nkernels + 1, sizeof *rt->fit);
+	rt->pts = calloc(ns, sizeof *rt->pts);
 	if (!rt->args || !rt->gcap || !rt->algo || !rt->has_algo || !rt->knode || !rt->kparams ||
 	    !rt->dirty || !rt->mm_touch || !rt->must_stage || !rt->warm || !rt->bound ||
 	    !rt->how || !rt->stat || !rt->stat_bytes || !rt->copy_node || !rt->copy_params ||
-	    !rt->sb || !rt->fit)
+	    !rt->sb || !rt->fit || !rt->pts)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	int unroll = kl__cuda_dot_knobs().pw;
+	for (int32_t s = 0; s < c->prog.nsteps; s++)
+		rt->pts[s] = pointwise_points(&c->prog, &c->prog.steps[s], unroll);
 	for (int32_t s = 0; s < c->prog.nsteps; s++) {
 		const kl_step *sp = &c->prog.steps[s];
 		if (sp->kind == KL_STEP_KERNEL)
@@ -274,6 +297,7 @@ void kl__cuda_rt_free(kl_compiled *c)
 	free(rt->fns);
 	free(rt->args);
 	free(rt->gcap);
+	free(rt->pts);
 	free(rt->algo);
 	free(rt->has_algo);
 	free(rt->knode);
@@ -391,27 +415,12 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (work == 0)
 			continue; /* nothing stored: every iterated dim or result is empty */
-		/* pointwise: a thread per U chunks of V points (V as the renderer
-		 * chooses it, from the narrowest element the step touches: a
-		 * scalar kernel, V points a thread, loops over the rest), the grid
-		 * flat, every chunk its own thread (rt->pw_flat; else at most
-		 * rt->waves waves); reductions: a block per result row (work counts
-		 * points: an upper bound), at most rt->waves waves */
-		bool pw =
-		        strncmp(sp->what, "pointwise", 9) == 0 || strncmp(sp->what, "copy", 4) == 0;
-		int64_t blocks = work;
-		if (pw) {
-			size_t minsz = 8;
-			for (int32_t i = 0; i < sp->nreads + sp->nwrites; i++) {
-				int32_t b = i < sp->nreads ? sp->reads[i] : sp->writes[i - sp->nreads];
-				size_t sz = kl_dtype_size(p->bufs[b].dtype);
-				if (sz && sz < minsz)
-					minsz = sz;
-			}
-			int64_t v = 16 / (int64_t)minsz > 8 ? 8 : 16 / (int64_t)minsz;
-			v *= rt->pw_unroll; /* KILN_CUDA_PW_UNROLL: chunks a thread */
-			blocks = (work + BLOCK * v - 1) / (BLOCK * v);
-		}
+		/* pointwise: a thread per rt->pts[s] points, the grid flat, every
+		 * chunk its own thread (rt->pw_flat; else at most rt->waves waves);
+		 * reductions: a block per result row (work counts points: an upper
+		 * bound), at most rt->waves waves */
+		bool pw = rt->pts[s] > 0;
+		int64_t blocks = pw ? (work + BLOCK * rt->pts[s] - 1) / (BLOCK * rt->pts[s]) : work;
 		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * rt->waves;
 		if (blocks > cap && !(pw && rt->pw_flat))
 			blocks = cap;

@@ -35,7 +35,8 @@ typedef struct kl_cuda_rt {
 	                    * this many full waves (an A/B knob; read when the module loads) */
 	bool pw_flat;      /* KILN_CUDA_PW_FLAT (default 1; 0: off): a pointwise kernel's grid
 	                    * holds every chunk, one a thread, not at most rt->waves waves */
-	int pw_unroll;     /* KILN_CUDA_PW_UNROLL when the module loaded: chunks a thread */
+	int64_t *pts;      /* step s: the points a thread of a pointwise step takes, 0 for
+	                    * other steps (found once, when the module loads) */
 	kl_lt_algo *algo;  /* matmul steps: cuBLASLt algorithm when has_algo */
 	bool *has_algo;
 	bool tuned;        /* choices made (timed or read back) for this variant */
