@@ -481,6 +481,196 @@ static void test_ffn_one_buffer(void **state)
 
 /* A disk cache of this process's own: its key does not cover the compiler's
  * own code, and a plan another build left would hide what this one does. */
+/* ---- row grids: the rows a block takes, recorded for the launcher ----------------------- */
+
+static kl_tensor *ap_layer_norm(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_layer_norm(in[0], in[1], in[2], 1e-5);
+}
+
+static kl_tensor *ap_rms_norm(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_rms_norm(in[0], in[1], 1e-6);
+}
+
+static kl_tensor *ap_skinny(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_gelu(kl_linear(in[0], in[1], in[2]));
+}
+
+/* the "N rows a block" of the first row loop of kernel name in src (0: none) */
+static int32_t source_rows_a_block(const char *src, const char *name)
+{
+	char sig[64];
+	snprintf(sig, sizeof sig, " %s(const kl_args A)", name);
+	const char *k = strstr(src, sig);
+	if (!k)
+		return -1;
+	const char *next = strstr(k + 1, "__global__");
+	const char *g = strstr(k, "/* row group");
+	if (!g || (next && g > next))
+		return 0;
+	const char *t = strstr(g, " threads, ");
+	return t ? (int32_t)atoi(t + strlen(" threads, ")) : -1;
+}
+
+/* Lower apply for the CUDA target with dyn (dynamic dims of input 0) and
+ * check each kernel step's row grid against its source: row_per is the
+ * rows a block of its first row loop, 0 for a pointwise kernel; rowdims
+ * multiply to rows (at trace time) and carry a symbol where the rows are
+ * dynamic. The C target records none. Returns the row kernels seen. */
+static int check_row_grid(const char *what, kltest_apply_fn apply, kl_tensor *const *in,
+                          uint32_t dyn, int64_t rows, int32_t want_per)
+{
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *y = apply(in, NULL);
+	kl_trace *tr = kl__trace_end(ctx, 1, &y);
+	kl_scope_end(ctx);
+	if (!tr)
+		fail_msg("%s: trace: %s", what, kl_last_error(ctx));
+	uint32_t masks[8] = {dyn};
+	int nrow = 0;
+	for (int t = 0; t < 2; t++) {
+		kl_lower_opts o = {.target = t ? KL_TARGET_C : KL_TARGET_CUDA, .fusion = true,
+		                   .dyn_masks = masks};
+		kl_program P;
+		char err[512];
+		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+			fail_msg("%s: lowering failed: %s", what, err);
+		for (int32_t s = 0; s < P.nsteps; s++) {
+			const kl_step *sp = &P.steps[s];
+			if (sp->kind != KL_STEP_KERNEL)
+				continue;
+			if (t) {
+				if (sp->row_per != 0 || sp->nrowdims != 0)
+					fail_msg("%s: C kernel %d records a row grid", what, (int)s);
+				continue;
+			}
+			int32_t per = source_rows_a_block(P.source, P.kernel_names[sp->kernel]);
+			if (sp->row_per != per)
+				fail_msg("%s: step %d records %d rows a block, its source %d", what,
+				         (int)s, sp->row_per, per);
+			if (per == 0)
+				continue;
+			nrow++;
+			int64_t n = 1;
+			bool sym = false;
+			for (int32_t d = 0; d < sp->nrowdims; d++) {
+				n *= sp->rowdims[d].v;
+				sym |= sp->rowdims[d].sym != 0;
+			}
+			if (n != rows || sym != (dyn != 0))
+				fail_msg("%s: step %d: rows %lld%s, want %lld%s", what, (int)s,
+				         (long long)n, sym ? " (dynamic)" : "", (long long)rows,
+				         dyn ? " (dynamic)" : "");
+			if (want_per && sp->row_per != want_per)
+				fail_msg("%s: step %d: %d rows a block, want %d", what, (int)s,
+				         sp->row_per, want_per);
+		}
+		kl__program_free(&P);
+	}
+	kl__trace_free(tr);
+	return nrow;
+}
+
+static void bad_row_per(kl_program *q, int32_t s)
+{
+	q->steps[s].row_per = 5000;
+}
+static void bad_row_sym(kl_program *q, int32_t s)
+{
+	q->steps[s].rowdims[0].sym = q->nsyms + 1;
+}
+static void bad_row_dims(kl_program *q, int32_t s)
+{
+	q->steps[s].row_per = 0;
+}
+
+/* Norm rows of 4096 take a block each; a skinny product's short dot rows
+ * several a block; the launcher needs rows / row_per blocks, no more. The
+ * fields survive the program format and malformed ones are refused. */
+static void test_row_grid(void **state)
+{
+	(void)state;
+	kl_tensor *ln[3] = {
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 31),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 32),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 33)};
+	assert_int_equal(check_row_grid("layer norm", ap_layer_norm, ln, 0, 64, 1), 1);
+	kl_tensor *rms[2] = {kltest_rand(ctx, KL_BF16, 3, (int64_t[]){2, 16, 4096}, KLTEST_NORMAL,
+	                                 KLTEST_CONTIG, 34),
+	                     ln[1]};
+	assert_int_equal(check_row_grid("rms norm", ap_rms_norm, rms, 0, 32, 1), 1);
+	assert_int_equal(check_row_grid("rms norm, dynamic batch", ap_rms_norm, rms, 1u, 32, 1), 1);
+	kl_tensor *sk[3] = {
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 35),
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 36),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, 37)};
+	/* 8 x 256 dot rows of 256: groups smaller than the block */
+	assert_int_equal(check_row_grid("skinny linear + gelu", ap_skinny, sk, 0, 8 * 256, 0), 1);
+
+	/* the format: a round trip keeps the grid; bad grids are refused */
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *y = ap_rms_norm(rms, NULL);
+	kl_trace *tr = kl__trace_end(ctx, 1, &y);
+	kl_scope_end(ctx);
+	assert_non_null(tr);
+	uint32_t masks[2] = {1u, 0};
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true, .dyn_masks = masks};
+	kl_program P;
+	assert_int_equal(kl__lower(&tr->g, &o, &P, NULL, 0), KL_OK);
+	int32_t rs = -1;
+	for (int32_t s = 0; s < P.nsteps; s++)
+		if (P.steps[s].row_per > 0)
+			rs = s;
+	assert_true(rs >= 0);
+	uint8_t *bytes;
+	size_t len;
+	assert_int_equal(kl__program_serialize(&P, &bytes, &len), KL_OK);
+	kl_program back;
+	char err[256] = "";
+	assert_int_equal(kl__program_deserialize(bytes, len, &back, err, sizeof err), KL_OK);
+	free(bytes);
+	assert_int_equal(back.steps[rs].row_per, P.steps[rs].row_per);
+	assert_int_equal(back.steps[rs].nrowdims, P.steps[rs].nrowdims);
+	for (int32_t d = 0; d < P.steps[rs].nrowdims; d++) {
+		assert_int_equal(back.steps[rs].rowdims[d].v, P.steps[rs].rowdims[d].v);
+		assert_int_equal(back.steps[rs].rowdims[d].sym, P.steps[rs].rowdims[d].sym);
+	}
+	kl__program_free(&back);
+	static const struct {
+		void (*mutate)(kl_program *, int32_t);
+		const char *why;
+	} bad[] = {{bad_row_per, "row grid of 5000 rows a block"},
+	           {bad_row_sym, "row dim 0"},
+	           {bad_row_dims, "row grid of 0 rows a block over"}};
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		kl_step keep = P.steps[rs];
+		bad[i].mutate(&P, rs);
+		assert_int_equal(kl__program_serialize(&P, &bytes, &len), KL_OK);
+		err[0] = 0;
+		assert_int_equal(kl__program_deserialize(bytes, len, &back, err, sizeof err),
+		                 KL_EFORMAT);
+		if (!strstr(err, bad[i].why))
+			fail_msg("row grid case %zu: reader said \"%s\", want \"%s\"", i, err,
+			         bad[i].why);
+		free(bytes);
+		P.steps[rs] = keep;
+	}
+	kl__program_free(&P);
+	kl__trace_free(tr);
+	for (int i = 0; i < 3; i++) {
+		kl_release(ln[i]);
+		kl_release(sk[i]);
+	}
+	kl_release(rms[0]);
+}
+
 static char cache_dir[] = "/tmp/kiln-test-schedule-cache-XXXXXX";
 
 static int setup(void **state)
@@ -519,6 +709,7 @@ int main(void)
 	        cmocka_unit_test(test_merge_refused),
 	        cmocka_unit_test(test_ffn_one_buffer),
 	        cmocka_unit_test(test_attention_layout),
+	        cmocka_unit_test(test_row_grid),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -838,16 +838,14 @@ static void render_reduction(rctx *c)
 	kl__sb_free(&cond);
 }
 
-void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
-	if (r->walk) {
-		r->walk(r, k, name, sb);
-		return;
-	}
+	if (r->walk)
+		return r->walk(r, k, name, sb);
 	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
-		return;
+		return 0;
 	}
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, ";\n");
@@ -861,7 +859,7 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 	if (empty) { /* nothing to visit (and no loop a compiler could trip on) */
 		kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n}\n\n");
 		free(c.live);
-		return;
+		return 0;
 	}
 	kl__render_buf_decls(r, k, c.live, sb);
 	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
@@ -871,4 +869,5 @@ void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *na
 		render_reduction(&c);
 	kl__sb_puts(sb, "}\n\n");
 	free(c.live);
+	return 0;
 }

@@ -81,7 +81,8 @@ typedef struct kl_renderer {
 	/* A target whose loops look nothing like the CPU's (CUDA: grid-stride
 	 * loops, a thread group per row) walks kernels itself; NULL: render.c's
 	 * loop nests. */
-	void (*walk)(const struct kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
+	int32_t (*walk)(const struct kl_renderer *r, const kir_kernel *k, const char *name,
+	                kl_sb *sb);
 } kl_renderer;
 
 extern const kl_renderer kl__render_c;
@@ -140,6 +141,9 @@ bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims,
 void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb);
 
 /* Append kernel k as a function called name to sb. */
-void kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
+/* Appends kernel k as function name. Returns the rows one block of the
+ * kernel takes at a time where the renderer lays rows over thread groups
+ * (CUDA's row kernels: the launcher sizes their grids from it), else 0. */
+int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
 
 #endif /* KILN_RENDER_H */

@@ -118,6 +118,7 @@ typedef struct cctx {
 	int fixp[KIR_MAX_LOCAL]; /* a row-local array rescaled as read: by kl_fx<p> */
 	bool wait;  /* kl_pdl_wait is still to be emitted (row_loop does it) */
 	bool early; /* the first row's early loads were emitted before the wait */
+	int32_t per; /* rows a block of the fast path's row loop (0: none) */
 } cctx;
 
 static void ind(cctx *c)
@@ -1215,6 +1216,8 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	const kir_kernel *k = c->k;
 	c->G = G;
 	int per = BLOCK / G;
+	if (!c->per)
+		c->per = per;
 	open_brace(c);
 	if (vp)
 		line(c, "/* row group: %d threads, %d rows a block, %d chunks of %d a thread */", G,
@@ -1368,12 +1371,15 @@ static void render_rows(cctx *c)
 	kl__sb_free(&rn);
 }
 
-static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+/* the rows a block takes: the first row loop's (the chunked path's where
+ * there is one: the aligned case, which the grid is sized for; the scalar
+ * path's grid-stride loop covers whatever a different group leaves) */
+static int32_t cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
 	cctx c = {.r = r, .k = k, .sb = sb, .depth = 1, .mask = ~0u};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
-		return;
+		return 0;
 	}
 	int minb = k->rmask ? kl__cuda_dot_knobs().minb : 0;
 	if (minb)
@@ -1401,6 +1407,7 @@ static void cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
 	}
 	kl__sb_puts(sb, "}\n\n");
 	free(c.live);
+	return c.per;
 }
 
 const kl_renderer kl__render_cuda = {

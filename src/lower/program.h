@@ -102,6 +102,13 @@ typedef struct kl_attn_step {
 typedef struct kl_step {
 	kl_step_kind kind;
 	int32_t kernel;      /* KERNEL: index into program.kernel_names */
+	/* KERNEL with a row loop: the rows one block takes at a time (0: not a
+	 * row kernel, or a renderer without thread groups) and the kernel's
+	 * rows, the product of these dims, so that a launch needs no more
+	 * blocks than rows / row_per */
+	int32_t row_per;
+	int32_t nrowdims;
+	kl_symdim rowdims[KL_MAX_DIMS];
 	kl_matmul_step mm;   /* MATMUL */
 	kl_attn_step at;     /* ATTENTION */
 	/* buffers this step reads and writes (for liveness and explain) */

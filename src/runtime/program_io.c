@@ -10,7 +10,9 @@
 #include "runtime/rt.h"
 
 #define PROG_MAGIC "KLPROG01"
-#define PROG_FORMAT 3u /* 2: attention steps; 3: product epilogues (residual, bias, activation) */
+/* 2: attention steps; 3: product epilogues (residual, bias, activation);
+ * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims) */
+#define PROG_FORMAT 4u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -331,6 +333,15 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			if (sp->kernel < 0 || sp->kernel >= p->nkernels)
 				st = fail(err, cap, "step %d: kernel %d out of range", s,
 				          sp->kernel);
+			else if (sp->row_per < 0 || sp->row_per > 1024 || sp->nrowdims < 0 ||
+			         sp->nrowdims > KL_MAX_DIMS || (sp->row_per == 0 && sp->nrowdims > 0))
+				st = fail(err, cap, "step %d: row grid of %d rows a block over %d dims", s,
+				          sp->row_per, sp->nrowdims);
+			for (int d = 0; st == KL_OK && d < sp->nrowdims; d++)
+				if (sp->rowdims[d].v < 0 || sp->rowdims[d].sym < 0 ||
+				    sp->rowdims[d].sym > p->nsyms)
+					st = fail(err, cap, "step %d: row dim %d (%lld, symbol %d) out of range",
+					          s, d, (long long)sp->rowdims[d].v, sp->rowdims[d].sym);
 		} else if (sp->kind == KL_STEP_MATMUL) {
 			st = check_matmul(p, s, err, cap);
 			if (st == KL_OK)
@@ -448,6 +459,12 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 		const kl_matmul_step *mm = &sp->mm;
 		w_i32(&w, (int32_t)sp->kind);
 		w_i32(&w, sp->kernel);
+		w_i32(&w, sp->row_per);
+		w_i32(&w, sp->nrowdims);
+		for (int d = 0; d < sp->nrowdims && d < KL_MAX_DIMS; d++) {
+			w_i64(&w, sp->rowdims[d].v);
+			w_i32(&w, sp->rowdims[d].sym);
+		}
 		w_i32(&w, mm->a);
 		w_i32(&w, mm->b);
 		w_i32(&w, mm->c);
@@ -644,7 +661,9 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 	if (version != PROG_FORMAT)
 		return fail(err, cap, "program format version %u, this build reads version %u%s",
 		            version, PROG_FORMAT,
-		            version < PROG_FORMAT ? " (written before product epilogues)" : "");
+		            version < 3   ? " (written before product epilogues)"
+		            : version < 4 ? " (written before row grids)"
+		                          : "");
 	kl_program p = {0};
 	bool null;
 	p.nbufs = r_count(&r, MAX_COUNT, 24);
@@ -679,6 +698,12 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		kl_matmul_step *mm = &sp->mm;
 		sp->kind = (kl_step_kind)r_i32(&r);
 		sp->kernel = r_i32(&r);
+		sp->row_per = r_i32(&r);
+		sp->nrowdims = r_count(&r, KL_MAX_DIMS, 12);
+		for (int d = 0; d < sp->nrowdims; d++) {
+			sp->rowdims[d].v = r_i64(&r);
+			sp->rowdims[d].sym = r_i32(&r);
+		}
 		mm->a = r_i32(&r);
 		mm->b = r_i32(&r);
 		mm->c = r_i32(&r);

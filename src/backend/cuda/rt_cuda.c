@@ -92,7 +92,7 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	                 ? KL_G_OFF
 	                 : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
-	rt->waves = wv && atoi(wv) >= 1 && atoi(wv) <= 64 ? atoi(wv) : 1;
+	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 1;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
 	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
 	c->dev = rt;
@@ -417,13 +417,24 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			continue; /* nothing stored: every iterated dim or result is empty */
 		/* pointwise: a thread per rt->pts[s] points, the grid flat, every
 		 * chunk its own thread (rt->pw_flat; else at most rt->waves waves);
-		 * reductions: a block per result row (work counts points: an upper
-		 * bound), at most rt->waves waves */
+		 * row kernels: a block per sp->row_per rows (a block per point
+		 * where the program does not say: an upper bound), at most
+		 * rt->waves waves (0: no cap) */
 		bool pw = rt->pts[s] > 0;
-		int64_t blocks = pw ? (work + BLOCK * rt->pts[s] - 1) / (BLOCK * rt->pts[s]) : work;
+		int64_t blocks = work;
+		if (pw) {
+			blocks = (work + BLOCK * rt->pts[s] - 1) / (BLOCK * rt->pts[s]);
+		} else if (sp->row_per > 0) {
+			int64_t rows = 1;
+			for (int32_t d = 0; d < sp->nrowdims; d++)
+				rows *= kl__dim_value(&sp->rowdims[d], syms);
+			blocks = (rows + sp->row_per - 1) / sp->row_per;
+		}
 		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * rt->waves;
-		if (blocks > cap && !(pw && rt->pw_flat))
+		if (rt->waves > 0 && blocks > cap && !(pw && rt->pw_flat))
 			blocks = cap;
+		if (blocks < 1)
+			blocks = 1;
 		/* max-autotune's cap for this step (0: none) */
 		if (rt->gcap[s] && blocks > (int64_t)rt->gcap[s])
 			blocks = (int64_t)rt->gcap[s];
