@@ -92,7 +92,7 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	                 ? KL_G_OFF
 	                 : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
-	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 1;
+	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 4;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
 	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
 	c->dev = rt;
@@ -354,9 +354,8 @@ static int64_t buf_numel(const kl_buf *bf, const int64_t *syms)
 }
 
 /* Blocks per SM for kernel k: as many blocks of BLOCK threads as are
- * resident on an SM at once, so that a big launch is one
- * full wave whose grid-stride loops share the work evenly (no partial
- * second wave), and the idle blocks of a small one start together. */
+ * resident on an SM at once; a big launch is rt->waves full waves of them,
+ * whose grid-stride loops share the work. */
 static int64_t blocks_per_sm(kl_cuda_rt *rt, int32_t kernel)
 {
 	if (rt->fit[kernel] == 0) {
