@@ -1,12 +1,5 @@
 cd build || exit 1
-W=softmax,layer_norm,rms_norm,rms_norm_prims
 b() { echo "=== $* ==="; env "$@" ./kiln bench --device cuda --workload $W 2>&1 | grep -E "reduce-overhead |default  "; }
+W=softmax,layer_norm,rms_norm,rms_norm_prims,mlp24,decoder_token
+b KILN_CUDA_WAVES=8
 b X=default
-b KILN_CUDA_WAVES=12
-b KILN_CUDA_DOT_F32=0
-b X=default2
-W=mlp24,decoder_token,decoder_layer
-b X=default
-b KILN_CUDA_WAVES=1
-b X=default2
-b KILN_CUDA_WAVES=1

@@ -521,9 +521,10 @@ static int32_t source_rows_a_block(const char *src, const char *name)
  * check each kernel step's row grid against its source: row_per is the
  * rows a block of its first row loop, 0 for a pointwise kernel; rowdims
  * multiply to rows (at trace time) and carry a symbol where the rows are
- * dynamic. The C target records none. Returns the row kernels seen. */
+ * dynamic; a row kernel records want_waves waves, a pointwise one none.
+ * The C target records none. Returns the row kernels seen. */
 static int check_row_grid(const char *what, kltest_apply_fn apply, kl_tensor *const *in,
-                          uint32_t dyn, int64_t rows, int32_t want_per)
+                          uint32_t dyn, int64_t rows, int32_t want_per, int32_t want_waves)
 {
 	kl_scope_begin(ctx);
 	assert_int_equal(kl__trace_begin(ctx), KL_OK);
@@ -546,7 +547,7 @@ static int check_row_grid(const char *what, kltest_apply_fn apply, kl_tensor *co
 			if (sp->kind != KL_STEP_KERNEL)
 				continue;
 			if (t) {
-				if (sp->row_per != 0 || sp->nrowdims != 0)
+				if (sp->row_per != 0 || sp->nrowdims != 0 || sp->waves != 0)
 					fail_msg("%s: C kernel %d records a row grid", what, (int)s);
 				continue;
 			}
@@ -554,9 +555,16 @@ static int check_row_grid(const char *what, kltest_apply_fn apply, kl_tensor *co
 			if (sp->row_per != per)
 				fail_msg("%s: step %d records %d rows a block, its source %d", what,
 				         (int)s, sp->row_per, per);
-			if (per == 0)
+			if (per == 0) {
+				if (sp->waves != 0)
+					fail_msg("%s: pointwise step %d records %d waves", what, (int)s,
+					         sp->waves);
 				continue;
+			}
 			nrow++;
+			if (sp->waves != want_waves)
+				fail_msg("%s: step %d: %d waves, want %d", what, (int)s, sp->waves,
+				         want_waves);
 			int64_t n = 1;
 			bool sym = false;
 			for (int32_t d = 0; d < sp->nrowdims; d++) {
@@ -588,6 +596,14 @@ static void bad_row_sym(kl_program *q, int32_t s)
 static void bad_row_dims(kl_program *q, int32_t s)
 {
 	q->steps[s].row_per = 0;
+}
+static void bad_row_waves(kl_program *q, int32_t s)
+{
+	q->steps[s].waves = 65;
+}
+static void bad_row_nowaves(kl_program *q, int32_t s)
+{
+	q->steps[s].waves = 0;
 }
 
 /* Lower apply for the CUDA target: whether its source holds needle */
@@ -656,18 +672,20 @@ static void test_row_grid(void **state)
 	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 31),
 	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 32),
 	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 33)};
-	assert_int_equal(check_row_grid("layer norm", ap_layer_norm, ln, 0, 64, 1), 1);
+	/* wide rows: twelve waves; dot rows: one (render_cuda.c, ROW_*WAVES) */
+	assert_int_equal(check_row_grid("layer norm", ap_layer_norm, ln, 0, 64, 1, 12), 1);
 	kl_tensor *rms[2] = {kltest_rand(ctx, KL_BF16, 3, (int64_t[]){2, 16, 4096}, KLTEST_NORMAL,
 	                                 KLTEST_CONTIG, 34),
 	                     ln[1]};
-	assert_int_equal(check_row_grid("rms norm", ap_rms_norm, rms, 0, 32, 1), 1);
-	assert_int_equal(check_row_grid("rms norm, dynamic batch", ap_rms_norm, rms, 1u, 32, 1), 1);
+	assert_int_equal(check_row_grid("rms norm", ap_rms_norm, rms, 0, 32, 1, 12), 1);
+	assert_int_equal(check_row_grid("rms norm, dynamic batch", ap_rms_norm, rms, 1u, 32, 1, 12),
+	                 1);
 	kl_tensor *sk[3] = {
 	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 35),
 	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 36),
 	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, 37)};
 	/* 8 x 256 dot rows of 256: groups smaller than the block */
-	assert_int_equal(check_row_grid("skinny linear + gelu", ap_skinny, sk, 0, 8 * 256, 0), 1);
+	assert_int_equal(check_row_grid("skinny linear + gelu", ap_skinny, sk, 0, 8 * 256, 0, 1), 1);
 
 	/* the format: a round trip keeps the grid; bad grids are refused */
 	kl_scope_begin(ctx);
@@ -693,6 +711,7 @@ static void test_row_grid(void **state)
 	assert_int_equal(kl__program_deserialize(bytes, len, &back, err, sizeof err), KL_OK);
 	free(bytes);
 	assert_int_equal(back.steps[rs].row_per, P.steps[rs].row_per);
+	assert_int_equal(back.steps[rs].waves, P.steps[rs].waves);
 	assert_int_equal(back.steps[rs].nrowdims, P.steps[rs].nrowdims);
 	for (int32_t d = 0; d < P.steps[rs].nrowdims; d++) {
 		assert_int_equal(back.steps[rs].rowdims[d].v, P.steps[rs].rowdims[d].v);
@@ -704,7 +723,9 @@ static void test_row_grid(void **state)
 		const char *why;
 	} bad[] = {{bad_row_per, "row grid of 5000 rows a block"},
 	           {bad_row_sym, "row dim 0"},
-	           {bad_row_dims, "row grid of 0 rows a block over"}};
+	           {bad_row_dims, "row grid of 0 rows a block over"},
+	           {bad_row_waves, "row grid of 65 waves for"},
+	           {bad_row_nowaves, "row grid of 0 waves for"}};
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
 		kl_step keep = P.steps[rs];
 		bad[i].mutate(&P, rs);

@@ -838,14 +838,16 @@ static void render_reduction(rctx *c)
 	kl__sb_free(&cond);
 }
 
-int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+kl_row_grid kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name,
+                              kl_sb *sb)
 {
 	if (r->walk)
 		return r->walk(r, k, name, sb);
+	kl_row_grid none = {0, 0};
 	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
-		return 0;
+		return none;
 	}
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, ";\n");
@@ -859,7 +861,7 @@ int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char 
 	if (empty) { /* nothing to visit (and no loop a compiler could trip on) */
 		kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n}\n\n");
 		free(c.live);
-		return 0;
+		return none;
 	}
 	kl__render_buf_decls(r, k, c.live, sb);
 	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
@@ -869,5 +871,5 @@ int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char 
 		render_reduction(&c);
 	kl__sb_puts(sb, "}\n\n");
 	free(c.live);
-	return 0;
+	return none;
 }

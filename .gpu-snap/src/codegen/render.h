@@ -32,6 +32,14 @@ const char *kl__sb_str(const kl_sb *sb);
 
 /* ---- the table --------------------------------------------------------------- */
 
+/* A row kernel's grid, as its renderer lays it out: per, the rows one
+ * block takes at a time (0: not a row kernel, or a renderer without thread
+ * groups); waves, the most full waves of resident blocks its grid should
+ * hold (0 with per; the launcher's cap unless KILN_CUDA_WAVES is set) */
+typedef struct kl_row_grid {
+	int32_t per, waves;
+} kl_row_grid;
+
 typedef struct kl_accvar {
 	const char *suffix, *type, *init;
 } kl_accvar;
@@ -81,8 +89,8 @@ typedef struct kl_renderer {
 	/* A target whose loops look nothing like the CPU's (CUDA: grid-stride
 	 * loops, a thread group per row) walks kernels itself; NULL: render.c's
 	 * loop nests. */
-	int32_t (*walk)(const struct kl_renderer *r, const kir_kernel *k, const char *name,
-	                kl_sb *sb);
+	struct kl_row_grid (*walk)(const struct kl_renderer *r, const kir_kernel *k,
+	                           const char *name, kl_sb *sb);
 } kl_renderer;
 
 extern const kl_renderer kl__render_c;
@@ -145,10 +153,10 @@ bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims,
 /* the extent of dim d: its constant or symbol */
 void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb);
 
-/* Append kernel k as a function called name to sb. */
-/* Appends kernel k as function name. Returns the rows one block of the
- * kernel takes at a time where the renderer lays rows over thread groups
- * (CUDA's row kernels: the launcher sizes their grids from it), else 0. */
-int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb);
+/* Appends kernel k as function name. Returns its row grid where the
+ * renderer lays rows over thread groups (CUDA's row kernels: the launcher
+ * sizes their grids from it), else zeros. */
+kl_row_grid kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name,
+                              kl_sb *sb);
 
 #endif /* KILN_RENDER_H */

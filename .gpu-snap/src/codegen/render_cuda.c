@@ -123,6 +123,7 @@ typedef struct cctx {
 	uint64_t greduced; /* accumulators a < 64 whose group reduction of this
 	                    * pass dot_partial emitted (combine skips them) */
 	bool pair; /* in onepass_pair: a thread's partials stay its own */
+	bool wide; /* the fast path holds a wide row (wide_row) */
 } cctx;
 
 static void ind(cctx *c)
@@ -524,8 +525,19 @@ static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
  * layer norm from 73.8 (72 registers: three blocks an SM) to 71.9, RMS
  * norm 70.0 either way, RMS norm from primitives 74.6 to 72.2; the same
  * knobs on every row kernel slowed the one-token layer's dot rows from
- * 47.8 to 60.1 us, so dot rows and longer rows keep none. */
+ * 47.8 to 60.1 us, so dot rows and longer rows keep none.
+ * Grids: a wide row's holds at most ROW_WIDE_WAVES waves of resident
+ * blocks, every other row kernel's ROW_WAVES (kl_row_grid.waves; the
+ * launcher's cap unless KILN_CUDA_WAVES is set). Run 25 (H200,
+ * reduce-overhead): 12 waves against 8 on the 16384 x 4096 bf16 rows,
+ * softmax 69.7 against 70.0-71.3 us, layer norm 70.1 against 71.3, RMS
+ * 69.3 against 70.5-70.6 (16 waves slower again, run 24); one wave against
+ * eight on the one-token layer's dot rows, 45.9 against 49.3-49.9 us
+ * (a block takes several rows, the next one's weights in flight), mlp24
+ * 37.0-37.1 against 37.4-37.7. */
 #define ROW_WIDE_MINB 5
+#define ROW_WIDE_WAVES 12
+#define ROW_WAVES 1
 static bool wide_row(const cctx *c, const vplan *vp)
 {
 	if (vp->dot || vp->G != BLOCK)
@@ -602,6 +614,7 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 	kl_cuda_dot kn = kl__cuda_dot_knobs();
 	bool wrow = wide_row(c, vp);
 	bool hold = kn.hold >= 0 ? kn.hold != 0 : !wrow;
+	c->wide = wrow;
 	if (wrow && !kn.minb)
 		c->minb = ROW_WIDE_MINB;
 	for (int a = 0; a < vp->nacc; a++) {
@@ -1433,14 +1446,15 @@ static void render_rows(cctx *c)
 /* the rows a block takes: the first row loop's (the chunked path's where
  * there is one: the aligned case, which the grid is sized for; the scalar
  * path's grid-stride loop covers whatever a different group leaves) */
-static int32_t cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+static kl_row_grid cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name,
+                           kl_sb *sb)
 {
 	/* the body first: its row plan chooses the launch bounds (c.minb) */
 	kl_sb body = {0};
 	cctx c = {.r = r, .k = k, .sb = &body, .depth = 1, .mask = ~0u};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
-		return 0;
+		return (kl_row_grid){0, 0};
 	}
 	c.minb = k->rmask ? kl__cuda_dot_knobs().minb : 0;
 	/* first, before any global access: the runtime may launch this kernel
@@ -1473,7 +1487,10 @@ static int32_t cu_walk(const kl_renderer *r, const kir_kernel *k, const char *na
 	else
 		kl__sb_puts(sb, kl__sb_str(&body));
 	kl__sb_free(&body);
-	return c.per;
+	kl_row_grid g = {c.per, 0};
+	if (g.per > 0)
+		g.waves = c.wide ? ROW_WIDE_WAVES : ROW_WAVES;
+	return g;
 }
 
 const kl_renderer kl__render_cuda = {

@@ -454,8 +454,10 @@ static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 	}
 	char name[32];
 	snprintf(name, sizeof(name), "k%d", (int)P->nkernels);
-	sp->row_per = kl__render_kernel(
+	kl_row_grid rg = kl__render_kernel(
 	        L->o->target == KL_TARGET_CUDA ? &kl__render_cuda : &kl__render_c, &k, name, src);
+	sp->row_per = rg.per;
+	sp->waves = rg.waves;
 	sp->nrowdims = 0;
 	for (int d = 0; sp->row_per > 0 && d < k.ndim; d++)
 		if (!(k.rmask & (1u << d)))

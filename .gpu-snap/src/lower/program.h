@@ -107,6 +107,9 @@ typedef struct kl_step {
 	 * rows, the product of these dims, so that a launch needs no more
 	 * blocks than rows / row_per */
 	int32_t row_per;
+	/* with row_per: the most full waves of resident blocks the renderer
+	 * wants the grid to hold (1-64; 0 without row_per) */
+	int32_t waves;
 	int32_t nrowdims;
 	kl_symdim rowdims[KL_MAX_DIMS];
 	kl_matmul_step mm;   /* MATMUL */

@@ -11,8 +11,9 @@
 
 #define PROG_MAGIC "KLPROG01"
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);
- * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims) */
-#define PROG_FORMAT 4u
+ * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
+ * 5: its waves (kl_step.waves) */
+#define PROG_FORMAT 5u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -337,6 +338,9 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			         sp->nrowdims > KL_MAX_DIMS || (sp->row_per == 0 && sp->nrowdims > 0))
 				st = fail(err, cap, "step %d: row grid of %d rows a block over %d dims", s,
 				          sp->row_per, sp->nrowdims);
+			else if (sp->waves < 0 || sp->waves > 64 || (sp->row_per == 0) != (sp->waves == 0))
+				st = fail(err, cap, "step %d: row grid of %d waves for %d rows a block", s,
+				          sp->waves, sp->row_per);
 			for (int d = 0; st == KL_OK && d < sp->nrowdims; d++)
 				if (sp->rowdims[d].v < 0 || sp->rowdims[d].sym < 0 ||
 				    sp->rowdims[d].sym > p->nsyms)
@@ -460,6 +464,7 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 		w_i32(&w, (int32_t)sp->kind);
 		w_i32(&w, sp->kernel);
 		w_i32(&w, sp->row_per);
+		w_i32(&w, sp->waves);
 		w_i32(&w, sp->nrowdims);
 		for (int d = 0; d < sp->nrowdims && d < KL_MAX_DIMS; d++) {
 			w_i64(&w, sp->rowdims[d].v);
@@ -663,6 +668,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            version, PROG_FORMAT,
 		            version < 3   ? " (written before product epilogues)"
 		            : version < 4 ? " (written before row grids)"
+		            : version < 5 ? " (written before row kernels' waves)"
 		                          : "");
 	kl_program p = {0};
 	bool null;
@@ -699,6 +705,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		sp->kind = (kl_step_kind)r_i32(&r);
 		sp->kernel = r_i32(&r);
 		sp->row_per = r_i32(&r);
+		sp->waves = r_i32(&r);
 		sp->nrowdims = r_count(&r, KL_MAX_DIMS, 12);
 		for (int d = 0; d < sp->nrowdims; d++) {
 			sp->rowdims[d].v = r_i64(&r);

@@ -590,6 +590,62 @@ static void bad_row_dims(kl_program *q, int32_t s)
 	q->steps[s].row_per = 0;
 }
 
+/* Lower apply for the CUDA target: whether its source holds needle */
+static bool cuda_source_has(kltest_apply_fn apply, kl_tensor *const *in, const char *needle)
+{
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *y = apply(in, NULL);
+	kl_trace *tr = kl__trace_end(ctx, 1, &y);
+	kl_scope_end(ctx);
+	assert_non_null(tr);
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	kl_program P;
+	char err[512];
+	if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+		fail_msg("lowering failed: %s", err);
+	bool has = strstr(P.source, needle) != NULL;
+	kl__program_free(&P);
+	kl__trace_free(tr);
+	return has;
+}
+
+/* A wide row (a block's 4096-wide bf16 norm or softmax row) asks for five
+ * blocks an SM; a skinny product's dot rows for none; the knob, when set,
+ * for every row kernel. */
+static void test_wide_row_bounds(void **state)
+{
+	(void)state;
+	kl_tensor *ln[3] = {
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 41),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 42),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 43)};
+	kl_tensor *sk[3] = {
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 44),
+	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 45),
+	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, 46)};
+	/* f32 rows of 4096 take 64 bytes a thread: not wide */
+	kl_tensor *lf[3] = {
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 47),
+	        kltest_rand(ctx, KL_F32, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 48),
+	        kltest_rand(ctx, KL_F32, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 49)};
+	const char *keep = getenv("KILN_CUDA_ROW_MINBLOCKS");
+	char *saved = keep ? strdup(keep) : NULL;
+	unsetenv("KILN_CUDA_ROW_MINBLOCKS");
+	assert_true(cuda_source_has(ap_layer_norm, ln, "__launch_bounds__(256, 5)"));
+	assert_false(cuda_source_has(ap_skinny, sk, "__launch_bounds__(256, "));
+	assert_true(cuda_source_has(ap_skinny, sk, "__launch_bounds__(256)"));
+	assert_false(cuda_source_has(ap_layer_norm, lf, "__launch_bounds__(256, "));
+	assert_int_equal(setenv("KILN_CUDA_ROW_MINBLOCKS", "2", 1), 0);
+	assert_true(cuda_source_has(ap_layer_norm, ln, "__launch_bounds__(256, 2)"));
+	assert_true(cuda_source_has(ap_skinny, sk, "__launch_bounds__(256, 2)"));
+	if (saved)
+		setenv("KILN_CUDA_ROW_MINBLOCKS", saved, 1);
+	else
+		unsetenv("KILN_CUDA_ROW_MINBLOCKS");
+	free(saved);
+}
+
 /* Norm rows of 4096 take a block each; a skinny product's short dot rows
  * several a block; the launcher needs rows / row_per blocks, no more. The
  * fields survive the program format and malformed ones are refused. */
@@ -710,6 +766,7 @@ int main(void)
 	        cmocka_unit_test(test_ffn_one_buffer),
 	        cmocka_unit_test(test_attention_layout),
 	        cmocka_unit_test(test_row_grid),
+	        cmocka_unit_test(test_wide_row_bounds),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -120,6 +120,9 @@ typedef struct cctx {
 	bool early; /* the first row's early loads were emitted before the wait */
 	int32_t per; /* rows a block of the fast path's row loop (0: none) */
 	int minb;    /* __launch_bounds__'s blocks an SM (0: none) */
+	uint64_t greduced; /* accumulators a < 64 whose group reduction of this
+	                    * pass dot_partial emitted (combine skips them) */
+	bool pair; /* in onepass_pair: a thread's partials stay its own */
 } cctx;
 
 static void ind(cctx *c)
@@ -785,10 +788,27 @@ static bool part_acc(const kir_ins *in)
 	       (in->in_dt == KL_F32 || in->in_dt == KL_F16 || in->in_dt == KL_BF16);
 }
 
+/* does every live instruction updating accumulator a sit in block blk as
+ * a float partial's sum? (then the partials are the whole sum) */
+static bool part_only(const cctx *c, int blk, int32_t a)
+{
+	const kir_kernel *k = c->k;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (c->live[i] && in->opc == KIR_ACC && in->acc == a && (in->blk != blk || !part_acc(in)))
+			return false;
+	}
+	return true;
+}
+
 /* A row's float partials of pass block blk: declared (open) or added to
  * their double accumulators (!open). A thread's share is at most 64
  * products; the F2F.F64 conversion per element, at 16 a clock an SM on
- * sm_90, would otherwise bound the product below the memory's rate. */
+ * sm_90, would otherwise bound the product below the memory's rate. Where
+ * the partials are an accumulator's whole sum, the group reduces them in
+ * float, once converted: half the shuffles of a double and fewer registers
+ * (16-bit operands only, vp->part; each partial sums at most 64 of them,
+ * the tree eight more levels, far inside a 16-bit result's rounding). */
 static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
 {
 	const kir_kernel *k = c->k;
@@ -804,10 +824,16 @@ static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
 			          k->ins[j].acc == in->acc);
 		if (!first)
 			continue;
-		if (open)
-			line(c, "float kp%d = 0.0f;", (int)in->acc);
-		else
-			line(c, "acc%d += (double)kp%d;", (int)in->acc, (int)in->acc);
+		int a = (int)in->acc;
+		if (open) {
+			line(c, "float kp%d = 0.0f;", a);
+		} else if (a < 64 && !c->pair && part_only(c, blk, in->acc)) {
+			line(c, "acc%d += (double)kl_gred<%d>(kp%d, kl_add_op(), kl_sh, kl_ph);", a, c->G,
+			     a);
+			c->greduced |= 1ull << a;
+		} else {
+			line(c, "acc%d += (double)kp%d;", a, a);
+		}
 	}
 }
 
@@ -994,6 +1020,8 @@ static void combine(cctx *c, int p)
 		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i] || done[in->acc])
 			continue;
 		done[in->acc] = 1;
+		if (in->acc < 64 && (c->greduced >> in->acc & 1))
+			continue; /* reduced in float (dot_partial) */
 		kl_op op = (kl_op)in->op;
 		int a = (int)in->acc;
 		if (op == KL_OP_ARGMAX) {
@@ -1009,6 +1037,7 @@ static void combine(cctx *c, int p)
 		                                  : "kl_min_op";
 		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh, kl_ph);", a, c->G, a, f);
 	}
+	c->greduced = 0;
 	free(done);
 }
 
@@ -1173,6 +1202,7 @@ static void onepass_pair(cctx *c, const kl_onepass *op, const vplan *vp, uint32_
 	bool lse = op->kind == KL_ONEPASS_LSE;
 	line(c, "/* passes %d and %d, one reduction: %s */", p, p + 1,
 	     lse ? "max and sum of exp" : "count, sum and squared deviations");
+	c->pair = true;
 	pass_body(c, p, vp, inner);
 	emit_part(c, 2 * p, init);
 	if (lse) {
@@ -1201,6 +1231,7 @@ static void onepass_pair(cctx *c, const kl_onepass *op, const vplan *vp, uint32_
 	line(c, "acc%d = kl_%s%d;", a, lse ? "m" : "s", p);
 	line(c, "kl_ml%d = t%d;", p, m);
 	pass_body(c, p + 1, vp, inner);
+	c->pair = false;
 	close_brace(c);
 	if (lse) {
 		line(c, "acc%d = kl_rebase(acc%d, kl_ml%d, (%s)acc%d);", b, b, p, mt, a);

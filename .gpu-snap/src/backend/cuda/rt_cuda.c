@@ -92,7 +92,7 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	                 ? KL_G_OFF
 	                 : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
-	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 8;
+	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : -1;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
 	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
 	c->dev = rt;
@@ -354,8 +354,8 @@ static int64_t buf_numel(const kl_buf *bf, const int64_t *syms)
 }
 
 /* Blocks per SM for kernel k: as many blocks of BLOCK threads as are
- * resident on an SM at once; a big launch is rt->waves full waves of them,
- * whose grid-stride loops share the work. */
+ * resident on an SM at once; a big launch is a few full waves of them
+ * (the step's, or KILN_CUDA_WAVES), whose grid-stride loops share the work. */
 static int64_t blocks_per_sm(kl_cuda_rt *rt, int32_t kernel)
 {
 	if (rt->fit[kernel] == 0) {
@@ -415,10 +415,11 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		if (work == 0)
 			continue; /* nothing stored: every iterated dim or result is empty */
 		/* pointwise: a thread per rt->pts[s] points, the grid flat, every
-		 * chunk its own thread (rt->pw_flat; else at most rt->waves waves);
-		 * row kernels: a block per sp->row_per rows (a block per point
-		 * where the program does not say: an upper bound), at most
-		 * rt->waves waves (0: no cap) */
+		 * chunk its own thread (rt->pw_flat; else at most one wave, or
+		 * KILN_CUDA_WAVES); row kernels: a block per sp->row_per rows (a
+		 * block per point where the program does not say: an upper
+		 * bound), at most the step's waves (the renderer's, one where it
+		 * gives none), or KILN_CUDA_WAVES waves where set (0: no cap) */
 		bool pw = rt->pts[s] > 0;
 		int64_t blocks = work;
 		if (pw) {
@@ -429,8 +430,9 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 				rows *= kl__dim_value(&sp->rowdims[d], syms);
 			blocks = (rows + sp->row_per - 1) / sp->row_per;
 		}
-		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * rt->waves;
-		if (rt->waves > 0 && blocks > cap && !(pw && rt->pw_flat))
+		int waves = rt->waves >= 0 ? rt->waves : sp->waves > 0 ? sp->waves : 1;
+		int64_t cap = sms * blocks_per_sm(rt, sp->kernel) * waves;
+		if (waves > 0 && blocks > cap && !(pw && rt->pw_flat))
 			blocks = cap;
 		if (blocks < 1)
 			blocks = 1;

@@ -31,9 +31,10 @@ typedef struct kl_cuda_rt {
 	/* launch choices per step (max-autotune; zero: the defaults) */
 	uint32_t *gcap;    /* kernel steps: grid cap in blocks, 0 = the renderer's choice */
 	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
-	int waves;         /* KILN_CUDA_WAVES (0-64, default 8): a kernel's grid is at most
-	                    * this many full waves, 0 no cap: a block per row group (an A/B
-	                    * knob; read when the module loads) */
+	int waves;         /* KILN_CUDA_WAVES (0-64; -1 unset): every kernel's grid is at
+	                    * most this many full waves, 0 no cap: a block per row group
+	                    * (an A/B knob; read when the module loads). Unset: a row
+	                    * step's own (kl_step.waves), else one */
 	bool pw_flat;      /* KILN_CUDA_PW_FLAT (default 1; 0: off): a pointwise kernel's grid
 	                    * holds every chunk, one a thread, not at most rt->waves waves */
 	int64_t *pts;      /* step s: the points a thread of a pointwise step takes, 0 for

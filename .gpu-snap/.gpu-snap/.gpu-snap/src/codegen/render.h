@@ -110,15 +110,20 @@ int kl__cuda_row_group(void);
  * is 16-bit (f32 inputs keep a double per element). */
 typedef struct kl_cuda_dot {
 	int chunks, threads, f32;
-	int minb; /* KILN_CUDA_ROW_MINBLOCKS (1-8; default 0, none): a row kernel's
-	           * blocks per SM for __launch_bounds__, which caps its registers */
-	int hold; /* KILN_CUDA_ROW_HOLD (0 or 1, default 1): 1, a chunked row
-	           * kernel loads its row-invariant chunks (a norm's weight and
-	           * bias) once, with the first row's, and holds them in registers
-	           * across rows; 0, every row loads them again (__ldg: L1/L2 hits)
-	           * in the pass that first uses them, each chunk right before its
-	           * use, so they hold registers only there. The group and chunks
-	           * per thread are chosen alike either way. */
+	int minb; /* KILN_CUDA_ROW_MINBLOCKS (1-8; default 0, by the kernel): a
+	           * row kernel's blocks per SM for __launch_bounds__, which caps
+	           * its registers. By default a wide row (render_cuda.c,
+	           * wide_row: softmax, layer and RMS norm rows held by the
+	           * block) asks for ROW_WIDE_MINB, every other kernel for none */
+	int hold; /* KILN_CUDA_ROW_HOLD (0 or 1; default -1, by the kernel): 1,
+	           * a chunked row kernel loads its row-invariant chunks (a norm's
+	           * weight and bias) once, with the first row's, and holds them
+	           * in registers across rows; 0, every row loads them again
+	           * (__ldg: L1/L2 hits) in the pass that first uses them, each
+	           * chunk right before its use, so they hold registers only
+	           * there. By default a wide row takes 0 (its registers go to
+	           * more blocks an SM), every other kernel 1. The group and
+	           * chunks per thread are chosen alike either way. */
 	int pw; /* KILN_CUDA_PW_UNROLL (1, 2, 4 or 8; default 1):
 	         * the chunks a pointwise kernel's thread loads before it computes
 	         * and stores any of them */

@@ -119,6 +119,7 @@ typedef struct cctx {
 	bool wait;  /* kl_pdl_wait is still to be emitted (row_loop does it) */
 	bool early; /* the first row's early loads were emitted before the wait */
 	int32_t per; /* rows a block of the fast path's row loop (0: none) */
+	int minb;    /* __launch_bounds__'s blocks an SM (0: none) */
 } cctx;
 
 static void ind(cctx *c)
@@ -444,7 +445,7 @@ int kl__cuda_row_group(void)
 
 kl_cuda_dot kl__cuda_dot_knobs(void)
 {
-	kl_cuda_dot d = {4, 131072, 1, 0, 1, 1};
+	kl_cuda_dot d = {4, 131072, 1, 0, -1, 1};
 	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
 	if (e && atoi(e) >= 1 && atoi(e) <= 8)
 		d.chunks = atoi(e);
@@ -510,6 +511,29 @@ static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
 	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
 }
 
+/* A wide row: a block's row (not a dot row), whose row-dependent loads
+ * take at most 32 bytes a thread (a 4096-wide bf16 softmax, layer or RMS
+ * norm row: two 16-byte chunks). Such a kernel streams: the more blocks an
+ * SM, the more bytes in flight. So by default it gets __launch_bounds__
+ * for ROW_WIDE_MINB blocks and leaves its row-invariant chunks to L1
+ * rather than registers (KILN_CUDA_ROW_HOLD=0). On an H200 (run 23,
+ * 16384 x 4096 bf16, eight waves) that took softmax from 71.0 to 70.5 us,
+ * layer norm from 73.8 (72 registers: three blocks an SM) to 71.9, RMS
+ * norm 70.0 either way, RMS norm from primitives 74.6 to 72.2; the same
+ * knobs on every row kernel slowed the one-token layer's dot rows from
+ * 47.8 to 60.1 us, so dot rows and longer rows keep none. */
+#define ROW_WIDE_MINB 5
+static bool wide_row(const cctx *c, const vplan *vp)
+{
+	if (vp->dot || vp->G != BLOCK)
+		return false;
+	int64_t bytes = 0;
+	for (int a = 0; a < vp->nacc; a++)
+		if (!vp->acc[a].store && row_dependent(c, vp, &vp->acc[a]))
+			bytes += (int64_t)vp->nj * vp->V * msize(vp->acc[a].dt);
+	return bytes > 0 && bytes <= 32;
+}
+
 /* nrows: the rows when static, else INT64_MAX */
 static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 {
@@ -572,7 +596,11 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 	for (int d = 0; d < k->ndim; d++)
 		if (!(k->rmask & (1u << d)))
 			vp->outer |= 1u << d;
-	bool hold = kl__cuda_dot_knobs().hold != 0;
+	kl_cuda_dot kn = kl__cuda_dot_knobs();
+	bool wrow = wide_row(c, vp);
+	bool hold = kn.hold >= 0 ? kn.hold != 0 : !wrow;
+	if (wrow && !kn.minb)
+		c->minb = ROW_WIDE_MINB;
 	for (int a = 0; a < vp->nacc; a++) {
 		if (vp->acc[a].store)
 			continue;
@@ -1376,37 +1404,44 @@ static void render_rows(cctx *c)
  * path's grid-stride loop covers whatever a different group leaves) */
 static int32_t cu_walk(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
 {
-	cctx c = {.r = r, .k = k, .sb = sb, .depth = 1, .mask = ~0u};
+	/* the body first: its row plan chooses the launch bounds (c.minb) */
+	kl_sb body = {0};
+	cctx c = {.r = r, .k = k, .sb = &body, .depth = 1, .mask = ~0u};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
 		return 0;
 	}
-	int minb = k->rmask ? kl__cuda_dot_knobs().minb : 0;
-	if (minb)
-		kl__sb_printf(sb,
-		              "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(const kl_args A)",
-		              BLOCK, minb, name);
-	else
-		kl__sb_printf(sb, r->kernel_fmt, name);
+	c.minb = k->rmask ? kl__cuda_dot_knobs().minb : 0;
 	/* first, before any global access: the runtime may launch this kernel
 	 * while the one before it still runs (kl_pdl_wait in the prelude); a row
 	 * kernel's row_loop waits after the loads it may issue earlier */
-	kl__sb_puts(sb, "\n{\n");
+	kl__sb_puts(&body, "\n{\n");
 	c.wait = k->rmask && k->early;
 	if (!c.wait)
-		kl__sb_puts(sb, "\tkl_pdl_wait();\n");
+		kl__sb_puts(&body, "\tkl_pdl_wait();\n");
 	bool empty = false;
 	for (int d = 0; d < k->ndim; d++)
 		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));
 	if (!empty) {
-		kl__render_buf_decls(r, k, c.live, sb);
+		kl__render_buf_decls(r, k, c.live, &body);
 		if (k->rmask == 0)
 			render_pointwise(&c);
 		else
 			render_rows(&c);
 	}
-	kl__sb_puts(sb, "}\n\n");
+	kl__sb_puts(&body, "}\n\n");
 	free(c.live);
+	if (c.minb)
+		kl__sb_printf(sb,
+		              "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s(const kl_args A)",
+		              BLOCK, c.minb, name);
+	else
+		kl__sb_printf(sb, r->kernel_fmt, name);
+	if (body.oom)
+		sb->oom = true;
+	else
+		kl__sb_puts(sb, kl__sb_str(&body));
+	kl__sb_free(&body);
 	return c.per;
 }
 

@@ -92,7 +92,7 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	                 ? KL_G_OFF
 	                 : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
-	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 4;
+	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : 8;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
 	rt->pw_flat = !(pf && strcmp(pf, "0") == 0);
 	c->dev = rt;

@@ -31,7 +31,7 @@ typedef struct kl_cuda_rt {
 	/* launch choices per step (max-autotune; zero: the defaults) */
 	uint32_t *gcap;    /* kernel steps: grid cap in blocks, 0 = the renderer's choice */
 	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
-	int waves;         /* KILN_CUDA_WAVES (0-64, default 4): a kernel's grid is at most
+	int waves;         /* KILN_CUDA_WAVES (0-64, default 8): a kernel's grid is at most
 	                    * this many full waves, 0 no cap: a block per row group (an A/B
 	                    * knob; read when the module loads) */
 	bool pw_flat;      /* KILN_CUDA_PW_FLAT (default 1; 0: off): a pointwise kernel's grid

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""peer_torch.py - the PyTorch peer of `kiln bench --device cuda`.
+
+The same workloads, sizes and dtypes as kiln's CUDA rows (ANCHORS.md; see
+bench/peer_common.py), through PyTorch eager, torch.compile default and
+reduce-overhead, and max-autotune-no-cudagraphs for the FeedForward (as
+ANCHORS.md measured it). attention and attention_causal are
+F.scaled_dot_product_attention (eager and default only: one fused call);
+decoder_layer and decoder_token are the seed's DecoderLayer module (nn.RMSNorm,
+nn.MultiheadAttention batch first, not causal, the SwiGLU FeedForward) with
+torch's initialization under torch.manual_seed(0). Times are medians of CUDA-event-timed batches after
+20 warm-up calls; first_call_s is the wall time of a mode's first call
+(compile included); peak_bytes is torch.cuda.max_memory_allocated over the
+mode's calls (inputs included). One JSON object a line, with the keys of
+`kiln bench --json`:
+
+  {"peer": "torch", "workload": "relu_fma", "device": "cuda", "dtype": "f16",
+   "shape": "4096x4096", "mode": "default", "median_us": 34.4, ...}
+
+Without PyTorch (or without CUDA, unless --device cpu) it says so on stderr
+and exits 0. --quick shrinks every size; --device cpu runs on the CPU with
+wall-clock timing (a smoke test of this script, not a measurement).
+"""
+import argparse
+import sys
+import time
+
+import peer_common as pc
+
+MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def default_modes(spec):
+    if spec.name == "memory_bandwidth":
+        return ["copy"]
+    if spec.name in ("attention", "attention_causal"):
+        return ["eager", "default"]
+    modes = ["eager", "default", "reduce-overhead"]
+    if spec.name == "swiglu_ffn":
+        modes.append("max-autotune-no-cudagraphs")
+    return modes
+
+
+def seed_modules(torch, d, h, f):
+    """The seed's FeedForward and DecoderLayer classes (kernel-fusion chapter),
+    for d_model d, h heads and FFN width f."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class FeedForward(nn.Module):
+        """The seed's FeedForward: SwiGLU, no biases."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(d, f, bias=False)
+            self.up_proj = nn.Linear(d, f, bias=False)
+            self.down_proj = nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class DecoderLayer(nn.Module):
+        """The seed's pre-norm DecoderLayer."""
+
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(d)
+            self.norm2 = nn.RMSNorm(d)
+            self.attn = nn.MultiheadAttention(d, h, batch_first=True)
+            self.ffn = FeedForward()
+
+        def forward(self, x):
+            h_ = self.norm1(x)
+            h_, _ = self.attn(h_, h_, h_, need_weights=False)
+            x = x + h_
+            return x + self.ffn(self.norm2(x))
+    return FeedForward, DecoderLayer
+
+
+def make(torch, spec, dev):
+    """(fn, args) for one call of spec, inputs from a fixed seed."""
+    F = torch.nn.functional
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, device=dev, dtype=dt, generator=g) * scale
+
+    n = spec.name
+    if n == "memory_bandwidth":
+        x = randn(*spec.dims)
+        y = torch.empty_like(x)
+        return (lambda a, b: b.copy_(a)), [x, y]
+    if n == "relu_fma":
+        return (lambda a, b, c: torch.relu(a * b + c)), [randn(*spec.dims) for _ in range(3)]
+    if n == "pointwise8":
+        def pointwise8(x, a, b):
+            t = torch.relu(x * 1.1 + 0.5)
+            return torch.tanh(t * a - b) * 0.5 + x
+        return pointwise8, [randn(*spec.dims) for _ in range(3)]
+    if n in ("softmax", "layer_norm", "rms_norm", "rms_norm_prims"):
+        cols = spec.dims[1]
+        x = randn(*spec.dims)
+        if n == "softmax":
+            return (lambda x: torch.softmax(x, dim=-1)), [x]
+        if n == "layer_norm":
+            return (lambda x, w, b: F.layer_norm(x, (cols,), w, b, pc.EPS)), [x, randn(cols),
+                                                                             randn(cols)]
+        if n == "rms_norm":
+            return (lambda x, w: F.rms_norm(x, (cols,), w, pc.EPS)), [x, randn(cols)]
+        return (lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + pc.EPS) * w), \
+            [x, randn(cols)]
+    if n == "gemm":
+        m, k, nn_ = spec.dims
+        return torch.matmul, [randn(m, k, scale=k ** -0.5), randn(k, nn_, scale=nn_ ** -0.5)]
+    if n == "swiglu_ffn":
+        b, s, d, h = spec.dims
+        FeedForward, _ = seed_modules(torch, d, 1, h)
+        torch.manual_seed(0)
+        return FeedForward().to(device=dev, dtype=dt).eval(), [randn(b, s, d)]
+    if n in ("attention", "attention_causal"):
+        causal = n == "attention_causal"
+        return ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
+                [randn(*spec.dims) for _ in range(3)])
+    if n in ("decoder_layer", "decoder_token"):
+        b, t, d, h, f = spec.dims
+        _, DecoderLayer = seed_modules(torch, d, h, f)
+        torch.manual_seed(0)
+        return DecoderLayer().to(device=dev, dtype=dt).eval(), [randn(b, t, d)]
+    if n == "mlp24":
+        b, d, layers = spec.dims
+        mods = []
+        for _ in range(layers):
+            mods += [torch.nn.Linear(d, d), torch.nn.GELU()]
+        return torch.nn.Sequential(*mods).to(device=dev, dtype=dt).eval(), [randn(b, d)]
+    raise ValueError(n)
+
+
+def count_kernels(torch, f, args):
+    """CUDA activities (kernels and copies) of one call, by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(torch, spec, mode, fn, args, opts):
+    """(ms, iters, first_call_s, kernels, peak_bytes) of fn in mode."""
+    cuda = opts.device == "cuda"
+    torch._dynamo.reset()
+    f = fn if mode in ("eager", "copy") else torch.compile(fn, mode=mode)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    f(*args)
+    sync()
+    first = time.perf_counter() - t0
+    if cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+
+        def timer(n):
+            start.record()
+            for _ in range(n):
+                f(*args)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+    else:
+        timer = pc.wall_timer(lambda: f(*args), sync)
+    ms, iters = pc.time_calls(timer, warmup=opts.warmup, samples=opts.samples)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    kernels = count_kernels(torch, f, args) if cuda and opts.count_kernels else None
+    return ms, iters, first, kernels, peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    p.add_argument("--modes", help="comma list for every workload, from: " + ", ".join(MODES))
+    p.add_argument("--workload", action="append", default=[], help="only these (repeatable)")
+    p.add_argument("--warmup", type=int, default=pc.WARMUP)
+    p.add_argument("--samples", type=int, default=pc.SAMPLES)
+    p.add_argument("--count-kernels", action="store_true",
+                   help="count each row's CUDA kernels with torch.profiler (slower)")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    opts = p.parse_args()
+    table = pc.specs(opts.quick)
+    if opts.list:
+        for s in table:
+            print(f"{s.name:16s} {s.shape:24s} {s.dtype}")
+        return 0
+    modes = pc.parse_list(opts.modes, MODES, "mode")
+    only = pc.parse_list(",".join(opts.workload), {s.name for s in table}, "workload")
+    try:
+        import torch
+    except ImportError as e:
+        return pc.skip("peer_torch", f"PyTorch is not importable ({e})")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        return pc.skip("peer_torch", "torch.cuda.is_available() is False")
+    gpu = torch.cuda.get_device_name(0) if opts.device == "cuda" else "cpu"
+    extra = {"torch": torch.__version__, "gpu": gpu}
+    failures = 0
+    for spec in table:
+        if only and spec.name not in only:
+            continue
+        eager_ms = None
+        try:
+            fn, args = make(torch, spec, opts.device)
+        except Exception as e:  # e.g. out of memory: the other rows still run
+            pc.emit(pc.row("torch", spec, opts.device, "setup",
+                           extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
+            failures += 1
+            continue
+        for mode in (modes if modes and spec.name != "memory_bandwidth"
+                     else default_modes(spec)):
+            try:
+                with torch.no_grad():
+                    ms, iters, first, kernels, peak = measure(torch, spec, mode, fn, args, opts)
+            except Exception as e:  # one failing row must not hide the others
+                pc.emit(pc.row("torch", spec, opts.device, mode,
+                               extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
+                failures += 1
+                continue
+            if mode == "eager":
+                eager_ms = ms
+            pc.emit(pc.row("torch", spec, opts.device, mode, ms, iters, first, kernels, peak,
+                           eager_ms, extra))
+        del fn, args
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

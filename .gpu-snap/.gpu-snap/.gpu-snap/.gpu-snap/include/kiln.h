@@ -1,0 +1,359 @@
+/* kiln.h - the one public header of kiln, a tensor compiler and runtime in C11.
+ *
+ * Every public name starts with kl_ (types, functions) or KL_ (constants).
+ * The header is the contract; docs/design.md is the map behind it.
+ *
+ * Errors. Every call that can fail returns NULL or a kl_status other than
+ * KL_OK and leaves a message in kl_last_error(ctx) naming the op, the shapes,
+ * the dtypes and the offending value, e.g.
+ *     kl_add: shapes [4,3] and [5] do not broadcast
+ * The library never exits or aborts on bad input, and a failed call writes no
+ * partial output. Ops accept NULL inputs and fail cleanly, so a chain such as
+ * kl_relu(kl_add(kl_mul(a, b), c)) reports the first failure and returns NULL.
+ *
+ * Lifetime. A tensor is a reference-counted handle.
+ *  - Outside a scope, every call that returns a kl_tensor * hands the caller
+ *    one reference; drop it with kl_release().
+ *  - Inside kl_scope_begin(ctx) ... kl_scope_end(ctx), new tensors belong to
+ *    the scope (an autorelease pool): kl_scope_end drops them. Call
+ *    kl_retain() on a tensor to keep it past the scope, then kl_release() it.
+ *  - Views (reshape, permute, slice, ...) share their base's memory and keep
+ *    it alive; releasing the base while a view lives is fine.
+ *  - kl_ctx_free() frees every tensor of the context still alive. A tensor
+ *    handle must not be used after its context is freed.
+ * A context and its tensors are used by one thread at a time; two contexts
+ * share nothing, so separate threads may use separate contexts freely.
+ */
+#ifndef KILN_H
+#define KILN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KL_VERSION_MAJOR 0
+#define KL_VERSION_MINOR 1
+#define KL_VERSION_PATCH 0
+#define KL_VERSION_STRING "0.1.0"
+
+#define KL_MAX_DIMS 8
+
+typedef struct kl_ctx kl_ctx;
+typedef struct kl_tensor kl_tensor;
+
+typedef enum kl_status {
+	KL_OK = 0,
+	KL_EINVAL,       /* bad argument: shapes, axes, dtypes, NULL */
+	KL_ENOMEM,       /* an allocation failed */
+	KL_EDEVICE,      /* the device or its libraries are missing or failed */
+	KL_EIO,          /* a file could not be read or written */
+	KL_EFORMAT,      /* a file or cache entry is malformed */
+	KL_EUNSUPPORTED, /* valid, but not supported on this device/dtype */
+	KL_ECOMPILE,     /* the JIT compiler failed */
+	KL_ESTATE        /* called in the wrong state (e.g. sync in fullgraph) */
+} kl_status;
+
+typedef enum kl_dtype {
+	KL_F32 = 0,
+	KL_F64,
+	KL_F16,
+	KL_BF16,
+	KL_I32,
+	KL_I64,
+	KL_BOOL,
+	KL_NDTYPES
+} kl_dtype;
+
+typedef enum kl_device { KL_CPU = 0, KL_CUDA = 1 } kl_device;
+
+/* ---- contexts and errors ------------------------------------------------ */
+
+typedef struct kl_ctx_opts {
+	kl_device device; /* KL_CPU (default) or KL_CUDA */
+	int index;        /* device index */
+	int nthreads;     /* CPU worker threads; 0 = all cores */
+} kl_ctx_opts;
+
+/* opts may be NULL for a CPU context. On failure returns NULL and
+ * kl_last_error(NULL) says why (for this thread). */
+kl_ctx *kl_ctx_new(const kl_ctx_opts *opts);
+void kl_ctx_free(kl_ctx *ctx);
+kl_device kl_ctx_device(const kl_ctx *ctx);
+
+/* The message of the last failed call on ctx ("" if none). With ctx NULL:
+ * the last failure of kl_ctx_new on this thread. */
+const char *kl_last_error(const kl_ctx *ctx);
+kl_status kl_last_status(const kl_ctx *ctx);
+void kl_clear_error(kl_ctx *ctx);
+/* Set ctx's error (printf-style message) and return status, for code built on
+ * the public API (the nn layer, extensions) to report failures the same way. */
+kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+	__attribute__((format(printf, 3, 4)))
+#endif
+	;
+const char *kl_status_name(kl_status s);
+const char *kl_version(void);
+
+/* ---- memory statistics ---------------------------------------------------- */
+
+/* What ctx's allocator holds, in bytes as the allocator hands them out
+ * (rounded up to its block sizes). On CUDA: every device allocation of the
+ * context (tensors, compiled functions' arenas and static buffers, library
+ * workspaces) through its caching allocator. On the CPU: tensor storage
+ * (compiled functions' scratch arenas are not counted). */
+typedef struct kl_memory_usage {
+	size_t in_use;   /* held by live allocations now */
+	size_t peak;     /* the most in_use reached since kl_ctx_new or kl_memory_reset_peak */
+	size_t reserved; /* CUDA: held from the driver, cached free blocks included;
+	                    CPU: in_use (the host block cache is process-wide) */
+} kl_memory_usage;
+
+kl_status kl_memory_stats(kl_ctx *ctx, kl_memory_usage *out);
+/* Restart the peak from the bytes in use now. */
+kl_status kl_memory_reset_peak(kl_ctx *ctx);
+
+/* ---- dtypes --------------------------------------------------------------- */
+
+const char *kl_dtype_name(kl_dtype dt); /* "f32", "bf16", ... */
+size_t kl_dtype_size(kl_dtype dt);
+bool kl_dtype_is_float(kl_dtype dt);
+/* The dtype torch would give a binary op on a and b. */
+kl_dtype kl_promote_types(kl_dtype a, kl_dtype b);
+
+/* ---- tensors: lifetime and inspection ------------------------------------ */
+
+kl_tensor *kl_retain(kl_tensor *t);
+void kl_release(kl_tensor *t);
+void kl_scope_begin(kl_ctx *ctx);
+void kl_scope_end(kl_ctx *ctx);
+
+kl_ctx *kl_tensor_ctx(const kl_tensor *t);
+kl_dtype kl_tensor_dtype(const kl_tensor *t);
+int kl_ndim(const kl_tensor *t);
+const int64_t *kl_shape(const kl_tensor *t);   /* ndim entries */
+const int64_t *kl_strides(const kl_tensor *t); /* in elements */
+int64_t kl_dim(const kl_tensor *t, int axis);  /* negative axes count back */
+int64_t kl_numel(const kl_tensor *t);
+bool kl_is_contiguous(const kl_tensor *t);
+
+/* ---- creation ------------------------------------------------------------ */
+
+kl_tensor *kl_empty(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
+kl_tensor *kl_zeros(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
+kl_tensor *kl_full(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, double value);
+/* 0-dim tensor holding value */
+kl_tensor *kl_scalar(kl_ctx *ctx, kl_dtype dt, double value);
+/* [start, stop) by step: ceil((stop - start) / step) elements */
+kl_tensor *kl_arange(kl_ctx *ctx, kl_dtype dt, double start, double stop, double step);
+/* Uniform [0,1) and standard normal numbers from a counter-based generator
+ * (Philox-4x32-10 keyed by seed): element i of a tensor is a function of
+ * (seed, i) only, so the same seed gives the same numbers on every device
+ * and every thread count. */
+kl_tensor *kl_rand(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
+kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
+/* A new tensor holding a copy of host data (dense, row-major, dtype dt;
+ * f16 and bf16 as their 16-bit patterns, bool as one byte 0/1). */
+kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape,
+                        const void *data);
+
+/* ---- host access (sync points: inside a compiled function, a graph break) */
+
+/* Copy t, dense row-major in its own dtype, to dst; nbytes must equal
+ * numel * dtype size. */
+kl_status kl_to_host(kl_tensor *t, void *dst, size_t nbytes);
+/* The value of a one-element tensor, as a double. */
+kl_status kl_item(kl_tensor *t, double *out);
+/* Print shape, dtype and (up to a limit) values. */
+kl_status kl_print(kl_tensor *t, FILE *f);
+
+/* ---- pointwise ops (numpy/torch broadcasting and type promotion) --------- */
+
+kl_tensor *kl_add(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_sub(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_mul(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_div(kl_tensor *a, kl_tensor *b); /* true division: ints give f32 */
+kl_tensor *kl_pow(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_maximum(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_minimum(kl_tensor *a, kl_tensor *b);
+/* comparisons give KL_BOOL */
+kl_tensor *kl_eq(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_ne(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_lt(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_le(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_gt(kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_ge(kl_tensor *a, kl_tensor *b);
+
+/* Scalar variants: s acts like a Python number (it does not widen a float
+ * tensor's dtype; an integer tensor with a non-integral s becomes f32). */
+kl_tensor *kl_add_scalar(kl_tensor *a, double s);
+kl_tensor *kl_sub_scalar(kl_tensor *a, double s);
+kl_tensor *kl_mul_scalar(kl_tensor *a, double s);
+kl_tensor *kl_div_scalar(kl_tensor *a, double s);
+kl_tensor *kl_pow_scalar(kl_tensor *a, double s);
+kl_tensor *kl_maximum_scalar(kl_tensor *a, double s);
+kl_tensor *kl_minimum_scalar(kl_tensor *a, double s);
+kl_tensor *kl_eq_scalar(kl_tensor *a, double s);
+kl_tensor *kl_ne_scalar(kl_tensor *a, double s);
+kl_tensor *kl_lt_scalar(kl_tensor *a, double s);
+kl_tensor *kl_le_scalar(kl_tensor *a, double s);
+kl_tensor *kl_gt_scalar(kl_tensor *a, double s);
+kl_tensor *kl_ge_scalar(kl_tensor *a, double s);
+
+kl_tensor *kl_neg(kl_tensor *a);
+kl_tensor *kl_abs(kl_tensor *a);
+kl_tensor *kl_exp(kl_tensor *a);
+kl_tensor *kl_log(kl_tensor *a);
+kl_tensor *kl_sqrt(kl_tensor *a);
+kl_tensor *kl_rsqrt(kl_tensor *a);
+kl_tensor *kl_sin(kl_tensor *a);
+kl_tensor *kl_cos(kl_tensor *a);
+kl_tensor *kl_tanh(kl_tensor *a);
+kl_tensor *kl_sigmoid(kl_tensor *a);
+kl_tensor *kl_relu(kl_tensor *a);
+kl_tensor *kl_gelu(kl_tensor *a);      /* exact: x * Phi(x) */
+kl_tensor *kl_gelu_tanh(kl_tensor *a); /* tanh approximation */
+kl_tensor *kl_silu(kl_tensor *a);
+/* cond is KL_BOOL (any other dtype is compared with zero) */
+kl_tensor *kl_where(kl_tensor *cond, kl_tensor *a, kl_tensor *b);
+kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt);
+/* lo/hi may be -INFINITY/INFINITY to leave a side open */
+kl_tensor *kl_clamp(kl_tensor *a, double lo, double hi);
+
+/* ---- reductions ---------------------------------------------------------- */
+
+/* axes: naxes distinct axes (negative count back); naxes == 0 reduces all. */
+kl_tensor *kl_sum(kl_tensor *a, int naxes, const int *axes, bool keepdim);
+kl_tensor *kl_mean(kl_tensor *a, int naxes, const int *axes, bool keepdim);
+kl_tensor *kl_max(kl_tensor *a, int naxes, const int *axes, bool keepdim);
+kl_tensor *kl_min(kl_tensor *a, int naxes, const int *axes, bool keepdim);
+/* correction 1 = unbiased (torch's default), 0 = population */
+kl_tensor *kl_var(kl_tensor *a, int naxes, const int *axes, int correction, bool keepdim);
+/* index (KL_I64) of the first maximum along one axis */
+kl_tensor *kl_argmax(kl_tensor *a, int axis, bool keepdim);
+
+/* ---- movement (views where the layout allows, copies otherwise) --------- */
+
+/* one entry of shape may be -1 */
+kl_tensor *kl_reshape(kl_tensor *a, int ndim, const int64_t *shape);
+kl_tensor *kl_permute(kl_tensor *a, const int *perm);
+kl_tensor *kl_transpose(kl_tensor *a, int d0, int d1);
+/* shape entries of -1 keep the dim; new leading dims may be added */
+kl_tensor *kl_expand(kl_tensor *a, int ndim, const int64_t *shape);
+/* python a[start:stop:step] along axis; step >= 1; bounds are clamped */
+kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t step);
+kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis);
+kl_tensor *kl_contiguous(kl_tensor *a);
+/* index_select on dim 0: out[i..., j...] = table[idx[i...], j...], idx i32 or
+ * i64 of any shape, result shape idx.shape + table.shape[1:] (a copy). An
+ * index outside [0, rows) is an error when its value is on the host (CPU
+ * eager, or a CPU tensor at trace time); a generated kernel (compiled code,
+ * CUDA eager) clamps it to [0, rows - 1] instead. */
+kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx);
+/* torch.nn.functional.embedding(idx, weight): kl_gather(weight, idx) */
+kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
+
+/* ---- contractions -------------------------------------------------------- */
+
+/* torch.matmul semantics: 1-D and N-D operands, batch dims broadcast */
+kl_tensor *kl_matmul(kl_tensor *a, kl_tensor *b);
+/* x @ w^T + bias; w is [out, in] as in torch; bias may be NULL */
+kl_tensor *kl_linear(kl_tensor *x, kl_tensor *w, kl_tensor *bias);
+
+/* ---- composites ---------------------------------------------------------- */
+
+kl_tensor *kl_softmax(kl_tensor *a, int axis);
+kl_tensor *kl_log_softmax(kl_tensor *a, int axis);
+/* normalize over the last dim; weight and bias ([last dim]) may be NULL */
+kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps);
+kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
+/* Scaled dot-product attention, one fused op: softmax(q k^T * scale) v over
+ * q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] with equal batch dims and
+ * one float dtype (mixed ones promote). causal: query i sees key j iff
+ * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv]. */
+kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
+
+/* ---- compilation (kl_compile) -------------------------------------------- */
+
+typedef struct kl_fn kl_fn;
+
+typedef enum kl_mode {
+	KL_MODE_DEFAULT = 0,
+	KL_MODE_REDUCE_OVERHEAD,          /* CUDA graphs (on the CPU: as default) */
+	KL_MODE_MAX_AUTOTUNE,             /* autotune + CUDA graphs */
+	KL_MODE_MAX_AUTOTUNE_NO_CUDAGRAPHS
+} kl_mode;
+
+/* The function kl_compile captures: reads nin tensors, writes nout new
+ * tensors to out[] (references the caller of kl_fn_call then owns).
+ * It must compute only through kl_ ops on its inputs and on tensors it
+ * creates; state it reads through user is baked into the graph. */
+typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                int nout, void *user);
+
+#define KL_DYNAMIC_ALL (-1)
+
+typedef struct kl_compile_opts {
+	kl_mode mode;
+	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn */
+	bool disable;        /* run fn eagerly (the kill switch) */
+	int recompile_limit; /* variants before falling back to eager; 0 = 8 */
+	/* dynamic dims: dynamic == KL_DYNAMIC_ALL marks every input dim dynamic;
+	 * otherwise dynamic_dims[i] is a bitmask of input i's dynamic dims
+	 * (up to ndynamic_dims inputs). */
+	int dynamic;
+	int ndynamic_dims;
+	const uint32_t *dynamic_dims;
+} kl_compile_opts;
+
+/* opts may be NULL (defaults). nin/nout: the arity of fn. */
+kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
+                  const kl_compile_opts *opts);
+/* Call the compiled function: out[] receives nout new references. */
+kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
+/* The graphs, breaks (reason and op), guards of each variant, kernels with
+ * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory. */
+kl_status kl_explain(kl_fn *f, FILE *out);
+void kl_fn_free(kl_fn *f);
+/* How many kernels (and library calls) the last kl_fn_call launched. */
+int kl_fn_last_kernels(const kl_fn *f);
+
+/* Register a host callback that is a sync point: inside a compiled function
+ * it is a graph break (the tensors it receives are materialized). */
+typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
+kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
+
+/* ---- safetensors (nn layer) ---------------------------------------------
+ * The safetensors file format: an 8-byte little-endian header length N, N
+ * bytes of JSON naming each tensor's dtype, shape and byte range, then the
+ * data. Dtypes F32 F64 F16 BF16 I32 I64 BOOL map to kiln's; others are
+ * rejected. Data is little-endian (kiln assumes a little-endian host). A
+ * malformed file gives KL_EFORMAT, an unreadable one KL_EIO. */
+
+typedef struct kl_safetensors kl_safetensors; /* an opened, validated file */
+/* Read and validate the header; NULL and an error on failure. */
+kl_safetensors *kl_safetensors_open(kl_ctx *ctx, const char *path);
+int kl_safetensors_count(const kl_safetensors *st);
+const char *kl_safetensors_name(const kl_safetensors *st, int i); /* in file order */
+/* A new tensor on st's context holding the named tensor's data, or NULL and
+ * an error ("no tensor 'x' in <file>"). */
+kl_tensor *kl_safetensors_get(kl_safetensors *st, const char *name);
+/* A "__metadata__" value, or NULL. */
+const char *kl_safetensors_metadata(const kl_safetensors *st, const char *key);
+void kl_safetensors_close(kl_safetensors *st);
+/* Write n named tensors (any layout; written dense) atomically: a temporary
+ * file in the same directory, fsync, rename, so an existing file is replaced
+ * only by a complete one. Names must be unique, non-empty, valid UTF-8
+ * without control characters. */
+kl_status kl_safetensors_save(kl_ctx *ctx, const char *path, int n, const char *const *names,
+                              kl_tensor *const *ts);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_H */

@@ -1,0 +1,1128 @@
+/* ops.c - the public ops: argument checks with messages that name the op,
+ * shapes and values; torch's shape, broadcasting and dtype-promotion rules;
+ * then one node per op handed to kl__dispatch (eager run or trace record).
+ * Composites that are not nodes of their own (linear) are built from ops.
+ */
+#include <math.h>
+#include <stdio.h>
+
+#include "api/front.h"
+
+#define SB 192 /* room for one "[d0,...,d7]" */
+
+static const char *shp(char *b, const kl_tensor *t)
+{
+	return kl__shape_str(b, SB, t->ndim, t->shape);
+}
+
+/* The context of an op's inputs. A NULL input fails; when another input
+ * gives the context and it already holds an error, that earlier error is
+ * kept at the end of the message, so a chain of calls reports its root
+ * cause. Inputs of two contexts fail. */
+static kl_ctx *ctx_of(const char *op, int n, kl_tensor *const *ts)
+{
+	kl_ctx *ctx = NULL;
+	int first = -1;
+	for (int i = 0; i < n; i++)
+		if (ts[i]) {
+			ctx = ts[i]->ctx;
+			first = i;
+			break;
+		}
+	for (int i = 0; i < n; i++) {
+		if (ts[i])
+			continue;
+		if (ctx && ctx->status != KL_OK)
+			kl__err(ctx, KL_EINVAL, "kl_%s: input %d is NULL (after: %s)", op, i,
+			        ctx->err);
+		else
+			kl__err(ctx, KL_EINVAL, "kl_%s: input %d is NULL", op, i);
+		return NULL;
+	}
+	for (int i = 0; i < n; i++)
+		if (ts[i]->ctx != ctx) {
+			kl__err(ctx, KL_EINVAL,
+			        "kl_%s: inputs %d and %d belong to different contexts", op, first,
+			        i);
+			return NULL;
+		}
+	return ctx;
+}
+
+static void node_init(kl_node *n, kl_op op, kl_dtype dt, int ndim, const int64_t *shape, int nin)
+{
+	memset(n, 0, sizeof *n);
+	n->op = (uint16_t)op;
+	n->dtype = (uint8_t)dt;
+	n->ndim = (uint8_t)ndim;
+	n->nin = (uint8_t)nin;
+	if (ndim > 0)
+		memcpy(n->shape, shape, (size_t)ndim * sizeof *shape);
+}
+
+static bool is_int(kl_dtype dt)
+{
+	return dt == KL_I32 || dt == KL_I64;
+}
+
+static bool integral(double s)
+{
+	return isfinite(s) && s == trunc(s);
+}
+
+static int norm_axis(int axis, int ndim)
+{
+	return axis < 0 ? axis + ndim : axis;
+}
+
+static kl_status not_float(kl_ctx *ctx, const char *op, kl_dtype dt)
+{
+	return kl__err(ctx, KL_EINVAL, "kl_%s: dtype %s is not floating point", op,
+	               kl_dtype_name(dt));
+}
+
+static kl_status bad_axis(kl_ctx *ctx, const char *op, int axis, const kl_tensor *t)
+{
+	char b[SB];
+	return kl__err(ctx, KL_EINVAL, "kl_%s: axis %d out of range for shape %s", op, axis,
+	               shp(b, t));
+}
+
+/* ---- creation ---------------------------------------------------------------- */
+
+#define KL_MAX_NUMEL (INT64_C(1) << 59)
+
+static kl_tensor *source(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int64_t *shape,
+                         const kl_attrs *a)
+{
+	const char *name = op == KL_OP_FULL ? "full" : kl__ops[op].name;
+	if (!ctx) {
+		kl__err(NULL, KL_EINVAL, "kl_%s: ctx is NULL", name);
+		return NULL;
+	}
+	if ((unsigned)dt >= KL_NDTYPES) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: unknown dtype %d", name, (int)dt);
+		return NULL;
+	}
+	if (ndim < 0 || ndim > KL_MAX_DIMS) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: ndim %d out of range [0,%d]", name, ndim,
+		        KL_MAX_DIMS);
+		return NULL;
+	}
+	if (ndim > 0 && !shape) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: shape is NULL for ndim %d", name, ndim);
+		return NULL;
+	}
+	int64_t n = 1;
+	for (int i = 0; i < ndim; i++) {
+		char b[SB];
+		if (shape[i] < 0) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: negative dim %d in shape %s", name, i,
+			        kl__shape_str(b, SB, ndim, shape));
+			return NULL;
+		}
+		if (shape[i] > 0 && n > KL_MAX_NUMEL / shape[i]) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: shape %s is too large", name,
+			        kl__shape_str(b, SB, ndim, shape));
+			return NULL;
+		}
+		n *= shape[i];
+	}
+	if ((op == KL_OP_RAND || op == KL_OP_RANDN) && !kl_dtype_is_float(dt)) {
+		not_float(ctx, name, dt);
+		return NULL;
+	}
+	kl_node nd;
+	node_init(&nd, op, dt, ndim, shape, 0);
+	nd.a = *a;
+	return kl__dispatch(ctx, &nd, NULL);
+}
+
+kl_tensor *kl_full(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, double value)
+{
+	kl_attrs a = {.s = {value}};
+	return source(ctx, KL_OP_FULL, dt, ndim, shape, &a);
+}
+
+kl_tensor *kl_zeros(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)
+{
+	return kl_full(ctx, dt, ndim, shape, 0.0);
+}
+
+kl_tensor *kl_scalar(kl_ctx *ctx, kl_dtype dt, double value)
+{
+	return kl_full(ctx, dt, 0, NULL, value);
+}
+
+kl_tensor *kl_arange(kl_ctx *ctx, kl_dtype dt, double start, double stop, double step)
+{
+	if (!ctx) {
+		kl__err(NULL, KL_EINVAL, "kl_arange: ctx is NULL");
+		return NULL;
+	}
+	if (!isfinite(start) || !isfinite(stop) || !isfinite(step) || step == 0) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_arange: start %g, stop %g and step %g must be finite "
+		        "and step nonzero",
+		        start, stop, step);
+		return NULL;
+	}
+	/* like torch, a step pointing away from stop is an error, not empty */
+	if ((stop - start) * step < 0) {
+		kl__err(ctx, KL_EINVAL, "kl_arange: step %g does not lead from %g to %g", step,
+		        start, stop);
+		return NULL;
+	}
+	double len = ceil((stop - start) / step);
+	if (len > (double)KL_MAX_NUMEL) {
+		kl__err(ctx, KL_EINVAL, "kl_arange: %g elements is too many", len);
+		return NULL;
+	}
+	int64_t n = (int64_t)len;
+	kl_attrs a = {.s = {start, step}};
+	return source(ctx, KL_OP_ARANGE, dt, 1, &n, &a);
+}
+
+kl_tensor *kl_rand(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed)
+{
+	kl_attrs a = {.seed = seed};
+	return source(ctx, KL_OP_RAND, dt, ndim, shape, &a);
+}
+
+kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed)
+{
+	kl_attrs a = {.seed = seed};
+	return source(ctx, KL_OP_RANDN, dt, ndim, shape, &a);
+}
+
+/* ---- pointwise --------------------------------------------------------------- */
+
+static kl_tensor *binary(kl_op op, kl_tensor *a, kl_tensor *b)
+{
+	const char *name = kl__ops[op].name;
+	kl_tensor *in[2] = {a, b};
+	kl_ctx *ctx = ctx_of(name, 2, in);
+	if (!ctx)
+		return NULL;
+	int nd;
+	int64_t shape[KL_MAX_DIMS];
+	if (!kl__broadcast(a->ndim, a->shape, b->ndim, b->shape, &nd, shape)) {
+		char b0[SB], b1[SB];
+		kl__err(ctx, KL_EINVAL, "kl_%s: shapes %s and %s do not broadcast", name,
+		        shp(b0, a), shp(b1, b));
+		return NULL;
+	}
+	kl_dtype dt = kl_promote_types(a->dtype, b->dtype);
+	if (op == KL_OP_SUB && dt == KL_BOOL) {
+		/* torch refuses too: use kl_ne (xor) or kl_cast first */
+		kl__err(ctx, KL_EINVAL, "kl_sub: dtypes bool and bool are not supported");
+		return NULL;
+	}
+	if (op == KL_OP_DIV && !kl_dtype_is_float(dt))
+		dt = KL_F32; /* true division */
+	/* comparisons run in the promoted type (the backend's business) and
+	 * give bool */
+	if (kl__ops[op].cat == KL_CAT_COMPARE)
+		dt = KL_BOOL;
+	kl_node n;
+	node_init(&n, op, dt, nd, shape, 2);
+	return kl__dispatch(ctx, &n, in);
+}
+
+/* A scalar acts like a Python number: it raises the result's dtype only
+ * across categories. An integral s is int-like: bool tensor -> i64, int and
+ * float tensors keep theirs. A non-integral s (or inf/NaN) is float-like:
+ * bool/int tensors -> f32, float tensors keep theirs (f16 + 2.5 -> f16). */
+static kl_tensor *binary_scalar(kl_op op, kl_tensor *a, double s)
+{
+	const char *name = kl__ops[op].name;
+	kl_ctx *ctx = ctx_of(name, 1, &a);
+	if (!ctx)
+		return NULL;
+	kl_dtype dt = a->dtype;
+	if (!kl_dtype_is_float(dt)) {
+		if (!integral(s))
+			dt = KL_F32;
+		else if (dt == KL_BOOL)
+			dt = KL_I64;
+	}
+	if (op == KL_OP_DIV && !kl_dtype_is_float(dt))
+		dt = KL_F32;
+	if (kl__ops[op].cat == KL_CAT_COMPARE)
+		dt = KL_BOOL;
+	kl_node n;
+	node_init(&n, op, dt, a->ndim, a->shape, 1);
+	n.a.scalar_rhs = 1;
+	n.a.s[0] = s;
+	return kl__dispatch(ctx, &n, &a);
+}
+
+#define BINARY(fn, OP)                                      \
+	kl_tensor *kl_##fn(kl_tensor *a, kl_tensor *b)      \
+	{                                                   \
+		return binary(KL_OP_##OP, a, b);            \
+	}                                                   \
+	kl_tensor *kl_##fn##_scalar(kl_tensor *a, double s) \
+	{                                                   \
+		return binary_scalar(KL_OP_##OP, a, s);     \
+	}
+BINARY(add, ADD)
+BINARY(sub, SUB)
+BINARY(mul, MUL)
+BINARY(div, DIV)
+BINARY(pow, POW)
+BINARY(maximum, MAXIMUM)
+BINARY(minimum, MINIMUM)
+BINARY(eq, EQ)
+BINARY(ne, NE)
+BINARY(lt, LT)
+BINARY(le, LE)
+BINARY(gt, GT)
+BINARY(ge, GE)
+#undef BINARY
+
+/* Float-only math (exp, tanh, gelu, ...) turns bool/int into f32 as torch
+ * does; neg/abs/relu keep ints and refuse bool. */
+static kl_tensor *unary(kl_op op, kl_tensor *a)
+{
+	const char *name = kl__ops[op].name;
+	kl_ctx *ctx = ctx_of(name, 1, &a);
+	if (!ctx)
+		return NULL;
+	kl_dtype dt = a->dtype;
+	if (kl__ops[op].cat == KL_CAT_UNARY_FLOAT) {
+		if (!kl_dtype_is_float(dt))
+			dt = KL_F32;
+	} else if (dt == KL_BOOL) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: dtype bool is not supported", name);
+		return NULL;
+	}
+	kl_node n;
+	node_init(&n, op, dt, a->ndim, a->shape, 1);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+#define UNARY(fn, OP)                        \
+	kl_tensor *kl_##fn(kl_tensor *a)     \
+	{                                    \
+		return unary(KL_OP_##OP, a); \
+	}
+UNARY(neg, NEG)
+UNARY(abs, ABS)
+UNARY(exp, EXP)
+UNARY(log, LOG)
+UNARY(sqrt, SQRT)
+UNARY(rsqrt, RSQRT)
+UNARY(sin, SIN)
+UNARY(cos, COS)
+UNARY(tanh, TANH)
+UNARY(sigmoid, SIGMOID)
+UNARY(relu, RELU)
+UNARY(gelu, GELU)
+UNARY(gelu_tanh, GELU_TANH)
+UNARY(silu, SILU)
+#undef UNARY
+
+kl_tensor *kl_where(kl_tensor *cond, kl_tensor *a, kl_tensor *b)
+{
+	kl_tensor *in[3] = {cond, a, b};
+	kl_ctx *ctx = ctx_of("where", 3, in);
+	if (!ctx)
+		return NULL;
+	int n1, n2;
+	int64_t s1[KL_MAX_DIMS], s2[KL_MAX_DIMS];
+	if (!kl__broadcast(cond->ndim, cond->shape, a->ndim, a->shape, &n1, s1) ||
+	    !kl__broadcast(n1, s1, b->ndim, b->shape, &n2, s2)) {
+		char b0[SB], b1[SB], b2[SB];
+		kl__err(ctx, KL_EINVAL, "kl_where: shapes %s, %s and %s do not broadcast",
+		        shp(b0, cond), shp(b1, a), shp(b2, b));
+		return NULL;
+	}
+	kl_node n;
+	node_init(&n, KL_OP_WHERE, kl_promote_types(a->dtype, b->dtype), n2, s2, 3);
+	return kl__dispatch(ctx, &n, in);
+}
+
+kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
+{
+	kl_ctx *ctx = ctx_of("cast", 1, &a);
+	if (!ctx)
+		return NULL;
+	if ((unsigned)dt >= KL_NDTYPES) {
+		kl__err(ctx, KL_EINVAL, "kl_cast: unknown dtype %d", (int)dt);
+		return NULL;
+	}
+	/* a cast to its own dtype is a new handle on the same data in eager
+	 * mode, like torch's .to(); a trace keeps the node (lowering drops it) */
+	if (dt == a->dtype && !ctx->trace && a->st)
+		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
+	kl_node n;
+	node_init(&n, KL_OP_CAST, dt, a->ndim, a->shape, 1);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+/* clamp keeps a's dtype, except that an int tensor with a non-integral
+ * finite bound becomes f32 (as torch promotes with a float scalar); bool is
+ * refused. Infinite bounds leave that side open. */
+kl_tensor *kl_clamp(kl_tensor *a, double lo, double hi)
+{
+	kl_ctx *ctx = ctx_of("clamp", 1, &a);
+	if (!ctx)
+		return NULL;
+	kl_dtype dt = a->dtype;
+	if (dt == KL_BOOL) {
+		kl__err(ctx, KL_EINVAL, "kl_clamp: dtype bool is not supported");
+		return NULL;
+	}
+	if (isnan(lo) || isnan(hi)) {
+		kl__err(ctx, KL_EINVAL, "kl_clamp: bounds %g and %g must not be NaN", lo, hi);
+		return NULL;
+	}
+	if (is_int(dt) && ((isfinite(lo) && !integral(lo)) || (isfinite(hi) && !integral(hi))))
+		dt = KL_F32;
+	kl_node n;
+	node_init(&n, KL_OP_CLAMP, dt, a->ndim, a->shape, 1);
+	n.a.s[0] = lo;
+	n.a.s[1] = hi;
+	return kl__dispatch(ctx, &n, &a);
+}
+
+/* ---- reductions -------------------------------------------------------------- */
+
+/* Reduced dims of size 0: sum gives 0 and mean/var NaN (the backends' job),
+ * but max/min/argmax have no identity, so they fail as in torch. */
+static kl_tensor *reduce(kl_op op, kl_tensor *a, int naxes, const int *axes, bool keepdim,
+                         int correction)
+{
+	const char *name = kl__ops[op].name;
+	kl_ctx *ctx = ctx_of(name, 1, &a);
+	if (!ctx)
+		return NULL;
+	char b0[SB];
+	if (naxes < 0 || naxes > KL_MAX_DIMS || (naxes > 0 && !axes)) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: bad axis list (%d axes) for shape %s", name, naxes,
+		        shp(b0, a));
+		return NULL;
+	}
+	uint32_t mask = 0;
+	for (int i = 0; i < naxes; i++) {
+		/* a 0-dim tensor accepts axis 0 / -1 and reduces nothing, as torch */
+		if (a->ndim == 0 && (axes[i] == 0 || axes[i] == -1))
+			continue;
+		int ax = norm_axis(axes[i], a->ndim);
+		if (ax < 0 || ax >= a->ndim) {
+			bad_axis(ctx, name, axes[i], a);
+			return NULL;
+		}
+		if (mask & (1u << ax)) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: axis %d repeated for shape %s", name,
+			        axes[i], shp(b0, a));
+			return NULL;
+		}
+		mask |= 1u << ax;
+	}
+	if (naxes == 0)
+		mask = a->ndim ? (1u << a->ndim) - 1 : 0;
+	kl_dtype dt = a->dtype;
+	switch (op) {
+	case KL_OP_SUM:
+		if (!kl_dtype_is_float(dt))
+			dt = KL_I64;
+		break;
+	case KL_OP_MEAN:
+	case KL_OP_VAR:
+		if (!kl_dtype_is_float(dt)) {
+			not_float(ctx, name, dt);
+			return NULL;
+		}
+		break;
+	case KL_OP_ARGMAX:
+		dt = KL_I64;
+		break;
+	default:
+		break;
+	}
+	if (op == KL_OP_MAX || op == KL_OP_MIN || op == KL_OP_ARGMAX) {
+		for (int d = 0; d < a->ndim; d++)
+			if ((mask & (1u << d)) && a->shape[d] == 0) {
+				kl__err(ctx, KL_EINVAL,
+				        "kl_%s: reduction over an empty axis %d of shape %s", name,
+				        d, shp(b0, a));
+				return NULL;
+			}
+	}
+	int64_t shape[KL_MAX_DIMS];
+	int nd = 0;
+	for (int d = 0; d < a->ndim; d++) {
+		if (!(mask & (1u << d)))
+			shape[nd++] = a->shape[d];
+		else if (keepdim)
+			shape[nd++] = 1;
+	}
+	kl_node n;
+	node_init(&n, op, dt, nd, shape, 1);
+	n.a.axes = mask;
+	n.a.keepdim = keepdim;
+	n.a.correction = correction;
+	if (op == KL_OP_ARGMAX && a->ndim > 0)
+		n.a.axis = norm_axis(axes[0], a->ndim);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+kl_tensor *kl_sum(kl_tensor *a, int naxes, const int *axes, bool keepdim)
+{
+	return reduce(KL_OP_SUM, a, naxes, axes, keepdim, 0);
+}
+
+kl_tensor *kl_mean(kl_tensor *a, int naxes, const int *axes, bool keepdim)
+{
+	return reduce(KL_OP_MEAN, a, naxes, axes, keepdim, 0);
+}
+
+kl_tensor *kl_max(kl_tensor *a, int naxes, const int *axes, bool keepdim)
+{
+	return reduce(KL_OP_MAX, a, naxes, axes, keepdim, 0);
+}
+
+kl_tensor *kl_min(kl_tensor *a, int naxes, const int *axes, bool keepdim)
+{
+	return reduce(KL_OP_MIN, a, naxes, axes, keepdim, 0);
+}
+
+kl_tensor *kl_var(kl_tensor *a, int naxes, const int *axes, int correction, bool keepdim)
+{
+	if (a && correction < 0) {
+		kl__err(a->ctx, KL_EINVAL, "kl_var: correction %d must be >= 0", correction);
+		return NULL;
+	}
+	return reduce(KL_OP_VAR, a, naxes, axes, keepdim, correction);
+}
+
+kl_tensor *kl_argmax(kl_tensor *a, int axis, bool keepdim)
+{
+	return reduce(KL_OP_ARGMAX, a, 1, &axis, keepdim, 0);
+}
+
+/* ---- movement ---------------------------------------------------------------- */
+
+kl_tensor *kl_reshape(kl_tensor *a, int ndim, const int64_t *shape)
+{
+	kl_ctx *ctx = ctx_of("reshape", 1, &a);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (ndim < 0 || ndim > KL_MAX_DIMS || (ndim > 0 && !shape)) {
+		kl__err(ctx, KL_EINVAL, "kl_reshape: bad target ndim %d", ndim);
+		return NULL;
+	}
+	int64_t out[KL_MAX_DIMS];
+	int infer = -1;
+	int64_t known = 1;
+	for (int i = 0; i < ndim; i++) {
+		out[i] = shape[i];
+		if (shape[i] == -1 && infer < 0) {
+			infer = i;
+			continue;
+		}
+		if (shape[i] < 0) {
+			kl__err(ctx, KL_EINVAL, "kl_reshape: bad target shape %s for %s",
+			        kl__shape_str(b1, SB, ndim, shape), shp(b0, a));
+			return NULL;
+		}
+		known *= shape[i];
+	}
+	int64_t numel = kl_numel(a);
+	if (infer >= 0) {
+		if (known == 0 || numel % known) {
+			kl__err(ctx, KL_EINVAL,
+			        "kl_reshape: cannot infer -1 in %s for %s (%lld elements)",
+			        kl__shape_str(b1, SB, ndim, shape), shp(b0, a), (long long)numel);
+			return NULL;
+		}
+		out[infer] = numel / known;
+		known = numel;
+	}
+	if (known != numel) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_reshape: cannot reshape %s (%lld elements) to %s (%lld "
+		        "elements)",
+		        shp(b0, a), (long long)numel, kl__shape_str(b1, SB, ndim, shape),
+		        (long long)known);
+		return NULL;
+	}
+	kl_node n;
+	node_init(&n, KL_OP_RESHAPE, a->dtype, ndim, out, 1);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+kl_tensor *kl_permute(kl_tensor *a, const int *perm)
+{
+	kl_ctx *ctx = ctx_of("permute", 1, &a);
+	if (!ctx)
+		return NULL;
+	char b0[SB];
+	if (!perm && a->ndim > 0) {
+		kl__err(ctx, KL_EINVAL, "kl_permute: perm is NULL for shape %s", shp(b0, a));
+		return NULL;
+	}
+	kl_node n;
+	node_init(&n, KL_OP_PERMUTE, a->dtype, a->ndim, a->shape, 1);
+	uint32_t seen = 0;
+	for (int i = 0; i < a->ndim; i++) {
+		int p = norm_axis(perm[i], a->ndim);
+		if (p < 0 || p >= a->ndim || (seen & (1u << p))) {
+			kl__err(ctx, KL_EINVAL,
+			        "kl_permute: perm entry %d (%d) is out of range or "
+			        "repeated for shape %s",
+			        i, perm[i], shp(b0, a));
+			return NULL;
+		}
+		seen |= 1u << p;
+		n.a.v[i] = p;
+		n.shape[i] = a->shape[p];
+	}
+	return kl__dispatch(ctx, &n, &a);
+}
+
+kl_tensor *kl_transpose(kl_tensor *a, int d0, int d1)
+{
+	kl_ctx *ctx = ctx_of("transpose", 1, &a);
+	if (!ctx)
+		return NULL;
+	int x = norm_axis(d0, a->ndim), y = norm_axis(d1, a->ndim);
+	if (x < 0 || x >= a->ndim || y < 0 || y >= a->ndim) {
+		bad_axis(ctx, "transpose", (x < 0 || x >= a->ndim) ? d0 : d1, a);
+		return NULL;
+	}
+	int perm[KL_MAX_DIMS];
+	for (int i = 0; i < a->ndim; i++)
+		perm[i] = i;
+	perm[x] = y;
+	perm[y] = x;
+	return kl_permute(a, perm);
+}
+
+kl_tensor *kl_expand(kl_tensor *a, int ndim, const int64_t *shape)
+{
+	kl_ctx *ctx = ctx_of("expand", 1, &a);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (ndim < a->ndim || ndim > KL_MAX_DIMS || (ndim > 0 && !shape)) {
+		kl__err(ctx, KL_EINVAL, "kl_expand: cannot expand %s to %d dims", shp(b0, a), ndim);
+		return NULL;
+	}
+	int64_t out[KL_MAX_DIMS];
+	int lead = ndim - a->ndim;
+	for (int i = 0; i < ndim; i++) {
+		int j = i - lead;
+		int64_t want = shape[i];
+		bool ok;
+		if (j < 0) {
+			ok = want >= 0; /* new leading dims need a size */
+		} else {
+			if (want == -1)
+				want = a->shape[j];
+			ok = want >= 0 && (want == a->shape[j] || a->shape[j] == 1);
+		}
+		if (!ok) {
+			kl__err(ctx, KL_EINVAL, "kl_expand: cannot expand %s to %s", shp(b0, a),
+			        kl__shape_str(b1, SB, ndim, shape));
+			return NULL;
+		}
+		out[i] = want;
+	}
+	kl_node n;
+	node_init(&n, KL_OP_EXPAND, a->dtype, ndim, out, 1);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+/* Python slicing: negative bounds count from the end, out-of-range bounds
+ * clamp, an empty range gives size 0. attrs.v = normalized start, clamped
+ * stop (>= start), step. */
+kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t step)
+{
+	kl_ctx *ctx = ctx_of("slice", 1, &a);
+	if (!ctx)
+		return NULL;
+	int ax = norm_axis(axis, a->ndim);
+	if (ax < 0 || ax >= a->ndim) {
+		bad_axis(ctx, "slice", axis, a);
+		return NULL;
+	}
+	if (step < 1) {
+		kl__err(ctx, KL_EINVAL, "kl_slice: step %lld must be >= 1", (long long)step);
+		return NULL;
+	}
+	int64_t size = a->shape[ax];
+	if (start < 0)
+		start = start < -size ? 0 : start + size;
+	if (stop < 0)
+		stop = stop < -size ? 0 : stop + size;
+	if (start > size)
+		start = size;
+	if (stop > size)
+		stop = size;
+	if (stop < start)
+		stop = start;
+	kl_node n;
+	node_init(&n, KL_OP_SLICE, a->dtype, a->ndim, a->shape, 1);
+	n.shape[ax] = (stop - start + step - 1) / step;
+	n.a.axis = ax;
+	n.a.v[0] = start;
+	n.a.v[1] = stop;
+	n.a.v[2] = step;
+	return kl__dispatch(ctx, &n, &a);
+}
+
+kl_tensor *kl_contiguous(kl_tensor *a)
+{
+	kl_ctx *ctx = ctx_of("contiguous", 1, &a);
+	if (!ctx)
+		return NULL;
+	if (!ctx->trace && a->st && kl_is_contiguous(a))
+		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
+	kl_node n;
+	node_init(&n, KL_OP_CONTIGUOUS, a->dtype, a->ndim, a->shape, 1);
+	return kl__dispatch(ctx, &n, &a);
+}
+
+/* index_select on dim 0. The indices are checked here whenever their values
+ * are on the host (a materialized CPU tensor, eager or at trace time), and by
+ * the CPU backend; a generated kernel clamps an index to [0, rows - 1]. */
+kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
+{
+	kl_tensor *in[2] = {table, idx};
+	kl_ctx *ctx = ctx_of("gather", 2, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (idx->dtype != KL_I32 && idx->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: indices have dtype %s, need i32 or i64",
+		        kl_dtype_name(idx->dtype));
+		return NULL;
+	}
+	if (table->ndim < 1 || idx->ndim + table->ndim - 1 > KL_MAX_DIMS) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: table %s and indices %s: the table needs a "
+		        "dim and the result at most %d", shp(b0, table), shp(b1, idx), KL_MAX_DIMS);
+		return NULL;
+	}
+	int64_t nidx = kl__numel(idx->ndim, idx->shape), rows = table->shape[0];
+	if (rows == 0 && nidx > 0) {
+		kl__err(ctx, KL_EINVAL, "kl_gather: table %s has no rows to index with %s",
+		        shp(b0, table), shp(b1, idx));
+		return NULL;
+	}
+	if (idx->st && ctx->device == KL_CPU) {
+		const char *p = kl__tensor_data(idx);
+		for (int64_t e = 0; e < nidx; e++) {
+			int64_t off = 0, r = e;
+			for (int d = idx->ndim - 1; d >= 0; d--) {
+				off += (r % idx->shape[d]) * idx->strides[d];
+				r /= idx->shape[d];
+			}
+			int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
+			                                 : ((const int64_t *)(const void *)p)[off];
+			if (v < 0 || v >= rows) {
+				kl__err(ctx, KL_EINVAL, "kl_gather: index %lld (element %lld) out of "
+				        "range for a table of %lld rows", (long long)v, (long long)e,
+				        (long long)rows);
+				return NULL;
+			}
+		}
+	}
+	int64_t shape[KL_MAX_DIMS];
+	int nd = 0;
+	for (int d = 0; d < idx->ndim; d++)
+		shape[nd++] = idx->shape[d];
+	for (int d = 1; d < table->ndim; d++)
+		shape[nd++] = table->shape[d];
+	kl_node n;
+	node_init(&n, KL_OP_GATHER, table->dtype, nd, shape, 2);
+	return kl__dispatch(ctx, &n, in);
+}
+
+kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight)
+{
+	return kl_gather(weight, idx);
+}
+
+/* Inputs of another dtype are cast to the promoted one first; more inputs
+ * than a node holds become a chain (each link takes the previous result
+ * and up to KL_NODE_MAX_IN - 1 more). */
+kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis)
+{
+	if (n < 1 || !ts) {
+		kl__err(NULL, KL_EINVAL, "kl_concat: needs at least one tensor (n = %d)", n);
+		return NULL;
+	}
+	kl_ctx *ctx = ctx_of("concat", n, ts);
+	if (!ctx)
+		return NULL;
+	const kl_tensor *t0 = ts[0];
+	char b0[SB], b1[SB];
+	int ax = norm_axis(axis, t0->ndim);
+	if (ax < 0 || ax >= t0->ndim) {
+		bad_axis(ctx, "concat", axis, t0);
+		return NULL;
+	}
+	kl_dtype dt = t0->dtype;
+	for (int i = 1; i < n; i++) {
+		const kl_tensor *t = ts[i];
+		bool ok = t->ndim == t0->ndim;
+		for (int d = 0; ok && d < t0->ndim; d++)
+			ok = d == ax || t->shape[d] == t0->shape[d];
+		if (!ok) {
+			kl__err(ctx, KL_EINVAL,
+			        "kl_concat: shapes %s and %s (input %d) differ outside "
+			        "axis %d",
+			        shp(b0, t0), shp(b1, t), i, ax);
+			return NULL;
+		}
+		dt = kl_promote_types(dt, t->dtype);
+	}
+	kl_tensor *cur = NULL; /* the chain so far, owned here */
+	int i = 0;
+	while (i < n) {
+		kl_tensor *in[KL_NODE_MAX_IN];
+		bool owned[KL_NODE_MAX_IN] = {false};
+		int k = 0;
+		if (cur) {
+			in[k] = cur;
+			owned[k++] = true;
+		}
+		kl_status st = KL_OK;
+		while (k < KL_NODE_MAX_IN && i < n) {
+			kl_tensor *t = ts[i++];
+			if (t->dtype != dt) {
+				t = kl_cast(t, dt);
+				if (!t) {
+					st = KL_EINVAL;
+					break;
+				}
+				owned[k] = true;
+			}
+			in[k++] = t;
+		}
+		kl_tensor *r = NULL;
+		if (st == KL_OK) {
+			kl_node nd;
+			int64_t shape[KL_MAX_DIMS];
+			memcpy(shape, t0->shape, sizeof shape);
+			shape[ax] = 0;
+			for (int j = 0; j < k; j++)
+				shape[ax] += in[j]->shape[ax];
+			node_init(&nd, KL_OP_CONCAT, dt, t0->ndim, shape, k);
+			nd.a.axis = ax;
+			r = kl__dispatch(ctx, &nd, in);
+		}
+		for (int j = 0; j < k; j++)
+			if (owned[j])
+				kl__tensor_discard(in[j]);
+		if (!r)
+			return NULL;
+		cur = r;
+	}
+	return cur;
+}
+
+/* ---- contractions -------------------------------------------------------------- */
+
+/* torch.matmul: a 1-D operand is made a matrix (a: [1,K], b: [K,1]) and the
+ * extra dim dropped from the result; batch dims broadcast, and both operands
+ * are expanded to the common batch shape so that the node's inputs agree. */
+kl_tensor *kl_matmul(kl_tensor *a, kl_tensor *b)
+{
+	kl_tensor *in[2] = {a, b};
+	kl_ctx *ctx = ctx_of("matmul", 2, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (a->ndim == 0 || b->ndim == 0) {
+		kl__err(ctx, KL_EINVAL, "kl_matmul: shapes %s and %s: both need at least 1 dim",
+		        shp(b0, a), shp(b1, b));
+		return NULL;
+	}
+	if (a->dtype != b->dtype) {
+		kl__err(ctx, KL_EINVAL, "kl_matmul: dtypes %s and %s differ",
+		        kl_dtype_name(a->dtype), kl_dtype_name(b->dtype));
+		return NULL;
+	}
+	if (a->dtype == KL_BOOL) {
+		kl__err(ctx, KL_EINVAL, "kl_matmul: dtype bool is not supported");
+		return NULL;
+	}
+	int64_t k_a = a->shape[a->ndim - 1];
+	int64_t k_b = b->ndim == 1 ? b->shape[0] : b->shape[b->ndim - 2];
+	if (k_a != k_b) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_matmul: shapes %s and %s do not match (inner dims %lld "
+		        "and %lld)",
+		        shp(b0, a), shp(b1, b), (long long)k_a, (long long)k_b);
+		return NULL;
+	}
+	int64_t m = a->ndim == 1 ? 1 : a->shape[a->ndim - 2];
+	int64_t nn = b->ndim == 1 ? 1 : b->shape[b->ndim - 1];
+	int nba = a->ndim > 2 ? a->ndim - 2 : 0, nbb = b->ndim > 2 ? b->ndim - 2 : 0;
+	int nb;
+	int64_t batch[KL_MAX_DIMS];
+	if (!kl__broadcast(nba, a->shape, nbb, b->shape, &nb, batch) || nb + 2 > KL_MAX_DIMS) {
+		kl__err(ctx, KL_EINVAL, "kl_matmul: batch dims of %s and %s do not broadcast",
+		        shp(b0, a), shp(b1, b));
+		return NULL;
+	}
+	/* each operand as [batch..., rows, cols], through reshape/expand */
+	kl_tensor *ops[2] = {NULL, NULL};
+	int64_t rows[2] = {m, k_a}, cols[2] = {k_a, nn};
+	for (int s = 0; s < 2; s++) {
+		kl_tensor *t = in[s];
+		int64_t shape[KL_MAX_DIMS];
+		memcpy(shape, batch, sizeof shape);
+		shape[nb] = rows[s];
+		shape[nb + 1] = cols[s];
+		bool same = t->ndim == nb + 2;
+		for (int d = 0; same && d < nb + 2; d++)
+			same = t->shape[d] == shape[d];
+		if (same)
+			continue;
+		kl_tensor *mat = t;
+		if (t->ndim == 1) {
+			int64_t ms[2] = {rows[s], cols[s]};
+			mat = kl_reshape(t, 2, ms);
+			if (!mat)
+				goto fail;
+			if (nb == 0) { /* already [rows, cols] */
+				ops[s] = mat;
+				continue;
+			}
+		}
+		ops[s] = kl_expand(mat, nb + 2, shape);
+		if (mat != t)
+			kl__tensor_discard(mat);
+		if (!ops[s])
+			goto fail;
+	}
+	kl_tensor *args[2] = {ops[0] ? ops[0] : a, ops[1] ? ops[1] : b};
+	int64_t oshape[KL_MAX_DIMS];
+	memcpy(oshape, batch, sizeof oshape);
+	oshape[nb] = m;
+	oshape[nb + 1] = nn;
+	kl_node n;
+	node_init(&n, KL_OP_MATMUL, a->dtype, nb + 2, oshape, 2);
+	kl_tensor *r = kl__dispatch(ctx, &n, args);
+	kl__tensor_discard(ops[0]);
+	kl__tensor_discard(ops[1]);
+	if (!r || (a->ndim > 1 && b->ndim > 1))
+		return r;
+	/* drop the dims the 1-D operands gained */
+	int64_t fshape[KL_MAX_DIMS];
+	int fd = 0;
+	for (int d = 0; d < nb; d++)
+		fshape[fd++] = batch[d];
+	if (a->ndim > 1)
+		fshape[fd++] = m;
+	if (b->ndim > 1)
+		fshape[fd++] = nn;
+	kl_tensor *f = kl_reshape(r, fd, fshape);
+	kl__tensor_discard(r);
+	return f;
+fail:
+	kl__tensor_discard(ops[0]);
+	kl__tensor_discard(ops[1]);
+	return NULL;
+}
+
+kl_tensor *kl_linear(kl_tensor *x, kl_tensor *w, kl_tensor *bias)
+{
+	kl_tensor *in[2] = {x, w};
+	kl_ctx *ctx = ctx_of("linear", 2, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (bias && bias->ctx != ctx) {
+		kl__err(ctx, KL_EINVAL, "kl_linear: inputs 0 and 2 belong to different contexts");
+		return NULL;
+	}
+	if (w->ndim != 2 || x->ndim < 1 || x->shape[x->ndim - 1] != w->shape[1]) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_linear: x %s and weight %s do not match (weight must be "
+		        "[out, in] with in = x's last dim)",
+		        shp(b0, x), shp(b1, w));
+		return NULL;
+	}
+	if (bias && (bias->ndim != 1 || bias->shape[0] != w->shape[0])) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_linear: bias %s does not match weight %s (must be [%lld])",
+		        shp(b0, bias), shp(b1, w), (long long)w->shape[0]);
+		return NULL;
+	}
+	kl_tensor *wt = kl_transpose(w, 0, 1);
+	if (!wt)
+		return NULL;
+	kl_tensor *y = kl_matmul(x, wt);
+	kl__tensor_discard(wt);
+	if (!y || !bias)
+		return y;
+	kl_tensor *r = kl_add(y, bias);
+	kl__tensor_discard(y);
+	return r;
+}
+
+/* ---- composites ------------------------------------------------------------------ */
+
+static kl_tensor *softmax_like(kl_op op, kl_tensor *a, int axis)
+{
+	const char *name = kl__ops[op].name;
+	kl_ctx *ctx = ctx_of(name, 1, &a);
+	if (!ctx)
+		return NULL;
+	if (!kl_dtype_is_float(a->dtype)) {
+		not_float(ctx, name, a->dtype);
+		return NULL;
+	}
+	int ax = norm_axis(axis, a->ndim);
+	if (ax < 0 || ax >= a->ndim) {
+		bad_axis(ctx, name, axis, a);
+		return NULL;
+	}
+	kl_node n;
+	node_init(&n, op, a->dtype, a->ndim, a->shape, 1);
+	n.a.axis = ax;
+	return kl__dispatch(ctx, &n, &a);
+}
+
+kl_tensor *kl_softmax(kl_tensor *a, int axis)
+{
+	return softmax_like(KL_OP_SOFTMAX, a, axis);
+}
+
+kl_tensor *kl_log_softmax(kl_tensor *a, int axis)
+{
+	return softmax_like(KL_OP_LOG_SOFTMAX, a, axis);
+}
+
+/* x must be float; weight and bias (optional) are [last dim of x] of any
+ * float dtype; the result has x's dtype. Node inputs: x[, weight][, bias]. */
+static kl_tensor *norm(kl_op op, kl_tensor *x, kl_tensor *w, kl_tensor *bias, double eps)
+{
+	const char *name = kl__ops[op].name;
+	kl_ctx *ctx = ctx_of(name, 1, &x);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	if (!kl_dtype_is_float(x->dtype)) {
+		not_float(ctx, name, x->dtype);
+		return NULL;
+	}
+	if (x->ndim < 1) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: x must have at least 1 dim, got shape []", name);
+		return NULL;
+	}
+	if (!isfinite(eps) || eps < 0) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: eps %g must be finite and >= 0", name, eps);
+		return NULL;
+	}
+	kl_tensor *in[3] = {x};
+	int nin = 1;
+	uint8_t flags = 0;
+	kl_tensor *opt[2] = {w, bias};
+	const char *what[2] = {"weight", "bias"};
+	for (int i = 0; i < 2; i++) {
+		kl_tensor *t = opt[i];
+		if (!t)
+			continue;
+		if (t->ctx != ctx) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: x and %s belong to different contexts",
+			        name, what[i]);
+			return NULL;
+		}
+		if (!kl_dtype_is_float(t->dtype)) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: %s dtype %s is not floating point", name,
+			        what[i], kl_dtype_name(t->dtype));
+			return NULL;
+		}
+		if (t->ndim != 1 || t->shape[0] != x->shape[x->ndim - 1]) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: %s %s does not match x %s (must be [%lld])",
+			        name, what[i], shp(b0, t), shp(b1, x),
+			        (long long)x->shape[x->ndim - 1]);
+			return NULL;
+		}
+		in[nin++] = t;
+		flags |= i == 0 ? KL_F_HAS_WEIGHT : KL_F_HAS_BIAS;
+	}
+	kl_node n;
+	node_init(&n, op, x->dtype, x->ndim, x->shape, nin);
+	n.a.axis = x->ndim - 1;
+	n.a.s[0] = eps;
+	n.a.flags = flags;
+	return kl__dispatch(ctx, &n, in);
+}
+
+kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps)
+{
+	return norm(KL_OP_LAYER_NORM, x, weight, bias, eps);
+}
+
+kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
+{
+	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
+}
+
+kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
+{
+	kl_tensor *in[3] = {q, k, v};
+	kl_ctx *ctx = ctx_of("sdpa", 3, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB], b2[SB];
+	kl_dtype dt = kl_promote_types(kl_promote_types(q->dtype, k->dtype), v->dtype);
+	if (!kl_dtype_is_float(dt)) {
+		not_float(ctx, "sdpa", dt);
+		return NULL;
+	}
+	if (!isfinite(scale)) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa: scale %g must be finite", scale);
+		return NULL;
+	}
+	int nd = q->ndim;
+	bool ok = nd >= 2 && k->ndim == nd && v->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = k->shape[d] == q->shape[d] && v->shape[d] == q->shape[d];
+	if (!ok) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_sdpa: q %s, k %s and v %s need the same rank (>= 2) and batch dims",
+		        shp(b0, q), shp(b1, k), shp(b2, v));
+		return NULL;
+	}
+	if (k->shape[nd - 1] != q->shape[nd - 1] || v->shape[nd - 2] != k->shape[nd - 2]) {
+		kl__err(ctx, KL_EINVAL,
+		        "kl_sdpa: q %s, k %s and v %s do not match (q and k share the head dim "
+		        "%lld, k and v the key count %lld)",
+		        shp(b0, q), shp(b1, k), shp(b2, v), (long long)q->shape[nd - 1],
+		        (long long)k->shape[nd - 2]);
+		return NULL;
+	}
+	kl_tensor *args[3] = {q, k, v};
+	bool owned[3] = {false, false, false};
+	kl_tensor *r = NULL;
+	for (int i = 0; i < 3; i++)
+		if (in[i]->dtype != dt) {
+			args[i] = kl_cast(in[i], dt);
+			if (!args[i])
+				goto done;
+			owned[i] = true;
+		}
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, q->shape, sizeof(int64_t) * (size_t)nd);
+	shape[nd - 1] = v->shape[nd - 1];
+	kl_node n;
+	node_init(&n, KL_OP_ATTENTION, dt, nd, shape, 3);
+	n.a.s[0] = scale;
+	n.a.flags = causal ? KL_F_CAUSAL : 0;
+	r = kl__dispatch(ctx, &n, args);
+done:
+	for (int i = 0; i < 3; i++)
+		if (owned[i])
+			kl__tensor_discard(args[i]);
+	return r;
+}

@@ -1,0 +1,202 @@
+/* attention.c - fused attention on the CPU: softmax(q k^T * scale [+ causal
+ * mask]) v without the Tq x Tk matrix. Work items are (batch, block of BQ
+ * queries); each walks the keys in blocks of BK, keeping per query row the
+ * running maximum m, the running sum l of exp(s - m) and the unnormalized
+ * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
+ * softmax). Blocks a causal mask hides entirely are never visited. f16, bf16
+ * and f32 compute in float, f64 in double; the result rounds once.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "backend/cpu/cpu.h"
+
+#define BQ 32
+#define BK 64
+
+/* one operand's element offset for flat batch index b */
+static int64_t batch_off(const kl_attn_step *a, const int64_t *bs, int64_t b)
+{
+	int64_t off = 0;
+	for (int i = a->nbatch - 1; i >= 0; i--) {
+		off += (b % a->batch[i]) * bs[i];
+		b /= a->batch[i];
+	}
+	return off;
+}
+
+static const void *at(const void *p, kl_dtype dt, int64_t off)
+{
+	return (const char *)p + off * (int64_t)kl_dtype_size(dt);
+}
+
+/* rows x cols of (base + off) with strides rs, cs into a dense tile; with
+ * transposed set the tile is cols x rows */
+#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP)                                                     \
+	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
+	                        int64_t cols, int64_t rs, int64_t cs)                              \
+	{                                                                                          \
+		for (int64_t r = 0; r < rows; r++)                                                 \
+			LOAD(dst + r * cols, at(src, dt, off + r * rs), dt, cs, cols);             \
+	}                                                                                          \
+                                                                                                   \
+	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
+	                       const void *V, void *O)                                             \
+	{                                                                                          \
+		int64_t nb = 1;                                                                    \
+		for (int i = 0; i < a->nbatch; i++)                                                \
+			nb *= a->batch[i];                                                         \
+		int64_t nqb = (a->tq + BQ - 1) / BQ, ntask = nb * nqb;                             \
+		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
+		bool ok = true;                                                                    \
+		_Pragma("omp parallel") {                                                          \
+			size_t n = (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ + D + 1); \
+			T *buf = malloc(sizeof(T) * n);                                            \
+			if (!buf) {                                                                \
+				_Pragma("omp atomic write") ok = false;                            \
+			}                                                                          \
+			T *q = buf, *kt = q + BQ * D, *v = kt + BK * D, *s = v + BK * DV;          \
+			T *acc = s + BQ * BK, *m = acc + BQ * DV, *l = m + BQ, *kr = l + BQ;      \
+			_Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < ntask; t++) \
+			{                                                                          \
+				if (!buf)                                                          \
+					continue;                                                  \
+				int64_t b = t / nqb, q0 = (t % nqb) * BQ;                          \
+				int64_t nq = a->tq - q0 < BQ ? a->tq - q0 : BQ;                    \
+				int64_t qo = a->q_off + batch_off(a, a->q_bs, b),                  \
+				        ko = a->k_off + batch_off(a, a->k_bs, b),                  \
+				        vo = a->v_off + batch_off(a, a->v_bs, b),                  \
+				        oo = batch_off(a, a->o_bs, b);                             \
+				load_##NAME(q, Q, dt, qo + q0 * a->q_rs, nq, D, a->q_rs, a->q_cs); \
+				for (int64_t i = 0; i < nq; i++) {                                 \
+					m[i] = -(T)INFINITY;                                       \
+					l[i] = 0;                                                  \
+					for (int64_t c = 0; c < DV; c++)                           \
+						acc[i * DV + c] = 0;                               \
+				}                                                                  \
+				/* keys past the last row's limit are masked for every row */     \
+				int64_t kend = a->tk;                                              \
+				if (a->causal && q0 + nq + lag < kend)                             \
+					kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;              \
+				for (int64_t k0 = 0; k0 < kend; k0 += BK) {                        \
+					int64_t nk = kend - k0 < BK ? kend - k0 : BK;              \
+					/* K transposed (D x nk), so that scores vectorize over keys */ \
+					for (int64_t j = 0; j < nk; j++) {                         \
+						LOAD(kr, at(K, dt, ko + (k0 + j) * a->k_rs), dt, a->k_cs, D); \
+						for (int64_t d = 0; d < D; d++)                    \
+							kt[d * nk + j] = kr[d];                    \
+					}                                                          \
+					load_##NAME(v, V, dt, vo + k0 * a->v_rs, nk, DV, a->v_rs,  \
+					            a->v_cs);                                      \
+					for (int64_t i = 0; i < nq; i++) {                         \
+						T *si = s + i * BK;                                \
+						for (int64_t j = 0; j < nk; j++)                   \
+							si[j] = 0;                                 \
+						for (int64_t d = 0; d < D; d++) {                  \
+							T qd = q[i * D + d];                       \
+							const T *kd = kt + d * nk;                 \
+							KL_SIMD for (int64_t j = 0; j < nk; j++)   \
+								si[j] += qd * kd[j];               \
+						}                                                  \
+						int64_t lim = a->causal ? q0 + i + lag - k0 : nk - 1; \
+						T mx = m[i];                                       \
+						for (int64_t j = 0; j < nk; j++) {                 \
+							si[j] = j <= lim ? si[j] * (T)a->scale     \
+							                 : -(T)INFINITY;           \
+							mx = si[j] > mx || si[j] != si[j] ? si[j] : mx; \
+						}                                                  \
+						if (mx == -(T)INFINITY)                            \
+							continue; /* nothing allowed yet */        \
+						T corr = EXP(m[i] - mx), sum = 0;                  \
+						for (int64_t j = 0; j < nk; j++) {                 \
+							si[j] = EXP(si[j] - mx);                   \
+							sum += si[j];                              \
+						}                                                  \
+						m[i] = mx;                                         \
+						l[i] = l[i] * corr + sum;                          \
+						T *ai = acc + i * DV;                              \
+						KL_SIMD for (int64_t c = 0; c < DV; c++) ai[c] *= corr; \
+						for (int64_t j = 0; j < nk; j++) {                 \
+							T p = si[j];                               \
+							const T *vj = v + j * DV;                  \
+							KL_SIMD for (int64_t c = 0; c < DV; c++)   \
+								ai[c] += p * vj[c];                \
+						}                                                  \
+					}                                                          \
+				}                                                                  \
+				for (int64_t i = 0; i < nq; i++) {                                 \
+					T *ai = acc + i * DV;                                      \
+					for (int64_t c = 0; c < DV; c++)                           \
+						ai[c] = l[i] > 0 ? ai[c] / l[i] : (T)NAN;          \
+					STORE(at(O, dt, oo + (q0 + i) * a->o_rs), dt, 1, ai, DV);  \
+				}                                                                  \
+			}                                                                          \
+			free(buf);                                                                 \
+		}                                                                                  \
+		return ok;                                                                         \
+	}
+
+static inline float exp_f32(float x)
+{
+	return kl__cpu_expf(x);
+}
+
+#define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
+#define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
+ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32)
+ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp)
+
+bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
+                       const void *v, void *o)
+{
+	if (a->tq == 0 || a->dv == 0)
+		return true;
+	for (int i = 0; i < a->nbatch; i++)
+		if (a->batch[i] == 0)
+			return true;
+	return dt == KL_F64 ? run_f64(a, dt, q, k, v, o) : run_f32(a, dt, q, k, v, o);
+}
+
+kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
+{
+	int r = n->ndim;
+	if (n->nin != 3 || r < 2)
+		return kl__err(ctx, KL_EINVAL, "kl_sdpa: malformed node (%d inputs, %d dims)",
+		               (int)n->nin, r);
+	for (int i = 0; i < 3; i++)
+		if (in[i]->dtype != n->dtype || in[i]->ndim != r)
+			return kl__err(ctx, KL_EINVAL, "kl_sdpa: input %d does not match the node", i);
+	kl_attn_step a;
+	memset(&a, 0, sizeof a);
+	int64_t os[KL_MAX_DIMS];
+	kl__contig_strides(r, out->shape, os);
+	a.tq = n->shape[r - 2];
+	a.dv = n->shape[r - 1];
+	a.tk = in[1]->shape[r - 2];
+	a.d = in[0]->shape[r - 1];
+	a.q_rs = in[0]->strides[r - 2];
+	a.q_cs = in[0]->strides[r - 1];
+	a.k_rs = in[1]->strides[r - 2];
+	a.k_cs = in[1]->strides[r - 1];
+	a.v_rs = in[2]->strides[r - 2];
+	a.v_cs = in[2]->strides[r - 1];
+	a.o_rs = a.dv;
+	a.scale = n->a.s[0];
+	a.causal = (n->a.flags & KL_F_CAUSAL) != 0;
+	for (int d = 0; d < r - 2; d++) {
+		int i = a.nbatch++;
+		a.batch[i] = n->shape[d];
+		a.q_bs[i] = in[0]->strides[d];
+		a.k_bs[i] = in[1]->strides[d];
+		a.v_bs[i] = in[2]->strides[d];
+		a.o_bs[i] = os[d];
+	}
+	if (ctx->nthreads > 0)
+		omp_set_num_threads(ctx->nthreads);
+	if (!kl__cpu_attention(&a, (kl_dtype)n->dtype, kl__tensor_data(in[0]),
+	                       kl__tensor_data(in[1]), kl__tensor_data(in[2]),
+	                       kl__tensor_data(out)))
+		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory for attention tiles");
+	return KL_OK;
+}

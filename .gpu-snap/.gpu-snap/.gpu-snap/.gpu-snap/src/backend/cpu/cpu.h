@@ -1,0 +1,166 @@
+/* cpu.h - private to the CPU backend: the inline dtype conversions its hot
+ * loops use, the compute-type rules, chunk converters, and the entry point of
+ * each kernel family (pointwise, reduce, movement, matmul, rows, sources).
+ */
+#ifndef KILN_CPU_H
+#define KILN_CPU_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "lower/program.h"
+
+/* Below this many elements a parallel region costs more than it saves. */
+#define KL_CPU_PAR_MIN 32768
+/* Elements per chunk of the strided paths: small enough that a handful of
+ * chunk buffers live on the stack and in L1. */
+#define KL_CPU_CHUNK 512
+
+/* Mark a loop for vectorization. The build is -O2, whose cost model leaves
+ * most loops scalar; an OpenMP simd loop is vectorized regardless, and every
+ * loop marked so has independent iterations. */
+#define KL_SIMD _Pragma("omp simd")
+
+int kl__cpu_threads(const kl_ctx *ctx);
+
+/* e^x in float, branch-free so that loops over it vectorize (libm's expf
+ * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
+ * short exact head and a tail); e^r by Taylor to degree 7, whose truncation
+ * error (< 1e-8) is below float's rounding; 2^n applied as two exponent
+ * factors so that overflow gives inf and small results round once into the
+ * subnormals. Within 2 ulp of the exact value; NaN and +-inf as libm. */
+static inline float kl__cpu_expf(float x)
+{
+	float xc = x > 88.8f ? 88.8f : x;
+	xc = xc < -104.0f ? -104.0f : xc;
+	/* round to nearest integer by the 1.5 * 2^23 trick (no SSE4 needed) */
+	float nf = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+	float r = xc - nf * 0.693359375f;
+	r = r + nf * 2.12194440e-4f;
+	float p = 1.0f / 5040;
+	p = p * r + 1.0f / 720;
+	p = p * r + 1.0f / 120;
+	p = p * r + 1.0f / 24;
+	p = p * r + 1.0f / 6;
+	p = p * r + 0.5f;
+	p = p * r + 1.0f;
+	p = p * r + 1.0f;
+	float nz = nf == nf ? nf : 0.0f; /* NaN: p is NaN already */
+	int32_t n = (int32_t)nz;
+	int32_t n1 = n / 2, n2 = n - n1;
+	float s1 = kl__bits_f32((uint32_t)(n1 + 127) << 23);
+	float s2 = kl__bits_f32((uint32_t)(n2 + 127) << 23);
+	return p * s1 * s2;
+}
+
+/* Float to integer the way kl__store does it: toward zero, saturating, NaN
+ * to 0 (a plain C cast would be undefined out of range). */
+static inline int64_t kl__cpu_sat_i64(double v)
+{
+	if (!(v == v))
+		return 0;
+	if (v >= 9223372036854775807.0)
+		return INT64_MAX;
+	if (v <= -9223372036854775808.0)
+		return INT64_MIN;
+	return (int64_t)v;
+}
+
+static inline int32_t kl__cpu_sat_i32(double v)
+{
+	if (!(v == v))
+		return 0;
+	if (v >= 2147483647.0)
+		return INT32_MAX;
+	if (v <= -2147483648.0)
+		return INT32_MIN;
+	return (int32_t)v;
+}
+
+/* Integers narrow by wrapping (two's complement), as torch does. */
+static inline int32_t kl__cpu_wrap_i32(int64_t v)
+{
+	uint32_t u = (uint32_t)(uint64_t)v;
+	int32_t r;
+	memcpy(&r, &u, 4);
+	return r;
+}
+
+/* ---- compute types ----------------------------------------------------------
+ * f16/bf16/f32 compute in float, f64 in double, integers and bool in int64. */
+
+typedef enum kl_cpu_ct { KL_CT_F32, KL_CT_F64, KL_CT_I64 } kl_cpu_ct;
+
+static inline kl_cpu_ct kl__cpu_ct(kl_dtype dt)
+{
+	switch (dt) {
+	case KL_F32:
+	case KL_F16:
+	case KL_BF16:
+		return KL_CT_F32;
+	case KL_F64:
+		return KL_CT_F64;
+	default:
+		return KL_CT_I64;
+	}
+}
+
+/* the dtype whose memory already is the compute type */
+static inline kl_dtype kl__cpu_ct_dtype(kl_cpu_ct ct)
+{
+	return ct == KL_CT_F32 ? KL_F32 : ct == KL_CT_F64 ? KL_F64 : KL_I64;
+}
+
+static inline size_t kl__cpu_ct_size(kl_cpu_ct ct)
+{
+	return ct == KL_CT_F32 ? 4 : 8;
+}
+
+/* n elements of dtype dt at src (element stride, may be 0) into a dense
+ * compute-type array. */
+void kl__cpu_load_f32(float *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n);
+void kl__cpu_load_f64(double *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n);
+void kl__cpu_load_i64(int64_t *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n);
+void kl__cpu_load_ct(kl_cpu_ct ct, void *dst, const void *src, kl_dtype dt, int64_t stride,
+                     int64_t n);
+/* n dense compute-type values into dtype dt at dst with element stride. */
+void kl__cpu_store_f32(void *dst, kl_dtype dt, int64_t stride, const float *src, int64_t n);
+void kl__cpu_store_f64(void *dst, kl_dtype dt, int64_t stride, const double *src, int64_t n);
+void kl__cpu_store_i64(void *dst, kl_dtype dt, int64_t stride, const int64_t *src, int64_t n);
+void kl__cpu_store_ct(kl_cpu_ct ct, void *dst, kl_dtype dt, int64_t stride, const void *src,
+                      int64_t n);
+
+/* Merge dims that every operand walks contiguously and drop size-1 dims.
+ * st[k] are the strides of operand k. Returns the new ndim (>= 1; a
+ * zero-dim or all-ones shape becomes [1]). */
+int kl__cpu_coalesce(int ndim, int64_t *shape, int nops, int64_t (*st)[KL_MAX_DIMS]);
+
+/* ---- kernel families ---------------------------------------------------- */
+
+kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* attention.c: one attention step over q, k, v, o (their buffers' bases);
+ * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
+bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
+                       const void *v, void *o);
+kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                             kl_tensor *out);
+kl_status kl__cpu_concat(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* out[i, ...] = table[idx[i], ...]; an index out of range is an error naming it */
+kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_rows(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out);
+
+/* A unary float op without attributes (relu, gelu, gelu_tanh, exp, ...) over
+ * n dense values, as the eager kernels compute it; o must not overlap a.
+ * The compiled CPU executor applies product epilogues through these. */
+void kl__cpu_unary_f32(kl_op op, const float *a, float *restrict o, int64_t n);
+void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n);
+
+/* The op's public name for messages. */
+const char *kl__cpu_opname(const kl_node *n);
+
+#endif

@@ -1,0 +1,504 @@
+/* attention.c - attention steps on the GPU: picks a kernel of
+ * attention_src.c for the step's dtype, head dim and layout, compiles that
+ * variant once per device (NVRTC, kept until the device closes) and launches
+ * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte
+ * aligned operands take a tensor-core kernel: wgmma on sm_90 (compiled for
+ * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
+ * keys across warps and merges them; everything else takes the general
+ * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
+ * that cannot take the step falls back as above). The mma.sync and
+ * kl_attn_wgmma grids are x = batch (up to 2^31 - 1), y = query blocks (up
+ * to 65535), the
+ * heaviest causal block first: the scheduler hands out every batch's
+ * heaviest block before any lighter one. On sm_90 the wgmma kernel is
+ * kl_attn_fa3 (attention_fa3_src.c: a producer warpgroup loads Q, K and V
+ * with TMA into mbarrier-guarded stages, the two consumer warpgroups take
+ * turns on the tensor cores) where each of q, k and v fits a 3-d tensor map
+ * (tma_map) and the work items (batch, query block) number under 2^31 less
+ * two SM counts, else kl_attn_wgmma with two warpgroups a block (cp.async
+ * loads by the consumers themselves). kl_attn_fa3 is persistent: a 1-d grid
+ * of min(items, SMs) blocks (one fits an SM), block x taking one item of
+ * each round of grid items in the same heaviest-first order (x, then
+ * 2 grid - 1 - x, 2 grid + x, ...: a heavy causal item, then a light one),
+ * so that one item's epilogue and the next one's first loads overlap.
+ * KILN_CUDA_ATTN_WG=0 takes the two-warpgroup kernel always,
+ * KILN_CUDA_ATTN_WG=1 the one with one warpgroup per block (KL_AT_BM 64:
+ * two blocks per SM whose softmax and products interleave). H200, B4 H16
+ * T1024 D128 bf16: fa3 447 TFLOP/s, causal 51.1 us (run 16; 458 and 52.8
+ * us before it was persistent), two warpgroups 372, causal 61 us.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "backend/cuda/device.h"
+
+/* kl_at_args of attention_src.c, field for field */
+typedef struct kl_at_args {
+	CUdeviceptr q, k, v, o, ws;
+	long long tq, tk, d, dv;
+	long long q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
+	long long rows;
+	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6];
+	double scale;
+	float scale_log2;
+	int nb, causal, nsplit;
+} kl_at_args;
+
+#define BM 64    /* query rows per block, mma.sync kernel */
+#define BN 64    /* keys per tile, mma.sync kernel */
+/* the wgmma kernel's shapes: two warpgroups a block (KILN_CUDA_ATTN_WG=0),
+ * one (1), kl_attn_fa3 (unset or 2: two consumer warpgroups and a producer
+ * warpgroup). Query rows per block = keys per tile (KL_AT_BM in its source),
+ * threads per block (KL_AT_TH), K and V tiles in flight (KL_AT_WS), the
+ * bytes of kl_attn_fa3's mbarriers (KL_AT_BB: Q's full and empty ones, a
+ * full and an empty one per stage) and the shared memory they take (Q, K, V, alignment,
+ * barriers); the launch and the source's defines both come from here */
+enum { WG_TWO, WG_ONE, WG_FA3 };
+#define WG_BM(k) ((k) == WG_ONE ? 64 : 128)
+#define WG_THREADS(k) ((k) == WG_ONE ? 128 : (k) == WG_FA3 ? 384 : 256)
+#define WG_STAGES 3
+#define WG_BAR_BYTES ((2 * WG_STAGES + 2) * 8)
+/* kl_attn_fa3's registers a thread after setmaxnreg (KL_AT_PR, KL_AT_CR):
+ * the producer warpgroup's and the consumers'. The consumers' increase
+ * waits until the block's pool holds it, so the kernel is launched only
+ * where ptxas gave it at least the mean (fa3_regs_ok, when it loads) */
+#define WG_FA3_PRODUCER_REGS 24
+#define WG_FA3_CONSUMER_REGS 240
+#define WG_SMEM(d, k)                                                          \
+	((size_t)(1 + 2 * WG_STAGES) * WG_BM(k) * (size_t)(d) * 2 + 1024 + \
+	 ((k) == WG_FA3 ? WG_BAR_BYTES : 0))
+
+enum {
+	VAR_GENERAL,
+	VAR_D64,
+	VAR_D128,
+	VAR_WG64,
+	VAR_WG128,
+	VAR_WG1_64,
+	VAR_WG1_128,
+	VAR_FA3_64,
+	VAR_FA3_128,
+	NVAR
+};
+/* per variant: head dim (0: any), wgmma kernel (0 none, 1 two warpgroups a
+ * block, 2 one, 3 kl_attn_fa3) */
+static const int var_hd[NVAR] = {0, 64, 128, 64, 128, 64, 128, 64, 128};
+static const int var_wg[NVAR] = {0, 0, 0, 1, 1, 2, 2, 3, 3};
+
+/* the wgmma shape (WG_TWO, WG_ONE, WG_FA3) of a variant with var_wg > 0 */
+static int var_shape(int var)
+{
+	return var_wg[var] == 3 ? WG_FA3 : var_wg[var] == 2 ? WG_ONE : WG_TWO;
+}
+
+/* the dynamic shared memory a variant's block takes */
+static unsigned var_smem(int var)
+{
+	if (var_wg[var])
+		return (unsigned)WG_SMEM(var_hd[var], var_shape(var));
+	return var == VAR_GENERAL ? 0u : (unsigned)((BM + 4 * BN) * var_hd[var] * 2);
+}
+
+typedef struct kl_cuda_attn {
+	kl_cuda_module *mod[4][NVAR];
+	CUfunction fn[4][NVAR][2]; /* general: rows, combine; mma: the kernel */
+	CUdeviceptr ws;
+	size_t ws_cap;
+	/* outgrown workspaces: a captured CUDA graph may still address one, so
+	 * they live until the device closes (sizes double: few of them) */
+	CUdeviceptr old[48];
+	int nold;
+	/* kl_attn_fa3 got fewer registers than its setmaxnreg pair moves: it
+	 * is not launched (found once, when its module loads) */
+	bool fa3_short[4][NVAR];
+} kl_cuda_attn;
+
+static int dt_code(kl_dtype dt)
+{
+	switch (dt) {
+	case KL_F32: return 0;
+	case KL_F64: return 1;
+	case KL_F16: return 2;
+	case KL_BF16: return 3;
+	default: return -1;
+	}
+}
+
+char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
+{
+	int c = dt_code(dt);
+	if (c < 0 || (head_dim != 0 && ((head_dim != 64 && head_dim != 128) || c < 2)) ||
+	    wgmma < 0 || wgmma > 3 || (wgmma && head_dim == 0))
+		return NULL;
+	/* kl_attn_fa3's source only where it is compiled: the other variants'
+	 * sources (and module cache keys) stay as they were */
+	const char *fa3 = wgmma == 3 ? kl__cuda_attention_fa3_src : "";
+	int k = wgmma == 3 ? WG_FA3 : wgmma == 2 ? WG_ONE : WG_TWO;
+	size_t n = strlen(kl__cuda_attention_src) + strlen(fa3) + 200;
+	char *s = malloc(n);
+	if (s)
+		snprintf(s, n,
+		         "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n"
+		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n%s",
+		         c, head_dim, wgmma == 3 ? 2 : wgmma ? 1 : 0, WG_BM(k), WG_THREADS(k),
+		         WG_STAGES, kl__cuda_attention_src);
+	if (s && wgmma == 3) {
+		size_t u = strlen(s);
+		snprintf(s + u, n - u, "#define KL_AT_BB %d\n#define KL_AT_PR %d\n#define KL_AT_CR %d\n%s",
+		         WG_BAR_BYTES, WG_FA3_PRODUCER_REGS, WG_FA3_CONSUMER_REGS, fa3);
+	}
+	return s;
+}
+
+/* does kl_attn_fa3 start with the registers its setmaxnreg pair moves? (a
+ * smaller count would leave the consumers' increase waiting forever) */
+static bool fa3_regs_ok(kl_ctx *ctx, CUfunction f)
+{
+	int regs = 0;
+	if (kl__cu.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f) != CUDA_SUCCESS)
+		return false;
+	int need = (WG_FA3_PRODUCER_REGS + 2 * WG_FA3_CONSUMER_REGS + 2) / 3;
+	if (regs < need)
+		kl__log(ctx, KL_LOG_FUSION,
+		        "kl_sdpa: kl_attn_fa3 has %d registers a thread, its setmaxnreg pair needs "
+		        "%d: the two-warpgroup wgmma kernel",
+		        regs, need);
+	return regs >= need;
+}
+
+static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction *out)
+{
+	if (!d->attn && !(d->attn = calloc(1, sizeof *d->attn)))
+		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+	kl_cuda_attn *A = d->attn;
+	if (!A->mod[c][var]) {
+		static const kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
+		bool wg = var_wg[var] != 0;
+		char *src = kl__cuda_attention_source(dts[c], var_hd[var], var_wg[var]);
+		if (!src)
+			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+		kl_cuda_module *m = NULL;
+		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention.cu", wg, &m);
+		free(src);
+		if (st != KL_OK)
+			return st;
+		CUfunction f[2] = {NULL, NULL};
+		if (var == VAR_GENERAL) {
+			st = kl__cuda_module_fn(ctx, m, "kl_attn_rows", &f[0]);
+			if (st == KL_OK)
+				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
+		} else {
+			st = kl__cuda_module_fn(ctx, m,
+			                        var_wg[var] == 3 ? "kl_attn_fa3"
+			                        : wg          ? "kl_attn_wgmma"
+			                                      : "kl_attn_mma",
+			                        &f[0]);
+		}
+		/* the tensor-core kernels' shared memory, opted in once here */
+		if (st == KL_OK && var != VAR_GENERAL)
+			st = kl__cuda_fn_smem(ctx, d, f[0], var_smem(var));
+		/* two one-warpgroup blocks per SM need all of its shared memory:
+		 * ask for the largest carveout (a hint the driver may overrule) and
+		 * say how many blocks fit (KILN_LOGS=fusion) */
+		if (st == KL_OK && var_wg[var] == 2) {
+			st = KL_CU(ctx, cuFuncSetAttribute, f[0],
+			           CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+			           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
+			int nb = 0;
+			if (st == KL_OK && kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			                           &nb, f[0], WG_THREADS(WG_ONE), var_smem(var)) ==
+			                           CUDA_SUCCESS)
+				kl__log(ctx, KL_LOG_FUSION,
+				        "kl_sdpa: wgmma kernel, one warpgroup a block, head dim %d: %d "
+				        "blocks per SM%s",
+				        var_hd[var], nb, nb < 2 ? " (wants 2: no overlap)" : "");
+		}
+		if (st != KL_OK) {
+			kl__cuda_module_free(m);
+			return st;
+		}
+		if (var_wg[var] == 3)
+			A->fa3_short[c][var] = !fa3_regs_ok(ctx, f[0]);
+		A->mod[c][var] = m;
+		A->fn[c][var][0] = f[0];
+		A->fn[c][var][1] = f[1];
+	}
+	out[0] = A->fn[c][var][0];
+	out[1] = A->fn[c][var][1];
+	return KL_OK;
+}
+
+void kl__cuda_attention_release(kl_cuda_dev *d)
+{
+	kl_cuda_attn *A = d->attn;
+	if (!A)
+		return;
+	for (int c = 0; c < 4; c++)
+		for (int v = 0; v < NVAR; v++)
+			kl__cuda_module_free(A->mod[c][v]);
+	if (A->ws)
+		kl__cuda_free(NULL, d, A->ws);
+	for (int i = 0; i < A->nold; i++)
+		kl__cuda_free(NULL, d, A->old[i]);
+	free(A);
+	d->attn = NULL;
+}
+
+static bool al16(CUdeviceptr p)
+{
+	return (p & 15) == 0;
+}
+
+typedef enum { PICK_ANY, PICK_SIMPLE, PICK_MMA, PICK_WGMMA } kl_attn_pick;
+
+static kl_attn_pick forced(kl_ctx *ctx)
+{
+	const char *e = getenv("KILN_ATTENTION_KERNEL");
+	if (!e || !*e)
+		return PICK_ANY;
+	if (!strcmp(e, "simple"))
+		return PICK_SIMPLE;
+	if (!strcmp(e, "mma"))
+		return PICK_MMA;
+	if (!strcmp(e, "wgmma"))
+		return PICK_WGMMA;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_ATTENTION_KERNEL=%.32s ignored (simple, mma or wgmma)", e);
+	return PICK_ANY;
+}
+
+/* KILN_CUDA_ATTN_WG: the wgmma kernel's shape: unset or 2 kl_attn_fa3
+ * (WG_FA3), 0 two warpgroups (WG_TWO), 1 one (WG_ONE) */
+static int wg_shape(kl_ctx *ctx)
+{
+	const char *e = getenv("KILN_CUDA_ATTN_WG");
+	if (!e || !*e || !strcmp(e, "2"))
+		return WG_FA3;
+	if (!strcmp(e, "0"))
+		return WG_TWO;
+	if (!strcmp(e, "1"))
+		return WG_ONE;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_WG=%.32s ignored (0, 1 or 2)", e);
+	return WG_FA3;
+}
+
+/* can a tensor-core kernel take a? (pointers already at their offsets) */
+static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
+                       const kl_attn_step *s, kl_dtype dt)
+{
+	kl_attn_pick pick = forced(ctx);
+	/* grid: x = batch, y = query blocks of BM (the wgmma kernel's are larger) */
+	if (pick == PICK_SIMPLE || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
+	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
+	    s->tq < 2 || a->rows / s->tq > 0x7fffffff || (s->tq + BM - 1) / BM > 65535)
+		return -1;
+	if (!al16(a->q) || !al16(a->k) || !al16(a->v) || !al16(a->o) || s->q_rs % 8 ||
+	    s->k_rs % 8 || s->v_rs % 8 || s->o_rs % 8)
+		return -1;
+	for (int i = 0; i < s->nbatch; i++)
+		if (s->q_bs[i] % 8 || s->k_bs[i] % 8 || s->v_bs[i] % 8 || s->o_bs[i] % 8)
+			return -1;
+	/* wgmma is sm_90a only; its block wants 7 tiles of 128 rows (64 with
+	 * one warpgroup) of shared memory; it folds the scale into the exponent
+	 * (so takes only a positive one). kl_attn_fa3 also wants its tensor
+	 * maps, which the launch builds (and falls back without). */
+	int k = wg_shape(ctx);
+	bool wg = d->cc_major == 9 && d->cc_minor == 0 && pick != PICK_MMA && s->scale > 0 &&
+	          (size_t)d->smem_per_block_optin >= WG_SMEM(s->d, k);
+	if (wg && k == WG_ONE)
+		return s->d == 64 ? VAR_WG1_64 : VAR_WG1_128;
+	if (wg && k == WG_FA3)
+		return s->d == 64 ? VAR_FA3_64 : VAR_FA3_128;
+	if (wg)
+		return s->d == 64 ? VAR_WG64 : VAR_WG128;
+	return s->d == 64 ? VAR_D64 : VAR_D128;
+}
+
+/* kl_attn_fa3's tensor map of one operand (base p, t rows of d elements,
+ * row stride rs, batch strides bs): dims (d, t, batch) with the batches
+ * flattened, box 64 x WG_BM rows x 1 (one 64-column panel of a tile, 128
+ * bytes a row, the 128-byte swizzle wgmma reads). It fits where the batch
+ * dims of size > 1 flatten to one stride S (each the next inner one's
+ * stride times that one's size) and the layout is the one the driver
+ * documents: row stride >= d and a multiple of 16 bytes, S >= t row strides
+ * and a multiple of 16 bytes, both under 2^40 bytes. False where it does not
+ * fit or the driver refuses it. */
+static bool tma_map(CUtensorMap *m, kl_dtype dt, CUdeviceptr p, int64_t t, int64_t d, int64_t rs,
+                    const int64_t *bs, const kl_attn_step *s, int64_t nbt)
+{
+	int64_t S = 0, next = -1;
+	for (int i = s->nbatch - 1; i >= 0; i--) {
+		if (s->batch[i] == 1)
+			continue;
+		if (bs[i] <= 0 || (next >= 0 && bs[i] != next) || bs[i] > INT64_MAX / s->batch[i])
+			return false;
+		if (next < 0)
+			S = bs[i];
+		next = bs[i] * s->batch[i];
+	}
+	if (next < 0)
+		S = t * rs; /* one batch: any stride past the rows */
+	const int64_t lim = (int64_t)1 << 39; /* 2^40 bytes */
+	if (rs < d || rs >= lim || S >= lim || S / rs < t || (rs * 2) % 16 || (S * 2) % 16)
+		return false;
+	cuuint64_t dim[3] = {(cuuint64_t)d, (cuuint64_t)t, (cuuint64_t)nbt};
+	cuuint64_t str[2] = {(cuuint64_t)rs * 2, (cuuint64_t)S * 2};
+	cuuint32_t box[3] = {64, WG_BM(WG_FA3), 1}, es[3] = {1, 1, 1};
+	return kl__cu.cuTensorMapEncodeTiled(
+	               m, dt == KL_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+	               3, (void *)(uintptr_t)p, dim, str, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+	               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+	               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
+                                  kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
+                                  CUdeviceptr o)
+{
+	int c = dt_code(dt);
+	if (c < 0 || s->nbatch > 6)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: dtype %s or %d batch dims on CUDA",
+		               kl_dtype_name(dt), s->nbatch);
+	if (s->d > 256 || s->dv > 256)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa: head dims %lld and %lld: the CUDA kernels take at most 256",
+		               (long long)s->d, (long long)s->dv);
+	kl_at_args a;
+	memset(&a, 0, sizeof a);
+	size_t es = kl_dtype_size(dt);
+	a.q = q + (CUdeviceptr)(s->q_off * (int64_t)es);
+	a.k = k + (CUdeviceptr)(s->k_off * (int64_t)es);
+	a.v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
+	a.o = o;
+	a.tq = s->tq;
+	a.tk = s->tk;
+	a.d = s->d;
+	a.dv = s->dv;
+	a.q_rs = s->q_rs;
+	a.q_cs = s->q_cs;
+	a.k_rs = s->k_rs;
+	a.k_cs = s->k_cs;
+	a.v_rs = s->v_rs;
+	a.v_cs = s->v_cs;
+	a.o_rs = s->o_rs;
+	a.nb = s->nbatch;
+	int64_t nbt = 1;
+	for (int i = 0; i < s->nbatch; i++) {
+		a.batch[i] = s->batch[i];
+		a.q_bs[i] = s->q_bs[i];
+		a.k_bs[i] = s->k_bs[i];
+		a.v_bs[i] = s->v_bs[i];
+		a.o_bs[i] = s->o_bs[i];
+		nbt *= s->batch[i];
+	}
+	a.rows = nbt * s->tq;
+	a.scale = s->scale;
+	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
+	a.causal = s->causal;
+	a.nsplit = 1;
+	if (a.rows == 0 || s->dv == 0)
+		return KL_OK;
+	void *argv[1] = {&a};
+	CUfunction f[2];
+	int var = mma_variant(ctx, d, &a, s, dt);
+	kl_status st;
+	if (var == VAR_FA3_64 || var == VAR_FA3_128) {
+		/* q, k and v each as a tensor map (its coordinates, rows up to a
+		 * tile past the end, stay in int); else the two-warpgroup kernel */
+		CUtensorMap maps[3];
+		const int64_t room = INT32_MAX - 2 * WG_BM(WG_FA3);
+		if (s->tq < room && s->tk < room &&
+		    tma_map(&maps[0], dt, a.q, s->tq, s->d, s->q_rs, s->q_bs, s, nbt) &&
+		    tma_map(&maps[1], dt, a.k, s->tk, s->d, s->k_rs, s->k_bs, s, nbt) &&
+		    tma_map(&maps[2], dt, a.v, s->tk, s->d, s->v_rs, s->v_bs, s, nbt)) {
+			if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+				return st;
+			if (d->attn->fa3_short[c][var])
+				goto two_wg;
+			/* persistent: one block an SM (its shared memory takes the
+			 * SM's) walks the items (batch, query block), one of each
+			 * round of grid items; the items, and the step of up to two
+			 * rounds past the last, are an int in the kernel */
+			int64_t items = nbt * ((s->tq + WG_BM(WG_FA3) - 1) / WG_BM(WG_FA3));
+			int64_t sms = d->sm_count > 0 ? d->sm_count : 1;
+			if (items > INT32_MAX - 2 * sms) {
+				kl__log(ctx, KL_LOG_FUSION,
+				        "kl_sdpa: kl_attn_fa3: %lld work items (batches times query "
+				        "blocks) exceed an int: the two-warpgroup wgmma kernel",
+				        (long long)items);
+				goto two_wg;
+			}
+			void *fargv[4] = {&a, &maps[0], &maps[1], &maps[2]};
+			unsigned grid[3] = {(unsigned)(items < sms ? items : sms), 1, 1};
+			unsigned block[3] = {WG_THREADS(WG_FA3), 1, 1};
+			return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), fargv,
+			                       KL_LAUNCH_PDL);
+		}
+		kl__log(ctx, KL_LOG_FUSION,
+		        "kl_sdpa: kl_attn_fa3: q, k or v does not fit a tensor map (strides "
+		        "q %lld k %lld v %lld a row): the two-warpgroup wgmma kernel",
+		        (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs);
+	two_wg:
+		var = var == VAR_FA3_64 ? VAR_WG64 : VAR_WG128;
+	}
+	if (var == VAR_WG64 || var == VAR_WG128 || var == VAR_WG1_64 || var == VAR_WG1_128) {
+		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+			return st;
+		int sh = var_shape(var);
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(sh) - 1) / WG_BM(sh)), 1};
+		unsigned block[3] = {WG_THREADS(sh), 1, 1};
+		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
+	}
+	if (var > 0) {
+		if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
+			return st;
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + BM - 1) / BM), 1};
+		unsigned block[3] = {128, 1, 1};
+		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
+	}
+	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
+		return st;
+	/* few rows (decode): split the keys so that every SM has warps */
+	int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 1) * 32;
+	if (a.rows < want && s->tk > 64) {
+		int64_t ns = (s->tk + 63) / 64, room = want / a.rows;
+		ns = ns < room ? ns : room;
+		a.nsplit = (int)(ns < 1 ? 1 : ns > 64 ? 64 : ns);
+	}
+	if (a.nsplit > 1) {
+		size_t need = (size_t)a.rows * (size_t)a.nsplit * (size_t)(s->dv + 2) *
+		              (dt == KL_F64 ? 8 : 4);
+		kl_cuda_attn *A = d->attn;
+		if (need > A->ws_cap) {
+			if (d->capturing)
+				return kl__err(ctx, KL_EUNSUPPORTED,
+				               "kl_sdpa: the split-key workspace would grow during "
+				               "CUDA graph capture");
+			size_t cap = (size_t)1 << 20;
+			while (cap < need)
+				cap *= 2;
+			if (A->ws && A->nold == (int)(sizeof A->old / sizeof A->old[0]))
+				return kl__err(ctx, KL_ENOMEM, "kl_sdpa: split-key workspace grew too often");
+			CUdeviceptr p = 0;
+			if ((st = kl__cuda_malloc(ctx, d, cap, &p)) != KL_OK)
+				return st;
+			if (A->ws)
+				A->old[A->nold++] = A->ws;
+			A->ws = p;
+			A->ws_cap = cap;
+		}
+		a.ws = A->ws;
+	}
+	unsigned block[3] = {128, 1, 1};
+	int64_t items = a.rows * a.nsplit;
+	if ((items + 3) / 4 > 0x7fffffff)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: %lld query rows exceed one grid",
+		               (long long)a.rows);
+	unsigned grid[3] = {(unsigned)((items + 3) / 4), 1, 1};
+	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv, KL_LAUNCH_PDL);
+	if (st == KL_OK && a.nsplit > 1) {
+		unsigned g2[3] = {(unsigned)((a.rows + 3) / 4), 1, 1};
+		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, KL_LAUNCH_PDL);
+	}
+	return st;
+}

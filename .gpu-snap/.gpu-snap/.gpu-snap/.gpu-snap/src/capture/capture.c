@@ -1,0 +1,911 @@
+/* capture.c - kl_compile and kl_fn_call, kiln's TorchDynamo: a call runs fn
+ * under a lazy trace, sync points inside it become graph breaks, every graph
+ * is keyed and compiled once per variant (guards on the inputs), fullgraph
+ * variants replay without calling fn, and past the recompile limit fn runs
+ * eagerly.
+ */
+#define _GNU_SOURCE /* dladdr: names functions in logs when it can */
+#include <dlfcn.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "capture/capture.h"
+
+static atomic_int fn_counter;
+
+/* ---- counting eager launches -------------------------------------------------
+ * Eager ops reach the backend through ctx->be->exec; for the length of an
+ * eager call the context gets a copy of its backend whose exec counts. */
+
+static _Thread_local const kl_backend *tl_real_be;
+static _Thread_local int tl_exec_count;
+
+static kl_status counting_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
+{
+	tl_exec_count++;
+	return tl_real_be->exec(ctx, n, in, out);
+}
+
+/* ---- creation ---------------------------------------------------------------- */
+
+static void name_fn(kl_fn *f, kl_fn_body fn)
+{
+	Dl_info di;
+	void *p;
+	memcpy(&p, &fn, sizeof p);
+	if (dladdr(p, &di) && di.dli_sname && di.dli_saddr == p) {
+		size_t i = 0;
+		for (; di.dli_sname[i] && i < sizeof f->name - 1; i++) {
+			char c = di.dli_sname[i];
+			f->name[i] = (c > 0x20 && c < 0x7f) ? c : '?';
+		}
+		f->name[i] = '\0';
+		return;
+	}
+	snprintf(f->name, sizeof f->name, "fn#%d", atomic_fetch_add(&fn_counter, 1) + 1);
+}
+
+kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
+                  const kl_compile_opts *opts)
+{
+	if (!ctx) {
+		kl__err(NULL, KL_EINVAL, "kl_compile: ctx is NULL");
+		return NULL;
+	}
+	kl_compile_opts o = opts ? *opts : (kl_compile_opts){0};
+	const char *bad = NULL;
+	if (!fn)
+		bad = "fn is NULL";
+	else if (nin < 0 || nout < 0 || nin > 65536 || nout > 65536)
+		bad = "nin and nout must be in 0..65536";
+	else if ((unsigned)o.mode > KL_MODE_MAX_AUTOTUNE_NO_CUDAGRAPHS)
+		bad = "unknown mode";
+	else if (o.recompile_limit < 0)
+		bad = "recompile_limit must be >= 0";
+	else if (o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL)
+		bad = "dynamic must be 0 or KL_DYNAMIC_ALL";
+	else if (o.ndynamic_dims < 0 || o.ndynamic_dims > nin ||
+	         (o.ndynamic_dims > 0 && !o.dynamic_dims))
+		bad = "ndynamic_dims must be in 0..nin, with dynamic_dims set";
+	for (int i = 0; !bad && i < o.ndynamic_dims; i++)
+		if (o.dynamic_dims[i] >> KL_MAX_DIMS)
+			bad = "a dynamic_dims mask names a dim >= 8";
+	if (bad) {
+		kl__err(ctx, KL_EINVAL, "kl_compile: %s", bad);
+		return NULL;
+	}
+	kl_fn *f = calloc(1, sizeof *f);
+	uint32_t *dyn = calloc((size_t)(nin ? nin : 1), sizeof *dyn);
+	if (!f || !dyn) {
+		free(f);
+		free(dyn);
+		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		return NULL;
+	}
+	for (int i = 0; i < nin; i++)
+		dyn[i] = o.dynamic == KL_DYNAMIC_ALL ? (1u << KL_MAX_DIMS) - 1
+		         : i < o.ndynamic_dims       ? o.dynamic_dims[i]
+		                                     : 0;
+	o.dynamic_dims = NULL; /* the caller's array need not outlive this call */
+	f->ctx = ctx;
+	f->body = fn;
+	f->user = user;
+	f->nin = nin;
+	f->nout = nout;
+	f->o = o;
+	f->dyn = dyn;
+	const char *nf = getenv("KILN_DISABLE_FUSION");
+	f->fusion = !(nf && *nf && strcmp(nf, "0") != 0);
+	f->limit = o.recompile_limit ? o.recompile_limit : 8;
+	f->last_kernels = -1;
+	name_fn(f, fn);
+	return f;
+}
+
+static void variant_free(kl_variant *v)
+{
+	if (!v)
+		return;
+	for (int i = 0; i < v->ncaptured; i++)
+		kl_release(v->captured[i]);
+	free(v->captured);
+	free(v->in_src);
+	free(v->out_src);
+	free(v->segs);
+	free(v->g);
+	free(v);
+}
+
+void kl_fn_free(kl_fn *f)
+{
+	if (!f)
+		return;
+	for (int i = 0; i < f->nvars; i++)
+		variant_free(f->vars[i]);
+	free(f->vars);
+	for (int i = 0; i < f->nentries; i++) {
+		kl__compiled_free(f->entries[i]->c);
+		free(f->entries[i]);
+	}
+	free(f->entries);
+	free(f->dyn);
+	free(f);
+}
+
+int kl_fn_last_kernels(const kl_fn *f)
+{
+	return f ? f->last_kernels : -1;
+}
+
+/* ---- guards ------------------------------------------------------------------ */
+
+/* NULL when t passes g; else the guard's name and the old/new values. */
+static const char *guard_check(const kl_guard *g, const kl_tensor *t, int i, char *why, size_t cap,
+                               char *name, size_t ncap)
+{
+	char a[128], b[128];
+	if (t->dtype != g->dtype) {
+		snprintf(name, ncap, "input %d dtype", i);
+		snprintf(why, cap, "input %d dtype: %s -> %s", i, kl_dtype_name(g->dtype),
+		         kl_dtype_name(t->dtype));
+		return why;
+	}
+	if (t->ndim != g->ndim) {
+		snprintf(name, ncap, "input %d rank", i);
+		snprintf(why, cap, "input %d rank: %d -> %d", i, g->ndim, t->ndim);
+		return why;
+	}
+	for (int d = 0; d < g->ndim; d++)
+		if (!(g->dyn >> d & 1) && t->shape[d] != g->shape[d]) {
+			snprintf(name, ncap, "input %d dim %d", i, d);
+			snprintf(why, cap, "input %d dim %d: %" PRId64 " -> %" PRId64, i, d,
+			         g->shape[d], t->shape[d]);
+			return why;
+		}
+	if (g->dyn)
+		return NULL; /* dynamic inputs are bound dense whatever their strides */
+	for (int d = 0; d < g->ndim; d++)
+		if (g->shape[d] != 1 && t->strides[d] != g->strides[d]) {
+			snprintf(name, ncap, "input %d strides", i);
+			snprintf(why, cap, "input %d strides: %s -> %s", i,
+			         kl__shape_str(a, sizeof a, g->ndim, g->strides),
+			         kl__shape_str(b, sizeof b, t->ndim, t->strides));
+			return why;
+		}
+	return NULL;
+}
+
+static kl_variant *find_variant(kl_fn *f, kl_tensor *const *in)
+{
+	char why[160], name[48];
+	for (int k = f->nvars - 1; k >= 0; k--) {
+		kl_variant *v = f->vars[k];
+		int i = 0;
+		while (i < f->nin &&
+		       !guard_check(&v->g[i], in[i], i, why, sizeof why, name, sizeof name))
+			i++;
+		if (i == f->nin)
+			return v;
+	}
+	return NULL;
+}
+
+/* Why the latest variant does not fit in[] (for logs and the limit warning). */
+static void explain_miss(kl_fn *f, kl_tensor *const *in, char *why, size_t cap, char *name,
+                         size_t ncap)
+{
+	snprintf(why, cap, "no variant matches");
+	snprintf(name, ncap, "inputs");
+	if (!f->last)
+		return;
+	for (int i = 0; i < f->nin; i++)
+		if (guard_check(&f->last->g[i], in[i], i, why, cap, name, ncap))
+			return;
+}
+
+static void tally(kl_fn *f, const char *name, const char *why)
+{
+	snprintf(f->last_fail, sizeof f->last_fail, "%s", why);
+	int low = 0;
+	for (int i = 0; i < 8; i++) {
+		if (!strcmp(f->tally[i].name, name)) {
+			f->tally[i].count++;
+			return;
+		}
+		if (f->tally[i].count < f->tally[low].count)
+			low = i;
+	}
+	snprintf(f->tally[low].name, sizeof f->tally[low].name, "%s", name);
+	f->tally[low].count = 1;
+}
+
+static void go_eager(kl_fn *f)
+{
+	if (f->eager)
+		return;
+	f->eager = true;
+	int best = 0;
+	for (int i = 1; i < 8; i++)
+		if (f->tally[i].count > f->tally[best].count)
+			best = i;
+	fprintf(stderr,
+	        "kiln: warning: kl_fn_call: %s reached its recompile limit (%d variants); guard "
+	        "'%s' kept failing (%d times, last: %s); running it eagerly from now on\n",
+	        f->name, f->limit, f->tally[best].count ? f->tally[best].name : "?",
+	        f->tally[best].count, f->last_fail[0] ? f->last_fail : "?");
+	kl__log(f->ctx, KL_LOG_RECOMPILES, "%s: recompile limit %d reached: eager from now on",
+	        f->name, f->limit);
+}
+
+static kl_variant *new_variant(kl_fn *f, kl_tensor *const *in)
+{
+	if (f->nvars == f->cap_vars) {
+		int nc = f->cap_vars ? f->cap_vars * 2 : 4;
+		kl_variant **p = realloc(f->vars, (size_t)nc * sizeof *p);
+		if (!p)
+			return NULL;
+		f->vars = p;
+		f->cap_vars = nc;
+	}
+	kl_variant *v = calloc(1, sizeof *v);
+	if (!v || !(v->g = calloc((size_t)(f->nin ? f->nin : 1), sizeof *v->g))) {
+		free(v);
+		return NULL;
+	}
+	for (int i = 0; i < f->nin; i++) {
+		kl_guard *g = &v->g[i];
+		const kl_tensor *t = in[i];
+		g->dtype = t->dtype;
+		g->ndim = t->ndim;
+		memcpy(g->shape, t->shape, sizeof g->shape);
+		memcpy(g->strides, t->strides, sizeof g->strides);
+		g->dyn = f->dyn[i] & ((1u << t->ndim) - 1);
+	}
+	v->id = f->nvars;
+	f->vars[f->nvars++] = v;
+	return v;
+}
+
+/* ---- one call under a trace -------------------------------------------------- */
+
+typedef struct dynrec {
+	kl_tensor *t;
+	uint32_t mask;
+} dynrec;
+
+typedef struct call {
+	kl_fn *f;
+	kl_variant *v;
+	kl_tensor *const *in; /* as fn sees them */
+	bool new_variant;
+	int seg;
+	int launches;
+	kl_status err; /* a failure inside the hook: the call fails */
+	char errmsg[KL_ERR_CAP];
+	dynrec *dyn; /* tensors materialized at breaks whose dims were symbols */
+	int ndyn, cap_dyn;
+	bool over_limit;
+	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
+} call;
+
+static void call_fail(call *cs, kl_status st)
+{
+	if (cs->err == KL_OK) {
+		cs->err = st;
+		snprintf(cs->errmsg, sizeof cs->errmsg, "%s", kl_last_error(cs->f->ctx));
+	}
+}
+
+static uint32_t dyn_of(const call *cs, const kl_tensor *t)
+{
+	for (int j = 0; j < cs->f->nin; j++)
+		if (cs->in[j] == t)
+			return cs->v->g[j].dyn;
+	for (int k = 0; k < cs->ndyn; k++)
+		if (cs->dyn[k].t == t)
+			return cs->dyn[k].mask;
+	return 0;
+}
+
+static kl_status add_entry(kl_fn *f, uint64_t key, kl_compiled *c, int nops, kl_gentry **out)
+{
+	if (f->nentries == f->cap_entries) {
+		int nc = f->cap_entries ? f->cap_entries * 2 : 4;
+		kl_gentry **p = realloc(f->entries, (size_t)nc * sizeof *p);
+		if (!p)
+			return KL_ENOMEM;
+		f->entries = p;
+		f->cap_entries = nc;
+	}
+	kl_gentry *e = calloc(1, sizeof *e);
+	if (!e)
+		return KL_ENOMEM;
+	e->key = key;
+	e->c = c;
+	e->nops = nops;
+	f->entries[f->nentries++] = e;
+	*out = e;
+	return KL_OK;
+}
+
+/* The compiled graph for tr: found by key, or compiled now. */
+static kl_status graph_entry(call *cs, kl_trace *tr, int nops, kl_gentry **out)
+{
+	kl_fn *f = cs->f;
+	kl_ctx *ctx = f->ctx;
+	const kl_graph *g = &tr->g;
+	uint32_t *masks = calloc((size_t)(g->ninputs ? g->ninputs : 1), sizeof *masks);
+	if (!masks)
+		return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	bool any = false;
+	for (int32_t i = 0; i < g->ninputs; i++) {
+		masks[i] = dyn_of(cs, tr->in_tensors[i]) & ((1u << tr->in_tensors[i]->ndim) - 1);
+		any |= masks[i] != 0;
+	}
+	kl_compile_cfg cfg = {.mode = f->o.mode,
+	                      .fusion = f->fusion,
+	                      .dyn_masks = any ? masks : NULL,
+	                      .name = f->name,
+	                      .graph_index = cs->seg};
+	uint64_t key;
+	kl_status st = kl__compile_key(ctx, g, &cfg, &key);
+	for (int i = 0; st == KL_OK && i < f->nentries; i++)
+		if (f->entries[i]->key == key) {
+			*out = f->entries[i];
+			free(masks);
+			return KL_OK;
+		}
+	if (st == KL_OK) {
+		kl_gentry *prev = cs->seg < cs->v->nsegs ? cs->v->segs[cs->seg].e : NULL;
+		if (!cs->new_variant && prev) {
+			/* same inputs, another graph: user state baked into it changed,
+			 * or control flow after a break took another path */
+			char why[256];
+			kl__graph_diff(&prev->c->g, g, why, sizeof why);
+			f->compiles++;
+			char name[48];
+			snprintf(name, sizeof name, "graph %d", cs->seg);
+			tally(f, name, why);
+			kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: graph %d: %s",
+			        f->compiles, f->name, cs->seg, why);
+			if (f->compiles > f->limit)
+				cs->over_limit = true;
+		}
+		kl_compiled *c = kl__compile(ctx, g, &cfg);
+		if (!c)
+			st = kl_last_status(ctx);
+		else if ((st = add_entry(f, key, c, nops, out)) != KL_OK) {
+			kl__compiled_free(c);
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		}
+	}
+	free(masks);
+	return st;
+}
+
+/* Give the lazy handle fn holds the storage of the value computed for it. */
+static kl_status transplant(kl_ctx *ctx, kl_tensor *lazy, const kl_tensor *val)
+{
+	if (lazy->st)
+		return KL_OK; /* listed twice */
+	if (lazy->dtype != val->dtype || lazy->ndim != val->ndim ||
+	    memcmp(lazy->shape, val->shape, sizeof(int64_t) * (size_t)val->ndim) != 0) {
+		char a[128], b[128];
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_fn_call: compiled value is %s %s but the traced "
+		               "tensor is %s %s",
+		               kl_dtype_name(val->dtype),
+		               kl__shape_str(a, sizeof a, val->ndim, val->shape),
+		               kl_dtype_name(lazy->dtype),
+		               kl__shape_str(b, sizeof b, lazy->ndim, lazy->shape));
+	}
+	lazy->st = val->st;
+	lazy->st->refs++;
+	lazy->offset = val->offset;
+	memcpy(lazy->strides, val->strides, sizeof lazy->strides);
+	lazy->trace_id = 0;
+	lazy->node = -1;
+	return KL_OK;
+}
+
+static void remember_dyn(call *cs, const kl_compiled *c, kl_tensor *const *lazy, int n)
+{
+	for (int32_t b = 0; b < c->prog.nbufs; b++) {
+		const kl_buf *bf = &c->prog.bufs[b];
+		if (bf->role != KL_BUF_OUTPUT || bf->index >= n)
+			continue;
+		uint32_t mask = 0;
+		for (int d = 0; d < bf->ndim; d++)
+			if (bf->shape[d].sym > 0)
+				mask |= 1u << d;
+		if (!mask)
+			continue;
+		if (cs->ndyn == cs->cap_dyn) {
+			int nc = cs->cap_dyn ? cs->cap_dyn * 2 : 16;
+			dynrec *p = realloc(cs->dyn, (size_t)nc * sizeof *p);
+			if (!p)
+				return; /* only costs recompiles later */
+			cs->dyn = p;
+			cs->cap_dyn = nc;
+		}
+		cs->dyn[cs->ndyn++] = (dynrec){lazy[bf->index], mask};
+	}
+}
+
+/* A new variant's first graph decides which of its dynamic dims really
+ * are: a dim the graph kept static (say a size-1 dim that broadcasts) is
+ * guarded like any other. */
+static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
+{
+	for (int32_t b = 0; b < c->prog.nbufs; b++) {
+		const kl_buf *bf = &c->prog.bufs[b];
+		if (bf->role != KL_BUF_INPUT)
+			continue;
+		const kl_tensor *t = tr->in_tensors[bf->index];
+		for (int j = 0; j < cs->f->nin; j++) {
+			if (cs->in[j] != t)
+				continue;
+			kl_guard *g = &cs->v->g[j];
+			for (int d = 0; d < bf->ndim && d < g->ndim; d++)
+				if ((g->dyn >> d & 1) && bf->shape[d].sym == 0)
+					g->dyn &= ~(1u << d);
+		}
+	}
+}
+
+static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
+{
+	kl_variant *v = cs->v;
+	int n = tr->nin_tensors;
+	free(v->in_src);
+	v->in_src = calloc((size_t)(n ? n : 1), sizeof *v->in_src);
+	if (!v->in_src)
+		return KL_ENOMEM;
+	for (int i = 0; i < n; i++) {
+		kl_tensor *t = tr->in_tensors[i];
+		int j = 0;
+		while (j < cs->f->nin && cs->in[j] != t)
+			j++;
+		if (j < cs->f->nin) {
+			v->in_src[i] = j;
+			continue;
+		}
+		/* a tensor fn reached through user state: bound as traced */
+		kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
+		if (!p)
+			return KL_ENOMEM;
+		v->captured = p;
+		v->captured[v->ncaptured] = kl_retain(t);
+		v->in_src[i] = -1 - v->ncaptured++;
+	}
+	return KL_OK;
+}
+
+static kl_status record_seg(call *cs, kl_gentry *e, const char *reason, int nops, int last_op,
+                            int last_node)
+{
+	kl_variant *v = cs->v;
+	if (cs->seg >= v->cap_segs) {
+		int nc = v->cap_segs ? v->cap_segs * 2 : 4;
+		kl_seg *p = realloc(v->segs, (size_t)nc * sizeof *p);
+		if (!p)
+			return KL_ENOMEM;
+		v->segs = p;
+		v->cap_segs = nc;
+	}
+	kl_seg *s = &v->segs[cs->seg];
+	s->e = e;
+	snprintf(s->reason, sizeof s->reason, "%s", reason ? reason : "");
+	s->nops = nops;
+	s->last_op = last_op;
+	s->last_node = last_node;
+	if (v->nsegs < cs->seg + 1)
+		v->nsegs = cs->seg + 1;
+	return KL_OK;
+}
+
+/* End the active trace with lazy[] as its outputs, compile and run it, and
+ * give every lazy[i] its value. reason: the sync op (a break), or NULL. */
+static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason)
+{
+	kl_fn *f = cs->f;
+	kl_ctx *ctx = f->ctx;
+	const kl_graph *live = &ctx->trace->g;
+	int nops = 0, last_op = -1, last_node = -1;
+	for (int32_t i = 0; i < live->n; i++)
+		if (live->nodes[i].op != KL_OP_INPUT) {
+			nops++;
+			last_op = live->nodes[i].op;
+			last_node = i;
+		}
+	kl_trace *tr = kl__trace_end(ctx, n, lazy);
+	if (!tr)
+		return kl_last_status(ctx);
+	kl_status st = KL_OK;
+	kl_gentry *e = NULL;
+	kl_tensor **outs = NULL;
+	if (n > 0) {
+		double t0 = kl__now_ms();
+		st = graph_entry(cs, tr, nops, &e);
+		double t1 = kl__now_ms();
+		cs->compile_ms += t1 - t0;
+		if (st == KL_OK && !(outs = calloc((size_t)n, sizeof *outs)))
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
+			refine_guards(cs, tr, e->c);
+		if (st == KL_OK)
+			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
+		cs->run_ms += kl__now_ms() - t1;
+		if (st == KL_OK) {
+			cs->launches += e->c->last_launches;
+			for (int i = 0; i < n && st == KL_OK; i++)
+				st = transplant(ctx, lazy[i], outs[i]);
+			if (st == KL_OK && reason && e->c->dynamic)
+				remember_dyn(cs, e->c, lazy, n);
+		}
+		for (int i = 0; outs && i < n; i++)
+			kl_release(outs[i]);
+		free(outs);
+	}
+	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
+	    record_replay_inputs(cs, tr) != KL_OK)
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	if (st == KL_OK && record_seg(cs, e, reason, nops, last_op, last_node) != KL_OK)
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	kl__trace_free(tr);
+	return st;
+}
+
+/* The sync hook: a graph break, or (fullgraph) a refusal. */
+static kl_status capture_sync(kl_ctx *ctx, const char *op)
+{
+	call *cs = ctx->sync_user;
+	kl_fn *f = cs->f;
+	const kl_graph *g = &ctx->trace->g;
+	int nops = 0;
+	for (int32_t i = 0; i < g->n; i++)
+		nops += g->nodes[i].op != KL_OP_INPUT;
+	if (f->o.fullgraph) {
+		kl_status st = kl__err(ctx, KL_ESTATE,
+		                       "kl_fn_call: %s is a sync point inside a "
+		                       "fullgraph function (graph %d, after %d ops)",
+		                       op, cs->seg, nops);
+		call_fail(cs, st);
+		return st;
+	}
+	if (cs->err != KL_OK)
+		return kl__err(ctx, cs->err, "%s", cs->errmsg);
+	uint64_t id = ctx->trace->id;
+	int n = 0;
+	for (kl_tensor *t = ctx->live; t; t = t->next)
+		n += !t->st && t->trace_id == id;
+	kl_tensor **lazy = malloc(sizeof *lazy * (size_t)(n ? n : 1));
+	kl_status st;
+	if (!lazy) {
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		kl__trace_free(kl__trace_end(ctx, 0, NULL));
+	} else {
+		/* the live list runs newest first: fill from the back for trace order */
+		int k = n;
+		for (kl_tensor *t = ctx->live; t; t = t->next)
+			if (!t->st && t->trace_id == id)
+				lazy[--k] = t;
+		st = run_segment(cs, lazy, n, op);
+	}
+	free(lazy);
+	if (st == KL_OK) {
+		const kl_seg *s = &cs->v->segs[cs->seg];
+		kl__log(ctx, KL_LOG_GRAPH_BREAKS,
+		        "%s: graph break at %s: graph %d ends after %d ops "
+		        "(last op %s#%d), %d tensors materialized; graph %d begins",
+		        f->name, op, cs->seg, s->nops,
+		        s->last_op >= 0 ? kl__ops[s->last_op].name : "-", s->last_node, n,
+		        cs->seg + 1);
+	} else {
+		call_fail(cs, st);
+	}
+	cs->seg++;
+	/* fn goes on recording either way; a failure fails the call at its end */
+	kl_status bst = kl__trace_begin(ctx);
+	if (st == KL_OK && bst != KL_OK) {
+		call_fail(cs, bst);
+		st = bst;
+	}
+	return st;
+}
+
+static kl_status check_outputs(kl_fn *f, kl_tensor **out)
+{
+	for (int k = 0; k < f->nout; k++) {
+		if (!out[k])
+			return kl__err(f->ctx, KL_EINVAL,
+			               "kl_fn_call: %s returned KL_OK but out[%d] is "
+			               "NULL",
+			               f->name, k);
+		if (out[k]->ctx != f->ctx)
+			return kl__err(f->ctx, KL_EINVAL,
+			               "kl_fn_call: %s: out[%d] belongs to another "
+			               "context",
+			               f->name, k);
+	}
+	return KL_OK;
+}
+
+static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                       kl_tensor **out, kl_tensor **lazy, int nl)
+{
+	free(v->out_src);
+	v->out_src = calloc((size_t)(f->nout ? f->nout : 1), sizeof *v->out_src);
+	if (!v->out_src)
+		return KL_ENOMEM;
+	for (int k = 0; k < f->nout; k++) {
+		int j;
+		for (j = 0; j < nl && lazy[j] != out[k]; j++)
+			;
+		if (j < nl) {
+			v->out_src[k] = j;
+			continue;
+		}
+		for (j = 0; j < f->nin && in[j] != out[k]; j++)
+			;
+		if (j == f->nin) {
+			kl_tensor **p =
+			        realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
+			if (!p)
+				return KL_ENOMEM;
+			v->captured = p;
+			v->captured[v->ncaptured] = kl_retain(out[k]);
+			j = f->nin + v->ncaptured++;
+		}
+		v->out_src[k] = -1 - j;
+	}
+	v->replay = true;
+	return KL_OK;
+}
+
+static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *const *in,
+                             kl_tensor **out)
+{
+	kl_ctx *ctx = f->ctx;
+	call cs = {.f = f, .v = v, .in = in, .new_variant = fresh};
+	double t0 = kl__now_ms();
+	kl_status st = kl__trace_begin(ctx);
+	if (st != KL_OK)
+		return st;
+	kl_status (*prev_hook)(kl_ctx *, const char *) = ctx->sync_hook;
+	void *prev_user = ctx->sync_user;
+	ctx->sync_hook = capture_sync;
+	ctx->sync_user = &cs;
+	st = f->body(ctx, in, f->nin, out, f->nout, f->user);
+	ctx->sync_hook = prev_hook;
+	ctx->sync_user = prev_user;
+	if (st == KL_OK && cs.err != KL_OK)
+		st = kl__err(ctx, cs.err, "%s", cs.errmsg); /* fn went on past a failed break */
+	else if (st != KL_OK && ctx->status == KL_OK)
+		kl__err(ctx, st, "kl_fn_call: %s returned %s", f->name, kl_status_name(st));
+	if (st == KL_OK)
+		st = check_outputs(f, out);
+	kl_tensor **lazy = NULL;
+	int nl = 0;
+	if (st == KL_OK && ctx->trace) {
+		lazy = malloc(sizeof *lazy * (size_t)(f->nout ? f->nout : 1));
+		if (!lazy)
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		for (int k = 0; st == KL_OK && k < f->nout; k++) {
+			kl_tensor *t = out[k];
+			if (t->st)
+				continue;
+			if (t->trace_id != ctx->trace->id) {
+				st = kl__err(ctx, KL_ESTATE,
+				             "kl_fn_call: %s: out[%d] is a lazy tensor of a "
+				             "finished trace",
+				             f->name, k);
+				break;
+			}
+			int j = 0;
+			while (j < nl && lazy[j] != t)
+				j++;
+			if (j == nl)
+				lazy[nl++] = t;
+		}
+		if (st == KL_OK)
+			st = run_segment(&cs, lazy, nl, NULL);
+	}
+	if (ctx->trace)
+		kl__trace_free(kl__trace_end(ctx, 0, NULL));
+	if (st == KL_OK) {
+		v->nsegs = cs.seg + 1;
+		v->calls++;
+		if (f->o.fullgraph && !v->replay &&
+		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	}
+	free(lazy);
+	free(cs.dyn);
+	if (st == KL_OK) {
+		f->last_kernels = cs.launches;
+		f->last = v;
+	}
+	if (st == KL_OK && fresh) {
+		double all = kl__now_ms() - t0;
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "%s variant %d, first call %.3f ms: tracing %.3f ms, cache or compile "
+		        "%.3f ms, run (enqueue) %.3f ms, %d graph%s",
+		        f->name, v->id, all, all - cs.compile_ms - cs.run_ms, cs.compile_ms,
+		        cs.run_ms, cs.seg + 1, cs.seg ? "s" : "");
+	}
+	if (cs.over_limit)
+		go_eager(f);
+	return st;
+}
+
+static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out)
+{
+	kl_ctx *ctx = f->ctx;
+	kl_gentry *e = v->nsegs > 0 ? v->segs[0].e : NULL;
+	kl_tensor **gin = NULL, **gout = NULL;
+	kl_status st = KL_OK;
+	if (e) {
+		gin = malloc(sizeof *gin * (size_t)(e->c->nin ? e->c->nin : 1));
+		gout = calloc((size_t)(e->c->nout ? e->c->nout : 1), sizeof *gout);
+		if (!gin || !gout)
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		for (int i = 0; st == KL_OK && i < e->c->nin; i++)
+			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
+			                           : v->captured[-1 - v->in_src[i]];
+		if (st == KL_OK)
+			st = kl__compiled_run(ctx, e->c, gin, gout);
+	}
+	if (st == KL_OK) {
+		for (int k = 0; k < f->nout; k++) {
+			int32_t s = v->out_src[k];
+			int j = -1 - s;
+			out[k] = kl_retain(s >= 0       ? gout[s]
+			                   : j < f->nin ? in[j]
+			                                : v->captured[j - f->nin]);
+		}
+		f->last_kernels = e ? e->c->last_launches : 0;
+		f->last = v;
+		v->calls++;
+		f->replays++;
+	}
+	for (int j = 0; gout && e && j < e->c->nout; j++)
+		kl_release(gout[j]);
+	free(gin);
+	free(gout);
+	return st;
+}
+
+static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, bool count)
+{
+	kl_ctx *ctx = f->ctx;
+	const kl_backend *saved_real = tl_real_be;
+	kl_backend proxy;
+	/* an eager call inside another one finds the counter installed already */
+	bool install = count && ctx->be->exec != counting_exec;
+	int start = tl_exec_count;
+	if (install) {
+		proxy = *ctx->be;
+		proxy.exec = counting_exec;
+		tl_real_be = ctx->be;
+		ctx->be = &proxy;
+	}
+	kl_status st = f->body(ctx, in, f->nin, out, f->nout, f->user);
+	if (count)
+		f->last_kernels = tl_exec_count - start;
+	if (install) {
+		ctx->be = tl_real_be;
+		tl_real_be = saved_real;
+	}
+	if (st != KL_OK && ctx->status == KL_OK)
+		kl__err(ctx, st, "kl_fn_call: %s returned %s", f->name, kl_status_name(st));
+	if (st == KL_OK)
+		st = check_outputs(f, out);
+	return st;
+}
+
+kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
+{
+	if (!f)
+		return kl__err(NULL, KL_EINVAL, "kl_fn_call: f is NULL");
+	kl_ctx *ctx = f->ctx;
+	if ((f->nout > 0 && !out) || (f->nin > 0 && !in))
+		return kl__err(ctx, KL_EINVAL, "kl_fn_call: %s is NULL", !out ? "out" : "in");
+	for (int k = 0; k < f->nout; k++)
+		out[k] = NULL;
+	for (int i = 0; i < f->nin; i++) {
+		const kl_tensor *t = in[i];
+		if (!t)
+			return kl__err(ctx, KL_EINVAL, "kl_fn_call: %s: input %d is NULL", f->name,
+			               i);
+		if (t->ctx != ctx)
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_fn_call: %s: input %d belongs to another "
+			               "context",
+			               f->name, i);
+		if (!t->st && (!ctx->trace || t->trace_id != ctx->trace->id))
+			return kl__err(ctx, KL_ESTATE,
+			               "kl_fn_call: %s: input %d is a lazy tensor of a "
+			               "finished trace",
+			               f->name, i);
+	}
+	f->calls++;
+	int scopes = ctx->nscopes;
+	kl_scope_begin(ctx);
+	if (ctx->nscopes != scopes + 1)
+		return kl_last_status(ctx);
+	kl_status st = KL_OK;
+	bool owned = false; /* out[] holds the caller's references already */
+	kl_tensor **pin = malloc(sizeof *pin * (size_t)(f->nin ? f->nin : 1));
+	if (!pin)
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	for (int i = 0; st == KL_OK && i < f->nin; i++)
+		pin[i] = in[i];
+	if (st != KL_OK) {
+		/* nothing else to do */
+	} else if (ctx->trace) {
+		/* called from inside another compiled function: inline it */
+		st = eager_call(f, pin, out, false);
+	} else if (f->o.disable || f->eager) {
+		f->eager_calls++;
+		st = eager_call(f, pin, out, true);
+	} else {
+		/* dynamic inputs are bound dense: one layout serves every size */
+		for (int i = 0; st == KL_OK && i < f->nin; i++)
+			if (f->dyn[i] && !kl_is_contiguous(in[i]) &&
+			    !(pin[i] = kl_contiguous(in[i])))
+				st = kl_last_status(ctx);
+		kl_variant *v = st == KL_OK ? find_variant(f, pin) : NULL;
+		bool fresh = false;
+		if (st == KL_OK && !v) {
+			char why[160], name[48];
+			explain_miss(f, pin, why, sizeof why, name, sizeof name);
+			if (f->nvars > 0)
+				tally(f, name, why);
+			if (f->nvars > 0 && f->compiles >= f->limit) {
+				go_eager(f);
+			} else if (!(v = new_variant(f, pin))) {
+				st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+			} else {
+				fresh = true;
+				f->compiles++;
+				if (f->nvars > 1)
+					kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: %s",
+					        f->compiles, f->name, why);
+			}
+		}
+		if (st != KL_OK) {
+			/* failed above */
+		} else if (!v) {
+			f->eager_calls++;
+			st = eager_call(f, pin, out, true);
+		} else if (v->replay) {
+			/* replay hands out references of its own, not the scope's */
+			st = replay(f, v, pin, out);
+			owned = true;
+		} else {
+			st = traced_call(f, v, fresh, pin, out);
+		}
+	}
+	if (st == KL_OK && !owned)
+		for (int k = 0; k < f->nout; k++)
+			kl_retain(out[k]);
+	free(pin);
+	kl_scope_end(ctx);
+	if (st != KL_OK)
+		for (int k = 0; k < f->nout; k++)
+			out[k] = NULL;
+	return st;
+}
+
+kl_status kl_explain(kl_fn *f, FILE *out)
+{
+	if (!f)
+		return kl__err(NULL, KL_EINVAL, "kl_explain: f is NULL");
+	if (!out)
+		return kl__err(f->ctx, KL_EINVAL, "kl_explain: out is NULL");
+	kl__capture_explain(f, out);
+	return ferror(out) ? kl__err(f->ctx, KL_EIO, "kl_explain: write error") : KL_OK;
+}

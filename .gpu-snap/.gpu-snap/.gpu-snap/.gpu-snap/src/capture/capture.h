@@ -1,0 +1,85 @@
+/* capture.h - private to the capture layer: a compiled function, its
+ * variants (one per guard set on its inputs), the graphs each variant's calls
+ * produced and the graph breaks between them.
+ */
+#ifndef KILN_CAPTURE_H
+#define KILN_CAPTURE_H
+
+#include "runtime/compiled.h"
+
+/* What a variant requires of fn input i (dims in dyn are free). */
+typedef struct kl_guard {
+	kl_dtype dtype;
+	int ndim;
+	int64_t shape[KL_MAX_DIMS];
+	int64_t strides[KL_MAX_DIMS];
+	uint32_t dyn;
+} kl_guard;
+
+/* One compiled graph, shared by every variant whose call produced it. */
+typedef struct kl_gentry {
+	uint64_t key;
+	kl_compiled *c;
+	int nops; /* nodes other than inputs */
+} kl_gentry;
+
+/* One graph of a call, in order, with what ended it. */
+typedef struct kl_seg {
+	kl_gentry *e;    /* NULL: nothing lazy was alive, nothing ran */
+	char reason[32]; /* the sync op that broke the graph; "" when fn returned */
+	int nops;        /* ops recorded before the break */
+	int last_op;     /* the op of the last node before it (-1: none) */
+	int last_node;
+} kl_seg;
+
+typedef struct kl_variant {
+	int id;
+	kl_guard *g;
+	kl_seg *segs;
+	int nsegs, cap_segs;
+	long calls;
+	/* fullgraph: how to replay without calling fn. in_src[i] >= 0: graph
+	 * input i is fn input in_src[i]; else captured[-1 - in_src[i]].
+	 * out_src[k] >= 0: fn output k is graph output out_src[k]; else
+	 * -1 - j: fn input j (j < nin) or captured[j - nin]. */
+	bool replay;
+	int32_t *in_src, *out_src;
+	kl_tensor **captured;
+	int ncaptured;
+} kl_variant;
+
+typedef struct kl_guard_tally {
+	char name[48];
+	int count;
+} kl_guard_tally;
+
+struct kl_fn {
+	kl_ctx *ctx;
+	kl_fn_body body;
+	void *user;
+	int nin, nout;
+	kl_compile_opts o;
+	uint32_t *dyn; /* per input, from o (all-ones for KL_DYNAMIC_ALL) */
+	bool fusion;
+	int limit;
+	char name[64];
+	kl_variant **vars;
+	int nvars, cap_vars;
+	kl_variant *last; /* the variant of the latest call */
+	kl_gentry **entries;
+	int nentries, cap_entries;
+	int compiles; /* compile events: the first, then every recompile */
+	bool eager;   /* over the recompile limit: fn runs eagerly */
+	kl_guard_tally tally[8];
+	char last_fail[256];
+	long calls, eager_calls, replays;
+	int last_kernels;
+};
+
+/* explain.c */
+void kl__capture_explain(const kl_fn *f, FILE *out);
+void kl__guard_str(const kl_guard *g, char *buf, size_t cap);
+/* The first way graph b differs from graph a, for recompile logs. */
+void kl__graph_diff(const kl_graph *a, const kl_graph *b, char *buf, size_t cap);
+
+#endif /* KILN_CAPTURE_H */

@@ -1,0 +1,873 @@
+/* render.c - walks one kernel's IR and writes it out with a renderer table:
+ * buffer pointers, the loop nest (parallel over the outer dims, a simd
+ * innermost loop where that is legal), one statement per live SSA value.
+ * Also the growable string every text producer in lower/ and codegen/ uses.
+ */
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "codegen/render.h"
+
+/* ---- kl_sb ------------------------------------------------------------------------ */
+
+static bool sb_grow(kl_sb *sb, size_t need)
+{
+	if (sb->oom)
+		return false;
+	if (sb->n + need + 1 <= sb->cap)
+		return true;
+	size_t cap = sb->cap ? sb->cap : 256;
+	while (cap < sb->n + need + 1)
+		cap *= 2;
+	char *p = realloc(sb->s, cap);
+	if (!p) {
+		sb->oom = true;
+		return false;
+	}
+	sb->s = p;
+	sb->cap = cap;
+	return true;
+}
+
+void kl__sb_printf(kl_sb *sb, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	char tmp[256];
+	int n = vsnprintf(tmp, sizeof(tmp), fmt, ap);
+	va_end(ap);
+	if (n < 0 || !sb_grow(sb, (size_t)n))
+		return;
+	if ((size_t)n < sizeof(tmp)) {
+		memcpy(sb->s + sb->n, tmp, (size_t)n + 1);
+	} else {
+		va_start(ap, fmt);
+		vsnprintf(sb->s + sb->n, (size_t)n + 1, fmt, ap);
+		va_end(ap);
+	}
+	sb->n += (size_t)n;
+}
+
+void kl__sb_puts(kl_sb *sb, const char *s)
+{
+	size_t n = strlen(s);
+	if (!sb_grow(sb, n))
+		return;
+	memcpy(sb->s + sb->n, s, n + 1);
+	sb->n += n;
+}
+
+void kl__sb_free(kl_sb *sb)
+{
+	free(sb->s);
+	memset(sb, 0, sizeof(*sb));
+}
+
+const char *kl__sb_str(const kl_sb *sb)
+{
+	return sb->s ? sb->s : "";
+}
+
+/* ---- index expressions -------------------------------------------------------------- */
+
+static void put_ix(kl_sb *sb, const kl_ixa *a, int32_t id);
+
+static void put_atom(kl_sb *sb, const kl_ixa *a, int32_t at)
+{
+	const kl_atom *t = &a->atoms[at];
+	switch (t->kind) {
+	case KL_AT_VAR:
+		kl__sb_printf(sb, "i%d", t->var);
+		return;
+	case KL_AT_DIV:
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, " / %lld", (long long)t->a);
+		return;
+	case KL_AT_MOD:
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, " %% %lld", (long long)t->a);
+		return;
+	default:
+		kl__sb_puts(sb, "kl_clampi(");
+		put_ix(sb, a, t->e);
+		kl__sb_printf(sb, ", %lld, %lld)", (long long)t->a, (long long)t->b);
+		return;
+	}
+}
+
+static void put_ix(kl_sb *sb, const kl_ixa *a, int32_t id)
+{
+	const kl_ix *e = &a->ex[id];
+	if (e->nt == 0) {
+		kl__sb_printf(sb, "%lld", (long long)e->c);
+		return;
+	}
+	kl__sb_puts(sb, "(");
+	for (int i = 0; i < e->nt; i++) {
+		int64_t k = e->k[i];
+		if (i > 0)
+			kl__sb_puts(sb, k < 0 ? " - " : " + ");
+		else if (k < 0)
+			kl__sb_puts(sb, "-");
+		int64_t ak = k < 0 ? -k : k;
+		bool wrap = a->atoms[e->at[i]].kind != KL_AT_VAR &&
+		            a->atoms[e->at[i]].kind != KL_AT_CLAMP;
+		if (wrap)
+			kl__sb_puts(sb, "(");
+		put_atom(sb, a, e->at[i]);
+		if (wrap)
+			kl__sb_puts(sb, ")");
+		if (ak != 1)
+			kl__sb_printf(sb, " * %lld", (long long)ak);
+	}
+	if (e->c)
+		kl__sb_printf(sb, " %s %lld", e->c < 0 ? "-" : "+", (long long)(e->c < 0 ? -e->c : e->c));
+	kl__sb_puts(sb, ")");
+}
+
+static void put_mono(kl_sb *sb, const kl_renderer *r, const kl_mono *m)
+{
+	kl__sb_printf(sb, "%lld", (long long)m->c);
+	for (int i = 0; i < m->ns; i++) {
+		kl__sb_puts(sb, " * ");
+		kl__sb_printf(sb, r->sym_fmt, m->s[i] - 1);
+	}
+}
+
+static void put_addr(kl_sb *sb, const kl_renderer *r, const kl_ixa *a, const kir_addr *ad)
+{
+	put_ix(sb, a, ad->ix);
+	for (int i = 0; i < ad->ns; i++) {
+		kl__sb_puts(sb, " + ");
+		put_ix(sb, a, ad->six[i]);
+		kl__sb_puts(sb, " * (");
+		put_mono(sb, r, &ad->sst[i]);
+		kl__sb_puts(sb, ")");
+	}
+}
+
+static void put_extent(kl_sb *sb, const kl_renderer *r, kl_symdim d)
+{
+	if (d.sym > 0)
+		kl__sb_printf(sb, r->sym_fmt, d.sym - 1);
+	else
+		kl__sb_printf(sb, "%lld", (long long)d.v);
+}
+
+/* ---- statements ------------------------------------------------------------------------ */
+
+/* columns of a column reduction handled together (accumulator arrays) */
+#define COL_TILE 64
+
+typedef struct rctx {
+	const kl_renderer *r;
+	const kir_kernel *k;
+	kl_sb *sb;
+	uint8_t *live;
+	int depth;
+	bool col;  /* column order: accumulators are arrays indexed by jj */
+	int col_d; /* the dim whose points are the columns */
+	/* stores of the last pass written to row array ss<i> then streamed */
+	int32_t stream[KIR_MAX_LOCAL];
+	int nstream;
+	int stream_var; /* the reduced dim the rows run along */
+} rctx;
+
+static int stream_slot(const rctx *c, int32_t id)
+{
+	for (int i = 0; i < c->nstream; i++)
+		if (c->stream[i] == id)
+			return i;
+	return -1;
+}
+
+static void indent(rctx *c)
+{
+	for (int i = 0; i < c->depth; i++)
+		kl__sb_puts(c->sb, "\t");
+}
+
+static void vname(char *buf, size_t cap, int32_t v)
+{
+	snprintf(buf, cap, "t%d", (int)v);
+}
+
+static void emit_ins(rctx *c, int32_t id)
+{
+	const kir_ins *in = &c->k->ins[id];
+	const kl_renderer *r = c->r;
+	kl_sb *sb = c->sb;
+	char a[24], b[24], cc[24], acc[24], t[24];
+	vname(a, sizeof(a), in->a);
+	vname(b, sizeof(b), in->b);
+	vname(cc, sizeof(cc), in->c);
+	vname(t, sizeof(t), id);
+	snprintf(acc, sizeof(acc), "acc%d", (int)in->acc);
+	kl_dtype dt = (kl_dtype)in->dt;
+	indent(c);
+	switch ((kir_opc)in->opc) {
+	case KIR_LOAD: {
+		kl_sb el = {0};
+		kl__sb_printf(&el, "b%d[", (int)in->buf);
+		put_addr(&el, r, &c->k->ixa, &in->ad);
+		if (in->a >= 0) { /* a gather: the row index clamped into the table */
+			kl__sb_printf(&el, " + (%s < 0 ? 0 : %s >= (", a, a);
+			put_mono(&el, r, &in->grows);
+			kl__sb_printf(&el, ") ? (");
+			put_mono(&el, r, &in->grows);
+			kl__sb_printf(&el, ") - 1 : %s) * (", a);
+			put_mono(&el, r, &in->gst);
+			kl__sb_puts(&el, ")");
+		}
+		kl__sb_puts(&el, "]");
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		kl__sb_printf(sb, r->load_fmt[in->in_dt], kl__sb_str(&el));
+		kl__sb_puts(sb, ";\n");
+		kl__sb_free(&el);
+		return;
+	}
+	case KIR_STORE: {
+		int ss = stream_slot(c, id);
+		if (ss >= 0) { /* the row's own position: the address is i<J> + base */
+			kl__sb_printf(sb, "ss%d[i%d] = %s;\n", ss, c->stream_var, a);
+			return;
+		}
+		kl__sb_printf(sb, "b%d[", (int)in->buf);
+		put_addr(sb, r, &c->k->ixa, &in->ad);
+		kl__sb_puts(sb, "] = ");
+		kl__sb_printf(sb, r->store_fmt[dt], a);
+		kl__sb_puts(sb, ";\n");
+		return;
+	}
+	case KIR_CONST:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->constant(sb, dt, in->k);
+		break;
+	case KIR_INDEX:
+		kl__sb_printf(sb, "%s %s = ", r->index_t, t);
+		put_addr(sb, r, &c->k->ixa, &in->ad);
+		break;
+	case KIR_IDXLT:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_BOOL], t);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_printf(sb, " < %lld", (long long)in->k);
+		break;
+	case KIR_UNARY:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->unary(sb, (kl_op)in->op, dt, a);
+		break;
+	case KIR_BINARY:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->binary(sb, (kl_op)in->op, (kl_dtype)in->in_dt, a, b);
+		break;
+	case KIR_WHERE:
+		kl__sb_printf(sb, "%s %s = %s ? %s : %s", r->ctype[dt], t, a, b, cc);
+		break;
+	case KIR_CAST:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->cast(sb, dt, (kl_dtype)in->in_dt, a);
+		break;
+	case KIR_RAND:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_F64], t);
+		r->rand(sb, (kl_op)in->op, in->seed, a);
+		break;
+	case KIR_ACC_INIT: {
+		kl_accvar v[2];
+		int nv = r->acc_vars((kl_op)in->op, (kl_dtype)in->in_dt, v);
+		for (int i = 0; i < nv; i++) {
+			if (c->col)
+				kl__sb_printf(sb, "%s%s %s%s[%d];", i ? " " : "", v[i].type, acc,
+				              v[i].suffix, COL_TILE);
+			else
+				kl__sb_printf(sb, "%s%s %s%s = %s;", i ? " " : "", v[i].type, acc,
+				              v[i].suffix, v[i].init);
+		}
+		kl__sb_puts(sb, "\n");
+		if (c->col) { /* one accumulator per column of the tile */
+			indent(c);
+			kl__sb_puts(sb, "for (int64_t jj = 0; jj < jn; jj++) {");
+			for (int i = 0; i < nv; i++)
+				kl__sb_printf(sb, " %s%s[jj] = %s;", acc, v[i].suffix, v[i].init);
+			kl__sb_puts(sb, " }\n");
+		}
+		return;
+	}
+	case KIR_ACC:
+		r->acc_update(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc, c->col ? "[jj]" : "", a,
+		              b);
+		kl__sb_puts(sb, "\n");
+		return;
+	case KIR_LSTORE:
+		kl__sb_printf(sb, "lc%d[", (int)in->acc);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_printf(sb, "] = %s;\n", a);
+		return;
+	case KIR_LLOAD:
+		kl__sb_printf(sb, "%s %s = lc%d[", r->ctype[dt], t, (int)in->acc);
+		put_ix(sb, &c->k->ixa, in->ad.ix);
+		kl__sb_puts(sb, "]");
+		break;
+	case KIR_ACC_READ:
+		kl__sb_printf(sb, "%s %s = ", r->ctype[dt], t);
+		r->acc_read(sb, (kl_op)in->op, (kl_dtype)in->in_dt, dt, acc, c->col ? "[jj]" : "");
+		break;
+	}
+	kl__sb_puts(sb, ";\n");
+}
+
+void kl__render_ins(const kl_renderer *r, const kir_kernel *k, int32_t id, int depth, kl_sb *sb)
+{
+	rctx c = {.r = r, .k = k, .sb = sb, .depth = depth};
+	emit_ins(&c, id);
+}
+
+static void emit_block(rctx *c, int blk)
+{
+	for (int32_t i = 0; i < c->k->nins; i++)
+		if (c->k->ins[i].blk == blk && c->live[i])
+			emit_ins(c, i);
+}
+
+/* which values some store or accumulator needs */
+static void liveness(const kir_kernel *k, uint8_t *live, uint8_t *acc_live)
+{
+	uint8_t loc_live[KIR_MAX_LOCAL] = {0};
+	for (int32_t i = k->nins - 1; i >= 0; i--) {
+		const kir_ins *in = &k->ins[i];
+		bool l = live[i] || in->opc == KIR_STORE;
+		if ((in->opc == KIR_ACC || in->opc == KIR_ACC_INIT) && acc_live[in->acc])
+			l = true;
+		if (in->opc == KIR_LSTORE && loc_live[in->acc])
+			l = true;
+		if (!l)
+			continue;
+		live[i] = 1;
+		if (in->opc == KIR_ACC_READ)
+			acc_live[in->acc] = 1;
+		if (in->opc == KIR_LLOAD)
+			loc_live[in->acc] = 1;
+		int32_t ops[3] = {in->a, in->b, in->c};
+		for (int j = 0; j < 3; j++)
+			if (ops[j] >= 0)
+				live[ops[j]] = 1;
+	}
+}
+
+uint8_t *kl__render_live(const kir_kernel *k)
+{
+	uint8_t *live = calloc((size_t)k->nins + 1, 1);
+	uint8_t *acc_live = calloc((size_t)k->nacc + 1, 1);
+	if (live && acc_live) {
+		liveness(k, live, acc_live);
+	} else {
+		free(live);
+		live = NULL;
+	}
+	free(acc_live);
+	return live;
+}
+
+void kl__render_buf_decls(const kl_renderer *r, const kir_kernel *k, const uint8_t *live,
+                          kl_sb *sb)
+{
+	int32_t maxb = -1;
+	for (int32_t i = 0; i < k->nins; i++)
+		if (k->ins[i].buf > maxb)
+			maxb = k->ins[i].buf;
+	for (int32_t bi = 0; bi <= maxb; bi++) {
+		bool rd = false, wr = false;
+		kl_dtype dt = KL_F32;
+		for (int32_t i = 0; i < k->nins; i++) {
+			const kir_ins *in = &k->ins[i];
+			if (in->buf != bi || !live[i]) /* only loads and stores name a buffer */
+				continue;
+			if (in->opc == KIR_STORE) {
+				wr = true;
+				dt = (kl_dtype)in->dt;
+			} else {
+				rd = true;
+				dt = (kl_dtype)in->in_dt;
+			}
+		}
+		if (!rd && !wr)
+			continue;
+		const char *q = wr ? "" : "const ";
+		kl__sb_printf(sb, r->buf_decl_fmt, q, r->mtype[dt], (int)bi, q, r->mtype[dt], (int)bi,
+		              (int)bi);
+	}
+}
+
+/* ---- loops ------------------------------------------------------------------------------ */
+
+/* "n" elements as an expression; static returns the value in *v */
+static bool extent_expr(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,
+                        double *v)
+{
+	bool stat = true;
+	*v = 1;
+	kl__sb_puts(sb, "(int64_t)1");
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(dims & (1u << d)))
+			continue;
+		*v *= (double)k->dims[d].v;
+		if (k->dims[d].sym > 0)
+			stat = false;
+		kl__sb_puts(sb, " * ");
+		put_extent(sb, r, k->dims[d]);
+	}
+	return stat;
+}
+
+bool kl__render_extent(const kl_renderer *r, const kir_kernel *k, uint32_t dims, kl_sb *sb,
+                       double *v)
+{
+	return extent_expr(r, k, dims, sb, v);
+}
+
+void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb)
+{
+	put_extent(sb, r, k->dims[d]);
+}
+
+static void open_loops(rctx *c, uint32_t dims)
+{
+	for (int d = 0; d < c->k->ndim; d++) {
+		if (!(dims & (1u << d)))
+			continue;
+		indent(c);
+		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
+		put_extent(c->sb, c->r, c->k->dims[d]);
+		kl__sb_printf(c->sb, "; i%d++)", d);
+		kl__sb_puts(c->sb, "\n");
+	}
+	indent(c);
+	kl__sb_puts(c->sb, "{\n");
+	c->depth++;
+}
+
+static void close_loops(rctx *c)
+{
+	c->depth--;
+	indent(c);
+	kl__sb_puts(c->sb, "}\n");
+}
+
+static int popc(uint32_t x)
+{
+	return __builtin_popcount(x);
+}
+
+static uint32_t low_bits(uint32_t dims, int n)
+{
+	uint32_t out = 0;
+	for (int d = 0; d < 32 && n > 0; d++)
+		if (dims & (1u << d)) {
+			out |= 1u << d;
+			n--;
+		}
+	return out;
+}
+
+/* pragma for a loop nest: parallel (with an if clause when the size is only
+ * known at run time) and/or simd, with reduction clauses */
+static void pragma(rctx *c, bool par, const char *ifcond, int collapse, bool simd,
+                   const char *red)
+{
+	const kl_renderer *r = c->r;
+	kl_sb extra = {0};
+	if (ifcond && par)
+		kl__sb_printf(&extra, r->if_fmt, ifcond);
+	if (red)
+		kl__sb_puts(&extra, red);
+	indent(c);
+	if (par)
+		kl__sb_printf(c->sb, simd ? r->par_for_simd_fmt : r->par_for_fmt, collapse,
+		              kl__sb_str(&extra));
+	else if (simd)
+		kl__sb_printf(c->sb, r->simd_fmt, collapse, kl__sb_str(&extra));
+	kl__sb_puts(c->sb, "\n");
+	kl__sb_free(&extra);
+}
+
+/* parallelize when worth it: returns whether, and the run-time condition */
+static bool want_par(const rctx *c, uint32_t dims, double mult, kl_sb *cond)
+{
+	double v;
+	kl_sb e = {0};
+	bool stat = extent_expr(c->r, c->k, dims, &e, &v);
+	bool par;
+	if (stat) {
+		par = v * mult >= c->r->par_threshold && v >= 2;
+	} else {
+		par = true;
+		kl__sb_printf(cond, "%s * %g >= %g", kl__sb_str(&e), mult, c->r->par_threshold);
+	}
+	kl__sb_free(&e);
+	return par;
+}
+
+static void render_pointwise(rctx *c)
+{
+	const kir_kernel *k = c->k;
+	uint32_t loops = 0;
+	for (int d = 0; d < k->ndim; d++)
+		if (k->dims[d].sym > 0 || k->dims[d].v != 1)
+			loops |= 1u << d;
+	int n = popc(loops);
+	if (n == 0) {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+		emit_block(c, 0);
+		close_loops(c);
+		return;
+	}
+	kl_sb cond = {0};
+	bool par = want_par(c, loops, 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	uint32_t outer = low_bits(loops, n - 1), inner = loops & ~outer;
+	double ov = 1;
+	bool ostat = true;
+	for (int d = 0; d < k->ndim; d++)
+		if (outer & (1u << d)) {
+			ov *= (double)k->dims[d].v;
+			ostat &= k->dims[d].sym == 0;
+		}
+	if (n == 1 || (ostat && ov < 64)) {
+		/* few rows: one collapsed parallel simd nest */
+		pragma(c, par, ifc, n, true, NULL);
+		open_loops(c, loops);
+	} else {
+		if (par)
+			pragma(c, true, ifc, n - 1, false, NULL);
+		open_loops(c, outer);
+		pragma(c, false, NULL, 1, true, NULL);
+		open_loops(c, inner);
+		emit_block(c, 0);
+		close_loops(c);
+		close_loops(c);
+		kl__sb_free(&cond);
+		return;
+	}
+	emit_block(c, 0);
+	close_loops(c);
+	kl__sb_free(&cond);
+}
+
+/* the reduction clauses of pass p; false when some accumulator it updates
+ * cannot be updated by a vectorized loop (argmax) */
+static bool pass_sums(const rctx *c, int p, kl_sb *red)
+{
+	bool ok = true;
+	for (int32_t i = 0; i < c->k->nins; i++) {
+		const kir_ins *in = &c->k->ins[i];
+		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i])
+			continue;
+		char acc[24];
+		snprintf(acc, sizeof(acc), "acc%d", (int)in->acc);
+		ok &= c->r->acc_clause(red, (kl_op)in->op, (kl_dtype)in->in_dt, acc);
+	}
+	return ok;
+}
+
+/* instructions of block 0 that live instructions of the blocks in mask need */
+static void needed_from(const rctx *c, uint32_t mask, uint8_t *need)
+{
+	const kir_kernel *k = c->k;
+	memset(need, 0, (size_t)k->nins);
+	for (int32_t i = k->nins - 1; i >= 0; i--) {
+		const kir_ins *in = &k->ins[i];
+		if (!c->live[i] || in->opc == KIR_ACC_INIT)
+			continue;
+		if (!(in->blk < 32 && (mask & (1u << in->blk))) && !need[i])
+			continue;
+		need[i] = 1;
+		int32_t ops[3] = {in->a, in->b, in->c};
+		for (int j = 0; j < 3; j++)
+			if (ops[j] >= 0 && k->ins[ops[j]].blk == 0)
+				need[ops[j]] = 1;
+	}
+}
+
+static void emit_needed(rctx *c, const uint8_t *need, int blk)
+{
+	for (int32_t i = 0; i < c->k->nins; i++)
+		if (c->k->ins[i].blk == blk && c->live[i] && need[i])
+			emit_ins(c, i);
+}
+
+/* A reduction over dims before the innermost one (a column sum): the rows
+ * would be walked with a large stride, so the loop order turns around:
+ * accumulators for a tile of columns, the reduced dims outside, the
+ * columns inside (contiguous, vectorized). One pass only. */
+static int column_dim(const rctx *c)
+{
+	const kir_kernel *k = c->k;
+	if (k->npass != 1 || k->nlocal)
+		return -1;
+	for (int d = k->ndim - 1; d >= 0; d--) {
+		if (k->dims[d].sym == 0 && k->dims[d].v == 1)
+			continue;
+		if (k->rmask & (1u << d))
+			return -1;
+		bool reduced_before = false;
+		for (int e = 0; e < d; e++)
+			reduced_before |= (k->rmask & (1u << e)) &&
+			                  (k->dims[e].sym > 0 || k->dims[e].v > 1);
+		return reduced_before ? d : -1;
+	}
+	return -1;
+}
+
+static void render_columns(rctx *c, int J)
+{
+	const kir_kernel *k = c->k;
+	uint32_t outer = 0, inner = 0;
+	for (int d = 0; d < k->ndim; d++) {
+		if ((k->dims[d].sym == 0 && k->dims[d].v == 1) || d == J)
+			continue;
+		if (k->rmask & (1u << d))
+			inner |= 1u << d;
+		else
+			outer |= 1u << d;
+	}
+	c->col = true;
+	uint8_t *need = malloc((size_t)k->nins + 1);
+	if (!need) {
+		c->sb->oom = true;
+		return;
+	}
+	kl_sb cond = {0}, ext = {0};
+	bool par = want_par(c, outer | inner | (1u << J), 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	put_extent(&ext, c->r, k->dims[J]);
+	if (par)
+		pragma(c, true, ifc, popc(outer) + 1, false, NULL);
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(outer & (1u << d)))
+			continue;
+		indent(c);
+		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
+		put_extent(c->sb, c->r, k->dims[d]);
+		kl__sb_printf(c->sb, "; i%d++)\n", d);
+	}
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jt = 0; jt < %s; jt += %d)\n", kl__sb_str(&ext), COL_TILE);
+	indent(c);
+	kl__sb_puts(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t jn = %s - jt < %d ? %s - jt : %d;\n", kl__sb_str(&ext),
+	              COL_TILE, kl__sb_str(&ext), COL_TILE);
+	for (int32_t i = 0; i < k->nins; i++)
+		if (k->ins[i].opc == KIR_ACC_INIT && c->live[i])
+			emit_ins(c, i);
+	/* the reduced dims, and inside them the columns */
+	if (inner)
+		open_loops(c, inner);
+	else {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+	}
+	pragma(c, false, NULL, 1, true, NULL);
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
+	indent(c);
+	kl__sb_printf(c->sb, "(void)i%d;\n", J);
+	needed_from(c, 1u << 1, need);
+	emit_needed(c, need, 0);
+	emit_block(c, 1);
+	close_loops(c);
+	close_loops(c);
+	/* the results of the tile */
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
+	indent(c);
+	kl__sb_printf(c->sb, "(void)i%d;\n", J);
+	needed_from(c, 1u << 2, need);
+	emit_needed(c, need, 0);
+	emit_block(c, 2);
+	close_loops(c);
+	close_loops(c);
+	c->col = false;
+	free(need);
+	kl__sb_free(&cond);
+	kl__sb_free(&ext);
+}
+
+/* Stores of the last pass that write f32 rows contiguously along the one
+ * reduced dim J (address: a base over the outer dims, plus iJ) go to a row
+ * array and out through the target's streaming copy, when the whole result
+ * is large enough that read-for-ownership would cost (stream_min_bytes). */
+static void plan_stream(rctx *c, uint32_t outer, uint32_t inner)
+{
+	const kir_kernel *k = c->k;
+	c->nstream = 0;
+	if (c->r->stream_min_bytes <= 0 || k->npass < 2 || popc(inner) != 1)
+		return;
+	int J = 0;
+	while (!(inner & (1u << J)))
+		J++;
+	if (k->dims[J].sym > 0 || k->dims[J].v < 16 || k->dims[J].v > KIR_ROW_CACHE)
+		return;
+	double bytes = (double)k->dims[J].v * 4;
+	for (int d = 0; d < k->ndim; d++) {
+		if (!(outer & (1u << d)))
+			continue;
+		if (k->dims[d].sym > 0)
+			return;
+		bytes *= (double)k->dims[d].v;
+	}
+	if (bytes < c->r->stream_min_bytes)
+		return;
+	for (int32_t i = 0; i < k->nins && c->nstream < KIR_MAX_LOCAL; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->opc != KIR_STORE || in->blk != 2 * k->npass - 1 || !c->live[i] ||
+		    in->dt != KL_F32 || in->ad.ns)
+			continue;
+		const kl_ix *e = kl__ix_get(&k->ixa, in->ad.ix);
+		bool unit = false, other = false;
+		for (int t = 0; t < e->nt; t++) {
+			const kl_atom *at = &k->ixa.atoms[e->at[t]];
+			if (at->kind == KL_AT_VAR && at->var == J && e->k[t] == 1)
+				unit = true;
+			else if (at->vars & (1u << J))
+				other = true;
+		}
+		if (unit && !other)
+			c->stream[c->nstream++] = i;
+	}
+	c->stream_var = J;
+}
+
+/* after the last pass: each streamed row from its array to memory */
+static void flush_stream(rctx *c)
+{
+	const kir_kernel *k = c->k;
+	for (int i = 0; i < c->nstream; i++) {
+		const kir_ins *in = &k->ins[c->stream[i]];
+		indent(c);
+		kl__sb_printf(c->sb, "{ int64_t i%d = 0; kl_stream_f32(&b%d[", c->stream_var,
+		              (int)in->buf);
+		put_addr(c->sb, c->r, &k->ixa, &in->ad);
+		kl__sb_printf(c->sb, "], ss%d, %lld); }\n", i,
+		              (long long)k->dims[c->stream_var].v);
+	}
+}
+
+static void render_reduction(rctx *c)
+{
+	int J = column_dim(c);
+	if (J >= 0) {
+		render_columns(c, J);
+		return;
+	}
+	const kir_kernel *k = c->k;
+	uint32_t outer = 0, inner = 0;
+	for (int d = 0; d < k->ndim; d++) {
+		if (k->dims[d].sym == 0 && k->dims[d].v == 1)
+			continue;
+		if (k->rmask & (1u << d))
+			inner |= 1u << d;
+		else
+			outer |= 1u << d;
+	}
+	kl_sb cond = {0};
+	bool par = want_par(c, outer | inner, k->npass ? k->npass : 1, &cond);
+	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
+	if (outer) {
+		if (par)
+			pragma(c, true, ifc, popc(outer), false, NULL);
+		open_loops(c, outer);
+	} else {
+		indent(c);
+		kl__sb_puts(c->sb, "{\n");
+		c->depth++;
+	}
+	for (int i = 0; i < k->nlocal; i++) {
+		indent(c);
+		kl__sb_printf(c->sb, "%s lc%d[%lld];\n", c->r->ctype[k->local_dt[i]], i,
+		              (long long)k->row_n);
+	}
+	plan_stream(c, outer, inner);
+	for (int i = 0; i < c->nstream; i++) {
+		indent(c);
+		kl__sb_printf(c->sb, "_Alignas(64) %s ss%d[%lld];\n", c->r->ctype[KL_F32], i,
+		              (long long)k->dims[c->stream_var].v);
+	}
+	emit_block(c, 0);
+	/* reduced over an empty dim: the passes visit nothing, and a collapsed
+	 * nest with no iterations trips some compilers */
+	bool no_rows = false;
+	for (int d = 0; d < k->ndim; d++)
+		no_rows |= (inner & (1u << d)) && k->dims[d].sym == 0 && k->dims[d].v == 0;
+	for (int p = 1; p <= k->npass; p++) {
+		kl_sb red = {0};
+		bool sums = pass_sums(c, p, &red);
+		const char *rc = red.n ? kl__sb_str(&red) : NULL;
+		if (inner && sums && !no_rows)
+			/* no outer loop to share out: the pass itself runs in parallel */
+			pragma(c, !outer && par, ifc, popc(inner), true, rc);
+		if (inner)
+			open_loops(c, inner);
+		else {
+			indent(c);
+			kl__sb_puts(c->sb, "{\n");
+			c->depth++;
+		}
+		emit_block(c, 2 * p - 1);
+		close_loops(c);
+		if (p == k->npass)
+			flush_stream(c);
+		kl__sb_free(&red);
+		emit_block(c, 2 * p);
+	}
+	close_loops(c);
+	c->nstream = 0;
+	kl__sb_free(&cond);
+}
+
+int32_t kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const char *name, kl_sb *sb)
+{
+	if (r->walk)
+		return r->walk(r, k, name, sb);
+	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
+	if (!(c.live = kl__render_live(k))) {
+		sb->oom = true;
+		return 0;
+	}
+	kl__sb_printf(sb, r->kernel_fmt, name);
+	kl__sb_puts(sb, ";\n");
+	kl__sb_printf(sb, r->kernel_fmt, name);
+	kl__sb_puts(sb, "\n{\n");
+	/* nothing to visit when an iterated dim is empty (a reduced one still
+	 * leaves the results to write); then emit no loop a compiler could trip on */
+	bool empty = false;
+	for (int d = 0; d < k->ndim; d++)
+		empty |= k->dims[d].sym == 0 && k->dims[d].v == 0 && !(k->rmask & (1u << d));
+	if (empty) { /* nothing to visit (and no loop a compiler could trip on) */
+		kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n}\n\n");
+		free(c.live);
+		return 0;
+	}
+	kl__render_buf_decls(r, k, c.live, sb);
+	kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n");
+	if (k->rmask == 0)
+		render_pointwise(&c);
+	else
+		render_reduction(&c);
+	kl__sb_puts(sb, "}\n\n");
+	free(c.live);
+	return 0;
+}

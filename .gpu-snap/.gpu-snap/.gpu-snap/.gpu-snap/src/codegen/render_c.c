@@ -1,0 +1,482 @@
+/* render_c.c - the C renderer: spellings for OpenMP C and the helpers every
+ * generated C translation unit begins with (half-precision conversions,
+ * NaN-propagating max/min, saturating float->int casts, Philox).
+ *
+ * The math here is the contract with the CPU backend and the reference: f16
+ * and bf16 convert in registers with round-to-nearest-even, integer
+ * arithmetic wraps (done in unsigned types), float->int saturates with NaN
+ * -> 0, and rand/randn reproduce kl__rand_uniform/kl__rand_normal bit for bit.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "codegen/helpers.h"
+#include "codegen/render.h"
+
+static const char prelude[] =
+	"#include <math.h>\n"
+	"#include <stdint.h>\n"
+	"#include <string.h>\n"
+	"/* a simd loop the vectorizer declines is not an error */\n"
+	"#if defined(__clang__)\n"
+	"#pragma clang diagnostic ignored \"-Wpass-failed\"\n"
+	"#elif defined(__GNUC__)\n"
+	"#pragma GCC diagnostic ignored \"-Wopenmp-simd\"\n"
+	"#endif\n"
+	"#if defined(__GNUC__)\n"
+	"#define KL_FN static inline __attribute__((unused))\n"
+	"#else\n"
+	"#define KL_FN static inline\n"
+	"#endif\n"
+	"\n"
+	KL_RENDER_HELPERS
+	/* double -> float rounded to odd, so that rounding that to f16/bf16 is
+	 * the correct rounding of the double (as kl__f64_to_f16 does) */
+	"KL_FN float kl_d2f_odd(double v)\n"
+	"{\n"
+	"\tfloat f = (float)v;\n"
+	"\tif (v != v || (double)f == v)\n"
+	"\t\treturn f;\n"
+	"\tuint32_t u;\n"
+	"\tmemcpy(&u, &f, 4);\n"
+	"\tif (fabs((double)f) > fabs(v))\n"
+	"\t\tu--;\n"
+	"\tu |= 1u;\n"
+	"\tmemcpy(&f, &u, 4);\n"
+	"\treturn f;\n"
+	"}\n"
+	/* libm's expf and tanhf are a call per element, which keeps the simd
+	 * loops around them scalar: glibc declares the vector forms libmvec has
+	 * (within 4 ulp, NaN and inf as the scalar ones) only under -ffast-math,
+	 * so declare them here; the .so is linked with -lm, which brings libmvec. */
+	"#if defined(__x86_64__) && defined(__GLIBC__) && defined(_OPENMP)\n"
+	"#if __GLIBC_PREREQ(2, 22)\n"
+	"#pragma omp declare simd notinbranch\n"
+	"float expf(float);\n"
+	"#endif\n"
+	"#if __GLIBC_PREREQ(2, 35)\n"
+	"#pragma omp declare simd notinbranch\n"
+	"float tanhf(float);\n"
+	"#endif\n"
+	"#endif\n"
+	/* a row out with non-temporal stores (no read-for-ownership of the
+	 * destination), fenced so the stores are visible when the kernel returns */
+	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"
+	"{\n"
+	"\tint64_t i = 0;\n"
+	"#if defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))\n"
+	"\ttypedef float kl_v8f __attribute__((vector_size(32)));\n"
+	"\tfor (; i < n && ((uintptr_t)(d + i) & 31u); i++)\n"
+	"\t\td[i] = s[i];\n"
+	"\tfor (; i + 8 <= n; i += 8) {\n"
+	"\t\tkl_v8f v;\n"
+	"\t\tmemcpy(&v, s + i, sizeof v);\n"
+	"#if defined(__clang__)\n"
+	"\t\t__builtin_nontemporal_store(v, (kl_v8f *)(void *)(d + i));\n"
+	"#else\n"
+	"\t\t__builtin_ia32_movntps256(d + i, v);\n"
+	"#endif\n"
+	"\t}\n"
+	"\t__builtin_ia32_sfence();\n"
+	"#endif\n"
+	"\tfor (; i < n; i++)\n"
+	"\t\td[i] = s[i];\n"
+	"}\n";
+
+static bool is_f(kl_dtype dt)
+{
+	return dt == KL_F32 || dt == KL_F16 || dt == KL_BF16;
+}
+
+static void c_constant(kl_sb *sb, kl_dtype dt, double k)
+{
+	switch (dt) {
+	case KL_F32:
+	case KL_F16:
+	case KL_BF16:
+	case KL_F64: {
+		const char *t = dt == KL_F64 ? "double" : "float";
+		if (isnan(k))
+			kl__sb_printf(sb, "((%s)NAN)", t);
+		else if (isinf(k))
+			kl__sb_printf(sb, "(%s(%s)INFINITY)", k < 0 ? "-" : "", t);
+		else
+			kl__sb_printf(sb, "((%s)%.17g)", t, k);
+		return;
+	}
+	case KL_BOOL:
+		kl__sb_puts(sb, k != 0 ? "1" : "0");
+		return;
+	default: {
+		int64_t v;
+		if (isnan(k))
+			v = 0;
+		else if (k >= 9223372036854775807.0)
+			v = INT64_MAX;
+		else if (k <= -9223372036854775808.0)
+			v = INT64_MIN;
+		else
+			v = (int64_t)k;
+		if (dt == KL_I32) {
+			/* saturate like every float -> int conversion (kl__store) */
+			if (v <= INT32_MIN)
+				kl__sb_puts(sb, "INT32_MIN");
+			else if (v >= INT32_MAX)
+				kl__sb_puts(sb, "INT32_MAX");
+			else
+				kl__sb_printf(sb, "((int32_t)%d)", (int)v);
+		} else if (v == INT64_MIN) {
+			kl__sb_puts(sb, "INT64_MIN");
+		} else {
+			kl__sb_printf(sb, "INT64_C(%lld)", (long long)v);
+		}
+		return;
+	}
+	}
+}
+
+/* a (of dtype from) as a float value */
+static void to_float(kl_sb *sb, kl_dtype from, const char *a)
+{
+	if (is_f(from))
+		kl__sb_puts(sb, a);
+	else
+		kl__sb_printf(sb, "(float)(%s)", a);
+}
+
+static void c_cast(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a)
+{
+	if (to == from) {
+		kl__sb_puts(sb, a);
+		return;
+	}
+	switch (to) {
+	case KL_F16:
+	case KL_BF16:
+		kl__sb_puts(sb, to == KL_F16 ? "kl_h2f(kl_f2h(" : "kl_bf2f(kl_f2bf(");
+		if (from == KL_F64) /* one correct rounding, not two */
+			kl__sb_printf(sb, "kl_d2f_odd(%s)", a);
+		else
+			to_float(sb, from, a);
+		kl__sb_puts(sb, "))");
+		return;
+	case KL_F32:
+		to_float(sb, from, a);
+		return;
+	case KL_F64:
+		kl__sb_printf(sb, "(double)(%s)", a);
+		return;
+	case KL_I32:
+		if (is_f(from) || from == KL_F64)
+			kl__sb_printf(sb, "kl_f2i32((double)(%s))", a);
+		else if (from == KL_I64)
+			kl__sb_printf(sb, "kl_sati32(%s)", a);
+		else
+			kl__sb_printf(sb, "(int32_t)(%s)", a);
+		return;
+	case KL_I64:
+		if (is_f(from) || from == KL_F64)
+			kl__sb_printf(sb, "kl_f2i64((double)(%s))", a);
+		else
+			kl__sb_printf(sb, "(int64_t)(%s)", a);
+		return;
+	case KL_BOOL:
+		kl__sb_printf(sb, "((%s) != 0)", a);
+		return;
+	default:
+		kl__sb_puts(sb, a);
+	}
+}
+
+static void c_unary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a)
+{
+	bool d = dt == KL_F64;
+	const char *f = d ? "" : "f";
+	const char *fn = NULL;
+	if (!is_f(dt) && !d) {
+		const char *u = dt == KL_I64 ? "uint64_t" : "uint32_t";
+		const char *s = dt == KL_I64 ? "int64_t" : "int32_t";
+		switch (op) {
+		case KL_OP_NEG:
+			kl__sb_printf(sb, "(%s)((%s)0 - (%s)(%s))", s, u, u, a);
+			return;
+		case KL_OP_ABS:
+			kl__sb_printf(sb, "kl_absi%s(%s)", dt == KL_I64 ? "64" : "32", a);
+			return;
+		case KL_OP_RELU:
+			kl__sb_printf(sb, "(%s < 0 ? (%s)0 : %s)", a, s, a);
+			return;
+		default:
+			kl__sb_puts(sb, a);
+			return;
+		}
+	}
+	switch (op) {
+	case KL_OP_NEG:
+		kl__sb_printf(sb, "(-%s)", a);
+		return;
+	case KL_OP_ABS:
+		fn = "fabs";
+		break;
+	case KL_OP_EXP:
+		fn = "exp";
+		break;
+	case KL_OP_LOG:
+		fn = "log";
+		break;
+	case KL_OP_SQRT:
+		fn = "sqrt";
+		break;
+	case KL_OP_RSQRT:
+		kl__sb_printf(sb, "(1.0%s / sqrt%s(%s))", f, f, a);
+		return;
+	case KL_OP_SIN:
+		fn = "sin";
+		break;
+	case KL_OP_COS:
+		fn = "cos";
+		break;
+	case KL_OP_TANH:
+		fn = "tanh";
+		break;
+	case KL_OP_SIGMOID:
+		kl__sb_printf(sb, "kl_sigmoid%s(%s)", d ? "d" : "f", a);
+		return;
+	case KL_OP_RELU:
+		kl__sb_printf(sb, "(%s < 0 ? 0 : %s)", a, a);
+		return;
+	case KL_OP_GELU:
+		kl__sb_printf(sb, "kl_gelu%s(%s)", d ? "d" : "f", a);
+		return;
+	case KL_OP_GELU_TANH:
+		kl__sb_printf(sb, "kl_gelu_tanh%s(%s)", d ? "d" : "f", a);
+		return;
+	case KL_OP_SILU:
+		kl__sb_printf(sb, "kl_silu%s(%s)", d ? "d" : "f", a);
+		return;
+	default:
+		kl__sb_puts(sb, a);
+		return;
+	}
+	kl__sb_printf(sb, "%s%s(%s)", fn, f, a);
+}
+
+static void c_binary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b)
+{
+	static const char *cmp[] = {"==", "!=", "<", "<=", ">", ">="};
+	if (op >= KL_OP_EQ && op <= KL_OP_GE) {
+		kl__sb_printf(sb, "(%s %s %s)", a, cmp[op - KL_OP_EQ], b);
+		return;
+	}
+	bool fl = is_f(dt) || dt == KL_F64;
+	const char *sfx = dt == KL_F64 ? "d" : "f";
+	if (fl) {
+		switch (op) {
+		case KL_OP_ADD:
+			kl__sb_printf(sb, "(%s + %s)", a, b);
+			return;
+		case KL_OP_SUB:
+			kl__sb_printf(sb, "(%s - %s)", a, b);
+			return;
+		case KL_OP_MUL:
+			kl__sb_printf(sb, "(%s * %s)", a, b);
+			return;
+		case KL_OP_DIV:
+			kl__sb_printf(sb, "(%s / %s)", a, b);
+			return;
+		case KL_OP_POW:
+			kl__sb_printf(sb, "pow%s(%s, %s)", dt == KL_F64 ? "" : "f", a, b);
+			return;
+		case KL_OP_MAXIMUM:
+			kl__sb_printf(sb, "kl_max%s(%s, %s)", sfx, a, b);
+			return;
+		case KL_OP_MINIMUM:
+			kl__sb_printf(sb, "kl_min%s(%s, %s)", sfx, a, b);
+			return;
+		default:
+			kl__sb_puts(sb, a);
+			return;
+		}
+	}
+	const char *s = dt == KL_I64 ? "int64_t" : dt == KL_I32 ? "int32_t" : "int";
+	const char *u = dt == KL_I64 ? "uint64_t" : "uint32_t";
+	switch (op) {
+	case KL_OP_ADD:
+		kl__sb_printf(sb, "(%s)((%s)%s + (%s)%s)", s, u, a, u, b);
+		return;
+	case KL_OP_SUB:
+		kl__sb_printf(sb, "(%s)((%s)%s - (%s)%s)", s, u, a, u, b);
+		return;
+	case KL_OP_MUL:
+		kl__sb_printf(sb, "(%s)((%s)%s * (%s)%s)", s, u, a, u, b);
+		return;
+	case KL_OP_DIV:
+		kl__sb_printf(sb, "(%s)kl_divi(%s, %s)", s, a, b);
+		return;
+	case KL_OP_POW:
+		kl__sb_printf(sb, "(%s)kl_powi(%s, %s)", s, a, b);
+		return;
+	case KL_OP_MAXIMUM:
+		kl__sb_printf(sb, "(%s > %s ? %s : %s)", a, b, a, b);
+		return;
+	case KL_OP_MINIMUM:
+		kl__sb_printf(sb, "(%s < %s ? %s : %s)", a, b, a, b);
+		return;
+	default:
+		kl__sb_puts(sb, a);
+		return;
+	}
+}
+
+static void c_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *index)
+{
+	kl__sb_printf(sb, "kl_rand_%s(UINT64_C(%llu), (uint64_t)%s)",
+	              op == KL_OP_RANDN ? "normal" : "uniform", (unsigned long long)seed, index);
+}
+
+static bool int_like(kl_dtype dt)
+{
+	return dt == KL_I32 || dt == KL_I64 || dt == KL_BOOL;
+}
+
+/* Float max/min keep a NaN flag beside the value so that the loop stays a
+ * plain max (vectorizable as an OpenMP reduction) while NaN still wins. */
+static int c_acc_vars(kl_op op, kl_dtype in, kl_accvar *v)
+{
+	bool fl = !int_like(in);
+	const char *t = kl__render_c.ctype[in];
+	switch (op) {
+	case KL_OP_SUM:
+		v[0] = (kl_accvar){"", fl ? "double" : "uint64_t", "0"};
+		return 1;
+	case KL_OP_MAX:
+	case KL_OP_ARGMAX:
+		v[0] = (kl_accvar){"", t,
+		                   fl                ? "-INFINITY"
+		                   : in == KL_I32    ? "INT32_MIN"
+		                   : in == KL_I64    ? "INT64_MIN"
+		                                     : "-1"};
+		break;
+	case KL_OP_MIN:
+		v[0] = (kl_accvar){"", t,
+		                   fl                ? "INFINITY"
+		                   : in == KL_I32    ? "INT32_MAX"
+		                   : in == KL_I64    ? "INT64_MAX"
+		                                     : "2"};
+		break;
+	default:
+		v[0] = (kl_accvar){"", t, "0"};
+		return 1;
+	}
+	if (op == KL_OP_ARGMAX) {
+		v[1] = (kl_accvar){"i", "int64_t", "0"};
+		return 2;
+	}
+	if (fl) {
+		v[1] = (kl_accvar){"n", "int", "0"};
+		return 2;
+	}
+	return 1;
+}
+
+static void c_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, const char *ix,
+                         const char *v, const char *pos)
+{
+	bool fl = !int_like(in);
+	char a[64], n[64];
+	snprintf(a, sizeof(a), "%s%s", acc, ix);
+	snprintf(n, sizeof(n), "%s%s%s", acc, op == KL_OP_ARGMAX ? "i" : "n", ix);
+	switch (op) {
+	case KL_OP_SUM:
+		if (fl)
+			kl__sb_printf(sb, "%s += (double)%s;", a, v);
+		else
+			kl__sb_printf(sb, "%s += (uint64_t)(int64_t)%s;", a, v);
+		return;
+	case KL_OP_MAX:
+	case KL_OP_MIN:
+		kl__sb_printf(sb, "%s = %s %s %s ? %s : %s;", a, v, op == KL_OP_MAX ? ">" : "<", a, v,
+		              a);
+		if (fl)
+			kl__sb_printf(sb, " %s |= %s != %s;", n, v, v);
+		return;
+	case KL_OP_ARGMAX:
+		/* the first maximum; the first NaN wins and stays */
+		if (fl)
+			kl__sb_printf(sb, "if (%s == %s && (%s != %s || %s > %s)) { %s = %s; %s = %s; }",
+			              a, a, v, v, v, a, a, v, n, pos);
+		else
+			kl__sb_printf(sb, "if (%s > %s) { %s = %s; %s = %s; }", v, a, a, v, n, pos);
+		return;
+	default:
+		return;
+	}
+}
+
+static void c_acc_read(kl_sb *sb, kl_op op, kl_dtype in, kl_dtype dt, const char *acc,
+                       const char *ix)
+{
+	const char *t = kl__render_c.ctype[dt];
+	if (op == KL_OP_ARGMAX)
+		kl__sb_printf(sb, "%si%s", acc, ix);
+	else if (dt == KL_BOOL)
+		kl__sb_printf(sb, "(%s%s != 0)", acc, ix);
+	else if ((op == KL_OP_MAX || op == KL_OP_MIN) && !int_like(in))
+		kl__sb_printf(sb, "%sn%s ? (%s)NAN : (%s)%s%s", acc, ix, t, t, acc, ix);
+	else
+		kl__sb_printf(sb, "(%s)%s%s", t, acc, ix);
+}
+
+static bool c_acc_clause(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
+{
+	switch (op) {
+	case KL_OP_SUM:
+		kl__sb_printf(sb, " reduction(+:%s)", acc);
+		return true;
+	case KL_OP_MAX:
+	case KL_OP_MIN:
+		kl__sb_printf(sb, " reduction(%s:%s)", op == KL_OP_MAX ? "max" : "min", acc);
+		if (!int_like(in))
+			kl__sb_printf(sb, " reduction(|:%sn)", acc);
+		return true;
+	default:
+		return false;
+	}
+}
+
+const kl_renderer kl__render_c = {
+	.name = "c",
+	.prelude = prelude,
+	.ctype = {[KL_F32] = "float", [KL_F64] = "double", [KL_F16] = "float", [KL_BF16] = "float",
+	          [KL_I32] = "int32_t", [KL_I64] = "int64_t", [KL_BOOL] = "int"},
+	.mtype = {[KL_F32] = "float", [KL_F64] = "double", [KL_F16] = "uint16_t",
+	          [KL_BF16] = "uint16_t", [KL_I32] = "int32_t", [KL_I64] = "int64_t",
+	          [KL_BOOL] = "uint8_t"},
+	.load_fmt = {[KL_F32] = "%s", [KL_F64] = "%s", [KL_F16] = "kl_h2f(%s)",
+	             [KL_BF16] = "kl_bf2f(%s)", [KL_I32] = "%s", [KL_I64] = "%s",
+	             [KL_BOOL] = "(%s != 0)"},
+	.store_fmt = {[KL_F32] = "%s", [KL_F64] = "%s", [KL_F16] = "kl_f2h(%s)",
+	              [KL_BF16] = "kl_f2bf(%s)", [KL_I32] = "%s", [KL_I64] = "%s",
+	              [KL_BOOL] = "(uint8_t)(%s != 0)"},
+	.kernel_fmt = "void %s(void *const *B, const int64_t *S)",
+	.buf_decl_fmt = "\t%s%s *restrict b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
+	.index_t = "int64_t",
+	.par_for_fmt = "#pragma omp parallel for collapse(%d)%s",
+	.par_for_simd_fmt = "#pragma omp parallel for simd collapse(%d)%s",
+	.simd_fmt = "#pragma omp simd collapse(%d)%s",
+	.if_fmt = " if(%s)",
+	.sym_fmt = "S[%d]",
+	.par_threshold = 32768,
+	/* past the last-level cache a result row streams out (8 MiB: above what
+	 * this class of machine keeps in L3 per socket slice) */
+	.stream_min_bytes = 8.0 * 1024 * 1024,
+	.constant = c_constant,
+	.cast = c_cast,
+	.unary = c_unary,
+	.binary = c_binary,
+	.rand = c_rand,
+	.acc_vars = c_acc_vars,
+	.acc_update = c_acc_update,
+	.acc_read = c_acc_read,
+	.acc_clause = c_acc_clause,
+};

@@ -1,0 +1,194 @@
+/* core.h - what every layer inside libkiln shares: the context, tensors and
+ * their storage, the error path, dtype conversions and the random generator.
+ * Internal names are kl__ (two underscores); they are not exported.
+ */
+#ifndef KILN_CORE_H
+#define KILN_CORE_H
+
+#include <math.h>
+#include <stdarg.h>
+#include <string.h>
+
+#include "core/half.h"
+#include "graph/graph.h"
+#include "kiln.h"
+
+#if defined(__GNUC__)
+#define KL_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define KL_UNUSED __attribute__((unused))
+#else
+#define KL_PRINTF(f, a)
+#define KL_UNUSED
+#endif
+
+/* ---- storage and tensors -------------------------------------------------- */
+
+typedef struct kl_storage {
+	int refs;
+	kl_device device;
+	void *data;   /* host pointer on the CPU, device pointer on CUDA */
+	size_t nbytes;
+} kl_storage;
+
+struct kl_trace;
+
+struct kl_tensor {
+	kl_ctx *ctx;
+	int refs;
+	kl_dtype dtype;
+	int ndim;
+	int64_t shape[KL_MAX_DIMS];
+	int64_t strides[KL_MAX_DIMS]; /* elements */
+	int64_t offset;               /* elements from storage->data */
+	kl_storage *st;               /* NULL while the tensor is lazy */
+	/* Lazy tensors (made inside a trace) name a node of the active trace.
+	 * trace_id tells traces apart: a lazy tensor of an ended trace that
+	 * was never materialized is an error to use. */
+	uint64_t trace_id;
+	int32_t node;
+	kl_tensor *prev, *next; /* the context's list of live tensors */
+};
+
+/* ---- the backend interface ---------------------------------------------- */
+
+typedef struct kl_backend {
+	const char *name;
+	void *(*alloc)(kl_ctx *ctx, size_t nbytes);
+	void (*free)(kl_ctx *ctx, void *p);
+	/* Run one node eagerly: in[] are materialized tensors matching the
+	 * node's inputs (shapes already broadcast-compatible, any strides);
+	 * out is allocated, dense (contiguous) with the node's shape/dtype.
+	 * Movement nodes that are plain views never reach exec; CONTIGUOUS and
+	 * CONCAT do. Returns KL_OK or sets the error and returns a status. */
+	kl_status (*exec)(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+	/* copy between host and device memory (CPU: memcpy) */
+	kl_status (*to_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
+	kl_status (*from_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
+	/* kl_memory_stats: what the allocator holds for ctx; with reset_peak,
+	 * the peak restarts from in_use first. */
+	void (*memory)(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak);
+} kl_backend;
+
+extern const kl_backend kl__cpu_backend;
+
+/* ---- the context ---------------------------------------------------------- */
+
+#define KL_ERR_CAP 1024
+
+typedef struct kl_scope {
+	kl_tensor **items;
+	int n, cap;
+} kl_scope;
+
+struct kl_ctx {
+	kl_device device;
+	int index;
+	int nthreads;
+	const kl_backend *be;
+	kl_status status;
+	char err[KL_ERR_CAP];
+	kl_tensor *live; /* every tensor not yet freed */
+	kl_scope *scopes;
+	int nscopes, cap_scopes;
+	struct kl_trace *trace; /* the active capture, or NULL (eager) */
+	uint64_t next_trace_id;
+	/* Called at a sync point (kl_item, kl_to_host, kl_print, kl_host_call)
+	 * while a trace is active: the capture layer compiles and runs the graph
+	 * so far, materializes every live lazy tensor of it and starts a new
+	 * trace (a graph break), or refuses (fullgraph). NULL: sync points
+	 * inside a trace are an error. */
+	kl_status (*sync_hook)(kl_ctx *ctx, const char *op);
+	void *sync_user;
+	unsigned logs; /* KL_LOG_* bits, from KILN_LOGS at kl_ctx_new */
+	void *backend_state; /* per-backend data (CUDA context, streams, ...) */
+	size_t host_in_use, host_peak; /* the CPU allocator's bytes for this context */
+};
+
+/* Set the context's error; returns status for `return kl__err(...)`.
+ * ctx may be NULL (thread-local message, see kl_last_error). */
+kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);
+
+/* ---- logging (KILN_LOGS=graph_breaks,recompiles,fusion,output_code,cache,...) */
+
+enum {
+	KL_LOG_GRAPH_BREAKS = 1u << 0,
+	KL_LOG_RECOMPILES = 1u << 1,
+	KL_LOG_FUSION = 1u << 2,
+	KL_LOG_OUTPUT_CODE = 1u << 3,
+	KL_LOG_CACHE = 1u << 4,
+	KL_LOG_CUDAGRAPHS = 1u << 5,
+	KL_LOG_AUTOTUNE = 1u << 6,
+	KL_LOG_GRAPH = 1u << 7,
+	KL_LOG_STARTUP = 1u << 8 /* wall-clock ms of each one-time set-up phase */
+};
+/* Parse a KILN_LOGS value ("fusion,cache", "all"); unknown names ignored. */
+unsigned kl__parse_logs(const char *s);
+/* Print "[kiln:<cat>] message" to stderr when cat is enabled on ctx. */
+void kl__log(const kl_ctx *ctx, unsigned cat, const char *fmt, ...) KL_PRINTF(3, 4);
+/* A monotonic clock in milliseconds, for the startup log's phases. */
+double kl__now_ms(void);
+
+/* ---- tensors -------------------------------------------------------------- */
+
+/* A tensor header with no storage, counted in ctx->live and the open scope. */
+kl_tensor *kl__tensor_new(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
+/* A tensor with fresh dense storage (contents undefined). */
+kl_tensor *kl__tensor_alloc(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
+/* A view of base's storage with the given geometry. */
+kl_tensor *kl__tensor_view(kl_tensor *base, int ndim, const int64_t *shape, const int64_t *strides,
+                           int64_t offset);
+static inline void *kl__tensor_data(const kl_tensor *t)
+{
+	return (char *)t->st->data + t->offset * (int64_t)kl_dtype_size(t->dtype);
+}
+bool kl__strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* Drop a tensor made inside the library that is not handed out (a temporary,
+ * or the output of a failed op): it also leaves the open scope, where a plain
+ * kl_release would leave a dangling entry. */
+void kl__tensor_discard(kl_tensor *t);
+
+/* ---- scalars, dtype conversion -------------------------------------------- */
+
+/* element i (in elements) of memory p of dtype dt, as a double */
+double kl__load(const void *p, kl_dtype dt, int64_t i);
+/* store v as dtype dt (rounding / truncation toward zero for integers,
+ * v != 0 for bool) */
+void kl__store(void *p, kl_dtype dt, int64_t i, double v);
+/* v as dtype dt would hold it (the value kl__store then kl__load gives) */
+double kl__round_to(kl_dtype dt, double v);
+
+/* ---- random numbers --------------------------------------------------------- */
+
+/* Philox-4x32-10. Element i of rand(seed) is kl__rand_uniform(seed, i);
+ * of randn(seed), kl__rand_normal(seed, i). Every backend must match. */
+void kl__philox(uint64_t seed, uint64_t counter, uint32_t out[4]);
+double kl__rand_uniform(uint64_t seed, uint64_t i); /* [0, 1) with 24-bit resolution */
+double kl__rand_normal(uint64_t seed, uint64_t i);  /* Box-Muller */
+/* What element i of rand(seed) of float dtype dt holds: kl__rand_uniform
+ * rounded to dt, except that values that round up to 1 (possible in f16 and
+ * bf16 only) become the largest value below 1, so [0, 1) holds in every
+ * dtype. Backends store, and the reference uses, exactly this. */
+double kl__rand_uniform_as(kl_dtype dt, uint64_t seed, uint64_t i);
+
+/* ---- traces (lazy capture) ------------------------------------------------ */
+
+typedef struct kl_trace {
+	uint64_t id;
+	kl_graph g;
+	/* the materialized tensor behind each INPUT node (one reference held) */
+	kl_tensor **in_tensors;
+	int nin_tensors, cap_in_tensors;
+} kl_trace;
+
+/* Start recording: ops on ctx append nodes instead of running. */
+kl_status kl__trace_begin(kl_ctx *ctx);
+/* Stop recording; returns the trace (caller frees with kl__trace_free).
+ * outputs[] are lazy tensors of this trace: they become the graph's
+ * outputs in order. */
+kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs);
+void kl__trace_free(kl_trace *tr);
+/* The node a tensor is in the active trace, adding an INPUT node for a
+ * materialized tensor; -1 on error. */
+int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t);
+
+#endif /* KILN_CORE_H */

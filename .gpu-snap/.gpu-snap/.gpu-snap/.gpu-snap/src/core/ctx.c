@@ -1,0 +1,215 @@
+/* ctx.c - contexts: creation and teardown (which frees every live tensor),
+ * the error path (per-context message, thread-local for failures with no
+ * context), scopes as autorelease pools, version and status names.
+ */
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "backend/cuda/backend.h"
+#include "core/core.h"
+
+/* Failures that have no context to hold them: kl_ctx_new, and ops whose
+ * inputs are all NULL. One per thread, like errno. */
+static _Thread_local char tl_err[KL_ERR_CAP];
+static _Thread_local kl_status tl_status;
+
+kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...)
+{
+	/* format apart first: callers may pass ctx->err itself as an argument
+	 * (the "after: <previous>" chaining) */
+	char msg[KL_ERR_CAP];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	if (ctx) {
+		memcpy(ctx->err, msg, sizeof msg);
+		ctx->status = status;
+	} else {
+		memcpy(tl_err, msg, sizeof msg);
+		tl_status = status;
+	}
+	return status;
+}
+
+kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
+{
+	char msg[KL_ERR_CAP];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	return kl__err(ctx, status, "%s", msg);
+}
+
+const char *kl_last_error(const kl_ctx *ctx)
+{
+	return ctx ? ctx->err : tl_err;
+}
+
+kl_status kl_last_status(const kl_ctx *ctx)
+{
+	return ctx ? ctx->status : tl_status;
+}
+
+void kl_clear_error(kl_ctx *ctx)
+{
+	if (ctx) {
+		ctx->status = KL_OK;
+		ctx->err[0] = '\0';
+	} else {
+		tl_status = KL_OK;
+		tl_err[0] = '\0';
+	}
+}
+
+const char *kl_status_name(kl_status s)
+{
+	switch (s) {
+	case KL_OK:
+		return "KL_OK";
+	case KL_EINVAL:
+		return "KL_EINVAL";
+	case KL_ENOMEM:
+		return "KL_ENOMEM";
+	case KL_EDEVICE:
+		return "KL_EDEVICE";
+	case KL_EIO:
+		return "KL_EIO";
+	case KL_EFORMAT:
+		return "KL_EFORMAT";
+	case KL_EUNSUPPORTED:
+		return "KL_EUNSUPPORTED";
+	case KL_ECOMPILE:
+		return "KL_ECOMPILE";
+	case KL_ESTATE:
+		return "KL_ESTATE";
+	}
+	return "KL_E?";
+}
+
+const char *kl_version(void)
+{
+	return KL_VERSION_STRING;
+}
+
+kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
+{
+	kl_ctx_opts o = {0};
+	if (opts)
+		o = *opts;
+	if (o.device != KL_CPU && o.device != KL_CUDA) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: unknown device %d", (int)o.device);
+		return NULL;
+	}
+	if (o.nthreads < 0 || o.index < 0) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: nthreads %d and index %d must be >= 0",
+		        o.nthreads, o.index);
+		return NULL;
+	}
+	kl_ctx *ctx = calloc(1, sizeof *ctx);
+	if (!ctx) {
+		kl__err(NULL, KL_ENOMEM, "kl_ctx_new: out of memory");
+		return NULL;
+	}
+	ctx->device = KL_CPU;
+	ctx->index = o.index;
+	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
+	ctx->be = &kl__cpu_backend;
+	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
+	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index) != KL_OK) {
+		kl__err(NULL, ctx->status, "kl_ctx_new: %s", ctx->err);
+		free(ctx);
+		return NULL;
+	}
+	return ctx;
+}
+
+/* Frees every tensor still alive, so a context is a memory arena as well:
+ * every storage is referenced only by tensors of its context, so dropping
+ * each tensor's storage reference frees all storage too. Traces handed out
+ * by kl__trace_end must be freed before (they hold tensor references). */
+void kl_ctx_free(kl_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (ctx->trace) {
+		kl_trace *tr = ctx->trace;
+		ctx->trace = NULL;
+		kl__trace_free(tr);
+	}
+	kl_tensor *t = ctx->live;
+	while (t) {
+		kl_tensor *next = t->next;
+		if (t->st && --t->st->refs == 0) {
+			ctx->be->free(ctx, t->st->data);
+			free(t->st);
+		}
+		free(t);
+		t = next;
+	}
+	for (int i = 0; i < ctx->nscopes; i++)
+		free(ctx->scopes[i].items);
+	free(ctx->scopes);
+	kl__cuda_ctx_fini(ctx);
+	free(ctx);
+}
+
+kl_device kl_ctx_device(const kl_ctx *ctx)
+{
+	return ctx ? ctx->device : KL_CPU;
+}
+
+kl_status kl_memory_stats(kl_ctx *ctx, kl_memory_usage *out)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_memory_stats: ctx is NULL");
+	if (!out)
+		return kl__err(ctx, KL_EINVAL, "kl_memory_stats: out is NULL");
+	ctx->be->memory(ctx, out, false);
+	return KL_OK;
+}
+
+kl_status kl_memory_reset_peak(kl_ctx *ctx)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_memory_reset_peak: ctx is NULL");
+	kl_memory_usage u;
+	ctx->be->memory(ctx, &u, true);
+	return KL_OK;
+}
+
+void kl_scope_begin(kl_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (ctx->nscopes == ctx->cap_scopes) {
+		int nc = ctx->cap_scopes ? ctx->cap_scopes * 2 : 8;
+		kl_scope *s = realloc(ctx->scopes, (size_t)nc * sizeof *s);
+		if (!s) {
+			/* not opened: new tensors go to the enclosing scope */
+			kl__err(ctx, KL_ENOMEM, "kl_scope_begin: out of memory");
+			return;
+		}
+		ctx->scopes = s;
+		ctx->cap_scopes = nc;
+	}
+	ctx->scopes[ctx->nscopes++] = (kl_scope){0};
+}
+
+void kl_scope_end(kl_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (ctx->nscopes == 0) {
+		kl__err(ctx, KL_ESTATE, "kl_scope_end: no scope is open");
+		return;
+	}
+	kl_scope s = ctx->scopes[--ctx->nscopes];
+	/* newest first, so views go before their bases (not required, since
+	 * storage is counted separately, but it frees memory soonest) */
+	for (int i = s.n - 1; i >= 0; i--)
+		kl_release(s.items[i]);
+	free(s.items);
+}

@@ -1,0 +1,1049 @@
+/* reference.c - the float64 reference interpreter, the oracle of every test.
+ * Each node is computed straight from its mathematical definition in double,
+ * then rounded to its dtype; no code is shared with the backends.
+ */
+#include "graph/reference.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/core.h"
+
+/* Everything one evaluation needs to report an error and find values. */
+typedef struct ref_state {
+	const kl_graph *g;
+	double **val; /* per node: its values (dense, row-major), or NULL */
+	bool *owned;  /* val[i] was allocated here (inputs are borrowed) */
+	char *err;
+	size_t errcap;
+	int32_t cur; /* the node being evaluated, for messages */
+} ref_state;
+
+static kl_status ref_fail(ref_state *st, kl_status s, const char *fmt, ...) KL_PRINTF(3, 4);
+
+static kl_status ref_fail(ref_state *st, kl_status s, const char *fmt, ...)
+{
+	if (!st->err || st->errcap == 0)
+		return s;
+	int n = 0;
+	if (st->cur >= 0) {
+		const kl_node *nd = &st->g->nodes[st->cur];
+		const char *name = nd->op < KL_NOPS ? kl__ops[nd->op].name : "?";
+		n = snprintf(st->err, st->errcap, "kl__ref_eval: node %d (%s): ", (int)st->cur,
+		             name);
+		if (n < 0 || (size_t)n >= st->errcap)
+			return s;
+	} else {
+		n = snprintf(st->err, st->errcap, "kl__ref_eval: ");
+		if (n < 0 || (size_t)n >= st->errcap)
+			return s;
+	}
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(st->err + n, st->errcap - (size_t)n, fmt, ap);
+	va_end(ap);
+	return s;
+}
+
+/* ---- integer arithmetic: exact, wrapping like C integers of the width ---- */
+
+static bool is_int(kl_dtype dt)
+{
+	return dt == KL_I32 || dt == KL_I64;
+}
+
+/* double -> int64 truncating toward zero, saturating, NaN -> 0 (no UB) */
+static int64_t to_i64(double v)
+{
+	if (v != v)
+		return 0;
+	if (v >= 9223372036854775807.0)
+		return INT64_MAX;
+	if (v <= -9223372036854775808.0)
+		return INT64_MIN;
+	return (int64_t)v;
+}
+
+/* The two's-complement value of the low bits of u at dt's width. */
+static double wrap_to(kl_dtype dt, uint64_t u)
+{
+	if (dt == KL_I32) {
+		uint32_t w = (uint32_t)u;
+		int64_t s = w >= 0x80000000u ? (int64_t)w - 0x100000000ll : (int64_t)w;
+		return (double)s;
+	}
+	int64_t s = u >= 0x8000000000000000ull ? -(int64_t)(~u) - 1 : (int64_t)u;
+	return (double)s;
+}
+
+static uint64_t ipow(int64_t base, int64_t e)
+{
+	if (e < 0) {
+		if (base == 1)
+			return 1;
+		if (base == -1)
+			return (e & 1) ? (uint64_t)-1 : 1;
+		return 0;
+	}
+	uint64_t r = 1, b = (uint64_t)base;
+	while (e) {
+		if (e & 1)
+			r *= b;
+		b *= b;
+		e >>= 1;
+	}
+	return r;
+}
+
+/* ---- shapes and index walking ------------------------------------------- */
+
+static bool shape_eq(int na, const int64_t *a, int nb, const int64_t *b)
+{
+	if (na != nb)
+		return false;
+	for (int i = 0; i < na; i++)
+		if (a[i] != b[i])
+			return false;
+	return true;
+}
+
+static const char *shp(char *buf, size_t cap, const kl_node *n)
+{
+	return kl__shape_str(buf, cap, n->ndim, n->shape);
+}
+
+/* Row-major strides of an input read as the broadcast shape (ond, oshape):
+ * 0 where the input has no such dim or has size 1. */
+static void bcast_strides(const kl_node *in, int ond, const int64_t *oshape, int64_t *str)
+{
+	int64_t s = 1;
+	int lead = ond - in->ndim;
+	for (int d = ond - 1; d >= 0; d--) {
+		int k = d - lead;
+		if (k < 0) {
+			str[d] = 0;
+			continue;
+		}
+		str[d] = (in->shape[k] == 1 && oshape[d] != 1) ? 0 : s;
+		s *= in->shape[k];
+	}
+}
+
+/* A multi-index walk over a shape, carrying up to 4 linear offsets along. */
+typedef struct walk {
+	int nd;
+	int nops;
+	int64_t shape[KL_MAX_DIMS];
+	int64_t idx[KL_MAX_DIMS];
+	int64_t str[4][KL_MAX_DIMS];
+	int64_t off[4];
+} walk;
+
+static void walk_init(walk *w, int nd, const int64_t *shape, int nops)
+{
+	memset(w, 0, sizeof *w);
+	w->nd = nd;
+	w->nops = nops;
+	memcpy(w->shape, shape, sizeof(int64_t) * (size_t)nd);
+}
+
+static void walk_next(walk *w)
+{
+	for (int d = w->nd - 1; d >= 0; d--) {
+		w->idx[d]++;
+		for (int k = 0; k < w->nops; k++)
+			w->off[k] += w->str[k][d];
+		if (w->idx[d] < w->shape[d])
+			return;
+		for (int k = 0; k < w->nops; k++)
+			w->off[k] -= w->str[k][d] * w->shape[d];
+		w->idx[d] = 0;
+	}
+}
+
+static int64_t node_numel(const kl_node *n)
+{
+	return kl__numel(n->ndim, n->shape);
+}
+
+/* ---- pointwise ------------------------------------------------------------ */
+
+static double binary_float(kl_op op, double a, double b)
+{
+	switch (op) {
+	case KL_OP_ADD: return a + b;
+	case KL_OP_SUB: return a - b;
+	case KL_OP_MUL: return a * b;
+	case KL_OP_DIV: return a / b;
+	case KL_OP_POW: return pow(a, b);
+	case KL_OP_MAXIMUM:
+		if (isnan(a) || isnan(b))
+			return NAN;
+		return a > b ? a : b;
+	case KL_OP_MINIMUM:
+		if (isnan(a) || isnan(b))
+			return NAN;
+		return a < b ? a : b;
+	default: return NAN;
+	}
+}
+
+static double binary_int(kl_op op, kl_dtype dt, int64_t a, int64_t b)
+{
+	uint64_t ua = (uint64_t)a, ub = (uint64_t)b;
+	switch (op) {
+	case KL_OP_ADD: return wrap_to(dt, ua + ub);
+	case KL_OP_SUB: return wrap_to(dt, ua - ub);
+	case KL_OP_MUL: return wrap_to(dt, ua * ub);
+	case KL_OP_POW: return wrap_to(dt, ipow(a, b));
+	case KL_OP_MAXIMUM: return (double)(a > b ? a : b);
+	case KL_OP_MINIMUM: return (double)(a < b ? a : b);
+	default: return binary_float(op, (double)a, (double)b); /* DIV: true division */
+	}
+}
+
+static double compare(kl_op op, double a, double b)
+{
+	switch (op) {
+	case KL_OP_EQ: return a == b;
+	case KL_OP_NE: return a != b;
+	case KL_OP_LT: return a < b;
+	case KL_OP_LE: return a <= b;
+	case KL_OP_GT: return a > b;
+	case KL_OP_GE: return a >= b;
+	default: return NAN;
+	}
+}
+
+/* 1 + erf(z) and 1 + tanh(u) cancel to nothing for negative x; erfc and
+ * the logistic form are the same functions without that loss, and the
+ * oracle must be accurate in the tails too. */
+static double gelu(double x)
+{
+	return 0.5 * x * erfc(-x / sqrt(2.0));
+}
+
+static double gelu_tanh(double x)
+{
+	const double k = sqrt(2.0 / 3.14159265358979323846);
+	/* 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) */
+	return x / (1.0 + exp(-2.0 * k * (x + 0.044715 * x * x * x)));
+}
+
+static double sigmoid(double x)
+{
+	return 1.0 / (1.0 + exp(-x));
+}
+
+static double unary(const kl_node *n, double x)
+{
+	kl_dtype dt = (kl_dtype)n->dtype;
+	kl_op op = (kl_op)n->op;
+	if (op == KL_OP_CAST)
+		return kl__round_to(dt, x);
+	if (op == KL_OP_CLAMP) {
+		if (isnan(x))
+			return x;
+		double r = x < n->a.s[0] ? n->a.s[0] : x;
+		return r > n->a.s[1] ? n->a.s[1] : r;
+	}
+	/* the op computes in its result type: an integer input of exp is
+	 * converted to the float result first */
+	x = kl__round_to(dt, x);
+	if (is_int(dt)) {
+		int64_t v = to_i64(x);
+		switch (op) {
+		case KL_OP_NEG: return wrap_to(dt, 0 - (uint64_t)v);
+		case KL_OP_ABS: return v < 0 ? wrap_to(dt, 0 - (uint64_t)v) : (double)v;
+		case KL_OP_RELU: return v > 0 ? (double)v : 0.0;
+		default: break;
+		}
+	}
+	switch (op) {
+	case KL_OP_NEG: return -x;
+	case KL_OP_ABS: return fabs(x);
+	case KL_OP_EXP: return exp(x);
+	case KL_OP_LOG: return log(x);
+	case KL_OP_SQRT: return sqrt(x);
+	case KL_OP_RSQRT: return 1.0 / sqrt(x);
+	case KL_OP_SIN: return sin(x);
+	case KL_OP_COS: return cos(x);
+	case KL_OP_TANH: return tanh(x);
+	case KL_OP_SIGMOID: return sigmoid(x);
+	case KL_OP_RELU: return isnan(x) ? x : (x > 0 ? x : 0.0);
+	case KL_OP_GELU: return gelu(x);
+	case KL_OP_GELU_TANH: return gelu_tanh(x);
+	case KL_OP_SILU: return x * sigmoid(x);
+	default: return NAN;
+	}
+}
+
+/* Pointwise ops read their inputs broadcast (numpy rules) to the node's
+ * shape, whether or not the front end made the broadcast explicit. */
+static kl_status eval_pointwise(ref_state *st, const kl_node *n, double *out)
+{
+	kl_cat cat = kl__ops[n->op].cat;
+	int want = kl__ops[n->op].arity;
+	bool scal = (cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) && n->a.scalar_rhs;
+	if (scal)
+		want = 1;
+	if (n->nin != want)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, want);
+
+	char b1[96], b2[96];
+	int bnd = st->g->nodes[n->in[0]].ndim;
+	int64_t bsh[KL_MAX_DIMS];
+	memcpy(bsh, st->g->nodes[n->in[0]].shape, sizeof bsh);
+	for (int i = 1; i < n->nin; i++) {
+		const kl_node *x = &st->g->nodes[n->in[i]];
+		int64_t t[KL_MAX_DIMS];
+		int tn;
+		if (!kl__broadcast(bnd, bsh, x->ndim, x->shape, &tn, t))
+			return ref_fail(st, KL_EINVAL, "input shapes %s and %s do not broadcast",
+			                kl__shape_str(b1, sizeof b1, bnd, bsh),
+			                shp(b2, sizeof b2, x));
+		bnd = tn;
+		memcpy(bsh, t, sizeof t);
+	}
+	if (!shape_eq(bnd, bsh, n->ndim, n->shape))
+		return ref_fail(st, KL_EINVAL, "inputs broadcast to %s, node shape is %s",
+		                kl__shape_str(b1, sizeof b1, bnd, bsh), shp(b2, sizeof b2, n));
+
+	walk w;
+	walk_init(&w, n->ndim, n->shape, n->nin);
+	const double *src[3];
+	for (int i = 0; i < n->nin; i++) {
+		bcast_strides(&st->g->nodes[n->in[i]], n->ndim, n->shape, w.str[i]);
+		src[i] = st->val[n->in[i]];
+	}
+	kl_dtype dt = (kl_dtype)n->dtype;
+	kl_op op = (kl_op)n->op;
+	int64_t total = node_numel(n);
+	for (int64_t i = 0; i < total; i++, walk_next(&w)) {
+		double a = src[0][w.off[0]];
+		double b = scal ? n->a.s[0] : (n->nin > 1 ? src[1][w.off[1]] : 0.0);
+		double r;
+		switch (cat) {
+		case KL_CAT_BINARY:
+			/* arithmetic happens in the result dtype */
+			a = kl__round_to(dt, a);
+			b = kl__round_to(dt, b);
+			if (is_int(dt))
+				r = binary_int(op, dt, to_i64(a), to_i64(b));
+			else
+				r = binary_float(op, a, b);
+			break;
+		case KL_CAT_COMPARE: r = compare(op, a, b); break;
+		case KL_CAT_WHERE: r = a != 0 ? b : src[2][w.off[2]]; break;
+		default: r = unary(n, a); break;
+		}
+		out[i] = r;
+	}
+	return KL_OK;
+}
+
+/* ---- reductions ------------------------------------------------------------- */
+
+/* The layout of "reduce the dims in mask": an outer walk over the kept dims
+ * and the offsets of one row (the reduced dims) relative to its start. */
+typedef struct rows {
+	int64_t nrows, rowlen;
+	int64_t *inner; /* rowlen offsets */
+	walk outer;     /* off[0]: the row's start */
+} rows;
+
+static kl_status rows_init(ref_state *st, rows *r, int nd, const int64_t *shape, uint32_t mask)
+{
+	int64_t str[KL_MAX_DIMS];
+	kl__contig_strides(nd, shape, str);
+	int64_t oshape[KL_MAX_DIMS], ostr[KL_MAX_DIMS], ishape[KL_MAX_DIMS], istr[KL_MAX_DIMS];
+	int ond = 0, ind = 0;
+	for (int d = 0; d < nd; d++) {
+		if (mask >> d & 1) {
+			ishape[ind] = shape[d];
+			istr[ind++] = str[d];
+		} else {
+			oshape[ond] = shape[d];
+			ostr[ond++] = str[d];
+		}
+	}
+	r->nrows = kl__numel(ond, oshape);
+	r->rowlen = kl__numel(ind, ishape);
+	r->inner = malloc(sizeof(int64_t) * (size_t)(r->rowlen > 0 ? r->rowlen : 1));
+	if (!r->inner)
+		return ref_fail(st, KL_ENOMEM, "out of memory for %lld row offsets",
+		                (long long)r->rowlen);
+	walk iw;
+	walk_init(&iw, ind, ishape, 1);
+	memcpy(iw.str[0], istr, sizeof istr);
+	for (int64_t j = 0; j < r->rowlen; j++, walk_next(&iw))
+		r->inner[j] = iw.off[0];
+	walk_init(&r->outer, ond, oshape, 1);
+	memcpy(r->outer.str[0], ostr, sizeof ostr);
+	return KL_OK;
+}
+
+/* Sum with Neumaier compensation: the oracle should be the most exact party. */
+static double sum_exact(const double *x, int64_t n)
+{
+	double s = 0, c = 0;
+	for (int64_t i = 0; i < n; i++) {
+		double t = s + x[i];
+		if (fabs(s) >= fabs(x[i]))
+			c += (s - t) + x[i];
+		else
+			c += (x[i] - t) + s;
+		s = t;
+	}
+	/* the compensation is meaningless once the sum left the finite range
+	 * (inf - inf would turn a true +-inf into NaN) */
+	return isfinite(s) ? s + c : s;
+}
+
+/* sum of x[i] * y[i], compensated like sum_exact */
+static double sum_exact_dot(const double *x, const double *y, int64_t n)
+{
+	double acc = 0, c = 0;
+	for (int64_t i = 0; i < n; i++) {
+		double p = x[i] * y[i], t = acc + p;
+		c += fabs(acc) >= fabs(p) ? (acc - t) + p : (p - t) + acc;
+		acc = t;
+	}
+	return acc + c;
+}
+
+static double reduce_row(const kl_node *n, const double *x, int64_t len)
+{
+	kl_dtype dt = (kl_dtype)n->dtype;
+	switch ((kl_op)n->op) {
+	case KL_OP_SUM:
+		if (is_int(dt) || dt == KL_BOOL) {
+			uint64_t u = 0;
+			for (int64_t i = 0; i < len; i++)
+				u += (uint64_t)to_i64(x[i]);
+			return dt == KL_BOOL ? (double)(u != 0) : wrap_to(dt, u);
+		}
+		return sum_exact(x, len);
+	case KL_OP_MEAN: return sum_exact(x, len) / (double)len;
+	case KL_OP_MAX:
+	case KL_OP_MIN: {
+		bool mx = n->op == KL_OP_MAX;
+		double m = x[0];
+		for (int64_t i = 0; i < len; i++) {
+			if (isnan(x[i]))
+				return x[i];
+			if (mx ? x[i] > m : x[i] < m)
+				m = x[i];
+		}
+		return m;
+	}
+	case KL_OP_VAR: {
+		if (len == 0)
+			return NAN;
+		double mean = sum_exact(x, len) / (double)len;
+		double ss = 0;
+		for (int64_t i = 0; i < len; i++)
+			ss += (x[i] - mean) * (x[i] - mean);
+		/* torch's divisor max(0, n - correction): too few elements give
+		 * inf (or NaN when all are equal), never a negative variance */
+		int64_t div = len - n->a.correction;
+		return ss / (double)(div > 0 ? div : 0);
+	}
+	case KL_OP_ARGMAX: {
+		int64_t best = 0;
+		for (int64_t i = 0; i < len; i++) {
+			if (isnan(x[i]))
+				return (double)i;
+			if (x[i] > x[best])
+				best = i;
+		}
+		return (double)best;
+	}
+	default: return NAN;
+	}
+}
+
+static kl_status eval_reduce(ref_state *st, const kl_node *n, double *out)
+{
+	if (n->nin != 1)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
+	const kl_node *x = &st->g->nodes[n->in[0]];
+	uint32_t mask;
+	if (n->op == KL_OP_ARGMAX) {
+		if (x->ndim > 0 && (n->a.axis < 0 || n->a.axis >= x->ndim))
+			return ref_fail(st, KL_EINVAL, "axis %d out of range for %d dims",
+			                n->a.axis, x->ndim);
+		mask = x->ndim > 0 ? 1u << n->a.axis : 0;
+	} else {
+		mask = n->a.axes;
+		/* reducing no dim of a non-scalar is not an op the front end makes;
+		 * 0 can only mean "all" */
+		if (mask == 0)
+			mask = (uint32_t)((1ull << x->ndim) - 1);
+		if (mask >> x->ndim)
+			return ref_fail(st, KL_EINVAL, "axes mask 0x%x out of range for %d dims",
+			                (unsigned)mask, x->ndim);
+	}
+	int64_t want[KL_MAX_DIMS];
+	int wn = 0;
+	for (int d = 0; d < x->ndim; d++) {
+		if (!(mask >> d & 1))
+			want[wn++] = x->shape[d];
+		else if (n->a.keepdim)
+			want[wn++] = 1;
+	}
+	char b1[96], b2[96], b3[96];
+	if (!shape_eq(wn, want, n->ndim, n->shape))
+		return ref_fail(st, KL_EINVAL, "reducing %s gives %s, node shape is %s",
+		                shp(b1, sizeof b1, x), kl__shape_str(b2, sizeof b2, wn, want),
+		                shp(b3, sizeof b3, n));
+	rows r;
+	kl_status s = rows_init(st, &r, x->ndim, x->shape, mask);
+	if (s)
+		return s;
+	if (r.rowlen == 0 && r.nrows > 0 &&
+	    (n->op == KL_OP_MAX || n->op == KL_OP_MIN || n->op == KL_OP_ARGMAX)) {
+		free(r.inner);
+		return ref_fail(st, KL_EINVAL, "reduction of %s over zero elements",
+		                shp(b1, sizeof b1, x));
+	}
+	double *row = malloc(sizeof(double) * (size_t)(r.rowlen > 0 ? r.rowlen : 1));
+	if (!row) {
+		free(r.inner);
+		return ref_fail(st, KL_ENOMEM, "out of memory");
+	}
+	const double *src = st->val[n->in[0]];
+	for (int64_t o = 0; o < r.nrows; o++, walk_next(&r.outer)) {
+		for (int64_t j = 0; j < r.rowlen; j++)
+			row[j] = src[r.outer.off[0] + r.inner[j]];
+		out[o] = reduce_row(n, row, r.rowlen);
+	}
+	free(row);
+	free(r.inner);
+	return KL_OK;
+}
+
+/* ---- movement ------------------------------------------------------------- */
+
+/* out[i, j] = table[idx[i], j] with i over idx's elements, j over a row */
+static kl_status eval_gather(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 2)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 2", n->nin);
+	const kl_node *t = &st->g->nodes[n->in[0]], *x = &st->g->nodes[n->in[1]];
+	bool ok = t->ndim >= 1 && is_int((kl_dtype)x->dtype) && x->ndim + t->ndim - 1 == n->ndim;
+	for (int d = 0; ok && d < x->ndim; d++)
+		ok = x->shape[d] == n->shape[d];
+	for (int d = 1; ok && d < t->ndim; d++)
+		ok = t->shape[d] == n->shape[x->ndim + d - 1];
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "table %s, indices %s (%s), node %s",
+		                shp(b1, sizeof b1, t), shp(b2, sizeof b2, x),
+		                kl_dtype_name((kl_dtype)x->dtype), shp(b3, sizeof b3, n));
+	const double *tab = st->val[n->in[0]], *ix = st->val[n->in[1]];
+	int64_t nrow = t->shape[0], row = node_numel(t) / (nrow ? nrow : 1);
+	int64_t ni = node_numel(x);
+	for (int64_t i = 0; i < ni; i++) {
+		double v = ix[i];
+		if (!(v >= 0 && v < (double)nrow))
+			return ref_fail(st, KL_EINVAL, "index %.17g (element %lld) out of range for "
+			                "a table of %lld rows", v, (long long)i, (long long)nrow);
+		int64_t r = (int64_t)v;
+		memcpy(out + i * row, tab + r * row, sizeof(double) * (size_t)row);
+	}
+	return KL_OK;
+}
+
+static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96];
+	int64_t total = node_numel(n);
+	if (n->op == KL_OP_CONCAT) {
+		int ax = n->a.axis;
+		if (n->nin < 1 || ax < 0 || ax >= n->ndim)
+			return ref_fail(st, KL_EINVAL, "%d inputs, axis %d of %d dims", n->nin, ax,
+			                n->ndim);
+		int64_t at = 0;
+		for (int i = 0; i < n->nin; i++) {
+			const kl_node *x = &st->g->nodes[n->in[i]];
+			bool ok = x->ndim == n->ndim;
+			for (int d = 0; ok && d < n->ndim; d++)
+				ok = d == ax || x->shape[d] == n->shape[d];
+			if (!ok)
+				return ref_fail(st, KL_EINVAL, "input %d shape %s does not fit %s",
+				                i, shp(b1, sizeof b1, x), shp(b2, sizeof b2, n));
+			at += x->shape[ax];
+		}
+		if (at != n->shape[ax])
+			return ref_fail(st, KL_EINVAL,
+			                "inputs add up to %lld along axis %d, node has %lld",
+			                (long long)at, ax, (long long)n->shape[ax]);
+		int64_t outer = kl__numel(ax, n->shape);
+		int64_t inner = kl__numel(n->ndim - ax - 1, n->shape + ax + 1);
+		int64_t orow = n->shape[ax] * inner;
+		at = 0;
+		for (int i = 0; i < n->nin; i++) {
+			const kl_node *x = &st->g->nodes[n->in[i]];
+			const double *src = st->val[n->in[i]];
+			int64_t xrow = x->shape[ax] * inner;
+			for (int64_t o = 0; o < outer; o++)
+				for (int64_t j = 0; j < xrow; j++)
+					out[o * orow + at + j] = src[o * xrow + j];
+			at += xrow;
+		}
+		return KL_OK;
+	}
+	if (n->op == KL_OP_GATHER)
+		return eval_gather(st, n, out);
+	if (n->nin != 1)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
+	const kl_node *x = &st->g->nodes[n->in[0]];
+	const double *src = st->val[n->in[0]];
+	walk w;
+	walk_init(&w, n->ndim, n->shape, 1);
+	int64_t xs[KL_MAX_DIMS];
+	kl__contig_strides(x->ndim, x->shape, xs);
+	switch ((kl_op)n->op) {
+	case KL_OP_RESHAPE:
+	case KL_OP_CONTIGUOUS:
+		if (node_numel(x) != total ||
+		    (n->op == KL_OP_CONTIGUOUS && !shape_eq(x->ndim, x->shape, n->ndim, n->shape)))
+			return ref_fail(st, KL_EINVAL, "input %s, node %s", shp(b1, sizeof b1, x),
+			                shp(b2, sizeof b2, n));
+		memcpy(out, src, sizeof(double) * (size_t)total);
+		return KL_OK;
+	case KL_OP_PERMUTE: {
+		uint32_t seen = 0;
+		bool ok = x->ndim == n->ndim;
+		for (int d = 0; ok && d < n->ndim; d++) {
+			int64_t p = n->a.v[d];
+			ok = p >= 0 && p < x->ndim && !(seen >> p & 1) &&
+			     x->shape[p] == n->shape[d];
+			if (ok) {
+				seen |= 1u << p;
+				w.str[0][d] = xs[p];
+			}
+		}
+		if (!ok)
+			return ref_fail(st, KL_EINVAL, "bad permutation of %s to %s",
+			                shp(b1, sizeof b1, x), shp(b2, sizeof b2, n));
+		break;
+	}
+	case KL_OP_EXPAND: {
+		bool ok = x->ndim <= n->ndim;
+		int lead = n->ndim - x->ndim;
+		for (int d = 0; ok && d < x->ndim; d++)
+			ok = x->shape[d] == 1 || x->shape[d] == n->shape[d + lead];
+		if (!ok)
+			return ref_fail(st, KL_EINVAL, "cannot expand %s to %s",
+			                shp(b1, sizeof b1, x), shp(b2, sizeof b2, n));
+		bcast_strides(x, n->ndim, n->shape, w.str[0]);
+		break;
+	}
+	case KL_OP_SLICE: {
+		int ax = n->a.axis;
+		int64_t start = n->a.v[0], step = n->a.v[2];
+		bool ok = x->ndim == n->ndim && ax >= 0 && ax < n->ndim && step >= 1 && start >= 0;
+		for (int d = 0; ok && d < n->ndim; d++)
+			ok = d == ax || x->shape[d] == n->shape[d];
+		/* the last element read must lie inside the input */
+		if (ok && n->shape[ax] > 0)
+			ok = start + (n->shape[ax] - 1) * step < x->shape[ax];
+		if (!ok)
+			return ref_fail(st, KL_EINVAL,
+			                "slice %lld:%lld:%lld on axis %d of %s to %s",
+			                (long long)start, (long long)n->a.v[1], (long long)step, ax,
+			                shp(b1, sizeof b1, x), shp(b2, sizeof b2, n));
+		memcpy(w.str[0], xs, sizeof xs);
+		w.str[0][ax] = xs[ax] * step;
+		w.off[0] = start * xs[ax];
+		break;
+	}
+	default: return ref_fail(st, KL_EINVAL, "not a movement op");
+	}
+	for (int64_t i = 0; i < total; i++, walk_next(&w))
+		out[i] = src[w.off[0]];
+	return KL_OK;
+}
+
+/* ---- matmul and composites ------------------------------------------------- */
+
+static kl_status eval_matmul(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 2)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 2", n->nin);
+	const kl_node *a = &st->g->nodes[n->in[0]], *b = &st->g->nodes[n->in[1]];
+	int nd = n->ndim;
+	bool ok = nd >= 2 && a->ndim == nd && b->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = a->shape[d] == n->shape[d] && b->shape[d] == n->shape[d];
+	if (ok)
+		ok = a->shape[nd - 2] == n->shape[nd - 2] && b->shape[nd - 1] == n->shape[nd - 1] &&
+		     a->shape[nd - 1] == b->shape[nd - 2];
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "operands %s and %s do not give %s",
+		                shp(b1, sizeof b1, a), shp(b2, sizeof b2, b),
+		                shp(b3, sizeof b3, n));
+	int64_t M = n->shape[nd - 2], N = n->shape[nd - 1], K = a->shape[nd - 1];
+	int64_t batch = kl__numel(nd - 2, n->shape);
+	const double *A = st->val[n->in[0]], *B = st->val[n->in[1]];
+	kl_dtype dt = (kl_dtype)n->dtype;
+	for (int64_t bi = 0; bi < batch; bi++) {
+		const double *Ab = A + bi * M * K, *Bb = B + bi * K * N;
+		double *C = out + bi * M * N;
+		for (int64_t i = 0; i < M; i++) {
+			for (int64_t j = 0; j < N; j++) {
+				if (is_int(dt)) {
+					uint64_t acc = 0;
+					for (int64_t k = 0; k < K; k++)
+						acc += (uint64_t)to_i64(Ab[i * K + k]) *
+						       (uint64_t)to_i64(Bb[k * N + j]);
+					C[i * N + j] = wrap_to(dt, acc);
+				} else {
+					double acc = 0, c = 0;
+					for (int64_t k = 0; k < K; k++) {
+						double p = Ab[i * K + k] * Bb[k * N + j];
+						double t = acc + p;
+						c += fabs(acc) >= fabs(p) ? (acc - t) + p
+						                          : (p - t) + acc;
+						acc = t;
+					}
+					C[i * N + j] = acc + c;
+				}
+			}
+		}
+	}
+	return KL_OK;
+}
+
+/* softmax(q k^T * scale [+ causal mask]) v, in double; a query row with no
+ * allowed key is NaN, as the same math written out gives (0 / 0) */
+static kl_status eval_attention(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 3)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 3", n->nin);
+	const kl_node *q = &st->g->nodes[n->in[0]], *k = &st->g->nodes[n->in[1]],
+	              *v = &st->g->nodes[n->in[2]];
+	int nd = n->ndim;
+	bool ok = nd >= 2 && q->ndim == nd && k->ndim == nd && v->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = q->shape[d] == n->shape[d] && k->shape[d] == n->shape[d] &&
+		     v->shape[d] == n->shape[d];
+	if (ok)
+		ok = q->shape[nd - 2] == n->shape[nd - 2] && k->shape[nd - 1] == q->shape[nd - 1] &&
+		     v->shape[nd - 2] == k->shape[nd - 2] && v->shape[nd - 1] == n->shape[nd - 1];
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "q %s, k %s and v %s do not give %s",
+		                shp(b1, sizeof b1, q), shp(b2, sizeof b2, k), shp(b3, sizeof b3, v),
+		                shp(b3, sizeof b3, n));
+	int64_t Tq = q->shape[nd - 2], Tk = k->shape[nd - 2], D = q->shape[nd - 1],
+	        Dv = v->shape[nd - 1];
+	int64_t batch = kl__numel(nd - 2, n->shape);
+	bool causal = (n->a.flags & KL_F_CAUSAL) != 0;
+	double scale = n->a.s[0];
+	double *p = malloc(sizeof(double) * (size_t)(Tk > 0 ? Tk : 1));
+	if (!p)
+		return ref_fail(st, KL_ENOMEM, "out of memory");
+	const double *Q = st->val[n->in[0]], *K = st->val[n->in[1]], *V = st->val[n->in[2]];
+	for (int64_t b = 0; b < batch; b++) {
+		const double *Qb = Q + b * Tq * D, *Kb = K + b * Tk * D, *Vb = V + b * Tk * Dv;
+		double *O = out + b * Tq * Dv;
+		for (int64_t i = 0; i < Tq; i++) {
+			int64_t last = causal ? i + (Tk - Tq) : Tk - 1; /* last allowed key */
+			if (last > Tk - 1)
+				last = Tk - 1;
+			double m = -INFINITY;
+			for (int64_t j = 0; j <= last; j++) {
+				p[j] = scale * sum_exact_dot(Qb + i * D, Kb + j * D, D);
+				if (p[j] > m || isnan(p[j]))
+					m = isnan(m) ? m : p[j];
+			}
+			for (int64_t j = 0; j <= last; j++)
+				p[j] = exp(p[j] - m);
+			double l = last >= 0 ? sum_exact(p, last + 1) : 0;
+			for (int64_t c = 0; c < Dv; c++) {
+				double acc = 0, cc = 0;
+				for (int64_t j = 0; j <= last; j++) {
+					double t = p[j] * Vb[j * Dv + c], u = acc + t;
+					cc += fabs(acc) >= fabs(t) ? (acc - u) + t : (t - u) + acc;
+					acc = u;
+				}
+				O[i * Dv + c] = last >= 0 ? (acc + cc) / l : NAN;
+			}
+		}
+	}
+	free(p);
+	return KL_OK;
+}
+
+static kl_status eval_softmax(ref_state *st, const kl_node *n, double *out)
+{
+	if (n->nin != 1)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
+	const kl_node *x = &st->g->nodes[n->in[0]];
+	char b1[96], b2[96];
+	if (!shape_eq(x->ndim, x->shape, n->ndim, n->shape) ||
+	    (n->ndim > 0 && (n->a.axis < 0 || n->a.axis >= n->ndim)))
+		return ref_fail(st, KL_EINVAL, "input %s, node %s, axis %d", shp(b1, sizeof b1, x),
+		                shp(b2, sizeof b2, n), n->a.axis);
+	rows r;
+	kl_status s = rows_init(st, &r, n->ndim, n->shape, n->ndim > 0 ? 1u << n->a.axis : 0);
+	if (s)
+		return s;
+	double *e = malloc(sizeof(double) * (size_t)(r.rowlen > 0 ? r.rowlen : 1));
+	if (!e) {
+		free(r.inner);
+		return ref_fail(st, KL_ENOMEM, "out of memory");
+	}
+	const double *src = st->val[n->in[0]];
+	kl_dtype dt = (kl_dtype)n->dtype;
+	for (int64_t o = 0; o < r.nrows; o++, walk_next(&r.outer)) {
+		int64_t base = r.outer.off[0];
+		double m = -INFINITY;
+		for (int64_t j = 0; j < r.rowlen; j++) {
+			double v = kl__round_to(dt, src[base + r.inner[j]]);
+			if (isnan(v) || v > m)
+				m = v;
+			if (isnan(v))
+				break;
+		}
+		for (int64_t j = 0; j < r.rowlen; j++)
+			e[j] = exp(kl__round_to(dt, src[base + r.inner[j]]) - m);
+		double sum = sum_exact(e, r.rowlen);
+		for (int64_t j = 0; j < r.rowlen; j++) {
+			double v = kl__round_to(dt, src[base + r.inner[j]]);
+			out[base + r.inner[j]] =
+				n->op == KL_OP_SOFTMAX ? e[j] / sum : v - m - log(sum);
+		}
+	}
+	free(e);
+	free(r.inner);
+	return KL_OK;
+}
+
+static kl_status eval_norm(ref_state *st, const kl_node *n, double *out)
+{
+	bool ln = n->op == KL_OP_LAYER_NORM;
+	bool hw = n->a.flags & KL_F_HAS_WEIGHT, hb = ln && (n->a.flags & KL_F_HAS_BIAS);
+	int want = 1 + hw + hb;
+	if (n->nin != want)
+		return ref_fail(st, KL_EINVAL, "%d inputs, flags 0x%x want %d", n->nin,
+		                (unsigned)n->a.flags, want);
+	const kl_node *x = &st->g->nodes[n->in[0]];
+	char b1[96], b2[96];
+	if (n->ndim < 1 || !shape_eq(x->ndim, x->shape, n->ndim, n->shape))
+		return ref_fail(st, KL_EINVAL, "input %s, node %s", shp(b1, sizeof b1, x),
+		                shp(b2, sizeof b2, n));
+	int64_t D = n->shape[n->ndim - 1];
+	for (int i = 1; i < n->nin; i++) {
+		const kl_node *p = &st->g->nodes[n->in[i]];
+		if (p->ndim != 1 || p->shape[0] != D)
+			return ref_fail(st, KL_EINVAL, "%s shape %s, normalized dim is %lld",
+			                i == 1 && hw ? "weight" : "bias", shp(b1, sizeof b1, p),
+			                (long long)D);
+	}
+	const double *X = st->val[n->in[0]];
+	const double *W = hw ? st->val[n->in[1]] : NULL;
+	const double *B = hb ? st->val[n->in[1 + hw]] : NULL;
+	double eps = n->a.s[0];
+	int64_t nrows = D > 0 ? node_numel(n) / D : 0;
+	for (int64_t r = 0; r < nrows; r++) {
+		const double *xr = X + r * D;
+		double *yr = out + r * D;
+		double mean = 0, ms = 0;
+		if (ln) {
+			mean = sum_exact(xr, D) / (double)D;
+			for (int64_t j = 0; j < D; j++)
+				ms += (xr[j] - mean) * (xr[j] - mean);
+		} else {
+			for (int64_t j = 0; j < D; j++)
+				ms += xr[j] * xr[j];
+		}
+		double inv = 1.0 / sqrt(ms / (double)D + eps);
+		for (int64_t j = 0; j < D; j++) {
+			double y = (xr[j] - mean) * inv;
+			if (W)
+				y *= W[j];
+			if (B)
+				y += B[j];
+			yr[j] = y;
+		}
+	}
+	return KL_OK;
+}
+
+static kl_status eval_source(ref_state *st, const kl_node *n, double *out)
+{
+	int64_t total = node_numel(n);
+	for (int64_t i = 0; i < total; i++) {
+		switch ((kl_op)n->op) {
+		case KL_OP_FULL: out[i] = n->a.s[0]; break;
+		case KL_OP_ARANGE: out[i] = n->a.s[0] + (double)i * n->a.s[1]; break;
+		case KL_OP_RAND:
+			out[i] = kl__rand_uniform_as((kl_dtype)n->dtype, n->a.seed, (uint64_t)i);
+			break;
+		case KL_OP_RANDN: out[i] = kl__rand_normal(n->a.seed, (uint64_t)i); break;
+		default: return ref_fail(st, KL_EINVAL, "not a source op");
+		}
+	}
+	return KL_OK;
+}
+
+/* ---- the driver ------------------------------------------------------------ */
+
+static kl_status check_node(ref_state *st, int32_t i)
+{
+	const kl_node *n = &st->g->nodes[i];
+	if (n->op >= KL_NOPS)
+		return ref_fail(st, KL_EINVAL, "op %d is not in the op table", (int)n->op);
+	if (n->dtype >= KL_NDTYPES)
+		return ref_fail(st, KL_EINVAL, "dtype %d out of range", (int)n->dtype);
+	if (n->ndim > KL_MAX_DIMS || n->nin > KL_NODE_MAX_IN)
+		return ref_fail(st, KL_EINVAL, "%d dims, %d inputs", n->ndim, n->nin);
+	for (int d = 0; d < n->ndim; d++)
+		if (n->shape[d] < 0)
+			return ref_fail(st, KL_EINVAL, "negative dim %lld", (long long)n->shape[d]);
+	if (node_numel(n) > ((int64_t)1 << 40))
+		return ref_fail(st, KL_EINVAL, "too many elements (%lld)",
+		                (long long)node_numel(n));
+	for (int k = 0; k < n->nin; k++)
+		if (n->in[k] < 0 || n->in[k] >= i)
+			return ref_fail(st, KL_EINVAL, "input %d is node %d, not an earlier node",
+			                k, (int)n->in[k]);
+	return KL_OK;
+}
+
+static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs,
+                           const int32_t *input_of)
+{
+	const kl_node *n = &st->g->nodes[i];
+	kl_status s = check_node(st, i);
+	if (s)
+		return s;
+	if (n->op == KL_OP_INPUT) {
+		if (input_of[i] < 0)
+			return ref_fail(st, KL_EINVAL, "INPUT node not listed in graph inputs");
+		st->val[i] = (double *)inputs[input_of[i]];
+		st->owned[i] = false;
+		return KL_OK;
+	}
+	int64_t total = node_numel(n);
+	double *out = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1));
+	if (!out)
+		return ref_fail(st, KL_ENOMEM, "out of memory for %lld values", (long long)total);
+	st->val[i] = out;
+	st->owned[i] = true;
+	switch (kl__ops[n->op].cat) {
+	case KL_CAT_SOURCE: s = eval_source(st, n, out); break;
+	case KL_CAT_REDUCE: s = eval_reduce(st, n, out); break;
+	case KL_CAT_MOVEMENT: s = eval_movement(st, n, out); break;
+	case KL_CAT_CONTRACT: s = eval_matmul(st, n, out); break;
+	case KL_CAT_COMPOSITE:
+		s = n->op == KL_OP_ATTENTION ? eval_attention(st, n, out)
+		    : (n->op == KL_OP_SOFTMAX || n->op == KL_OP_LOG_SOFTMAX)
+		            ? eval_softmax(st, n, out)
+		            : eval_norm(st, n, out);
+		break;
+	default: s = eval_pointwise(st, n, out); break;
+	}
+	if (s)
+		return s;
+	for (int64_t k = 0; k < total; k++)
+		out[k] = kl__round_to((kl_dtype)n->dtype, out[k]);
+	return KL_OK;
+}
+
+kl_status kl__ref_eval(const kl_graph *g, const double *const *inputs, double **outputs, char *err,
+                       size_t errcap)
+{
+	ref_state st = {.g = g, .err = err, .errcap = errcap, .cur = -1};
+	if (err && errcap)
+		err[0] = 0;
+	if (!g || !outputs || (g->ninputs > 0 && !inputs))
+		return ref_fail(&st, KL_EINVAL, "NULL graph, inputs or outputs");
+	for (int j = 0; j < g->noutputs; j++)
+		outputs[j] = NULL;
+	int32_t n = g->n;
+	st.val = calloc((size_t)(n > 0 ? n : 1), sizeof *st.val);
+	st.owned = calloc((size_t)(n > 0 ? n : 1), sizeof *st.owned);
+	int32_t *input_of = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+	int32_t *last = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+	kl_status s = KL_OK;
+	if (!st.val || !st.owned || !input_of || !last) {
+		s = ref_fail(&st, KL_ENOMEM, "out of memory");
+		goto done;
+	}
+	for (int32_t i = 0; i < n; i++) {
+		input_of[i] = -1;
+		last[i] = i;
+	}
+	for (int32_t k = 0; k < g->ninputs; k++) {
+		int32_t ni = g->inputs[k];
+		if (ni < 0 || ni >= n || g->nodes[ni].op != KL_OP_INPUT || !inputs[k]) {
+			s = ref_fail(&st, KL_EINVAL,
+			             "graph input %d (node %d) is not an INPUT node "
+			             "with values",
+			             (int)k, (int)ni);
+			goto done;
+		}
+		input_of[ni] = k;
+	}
+	for (int32_t i = 0; i < n; i++)
+		for (int k = 0; k < g->nodes[i].nin && k < KL_NODE_MAX_IN; k++)
+			if (g->nodes[i].in[k] >= 0 && g->nodes[i].in[k] < i)
+				last[g->nodes[i].in[k]] = i;
+	for (int j = 0; j < g->noutputs; j++) {
+		if (g->outputs[j] < 0 || g->outputs[j] >= n) {
+			s = ref_fail(&st, KL_EINVAL, "output %d names node %d of %d", j,
+			             (int)g->outputs[j], (int)n);
+			goto done;
+		}
+		last[g->outputs[j]] = n;
+	}
+	for (int32_t i = 0; i < n; i++) {
+		st.cur = i;
+		s = eval_node(&st, i, inputs, input_of);
+		if (s)
+			goto done;
+		/* drop values no later node reads, so long graphs stay small */
+		const kl_node *nd = &g->nodes[i];
+		for (int k = 0; k < nd->nin; k++) {
+			int32_t p = nd->in[k];
+			if (last[p] == i && st.owned[p]) {
+				free(st.val[p]);
+				st.val[p] = NULL;
+				st.owned[p] = false;
+			}
+		}
+	}
+	st.cur = -1;
+	for (int j = 0; j < g->noutputs; j++) {
+		const kl_node *o = &g->nodes[g->outputs[j]];
+		int64_t total = node_numel(o);
+		outputs[j] = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1));
+		if (!outputs[j]) {
+			s = ref_fail(&st, KL_ENOMEM, "out of memory for output %d", j);
+			goto done;
+		}
+		memcpy(outputs[j], st.val[g->outputs[j]], sizeof(double) * (size_t)total);
+	}
+done:
+	if (s && outputs) {
+		for (int j = 0; g && j < g->noutputs; j++) {
+			free(outputs[j]);
+			outputs[j] = NULL;
+		}
+	}
+	if (st.val)
+		for (int32_t i = 0; i < n; i++)
+			if (st.owned && st.owned[i])
+				free(st.val[i]);
+	free(st.val);
+	free(st.owned);
+	free(input_of);
+	free(last);
+	return s;
+}

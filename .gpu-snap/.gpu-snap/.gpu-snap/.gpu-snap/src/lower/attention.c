@@ -1,0 +1,401 @@
+/* attention.c - finds attention written out by hand in the caller's graph, so
+ * that decompose.c replaces it with one sdpa node (an attention step).
+ *
+ * What is matched, from the final product back (all of one float dtype, the
+ * intermediates used once and no graph outputs):
+ *
+ *     s = matmul(q, transpose(k, -2, -1))        q [..., Tq, D], k [..., Tk, D]
+ *     s = mul_scalar(s, c) | div_scalar(s, c)    optional scale (1 when absent)
+ *     s = where(mask, s, full(-inf))             optional mask, or
+ *     s = add(s, bias) | add(bias, s)            an additive mask of 0 / -inf
+ *     p = softmax(s, -1)
+ *     o = matmul(p, v)                           v [..., Tk, Dv]
+ *
+ * The scale and the mask may come in either order. A mask must be a constant
+ * (no graph input reaches it: aranges, fulls, comparisons, views), such as
+ * kl_ge(kl_reshape(kl_arange(T), [T,1]), kl_reshape(kl_arange(T), [1,T])),
+ * the form kl_nn's MultiheadAttention builds. It is evaluated here with the
+ * reference interpreter and must be everywhere true (no mask) or exactly the
+ * causal pattern "key j allowed iff j <= i + (Tk - Tq)"; anything else stays
+ * unfused, with the reason in the fusion log.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "graph/reference.h"
+#include "lower/lower_int.h"
+
+typedef struct mctx {
+	kl_lctx *L;
+	const kl_graph *g;
+	int32_t *uses; /* per src node: inputs naming it, plus outputs */
+	uint8_t *seen; /* scratch for cone walks */
+} mctx;
+
+static const kl_node *src(const mctx *m, int32_t n)
+{
+	return &m->g->nodes[n];
+}
+
+static const char *slab(const mctx *m, int32_t n, char *buf, size_t cap)
+{
+	snprintf(buf, cap, "%s#%d", kl__ops[src(m, n)->op].name, (int)n);
+	return buf;
+}
+
+/* does a graph input reach n? */
+static bool depends_on_input(mctx *m, int32_t n)
+{
+	memset(m->seen, 0, (size_t)m->g->n);
+	int32_t *stack = malloc(sizeof(int32_t) * ((size_t)m->g->n + 1));
+	if (!stack)
+		return true;
+	int32_t sp = 0;
+	bool dep = false;
+	stack[sp++] = n;
+	m->seen[n] = 1;
+	while (sp > 0 && !dep) {
+		const kl_node *x = src(m, stack[--sp]);
+		if (x->op == KL_OP_INPUT) {
+			dep = true;
+			break;
+		}
+		for (int i = 0; i < x->nin; i++)
+			if (!m->seen[x->in[i]]) {
+				m->seen[x->in[i]] = 1;
+				stack[sp++] = x->in[i];
+			}
+	}
+	free(stack);
+	return dep;
+}
+
+/* The values of constant node n (row-major, n's shape) through the reference
+ * interpreter on a copy of its cone; NULL when out of memory or it fails. */
+static double *const_values(mctx *m, int32_t n)
+{
+	(void)depends_on_input(m, n); /* marks the cone in seen[] */
+	kl_graph c;
+	kl__graph_init(&c);
+	int32_t *map = malloc(sizeof(int32_t) * ((size_t)n + 1));
+	double *vals = NULL;
+	bool ok = map != NULL;
+	for (int32_t i = 0; i <= n && ok; i++) {
+		if (!m->seen[i])
+			continue;
+		kl_node x = *src(m, i);
+		for (int j = 0; j < x.nin; j++)
+			x.in[j] = map[x.in[j]];
+		map[i] = kl__graph_add(&c, &x);
+		ok = map[i] >= 0;
+	}
+	if (ok && kl__graph_add_output(&c, map[n]) == 0) {
+		char err[128];
+		if (kl__ref_eval(&c, NULL, &vals, err, sizeof err) != KL_OK)
+			vals = NULL;
+	}
+	free(map);
+	kl__graph_free(&c);
+	return vals;
+}
+
+/* Checks constant mask node k against the scores' [..., Tq, Tk]: additive
+ * (0 allowed, -inf masked) or boolean. Sets *causal; false with a reason. */
+static bool mask_kind(mctx *m, int32_t k, bool additive, int64_t tq, int64_t tk, bool *causal,
+                      char *why, size_t cap)
+{
+	char l[64];
+	const kl_node *x = src(m, k);
+	if (depends_on_input(m, k)) {
+		snprintf(why, cap, "the mask %s depends on graph inputs (only constant masks fuse)",
+		         slab(m, k, l, sizeof l));
+		return false;
+	}
+	if (kl__numel(x->ndim, x->shape) > ((int64_t)1 << 26)) {
+		snprintf(why, cap, "the mask %s is too large to inspect", slab(m, k, l, sizeof l));
+		return false;
+	}
+	double *v = const_values(m, k);
+	if (!v) {
+		snprintf(why, cap, "the mask %s could not be evaluated", slab(m, k, l, sizeof l));
+		return false;
+	}
+	/* the mask's last two dims against (Tq, Tk), right-aligned; 1 broadcasts */
+	int nd = x->ndim;
+	int64_t mi = nd >= 2 ? x->shape[nd - 2] : 1, mj = nd >= 1 ? x->shape[nd - 1] : 1;
+	int64_t total = kl__numel(nd, x->shape), plane = mi * mj;
+	bool all = true, tri = true, valid = true;
+	for (int64_t e = 0; e < total && valid; e++) {
+		int64_t r = plane ? e % plane : 0;
+		int64_t i0 = mi == 1 ? 0 : r / mj, i1 = mi == 1 ? tq - 1 : i0;
+		int64_t j0 = mj == 1 ? 0 : r % mj, j1 = mj == 1 ? tk - 1 : j0;
+		bool allowed;
+		if (additive) {
+			valid = v[e] == 0 || v[e] == -INFINITY;
+			allowed = v[e] == 0;
+		} else {
+			valid = !isnan(v[e]);
+			allowed = v[e] != 0;
+		}
+		all &= allowed;
+		/* causal wants allowed exactly where j <= i + tk - tq, for every (i, j) covered */
+		for (int64_t i = i0; i <= i1 && tri; i++)
+			for (int64_t j = j0; j <= j1 && tri; j++)
+				tri = allowed == (j <= i + (tk - tq));
+	}
+	free(v);
+	if (!valid) {
+		snprintf(why, cap, "the %s mask %s holds values other than %s",
+		         additive ? "additive" : "boolean", slab(m, k, l, sizeof l),
+		         additive ? "0 and -inf" : "true and false");
+		return false;
+	}
+	if (!all && !tri) {
+		snprintf(why, cap, "the mask %s is neither causal (key j allowed iff j <= i + Tk - Tq) "
+		         "nor all allowed", slab(m, k, l, sizeof l));
+		return false;
+	}
+	*causal = !all;
+	return true;
+}
+
+/* every value of constant node n is -inf */
+static bool all_neg_inf(mctx *m, int32_t n)
+{
+	if (depends_on_input(m, n) || kl__numel(src(m, n)->ndim, src(m, n)->shape) > (1 << 26))
+		return false;
+	double *v = const_values(m, n);
+	if (!v)
+		return false;
+	bool ok = true;
+	for (int64_t i = 0; i < kl__numel(src(m, n)->ndim, src(m, n)->shape) && ok; i++)
+		ok = v[i] == -INFINITY;
+	free(v);
+	return ok;
+}
+
+static bool only_use(const mctx *m, int32_t n, char *why, size_t cap)
+{
+	char l[64];
+	if (m->uses[n] == 1)
+		return true;
+	snprintf(why, cap, "%s has another user or is a graph output", slab(m, n, l, sizeof l));
+	return false;
+}
+
+static bool swaps_last_two(const kl_node *p)
+{
+	if (p->op != KL_OP_PERMUTE || p->ndim < 2)
+		return false;
+	for (int i = 0; i < p->ndim - 2; i++)
+		if (p->a.v[i] != i)
+			return false;
+	return p->a.v[p->ndim - 2] == p->ndim - 1 && p->a.v[p->ndim - 1] == p->ndim - 2;
+}
+
+static bool sym_dims(const mctx *m, int32_t n)
+{
+	const int32_t *sym = m->L->src_sym;
+	if (!sym)
+		return false;
+	for (int d = 0; d < KL_MAX_DIMS; d++)
+		if (sym[n * KL_MAX_DIMS + d] > 0)
+			return true;
+	return false;
+}
+
+/* Is o the end of an attention pattern? Returns false silently when o is no
+ * candidate (not matmul(softmax(...), v)); with why set when it is one that
+ * cannot fuse. */
+static bool match_one(mctx *m, int32_t o, kl_attn_match *am, char *why, size_t cap)
+{
+	const kl_node *x = src(m, o);
+	why[0] = 0;
+	if (x->op != KL_OP_MATMUL || x->nin != 2 || x->ndim < 2)
+		return false;
+	int32_t p = x->in[0], v = x->in[1];
+	const kl_node *sm = src(m, p);
+	if (sm->op != KL_OP_SOFTMAX || sm->a.axis != sm->ndim - 1)
+		return false;
+	int nd = x->ndim;
+	kl_dtype dt = (kl_dtype)x->dtype;
+	int32_t chain[8] = {o, p};
+	int n = 2;
+	if (!only_use(m, p, why, cap))
+		return false;
+	int64_t tq = sm->shape[nd - 2], tk = sm->shape[nd - 1];
+	double scale = 1;
+	bool scaled = false, masked = false, causal = false;
+	int32_t s = sm->in[0];
+	for (;;) {
+		const kl_node *y = src(m, s);
+		if (y->dtype != dt || y->ndim != nd) {
+			snprintf(why, cap, "the scores change dtype or rank on the way");
+			return false;
+		}
+		if ((y->op == KL_OP_MUL || y->op == KL_OP_DIV) && y->a.scalar_rhs && !scaled) {
+			if (!only_use(m, s, why, cap))
+				return false;
+			scale = y->op == KL_OP_MUL ? y->a.s[0] : 1.0 / y->a.s[0];
+			if (!isfinite(scale)) {
+				snprintf(why, cap, "the scale %g is not finite", scale);
+				return false;
+			}
+			scaled = true;
+			chain[n++] = s;
+			s = y->in[0];
+			continue;
+		}
+		if ((y->op == KL_OP_WHERE || (y->op == KL_OP_ADD && !y->a.scalar_rhs)) && !masked) {
+			if (!only_use(m, s, why, cap))
+				return false;
+			int32_t sc, mk;
+			bool add = y->op == KL_OP_ADD;
+			if (add) {
+				/* the scores are the operand of the scores' shape that an input reaches */
+				bool a0 = src(m, y->in[0])->ndim == nd && depends_on_input(m, y->in[0]);
+				sc = a0 ? y->in[0] : y->in[1];
+				mk = a0 ? y->in[1] : y->in[0];
+			} else {
+				sc = y->in[1];
+				mk = y->in[0];
+				if (!all_neg_inf(m, y->in[2])) {
+					snprintf(why, cap, "where's fill %s is not a constant -inf",
+					         slab(m, y->in[2], (char[64]){0}, 64));
+					return false;
+				}
+			}
+			if (!mask_kind(m, mk, add, tq, tk, &causal, why, cap))
+				return false;
+			masked = true;
+			chain[n++] = s;
+			s = sc;
+			continue;
+		}
+		break;
+	}
+	const kl_node *sc = src(m, s);
+	if (sc->op != KL_OP_MATMUL) {
+		snprintf(why, cap, "the softmax's input is %s, not a scaled and masked product q k^T",
+		         slab(m, s, (char[64]){0}, 64));
+		return false;
+	}
+	if (!only_use(m, s, why, cap))
+		return false;
+	int32_t q = sc->in[0], kt = sc->in[1];
+	if (!swaps_last_two(src(m, kt))) {
+		snprintf(why, cap, "the scores' right operand %s is not k transposed (-2, -1)",
+		         slab(m, kt, (char[64]){0}, 64));
+		return false;
+	}
+	int32_t k = src(m, kt)->in[0];
+	const kl_node *Q = src(m, q), *K = src(m, k), *V = src(m, v);
+	bool ok = Q->ndim == nd && K->ndim == nd && V->ndim == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = Q->shape[d] == x->shape[d] && K->shape[d] == x->shape[d] &&
+		     V->shape[d] == x->shape[d];
+	if (!ok || Q->dtype != dt || K->dtype != dt || V->dtype != dt) {
+		snprintf(why, cap, "q, k and v differ in rank, batch dims or dtype");
+		return false;
+	}
+	if (!kl_dtype_is_float(dt)) {
+		snprintf(why, cap, "dtype %s is not floating point", kl_dtype_name(dt));
+		return false;
+	}
+	if (sym_dims(m, o) || sym_dims(m, q) || sym_dims(m, k) || sym_dims(m, v)) {
+		snprintf(why, cap, "dims are dynamic (attention steps have static shapes)");
+		return false;
+	}
+	am->q = q;
+	am->k = k;
+	am->v = v;
+	am->scale = scale;
+	am->causal = causal;
+	chain[n++] = s;
+	chain[n++] = kt;
+	memcpy(am->chain, chain, sizeof chain);
+	am->nchain = n;
+	return true;
+}
+
+kl_status kl__attention_match(kl_lctx *L)
+{
+	const kl_graph *g = L->src;
+	L->am = malloc(sizeof(kl_attn_match) * ((size_t)g->n + 1));
+	mctx m = {.L = L, .g = g};
+	m.uses = calloc((size_t)g->n + 1, sizeof(int32_t));
+	m.seen = calloc((size_t)g->n + 1, 1);
+	if (!L->am || !m.uses || !m.seen) {
+		free(m.uses);
+		free(m.seen);
+		snprintf(L->err, L->errcap, "kl__lower: out of memory matching attention");
+		return KL_ENOMEM;
+	}
+	for (int32_t i = 0; i < g->n; i++) {
+		L->am[i].q = -1;
+		for (int j = 0; j < g->nodes[i].nin; j++)
+			m.uses[g->nodes[i].in[j]]++;
+	}
+	for (int32_t j = 0; j < g->noutputs; j++)
+		m.uses[g->outputs[j]]++;
+	if (!L->o->no_attention)
+		for (int32_t i = 0; i < g->n; i++) {
+			char why[320], l[64];
+			if (match_one(&m, i, &L->am[i], why, sizeof why))
+				kl__lower_logf(L, "attention: fused %d nodes ending at %s into one sdpa "
+				               "step (%s, scale %.6g)", L->am[i].nchain,
+				               slab(&m, i, l, sizeof l),
+				               L->am[i].causal ? "causal" : "no mask", L->am[i].scale);
+			else if (why[0])
+				kl__lower_logf(L, "attention: not fused at %s: %s",
+				               slab(&m, i, l, sizeof l), why);
+		}
+	free(m.uses);
+	free(m.seen);
+	return KL_OK;
+}
+
+bool kl__attention_layout(const kl_lctx *L, int32_t at, int32_t c, int64_t *os, char *why,
+                          size_t cap)
+{
+	const kl_node *x = kl__nd(L, c);
+	const kl_node *a = kl__nd(L, at);
+	if (x->op != KL_OP_CONTIGUOUS) {
+		snprintf(why, cap, "the attention step takes no epilogue, only a copy into another "
+		                   "layout");
+		return false;
+	}
+	if (L->nuse[at] != 1 || L->out_of[at] >= 0) {
+		snprintf(why, cap, "the attention's output has other readers");
+		return false;
+	}
+	/* c's input: reshapes (and copies that stayed views), over one
+	 * permutation of the attention's output */
+	int32_t v = x->in[0];
+	while ((kl__nd(L, v)->op == KL_OP_RESHAPE || kl__nd(L, v)->op == KL_OP_CONTIGUOUS) &&
+	       !L->mat[v] && L->nuse[v] == 1)
+		v = kl__nd(L, v)->in[0];
+	const kl_node *p = kl__nd(L, v);
+	int r = a->ndim;
+	if (p->op != KL_OP_PERMUTE || L->mat[v] || L->nuse[v] != 1 || p->in[0] != at ||
+	    p->ndim != r || p->a.v[r - 1] != r - 1) {
+		snprintf(why, cap, "the copy reads the attention's output through more than a "
+		                   "permutation that keeps the last dim");
+		return false;
+	}
+	if (x->dtype != a->dtype) {
+		snprintf(why, cap, "the copy changes the dtype");
+		return false;
+	}
+	if (os) {
+		/* a reshape keeps the row-major order, so c's buffer holds p's
+		 * elements densely in p's order: dim p->a.v[i] of the attention
+		 * output steps by the dense stride of p's dim i */
+		int64_t ps[KL_MAX_DIMS];
+		kl__contig_strides(r, p->shape, ps);
+		for (int i = 0; i < r; i++)
+			os[p->a.v[i]] = ps[i];
+	}
+	return true;
+}

@@ -1,0 +1,552 @@
+/* decompose.c - composites into primitives, before anything else looks at
+ * the graph, so that softmax, layer_norm, rms_norm, mean and var fuse
+ * exactly like the same math written out by hand.
+ *
+ * Half-precision composites compute in f32 (cast in, cast out), as torch's
+ * decompositions do. Each operand of a matrix product gets a CONTIGUOUS node
+ * (and a cast when its dtype differs): a free view unless the scheduler finds
+ * that BLAS cannot read the operand's layout, in which case it is the copy.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "lower/lower_int.h"
+
+typedef struct dctx {
+	kl_lctx *L;
+	int32_t cap_orig;
+	int32_t cur; /* source node being decomposed */
+	bool oom;
+} dctx;
+
+static int32_t add(dctx *d, const kl_node *n)
+{
+	if (d->oom)
+		return -1;
+	kl_lctx *L = d->L;
+	if (L->g.n == d->cap_orig) {
+		int32_t cap = d->cap_orig ? d->cap_orig * 2 : 64;
+		int32_t *p = realloc(L->orig, sizeof(*p) * (size_t)cap);
+		if (!p) {
+			d->oom = true;
+			return -1;
+		}
+		L->orig = p;
+		d->cap_orig = cap;
+	}
+	int32_t id = kl__graph_add(&L->g, n);
+	if (id < 0) {
+		d->oom = true;
+		return -1;
+	}
+	L->orig[id] = d->cur;
+	return id;
+}
+
+static const kl_node *nd(dctx *d, int32_t n)
+{
+	return &d->L->g.nodes[n];
+}
+
+static kl_node mk(kl_op op, kl_dtype dt, int ndim, const int64_t *shape, int nin)
+{
+	kl_node n;
+	memset(&n, 0, sizeof(n));
+	n.op = (uint16_t)op;
+	n.dtype = (uint8_t)dt;
+	n.ndim = (uint8_t)ndim;
+	n.nin = (uint8_t)nin;
+	for (int i = 0; i < ndim; i++)
+		n.shape[i] = shape[i];
+	return n;
+}
+
+static int32_t cast(dctx *d, int32_t x, kl_dtype dt)
+{
+	if (x < 0 || nd(d, x)->dtype == dt)
+		return x;
+	kl_node n = mk(KL_OP_CAST, dt, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+static int32_t un(dctx *d, kl_op op, int32_t x)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+static int32_t bin(dctx *d, kl_op op, int32_t x, int32_t y)
+{
+	if (x < 0 || y < 0)
+		return -1;
+	const kl_node *a = nd(d, x), *b = nd(d, y);
+	int ndim;
+	int64_t shape[KL_MAX_DIMS];
+	if (!kl__broadcast(a->ndim, a->shape, b->ndim, b->shape, &ndim, shape)) {
+		d->oom = true; /* cannot happen for well-formed composites */
+		return -1;
+	}
+	kl_node n = mk(op, kl_promote_types((kl_dtype)a->dtype, (kl_dtype)b->dtype), ndim, shape, 2);
+	n.in[0] = x;
+	n.in[1] = y;
+	return add(d, &n);
+}
+
+static int32_t bin_s(dctx *d, kl_op op, int32_t x, double s)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, nd(d, x)->ndim, nd(d, x)->shape, 1);
+	n.in[0] = x;
+	n.a.scalar_rhs = 1;
+	n.a.s[0] = s;
+	return add(d, &n);
+}
+
+static int32_t red(dctx *d, kl_op op, int32_t x, uint32_t axes, bool keepdim)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *a = nd(d, x);
+	int64_t shape[KL_MAX_DIMS];
+	int ndim = 0;
+	for (int i = 0; i < a->ndim; i++) {
+		if (!(axes & (1u << i)))
+			shape[ndim++] = a->shape[i];
+		else if (keepdim)
+			shape[ndim++] = 1;
+	}
+	kl_node n = mk(op, (kl_dtype)a->dtype, ndim, shape, 1);
+	n.in[0] = x;
+	n.a.axes = axes;
+	n.a.keepdim = keepdim;
+	return add(d, &n);
+}
+
+static double count(const kl_node *x, uint32_t axes)
+{
+	double c = 1;
+	for (int i = 0; i < x->ndim; i++)
+		if (axes & (1u << i))
+			c *= (double)x->shape[i];
+	return c;
+}
+
+/* the dtype a composite over dtype dt computes in */
+static kl_dtype work_dt(kl_dtype dt)
+{
+	return (dt == KL_F16 || dt == KL_BF16 || !kl_dtype_is_float(dt)) ? KL_F32 : dt;
+}
+
+static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
+{
+	int32_t s = red(d, KL_OP_SUM, x, axes, keepdim);
+	return bin_s(d, KL_OP_MUL, s, 1.0 / count(nd(d, x), axes));
+}
+
+/* a product with a dynamic dim: BLAS steps have static shapes, so it becomes
+ * sum(a[..., m, 1, k] * b^T[..., 1, n, k], -1), a generated kernel */
+static bool sym_product(dctx *d, const kl_node *s)
+{
+	const int32_t *sym = d->L->src_sym;
+	if (!sym)
+		return false;
+	int32_t ids[3] = {d->cur, s->in[0], s->in[1]};
+	for (int i = 0; i < 3; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (sym[ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape)
+{
+	if (x < 0)
+		return -1;
+	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, ndim, shape, 1);
+	n.in[0] = x;
+	return add(d, &n);
+}
+
+/* x with its last two dims swapped (a view) */
+static int32_t transpose_last(dctx *d, int32_t x)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *n = nd(d, x);
+	int k = n->ndim;
+	kl_node p = mk(KL_OP_PERMUTE, (kl_dtype)n->dtype, k, n->shape, 1);
+	for (int i = 0; i < k; i++)
+		p.a.v[i] = i;
+	p.a.v[k - 2] = k - 1;
+	p.a.v[k - 1] = k - 2;
+	p.shape[k - 2] = n->shape[k - 1];
+	p.shape[k - 1] = n->shape[k - 2];
+	p.in[0] = x;
+	return add(d, &p);
+}
+
+static int32_t product(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_dtype D = (kl_dtype)s->dtype;
+	/* f16/bf16 products and sums in f32, rounded once at the end, as a
+	 * library product accumulates */
+	kl_dtype C = D == KL_F16 || D == KL_BF16 ? KL_F32 : D;
+	int k = s->ndim; /* [..., m, n] */
+	int64_t full[KL_MAX_DIMS], sh[KL_MAX_DIMS];
+	memcpy(full, s->shape, sizeof(int64_t) * (size_t)k);
+	int64_t kk = nd(d, in[0])->shape[k - 1];
+	full[k] = kk;
+	/* a: [..., m, k] -> [..., m, 1, k] -> [..., m, n, k] */
+	int32_t a = cast(d, in[0], C);
+	memcpy(sh, full, sizeof(sh));
+	sh[k - 1] = 1;
+	a = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, a, k + 1, sh), k + 1, full);
+	/* b: [..., k, n] -> [..., n, k] -> [..., 1, n, k] -> [..., m, n, k] */
+	int32_t b = transpose_last(d, cast(d, in[1], C));
+	if (b < 0 || a < 0)
+		return -1;
+	memcpy(sh, full, sizeof(sh));
+	sh[k - 2] = 1;
+	b = view(d, KL_OP_EXPAND, view(d, KL_OP_RESHAPE, b, k + 1, sh), k + 1, full);
+	return cast(d, red(d, KL_OP_SUM, bin(d, KL_OP_MUL, a, b), 1u << k, false), D);
+}
+
+static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in);
+
+bool kl__skinny_product(const kl_lctx *L, kl_dtype D, int64_t rows, int64_t n, int64_t k)
+{
+	return L->o->target == KL_TARGET_CUDA && L->o->fusion &&
+	       (D == KL_F32 || D == KL_F16 || D == KL_BF16) && rows <= 16 && n * k >= 65536;
+}
+
+/* The run of products that merge.c merged, first product lead: one product
+ * over the wider weight slice, and a column slice of it for each product
+ * (pre[j], which map[j] becomes when j's turn comes). */
+static bool merged(dctx *d, int32_t lead, const int32_t *map, int32_t *pre)
+{
+	kl_lctx *L = d->L;
+	const kl_graph *g = L->src;
+	const kl_node *s = &g->nodes[lead];
+	int64_t start = L->mspan[2 * lead], stop = L->mspan[2 * lead + 1], N = stop - start;
+	/* the lead's weight chain, as merge.c read it: expand?(permute?(slice)) */
+	const kl_node *ex = NULL, *pm = NULL, *sl = &g->nodes[s->in[1]];
+	if (sl->op == KL_OP_EXPAND) {
+		ex = sl;
+		sl = &g->nodes[sl->in[0]];
+	}
+	if (sl->op == KL_OP_PERMUTE) {
+		pm = sl;
+		sl = &g->nodes[sl->in[0]];
+	}
+	int32_t base = map[sl->in[0]];
+	kl_node n = mk(KL_OP_SLICE, (kl_dtype)sl->dtype, 2, sl->shape, 1);
+	n.shape[sl->a.axis] = N;
+	n.a.axis = sl->a.axis;
+	n.a.v[0] = start;
+	n.a.v[1] = stop;
+	n.a.v[2] = 1;
+	n.in[0] = base;
+	int32_t b = add(d, &n);
+	if (pm && b >= 0) {
+		n = *pm;
+		n.shape[1] = N;
+		n.in[0] = b;
+		b = add(d, &n);
+	}
+	if (ex && b >= 0) {
+		n = *ex;
+		n.shape[n.ndim - 1] = N;
+		n.in[0] = b;
+		b = add(d, &n);
+	}
+	if (b < 0)
+		return false;
+	kl_node m = *s;
+	m.shape[m.ndim - 1] = N;
+	int32_t in[2] = {map[s->in[0]], b};
+	int32_t p = decompose_one(d, &m, in);
+	if (p < 0)
+		return false;
+	for (int32_t j = lead; j < g->n; j++) {
+		if (L->mlead[j] != lead)
+			continue;
+		const kl_node *t = &g->nodes[j];
+		d->cur = j;
+		kl_node c = mk(KL_OP_SLICE, (kl_dtype)t->dtype, t->ndim, t->shape, 1);
+		c.a.axis = t->ndim - 1;
+		c.a.v[0] = L->mcol[j];
+		c.a.v[1] = L->mcol[j] + t->shape[t->ndim - 1];
+		c.a.v[2] = 1;
+		c.in[0] = p;
+		pre[j] = add(d, &c);
+		if (pre[j] < 0)
+			return false;
+	}
+	d->cur = lead;
+	return true;
+}
+
+static bool any_sym(const dctx *d, const int32_t *src_ids, int n)
+{
+	const int32_t *sym = d->L->src_sym;
+	for (int i = 0; sym && i < n; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (sym[src_ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+/* a product of lowered a and b through the MATMUL rules (src ids for the
+ * dynamic-dim check) */
+static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
+{
+	if (a < 0 || b < 0)
+		return -1;
+	const kl_node *x = nd(d, a), *y = nd(d, b);
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, x->shape, sizeof(shape));
+	shape[x->ndim - 1] = y->shape[y->ndim - 1];
+	kl_node m = mk(KL_OP_MATMUL, (kl_dtype)x->dtype, x->ndim, shape, 2);
+	m.in[0] = sa;
+	m.in[1] = sb;
+	int32_t in[2] = {a, b};
+	return decompose_one(d, &m, in);
+}
+
+/* sdpa: one ATTENTION node whose operands are dense-row views (CONTIGUOUS:
+ * a copy only when the scheduler finds the layout unreadable), or, when the
+ * target lacks the step, its dims are dynamic or the CUDA kernels do not
+ * cover its head dim, the same math in primitives:
+ * softmax(where(causal, q k^T * scale, -inf)) v. src_in: src ids of q, k, v. */
+static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int32_t *src_in)
+{
+	kl_dtype D = (kl_dtype)s->dtype;
+	int rk = s->ndim;
+	int32_t ids[4] = {d->cur, src_in[0], src_in[1], src_in[2]};
+	int64_t hd = nd(d, in[0])->shape[rk - 1];
+	bool cuda_wide = d->L->o->target == KL_TARGET_CUDA && (hd > 256 || s->shape[rk - 1] > 256);
+	if (!d->L->o->no_attention && !cuda_wide && !any_sym(d, ids, 4)) {
+		kl_node n = *s;
+		n.op = KL_OP_ATTENTION;
+		n.nin = 3;
+		for (int i = 0; i < 3; i++) {
+			int32_t x = cast(d, in[i], D);
+			if (x < 0)
+				return -1;
+			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			c.in[0] = x;
+			n.in[i] = add(d, &c);
+		}
+		return add(d, &n);
+	}
+	int32_t q = cast(d, in[0], D), k = cast(d, in[1], D), v = cast(d, in[2], D);
+	int32_t kt = transpose_last(d, k);
+	if (kt < 0)
+		return -1;
+	int32_t sc = bin_s(d, KL_OP_MUL, product_of(d, q, kt, src_in[0], src_in[1]), s->a.s[0]);
+	if (sc < 0)
+		return -1;
+	if (s->a.flags & KL_F_CAUSAL) {
+		int64_t tq = nd(d, sc)->shape[rk - 2], tk = nd(d, sc)->shape[rk - 1];
+		int64_t sh[2] = {tq, 1};
+		kl_node ai = mk(KL_OP_ARANGE, KL_I64, 1, &tq, 0);
+		ai.a.s[1] = 1;
+		kl_node aj = mk(KL_OP_ARANGE, KL_I64, 1, &tk, 0);
+		aj.a.s[1] = 1;
+		/* key j allowed iff i + (tk - tq) >= j */
+		int32_t i = bin_s(d, KL_OP_ADD, view(d, KL_OP_RESHAPE, add(d, &ai), 2, sh),
+		                  (double)(tk - tq));
+		int32_t msk = bin(d, KL_OP_GE, i, add(d, &aj));
+		if (msk >= 0)
+			d->L->g.nodes[msk].dtype = KL_BOOL;
+		kl_node f = mk(KL_OP_FULL, D, 0, NULL, 0);
+		f.a.s[0] = -INFINITY;
+		int32_t fill = add(d, &f);
+		if (msk < 0 || fill < 0)
+			return -1;
+		kl_node w = mk(KL_OP_WHERE, D, rk, nd(d, sc)->shape, 3);
+		w.in[0] = msk;
+		w.in[1] = sc;
+		w.in[2] = fill;
+		sc = add(d, &w);
+	}
+	kl_node sm = mk(KL_OP_SOFTMAX, D, rk, sc >= 0 ? nd(d, sc)->shape : s->shape, 1);
+	sm.a.axis = rk - 1;
+	int32_t pin[1] = {sc};
+	int32_t pr = sc >= 0 ? decompose_one(d, &sm, pin) : -1;
+	return product_of(d, pr, v, src_in[0], src_in[2]);
+}
+
+static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_dtype D = (kl_dtype)s->dtype, C = work_dt(D);
+	switch ((kl_op)s->op) {
+	case KL_OP_SOFTMAX:
+	case KL_OP_LOG_SOFTMAX: {
+		uint32_t ax = 1u << s->a.axis;
+		int32_t x = cast(d, in[0], C);
+		int32_t m = red(d, KL_OP_MAX, x, ax, true);
+		int32_t z = bin(d, KL_OP_SUB, x, m);
+		int32_t e = un(d, KL_OP_EXP, z);
+		int32_t sum = red(d, KL_OP_SUM, e, ax, true);
+		int32_t y;
+		if (s->op == KL_OP_SOFTMAX && sum >= 0) {
+			/* one reciprocal per row, then a product per element (as the
+			 * eager kernels do): a division per element costs the CPU
+			 * more than the row's memory traffic */
+			kl_node one = mk(KL_OP_FULL, C, nd(d, sum)->ndim, nd(d, sum)->shape, 0);
+			one.a.s[0] = 1.0;
+			y = bin(d, KL_OP_MUL, e, bin(d, KL_OP_DIV, add(d, &one), sum));
+		} else {
+			y = s->op == KL_OP_SOFTMAX ? -1 : bin(d, KL_OP_SUB, z, un(d, KL_OP_LOG, sum));
+		}
+		return cast(d, y, D);
+	}
+	case KL_OP_LAYER_NORM:
+	case KL_OP_RMS_NORM: {
+		int32_t w = -1, b = -1, k = 1;
+		if (s->a.flags & KL_F_HAS_WEIGHT)
+			w = in[k++];
+		if (s->a.flags & KL_F_HAS_BIAS)
+			b = in[k++];
+		if (!s->a.flags && s->nin > 1) {
+			w = in[1];
+			b = s->nin > 2 ? in[2] : -1;
+		}
+		uint32_t ax = 1u << (s->ndim - 1);
+		int32_t x = cast(d, in[0], C), y;
+		if (s->op == KL_OP_LAYER_NORM) {
+			int32_t mu = mean(d, x, ax, true);
+			int32_t z = bin(d, KL_OP_SUB, x, mu);
+			int32_t var = mean(d, bin(d, KL_OP_MUL, z, z), ax, true);
+			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, var, s->a.s[0]));
+			y = bin(d, KL_OP_MUL, z, r);
+		} else {
+			int32_t ms = mean(d, bin(d, KL_OP_MUL, x, x), ax, true);
+			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, ms, s->a.s[0]));
+			y = bin(d, KL_OP_MUL, x, r);
+		}
+		if (w >= 0)
+			y = bin(d, KL_OP_MUL, y, cast(d, w, C));
+		if (b >= 0)
+			y = bin(d, KL_OP_ADD, y, cast(d, b, C));
+		return cast(d, y, D);
+	}
+	case KL_OP_MEAN: {
+		int32_t x = cast(d, in[0], C);
+		return cast(d, mean(d, x, s->a.axes, s->a.keepdim), D);
+	}
+	case KL_OP_VAR: {
+		int32_t x = cast(d, in[0], C);
+		int32_t mu = mean(d, x, s->a.axes, true);
+		int32_t z = bin(d, KL_OP_SUB, x, mu);
+		int32_t ss = red(d, KL_OP_SUM, bin(d, KL_OP_MUL, z, z), s->a.axes, s->a.keepdim);
+		double n = count(nd(d, x), s->a.axes) - s->a.correction;
+		/* torch's divisor max(0, n - correction): inf, or NaN for ss == 0 */
+		return cast(d, bin_s(d, KL_OP_MUL, ss, n > 0 ? 1.0 / n : (double)INFINITY), D);
+	}
+	case KL_OP_MATMUL: {
+		/* cuBLASLt has no integer products: on CUDA they are a generated
+		 * multiply and sum (operands of the result's rank) */
+		bool cuda = d->L->o->target == KL_TARGET_CUDA &&
+		            nd(d, in[0])->ndim == s->ndim && nd(d, in[1])->ndim == s->ndim;
+		bool int_cuda = cuda && (D == KL_I32 || D == KL_I64);
+		/* A skinny product (a few rows against a large weight: a decode
+		 * step, a small batch) is latency-bound in a library GEMM; as a
+		 * generated row reduction it reads each weight row once at full
+		 * width and takes its bias and activation along in one kernel. */
+		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
+		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
+		                       : 1;
+		bool skinny = cuda && kl__skinny_product(d->L, D, rows, s->shape[s->ndim - 1],
+		                                         nd(d, in[0])->shape[s->ndim - 1]);
+		if (sym_product(d, s) || int_cuda || skinny)
+			return product(d, s, in);
+		kl_node n = *s;
+		for (int i = 0; i < 2; i++) {
+			int32_t x = cast(d, in[i], D);
+			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			c.in[0] = x;
+			n.in[i] = add(d, &c);
+		}
+		return add(d, &n);
+	}
+	case KL_OP_ATTENTION:
+		return attention(d, s, in, s->in);
+	default: {
+		kl_node n = *s;
+		for (int i = 0; i < s->nin; i++)
+			n.in[i] = in[i];
+		return add(d, &n);
+	}
+	}
+}
+
+kl_status kl__decompose(kl_lctx *L)
+{
+	const kl_graph *g = L->src;
+	dctx d = {.L = L};
+	kl__graph_init(&L->g);
+	int32_t *map = malloc(sizeof(*map) * (size_t)(g->n + 1));
+	int32_t *pre = malloc(sizeof(*pre) * (size_t)(g->n + 1));
+	if (!map || !pre) {
+		free(map);
+		free(pre);
+		return KL_ENOMEM;
+	}
+	for (int32_t i = 0; i < g->n && !d.oom; i++) {
+		const kl_node *s = &g->nodes[i];
+		int32_t in[KL_NODE_MAX_IN];
+		for (int j = 0; j < s->nin; j++)
+			in[j] = map[s->in[j]];
+		d.cur = i;
+		if (L->mlead && L->mlead[i] >= 0) {
+			/* a product merged with others (merge.c) */
+			if (L->mlead[i] == i && !merged(&d, i, map, pre))
+				d.oom = true;
+			map[i] = d.oom ? -1 : pre[i];
+			continue;
+		}
+		const kl_attn_match *am = L->am ? &L->am[i] : NULL;
+		if (am && am->q >= 0) {
+			/* hand-written attention ending here (attention.c) */
+			kl_node a = mk(KL_OP_ATTENTION, (kl_dtype)s->dtype, s->ndim, s->shape, 3);
+			a.a.s[0] = am->scale;
+			a.a.flags = am->causal ? KL_F_CAUSAL : 0;
+			int32_t src_in[3] = {am->q, am->k, am->v};
+			int32_t ain[3] = {map[am->q], map[am->k], map[am->v]};
+			map[i] = attention(&d, &a, ain, src_in);
+			continue;
+		}
+		map[i] = decompose_one(&d, s, in);
+	}
+	for (int32_t i = 0; i < g->ninputs && !d.oom; i++)
+		if (kl__graph_add_input(&L->g, map[g->inputs[i]]))
+			d.oom = true;
+	/* an output that is an input or a view gets a node of its own: it is
+	 * either returned as a view (aliased) or copied by a kernel */
+	for (int32_t i = 0; i < g->noutputs && !d.oom; i++) {
+		int32_t o = map[g->outputs[i]];
+		if (o >= 0 && (nd(&d, o)->op == KL_OP_INPUT || kl__is_view((kl_op)nd(&d, o)->op))) {
+			d.cur = g->outputs[i];
+			kl_node c = mk(KL_OP_CONTIGUOUS, (kl_dtype)nd(&d, o)->dtype, nd(&d, o)->ndim,
+			               nd(&d, o)->shape, 1);
+			c.in[0] = o;
+			o = add(&d, &c);
+		}
+		if (o < 0 || kl__graph_add_output(&L->g, o))
+			d.oom = true;
+	}
+	free(map);
+	free(pre);
+	if (d.oom) {
+		snprintf(L->err, L->errcap, "kl__lower: out of memory decomposing the graph");
+		return KL_ENOMEM;
+	}
+	return KL_OK;
+}

@@ -1,0 +1,30 @@
+/* lower.h - the compiler middle: a traced graph in, a kl_program out.
+ *
+ * kl__lower decomposes composites, assigns symbolic dims, fuses nodes into
+ * kernels (fuse.c), builds each kernel's loop IR (kir.h) and renders all of
+ * them into one C translation unit (codegen/). See docs/design.md, Fusion.
+ */
+#ifndef KILN_LOWER_H
+#define KILN_LOWER_H
+
+#include "core/core.h"
+#include "lower/program.h"
+
+typedef enum kl_target { KL_TARGET_C = 0, KL_TARGET_CUDA = 1 } kl_target;
+typedef struct kl_lower_opts {
+	kl_target target;
+	bool fusion;                  /* false: every op its own kernel (KILN_DISABLE_FUSION / eager-like) */
+	const uint32_t *dyn_masks;    /* per graph input (g->inputs order): bitmask of dynamic dims; may be NULL */
+	const kl_ctx *log_ctx;        /* for kl__log(ctx, KL_LOG_FUSION, ...) of refused fusions; may be NULL */
+	bool no_attention;            /* the target has no attention step: sdpa decomposes, none is fused */
+} kl_lower_opts;
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap);
+/* Symbolic dims: sym[node * KL_MAX_DIMS + d] = 0 (static) or k > 0 (symbol k). Dims of INPUT nodes
+ * whose mask bit is set become symbols (a dim whose traced value is 0 or 1 stays static: it is
+ * specialized, like Dynamo). Returns the number of symbols, or -1 with a reason in err when a dynamic
+ * dim flows somewhere the compiler cannot keep symbolic (the caller then compiles statically). Also
+ * fills sym_input/sym_dim (length >= return value) with where each symbol comes from. */
+int kl__graph_symbolize(const kl_graph *g, const uint32_t *dyn_masks, int32_t *sym, int32_t *sym_input,
+                        int32_t *sym_dim, char *err, size_t errcap);
+
+#endif /* KILN_LOWER_H */

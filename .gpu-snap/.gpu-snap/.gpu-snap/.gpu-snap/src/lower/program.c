@@ -1,0 +1,624 @@
+/* program.c - kl__lower: runs the passes (decompose, symbolize, schedule) and
+ * assembles what the runtime executes: the buffer table, one step per kernel
+ * or library product in execution order, and the C source of every kernel.
+ */
+#include <stdlib.h>
+
+#include "lower/lower_int.h"
+
+void kl__program_free(kl_program *p)
+{
+	if (!p)
+		return;
+	free(p->bufs);
+	free(p->steps);
+	for (int32_t i = 0; i < p->nkernels; i++)
+		free(p->kernel_names[i]);
+	free(p->kernel_names);
+	free(p->source);
+	free(p->fusion_log);
+	memset(p, 0, sizeof(*p));
+}
+
+static void lctx_free(kl_lctx *L)
+{
+	kl__graph_free(&L->g);
+	free(L->orig);
+	free(L->am);
+	free(L->src_sym);
+	free(L->sym);
+	free(L->live);
+	free(L->nuse);
+	free(L->out_of);
+	free(L->alias_of);
+	free(L->mat);
+	free(L->home);
+	for (int32_t i = 0; i < L->ngr; i++) {
+		free(L->gr[i].m);
+		free(L->gr[i].copy);
+	}
+	free(L->gr);
+	free(L->mem);
+	free(L->lvl);
+	free(L->bufof);
+	free(L->stored);
+	free(L->order);
+	free(L->mlead);
+	free(L->mcol);
+	free(L->mspan);
+	kl__sb_free(&L->log);
+}
+
+static double numel_of(const kl_node *x)
+{
+	double n = 1;
+	for (int d = 0; d < x->ndim; d++)
+		n *= (double)x->shape[d];
+	return n;
+}
+
+static double bytes_of(const kl_program *P, int32_t b)
+{
+	const kl_buf *bf = &P->bufs[b];
+	double n = (double)kl_dtype_size(bf->dtype);
+	for (int d = 0; d < bf->ndim; d++)
+		n *= (double)bf->shape[d].v;
+	return n;
+}
+
+static char *dupstr(const char *s)
+{
+	size_t n = strlen(s) + 1;
+	char *p = malloc(n);
+	if (p)
+		memcpy(p, s, n);
+	return p;
+}
+
+/* ---- buffers ------------------------------------------------------------------------ */
+
+static void fill_buf(const kl_lctx *L, kl_buf *b, int32_t n, kl_buf_role role, int32_t index)
+{
+	const kl_node *x = &L->g.nodes[n];
+	memset(b, 0, sizeof(*b));
+	b->role = role;
+	b->index = index;
+	b->dtype = (kl_dtype)x->dtype;
+	b->ndim = x->ndim;
+	for (int d = 0; d < x->ndim; d++) {
+		b->shape[d].v = x->shape[d];
+		b->shape[d].sym = L->sym[n * KL_MAX_DIMS + d];
+	}
+	b->alias = -1;
+}
+
+static kl_status make_bufs(kl_lctx *L, kl_program *P)
+{
+	const kl_graph *g = &L->g;
+	int32_t cap = g->ninputs + g->noutputs + 16;
+	P->bufs = malloc(sizeof(kl_buf) * (size_t)cap);
+	L->bufof = malloc(sizeof(int32_t) * ((size_t)g->n + 1));
+	if (!P->bufs || !L->bufof)
+		return KL_ENOMEM;
+	for (int32_t n = 0; n < g->n; n++)
+		L->bufof[n] = -1;
+	for (int32_t i = 0; i < g->ninputs; i++) {
+		fill_buf(L, &P->bufs[i], g->inputs[i], KL_BUF_INPUT, i);
+		L->bufof[g->inputs[i]] = i;
+	}
+	for (int32_t j = 0; j < g->noutputs; j++) {
+		int32_t o = g->outputs[j], b = g->ninputs + j;
+		fill_buf(L, &P->bufs[b], o, KL_BUF_OUTPUT, j);
+		if (L->alias_of[j] < 0) {
+			L->bufof[o] = b;
+			continue;
+		}
+		kl_buf *bf = &P->bufs[b];
+		bf->alias = L->alias_of[j];
+		int32_t base;
+		if (L->out_of[o] >= 0 && L->out_of[o] != j) { /* the same node twice */
+			kl__contig_strides(bf->ndim, g->nodes[o].shape, bf->view_strides);
+			bf->view_offset = 0;
+		} else if (!kl__view_of(L, o, &base, bf->view_strides, &bf->view_offset)) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: output %d alias", j);
+			return KL_EINVAL;
+		}
+	}
+	P->nbufs = g->ninputs + g->noutputs;
+	for (int32_t k = 0; k < L->norder; k++) {
+		const kl_group *G = &L->gr[L->order[k]];
+		for (int32_t i = 0; i < G->nm; i++) {
+			int32_t n = G->m[i];
+			if (G->copy[i] || !L->stored[n] || L->bufof[n] >= 0)
+				continue;
+			if (P->nbufs == cap) {
+				cap *= 2;
+				kl_buf *p = realloc(P->bufs, sizeof(kl_buf) * (size_t)cap);
+				if (!p)
+					return KL_ENOMEM;
+				P->bufs = p;
+			}
+			fill_buf(L, &P->bufs[P->nbufs], n, KL_BUF_TEMP, -1);
+			L->bufof[n] = P->nbufs++;
+		}
+	}
+	return KL_OK;
+}
+
+/* ---- steps -------------------------------------------------------------------------- */
+
+static void add_node(kl_step *sp, int32_t orig)
+{
+	for (int32_t i = 0; i < sp->nnodes; i++)
+		if (sp->nodes[i] == orig)
+			return;
+	if (sp->nnodes < KL_STEP_MAX_NODES)
+		sp->nodes[sp->nnodes++] = orig;
+}
+
+static void add_id(int32_t *ids, int32_t *n, int32_t cap, int32_t b)
+{
+	for (int32_t i = 0; i < *n; i++)
+		if (ids[i] == b)
+			return;
+	if (*n < cap)
+		ids[(*n)++] = b;
+}
+
+/* A [.., rows, cols] operand as strides of its buffer */
+static bool operand(const kl_lctx *L, int32_t c, int32_t *buf, int64_t *st, int64_t *off)
+{
+	int32_t base;
+	if (!kl__stored_view(L, c, &base, st, off))
+		return false;
+	*buf = L->bufof[base];
+	return *buf >= 0;
+}
+
+static const char *const act_names[KL_MM_ACT_COUNT] = {"", "relu", "gelu", "gelu_tanh"};
+
+/* The epilogue of product group G (members after the MATMUL node) into mm;
+ * sr receives the residual's strides in the product's dims. */
+static kl_status epilogue(kl_lctx *L, const kl_group *G, kl_step *sp, int64_t *sr, char *desc,
+                          size_t cap)
+{
+	kl_matmul_step *mm = &sp->mm;
+	const kl_node *p = &L->g.nodes[G->m[0]];
+	size_t dl = 0;
+	desc[0] = 0;
+	for (int32_t i = 1; i < G->nm; i++) {
+		int32_t n = G->m[i], other, base;
+		const kl_node *x = &L->g.nodes[n];
+		char why[256];
+		int64_t st[KL_MAX_DIMS], off;
+		kl_epart part = kl__epilogue_part(L, n, G->m[i - 1], &other, why, sizeof why);
+		const char *tag = "";
+		switch (part) {
+		case KL_EPART_ALPHA:
+			mm->alpha *= x->a.s[0];
+			tag = "*alpha";
+			break;
+		case KL_EPART_BIAS:
+			if (!operand(L, other, &mm->bias, st, &off))
+				goto bad;
+			mm->has_bias = true;
+			mm->bias_off = off;
+			tag = "+bias";
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->bias);
+			sp->bytes += (double)mm->n * (double)kl_dtype_size((kl_dtype)x->dtype);
+			break;
+		case KL_EPART_RESID:
+			if (!kl__stored_view(L, other, &base, sr, &off) ||
+			    (mm->r = L->bufof[base]) < 0)
+				goto bad;
+			mm->has_r = true;
+			mm->r_off = off;
+			mm->beta = 1;
+			tag = "+residual";
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->r);
+			sp->bytes += numel_of(p) * (double)kl_dtype_size((kl_dtype)x->dtype);
+			break;
+		case KL_EPART_ACT:
+			mm->act = kl__epilogue_act(x);
+			tag = act_names[mm->act];
+			break;
+		default:
+			goto bad;
+		}
+		sp->flops += numel_of(p);
+		add_node(sp, L->orig[n]);
+		int w = snprintf(desc + dl, cap - dl, "%s%s", part == KL_EPART_ACT ? "+" : "", tag);
+		if (w > 0 && (size_t)w < cap - dl)
+			dl += (size_t)w;
+		continue;
+	bad:
+		snprintf(L->err, L->errcap, "kl__lower: internal error: epilogue of matmul: %s",
+		         part == KL_EPART_NONE ? why : "operand layout");
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+
+static kl_status matmul_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
+{
+	int32_t n = G->m[0];
+	const kl_node *x = &L->g.nodes[n];
+	kl_matmul_step *mm = &sp->mm;
+	int k = x->ndim;
+	int64_t sa[KL_MAX_DIMS], sb[KL_MAX_DIMS], sc[KL_MAX_DIMS], sr[KL_MAX_DIMS];
+	char desc[48];
+	if (!operand(L, x->in[0], &mm->a, sa, &mm->a_off) ||
+	    !operand(L, x->in[1], &mm->b, sb, &mm->b_off)) {
+		snprintf(L->err, L->errcap, "kl__lower: internal error: matmul operand layout");
+		return KL_EINVAL;
+	}
+	/* the product is stored where its last epilogue value goes */
+	mm->c = L->bufof[G->m[G->nm - 1]];
+	mm->alpha = 1;
+	mm->beta = 0;
+	kl_status st = epilogue(L, G, sp, sr, desc, sizeof desc);
+	if (st != KL_OK)
+		return st;
+	kl__contig_strides(k, x->shape, sc);
+	mm->m = x->shape[k - 2];
+	mm->n = x->shape[k - 1];
+	mm->k = L->g.nodes[x->in[0]].shape[k - 1];
+	mm->a_rs = sa[k - 2];
+	mm->a_cs = sa[k - 1];
+	mm->b_rs = sb[k - 2];
+	mm->b_cs = sb[k - 1];
+	mm->ldc = mm->n;
+	if (mm->has_r)
+		mm->r_ld = mm->m > 1 ? sr[k - 2] : mm->n;
+	double batch = 1;
+	bool b_shared = true; /* B is the same matrix for every batch */
+	for (int d = 0; d < k - 2; d++) {
+		if (x->shape[d] == 1)
+			continue;
+		int i = mm->nbatch++;
+		mm->batch[i] = x->shape[d];
+		mm->a_bstride[i] = sa[d];
+		mm->b_bstride[i] = sb[d];
+		mm->c_bstride[i] = sc[d];
+		mm->r_bstride[i] = mm->has_r ? sr[d] : 0;
+		batch *= (double)x->shape[d];
+		b_shared &= sb[d] == 0;
+	}
+	/* [batch.., m, k] @ [k, n] whose A rows run on across batches: one product */
+	if (mm->nbatch > 0 && b_shared && mm->a_cs == 1) {
+		bool rows = true;
+		int64_t want = mm->a_rs * mm->m, rwant = mm->r_ld * mm->m;
+		for (int i = mm->nbatch - 1; i >= 0 && rows; i--) {
+			rows = mm->a_bstride[i] == want && (!mm->has_r || mm->r_bstride[i] == rwant);
+			want *= mm->batch[i];
+			rwant *= mm->batch[i];
+		}
+		if (rows) {
+			mm->m = (int64_t)((double)mm->m * batch);
+			mm->nbatch = 0;
+		}
+	}
+	add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->a);
+	add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->b);
+	sp->writes[0] = mm->c;
+	sp->nwrites = 1;
+	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
+	double kk = (double)mm->k;
+	sp->flops += 2.0 * batch * (double)x->shape[k - 2] * (double)mm->n * kk;
+	sp->bytes += bytes_of(P, mm->a) + bytes_of(P, mm->b) + numel_of(x) * es;
+	if (mm->nbatch)
+		snprintf(sp->what, sizeof(sp->what), "bmm %.0fx%lldx%lldx%lld%s%s", batch,
+		         (long long)mm->m, (long long)mm->n, (long long)mm->k, desc[0] ? " " : "",
+		         desc);
+	else
+		snprintf(sp->what, sizeof(sp->what), "matmul %lldx%lldx%lld%s%s", (long long)mm->m,
+		         (long long)mm->n, (long long)mm->k, desc[0] ? " " : "", desc);
+	return KL_OK;
+}
+
+/* the src nodes an attention step computes: a hand-written pattern's chain */
+static void add_attention_nodes(const kl_lctx *L, int32_t n, kl_step *sp)
+{
+	int32_t o = L->orig[n];
+	const kl_attn_match *am = L->am ? &L->am[o] : NULL;
+	if (am && am->q >= 0)
+		for (int i = 0; i < am->nchain; i++)
+			add_node(sp, am->chain[i]);
+	else
+		add_node(sp, o);
+}
+
+static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
+{
+	int32_t n = G->m[0];
+	const kl_node *x = &L->g.nodes[n];
+	kl_attn_step *a = &sp->at;
+	int r = x->ndim;
+	int64_t st[3][KL_MAX_DIMS], off[3], so[KL_MAX_DIMS];
+	int32_t ids[3];
+	for (int i = 0; i < 3; i++)
+		if (!operand(L, x->in[i], &ids[i], st[i], &off[i])) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: attention operand layout");
+			return KL_EINVAL;
+		}
+	a->q = ids[0];
+	a->k = ids[1];
+	a->v = ids[2];
+	/* into the attention's own dense buffer, or the copy's that it took */
+	a->o = L->bufof[G->m[G->nm - 1]];
+	kl__contig_strides(r, x->shape, so);
+	if (G->nm > 1) {
+		char why[160];
+		if (!kl__attention_layout(L, n, G->m[1], so, why, sizeof why)) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: attention layout: %s",
+			         why);
+			return KL_EINVAL;
+		}
+	}
+	a->tq = x->shape[r - 2];
+	a->dv = x->shape[r - 1];
+	a->tk = L->g.nodes[x->in[1]].shape[r - 2];
+	a->d = L->g.nodes[x->in[0]].shape[r - 1];
+	a->q_off = off[0];
+	a->k_off = off[1];
+	a->v_off = off[2];
+	a->q_rs = st[0][r - 2];
+	a->q_cs = st[0][r - 1];
+	a->k_rs = st[1][r - 2];
+	a->k_cs = st[1][r - 1];
+	a->v_rs = st[2][r - 2];
+	a->v_cs = st[2][r - 1];
+	a->o_rs = so[r - 2];
+	a->scale = x->a.s[0];
+	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
+	double batch = 1;
+	for (int d = 0; d < r - 2; d++) {
+		if (x->shape[d] == 1)
+			continue;
+		int i = a->nbatch++;
+		a->batch[i] = x->shape[d];
+		a->q_bs[i] = st[0][d];
+		a->k_bs[i] = st[1][d];
+		a->v_bs[i] = st[2][d];
+		a->o_bs[i] = so[d];
+		batch *= (double)x->shape[d];
+	}
+	for (int i = 0; i < 3; i++)
+		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
+	sp->writes[0] = a->o;
+	sp->nwrites = 1;
+	/* two products; a causal mask skips about half of them */
+	double pairs = (double)a->tq * (double)a->tk;
+	if (a->causal) {
+		double lo = (double)(a->tk - a->tq); /* query i sees min(tk, max(0, i + lo + 1)) keys */
+		pairs = 0;
+		for (int64_t i = 0; i < a->tq; i++) {
+			double c = (double)i + lo + 1;
+			pairs += c < 0 ? 0 : c > (double)a->tk ? (double)a->tk : c;
+		}
+	}
+	sp->flops = 2.0 * batch * pairs * (double)(a->d + a->dv);
+	for (int i = 0; i < 3; i++)
+		sp->bytes += bytes_of(P, ids[i]);
+	sp->bytes += bytes_of(P, a->o);
+	snprintf(sp->what, sizeof(sp->what), "attention %.0fx%lldx%lldx%lld%s", batch,
+	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "");
+	return KL_OK;
+}
+
+static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
+{
+	static const kl_op rows[] = {KL_OP_SOFTMAX, KL_OP_LOG_SOFTMAX, KL_OP_LAYER_NORM,
+	                             KL_OP_RMS_NORM};
+	if (G->rmask) {
+		for (int32_t i = 0; i < G->nm; i++) {
+			kl_op so = (kl_op)L->src->nodes[L->orig[G->m[i]]].op;
+			for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++)
+				if (so == rows[r]) {
+					snprintf(sp->what, sizeof(sp->what), "row %s", kl__ops[so].name);
+					return;
+				}
+			if (so == KL_OP_MATMUL) {
+				snprintf(sp->what, sizeof(sp->what), "matmul (generated, dynamic)");
+				return;
+			}
+		}
+		for (int32_t i = 0; i < G->nm; i++) {
+			const kl_node *x = &L->g.nodes[G->m[i]];
+			if (kl__is_reduction(x)) {
+				kl_op so = (kl_op)L->src->nodes[L->orig[G->m[i]]].op;
+				snprintf(sp->what, sizeof(sp->what), "reduce %s", kl__ops[so].name);
+				return;
+			}
+		}
+	}
+	bool copy = true;
+	for (int32_t i = 0; i < G->nm; i++)
+		copy &= kl__is_view((kl_op)L->g.nodes[G->m[i]].op);
+	snprintf(sp->what, sizeof(sp->what), "%s", copy ? "copy" : "pointwise");
+}
+
+static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp,
+                             kl_sb *src, const uint8_t *early)
+{
+	kir_kernel k;
+	char why[256];
+	bool built = kl__kbuild(L, G, false, &k, why, sizeof(why));
+	k.early = early;
+	if (!built) {
+		char l[64];
+		snprintf(L->err, L->errcap, "kl__lower: internal error: kernel of %s: %s",
+		         kl__node_label(L, G->first, l, sizeof(l)), why);
+		kl__kir_free(&k);
+		return KL_EINVAL;
+	}
+	char name[32];
+	snprintf(name, sizeof(name), "k%d", (int)P->nkernels);
+	sp->row_per = kl__render_kernel(
+	        L->o->target == KL_TARGET_CUDA ? &kl__render_cuda : &kl__render_c, &k, name, src);
+	sp->nrowdims = 0;
+	for (int d = 0; sp->row_per > 0 && d < k.ndim; d++)
+		if (!(k.rmask & (1u << d)))
+			sp->rowdims[sp->nrowdims++] = k.dims[d];
+	char **names = realloc(P->kernel_names, sizeof(char *) * ((size_t)P->nkernels + 1));
+	if (!names) {
+		kl__kir_free(&k);
+		return KL_ENOMEM;
+	}
+	P->kernel_names = names;
+	names[P->nkernels] = dupstr(name);
+	if (!names[P->nkernels]) {
+		kl__kir_free(&k);
+		return KL_ENOMEM;
+	}
+	sp->kind = KL_STEP_KERNEL;
+	sp->kernel = P->nkernels++;
+	for (int32_t i = 0; i < k.nins; i++) {
+		const kir_ins *in = &k.ins[i];
+		if (in->opc == KIR_LOAD)
+			add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, in->buf);
+		else if (in->opc == KIR_STORE)
+			add_id(sp->writes, &sp->nwrites, 2, in->buf);
+	}
+	kl__kir_free(&k);
+	for (int32_t i = 0; i < sp->nreads; i++)
+		sp->bytes += bytes_of(P, sp->reads[i]);
+	for (int32_t i = 0; i < sp->nwrites; i++)
+		sp->bytes += bytes_of(P, sp->writes[i]);
+	for (int32_t i = 0; i < G->nm; i++) {
+		const kl_node *x = &L->g.nodes[G->m[i]];
+		add_node(sp, L->orig[G->m[i]]);
+		if (kl__is_view((kl_op)x->op))
+			continue;
+		sp->flops += kl__is_reduction(x) ? numel_of(&L->g.nodes[x->in[0]]) : numel_of(x);
+	}
+	describe(L, G, sp);
+	return KL_OK;
+}
+
+static kl_status assemble(kl_lctx *L, kl_program *P)
+{
+	kl_status st = make_bufs(L, P);
+	if (st != KL_OK)
+		return st;
+	P->steps = calloc((size_t)L->norder + 1, sizeof(kl_step));
+	if (!P->steps)
+		return KL_ENOMEM;
+	kl_sb src = {0};
+	kl__sb_puts(&src, "/* generated by kiln: one translation unit for the kernels of a graph */\n");
+	if (L->o->target == KL_TARGET_CUDA) {
+		/* every CUDA kernel takes the program's buffers and symbols by value
+		 * in one parameter, which must fit the 4 KiB of kernel parameters */
+		if ((int64_t)P->nbufs + L->nsyms > 500) {
+			snprintf(L->err, L->errcap, "kl__lower: %d buffers and %d symbols exceed what one "
+			         "CUDA kernel parameter block holds (500)", (int)P->nbufs, (int)L->nsyms);
+			kl__sb_free(&src);
+			return KL_EUNSUPPORTED;
+		}
+		kl__sb_puts(&src, kl__render_cuda.prelude);
+		kl__sb_printf(&src, "struct kl_args { void *b[%d]; long long s[%d]; };\n\n",
+		              P->nbufs > 0 ? (int)P->nbufs : 1, L->nsyms > 0 ? (int)L->nsyms : 1);
+	} else {
+		kl__sb_puts(&src, kl__render_c.prelude);
+	}
+	/* the program's inputs: no step writes them, so a CUDA kernel after the
+	 * first step may start reading them before the step before it ends
+	 * (the runtime launches a range's first step without overlap) */
+	uint8_t *early = NULL;
+	if (L->o->target == KL_TARGET_CUDA && P->nbufs > 0) {
+		if (!(early = calloc((size_t)P->nbufs, 1))) {
+			kl__sb_free(&src);
+			return KL_ENOMEM;
+		}
+		for (int32_t b = 0; b < P->nbufs; b++)
+			early[b] = P->bufs[b].role == KL_BUF_INPUT;
+	}
+	for (int32_t k = 0; k < L->norder && st == KL_OK; k++) {
+		const kl_group *G = &L->gr[L->order[k]];
+		kl_step *sp = &P->steps[P->nsteps++];
+		if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION) {
+			sp->kind = KL_STEP_ATTENTION;
+			sp->kernel = -1;
+			add_attention_nodes(L, G->m[0], sp);
+			st = attention_step(L, P, G, sp);
+		} else if (G->matmul) {
+			sp->kind = KL_STEP_MATMUL;
+			sp->kernel = -1;
+			add_node(sp, L->orig[G->m[0]]);
+			st = matmul_step(L, P, G, sp);
+		} else {
+			st = kernel_step(L, P, G, sp, &src, P->nsteps > 1 ? early : NULL);
+		}
+	}
+	free(early);
+	if (st == KL_OK && src.oom)
+		st = KL_ENOMEM;
+	if (st == KL_OK) {
+		P->source = src.s;
+		src.s = NULL;
+	}
+	kl__sb_free(&src);
+	P->nsyms = L->nsyms;
+	memcpy(P->sym_input, L->sym_input, sizeof(P->sym_input));
+	memcpy(P->sym_dim, L->sym_dim, sizeof(P->sym_dim));
+	return st;
+}
+
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap)
+{
+	memset(out, 0, sizeof(*out));
+	char dummy[8];
+	if (!err || !errcap) {
+		err = dummy;
+		errcap = sizeof(dummy);
+	}
+	err[0] = 0;
+	kl_lctx L;
+	memset(&L, 0, sizeof(L));
+	L.o = o;
+	L.src = g;
+	L.err = err;
+	L.errcap = errcap;
+	kl_status st = KL_OK;
+	if (o->target != KL_TARGET_C && o->target != KL_TARGET_CUDA) {
+		snprintf(err, errcap, "kl__lower: unknown target %d", (int)o->target);
+		return KL_EUNSUPPORTED;
+	}
+	if (o->dyn_masks) {
+		L.src_sym = calloc((size_t)g->n * KL_MAX_DIMS + 1, sizeof(int32_t));
+		int32_t si[KL_MAX_DIMS * 4], sd[KL_MAX_DIMS * 4];
+		char why[256];
+		if (!L.src_sym) {
+			st = KL_ENOMEM;
+			goto done;
+		}
+		int ns = kl__graph_symbolize(g, o->dyn_masks, L.src_sym, si, sd, why, sizeof(why));
+		if (ns < 0) {
+			snprintf(err, errcap, "kl__lower: cannot keep dims dynamic: %s", why);
+			st = KL_EUNSUPPORTED;
+			goto done;
+		}
+	}
+	st = kl__attention_match(&L);
+	if (st == KL_OK)
+		st = kl__merge_plan(&L);
+	if (st == KL_OK)
+		st = kl__decompose(&L);
+	if (st == KL_OK)
+		st = kl__symbolize_lowered(&L);
+	if (st == KL_OK)
+		st = kl__schedule(&L);
+	if (st == KL_OK)
+		st = assemble(&L, out);
+	if (st == KL_OK && L.log.n) {
+		out->fusion_log = L.log.s;
+		L.log.s = NULL;
+	}
+done:
+	if (st == KL_ENOMEM && !err[0])
+		snprintf(err, errcap, "kl__lower: out of memory");
+	if (st != KL_OK)
+		kl__program_free(out);
+	lctx_free(&L);
+	return st;
+}

@@ -1,0 +1,144 @@
+/* program.h - what lowering hands the runtime: the buffers of a compiled
+ * graph, the steps that fill them, and the source of the generated kernels.
+ *
+ * This is the contract between `lower`/`codegen` (which build a program from
+ * a graph) and `runtime` (which compiles its source once, plans its memory,
+ * caches it on disk and executes it). It is plain data so that it hashes,
+ * serializes (disk cache, AOT packages) and prints.
+ */
+#ifndef KILN_PROGRAM_H
+#define KILN_PROGRAM_H
+
+#include "graph/graph.h"
+
+typedef enum kl_buf_role {
+	KL_BUF_INPUT,  /* graph input #index, bound at each call (any strides it was traced with) */
+	KL_BUF_OUTPUT, /* graph output #index, fresh dense tensor per call */
+	KL_BUF_TEMP    /* intermediate, dense; placed by the memory planner */
+} kl_buf_role;
+
+/* A dimension is a constant, or symbol k (a dynamic input dim) when sym > 0:
+ * its value at run time is ints[sym - 1] of the call. */
+typedef struct kl_symdim {
+	int64_t v;   /* value at trace time (the constant when sym == 0) */
+	int32_t sym; /* 0: static; k: symbol k */
+} kl_symdim;
+
+typedef struct kl_buf {
+	kl_buf_role role;
+	int32_t index; /* input / output number for INPUT and OUTPUT */
+	kl_dtype dtype;
+	int ndim;
+	kl_symdim shape[KL_MAX_DIMS];
+	/* OUTPUT: an output may alias an INPUT (returned unchanged) or another
+	 * output; alias >= 0 names that buffer, the runtime then returns a view. */
+	int32_t alias;
+	int64_t view_strides[KL_MAX_DIMS]; /* alias: the view's strides */
+	int64_t view_offset;
+} kl_buf;
+
+typedef enum kl_step_kind {
+	KL_STEP_KERNEL, /* generated kernel: fn(bufs, ints) */
+	KL_STEP_MATMUL, /* library matrix product (BLAS / cuBLASLt) */
+	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention.c; CUDA: backend/cuda/attention.c) */
+} kl_step_kind;
+
+/* The activation a product's epilogue applies last. */
+typedef enum kl_mm_act {
+	KL_MM_ACT_NONE = 0,
+	KL_MM_ACT_RELU,
+	KL_MM_ACT_GELU,      /* erf GELU (kl_gelu): the C target only, cuBLASLt has the tanh form */
+	KL_MM_ACT_GELU_TANH, /* kl_gelu_tanh: cuBLASLt's GELU epilogue */
+	KL_MM_ACT_COUNT
+} kl_mm_act;
+
+/* C[b] = act(alpha * op(A[b]) @ op(B[b]) + beta * X[b] + bias) over a batch,
+ * where each operand is addressed by element strides; batch index b spans up
+ * to KL_MAX_DIMS-2 batch dims with their own strides per operand. X is the
+ * residual buffer r when has_r, else C itself (in place, read only when
+ * beta != 0). bias is n elements at unit stride, shared by every row and
+ * batch. A zeroed epilogue (no r, no bias, KL_MM_ACT_NONE) is a plain
+ * product. */
+typedef struct kl_matmul_step {
+	int32_t a, b, c; /* buffer ids */
+	int64_t m, n, k;
+	int nbatch;
+	int64_t batch[KL_MAX_DIMS];
+	int64_t a_bstride[KL_MAX_DIMS], b_bstride[KL_MAX_DIMS], c_bstride[KL_MAX_DIMS];
+	int64_t a_off, b_off, c_off;  /* element offsets of the first matrix */
+	int64_t a_rs, a_cs, b_rs, b_cs; /* row/col strides of A (m x k) and B (k x n) */
+	int64_t ldc;
+	double alpha, beta;
+	/* epilogue (fused by the scheduler from the product's consumers) */
+	bool has_r, has_bias;
+	int32_t r, bias;                /* buffer ids when has_r / has_bias */
+	int64_t r_off, r_ld;            /* residual: first element, row stride (unit columns) */
+	int64_t r_bstride[KL_MAX_DIMS]; /* residual batch strides */
+	int64_t bias_off;
+	kl_mm_act act;
+} kl_matmul_step;
+
+/* O[b] = softmax(Q[b] K[b]^T * scale [+ causal mask]) V[b]: Q is tq x d, K
+ * tk x d, V tk x dv, O tq x dv (unit column stride, row stride o_rs >= dv: the
+ * step may write into a permuted layout, e.g. [b, t, h, d] for a [b, h, t, d]
+ * result that a copy would have transposed). Operands are addressed
+ * by element offset, row and column strides and per batch-dim strides; the
+ * batch spans nbatch dims. causal: key j is allowed for query i iff
+ * j <= i + (tk - tq). All four buffers have one float dtype. */
+typedef struct kl_attn_step {
+	int32_t q, k, v, o; /* buffer ids */
+	int64_t tq, tk, d, dv;
+	int nbatch;
+	int64_t batch[KL_MAX_DIMS];
+	int64_t q_bs[KL_MAX_DIMS], k_bs[KL_MAX_DIMS], v_bs[KL_MAX_DIMS], o_bs[KL_MAX_DIMS];
+	int64_t q_off, k_off, v_off;
+	int64_t q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
+	double scale;
+	int32_t causal;
+} kl_attn_step;
+
+#define KL_STEP_MAX_NODES 64
+
+typedef struct kl_step {
+	kl_step_kind kind;
+	int32_t kernel;      /* KERNEL: index into program.kernel_names */
+	/* KERNEL with a row loop: the rows one block takes at a time (0: not a
+	 * row kernel, or a renderer without thread groups) and the kernel's
+	 * rows, the product of these dims, so that a launch needs no more
+	 * blocks than rows / row_per */
+	int32_t row_per;
+	int32_t nrowdims;
+	kl_symdim rowdims[KL_MAX_DIMS];
+	kl_matmul_step mm;   /* MATMUL */
+	kl_attn_step at;     /* ATTENTION */
+	/* buffers this step reads and writes (for liveness and explain) */
+	int32_t reads[KL_NODE_MAX_IN * 2];
+	int32_t nreads;
+	int32_t writes[2];
+	int32_t nwrites;
+	/* the graph nodes this step computes (fused into it) */
+	int32_t nodes[KL_STEP_MAX_NODES];
+	int32_t nnodes;
+	double bytes; /* bytes read + written, each buffer once */
+	double flops;
+	char what[64]; /* short description: "pointwise", "row softmax", "matmul 64x64x64" */
+} kl_step;
+
+typedef struct kl_program {
+	kl_buf *bufs;
+	int32_t nbufs;
+	kl_step *steps;
+	int32_t nsteps;
+	int32_t nsyms;          /* symbols used by dims (ints[] length) */
+	/* symbol k's value = dim sym_dim[k-1] of graph input sym_input[k-1] */
+	int32_t sym_input[KL_MAX_DIMS * 4];
+	int32_t sym_dim[KL_MAX_DIMS * 4];
+	char **kernel_names;    /* generated function names: "k0", "k1", ... */
+	int32_t nkernels;
+	char *source;           /* all kernels of the graph: one translation unit */
+	char *fusion_log;       /* every fusion refused, with its reason (malloc'd, may be NULL) */
+} kl_program;
+
+void kl__program_free(kl_program *p);
+
+#endif

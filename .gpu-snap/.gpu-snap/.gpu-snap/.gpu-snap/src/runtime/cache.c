@@ -1,0 +1,319 @@
+/* cache.c - kiln's disk cache: a private directory of content-keyed entries.
+ * Every entry carries a header (magic, format, key, length, checksum) and is
+ * written to a unique temp file, fsync'd and renamed into place, so readers
+ * see a whole entry or none; a damaged entry is reported and rebuilt.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "runtime/rt.h"
+
+#define ENTRY_MAGIC "KILNCACH"
+#define ENTRY_FORMAT 1u
+#define ENTRY_HEADER 48u
+#define ENTRY_MAX_PAYLOAD ((uint64_t)1 << 32)
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+	for (int i = 0; i < 4; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+	uint32_t v = 0;
+	for (int i = 0; i < 4; i++)
+		v |= (uint32_t)p[i] << (8 * i);
+	return v;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v |= (uint64_t)p[i] << (8 * i);
+	return v;
+}
+
+/* mkdir -p, creating missing components private to us. */
+static bool make_dirs(char *path)
+{
+	size_t len = strlen(path);
+	for (size_t i = 1; i <= len; i++) {
+		if (path[i] != '/' && path[i] != '\0')
+			continue;
+		char c = path[i];
+		path[i] = '\0';
+		if (mkdir(path, 0700) != 0 && errno != EEXIST) {
+			path[i] = c;
+			return false;
+		}
+		path[i] = c;
+	}
+	return true;
+}
+
+bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap)
+{
+	const char *env = getenv("KILN_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME");
+	const char *home = getenv("HOME");
+	int n;
+	if (env && *env)
+		n = snprintf(buf, cap, "%s%s", env[0] == '-' ? "./" : "", env);
+	else if (xdg && xdg[0] == '/') /* the XDG spec ignores relative values */
+		n = snprintf(buf, cap, "%s/kiln", xdg);
+	else if (home && home[0] == '/')
+		n = snprintf(buf, cap, "%s/.cache/kiln", home);
+	else {
+		kl__log(ctx, KL_LOG_CACHE,
+		        "no cache directory (KILN_CACHE_DIR, XDG_CACHE_HOME and "
+		        "HOME unset): not caching on disk");
+		return false;
+	}
+	if (n <= 0 || (size_t)n >= cap - 64) {
+		kl__log(ctx, KL_LOG_CACHE, "cache directory path too long: not caching on disk");
+		return false;
+	}
+	while (n > 1 && buf[n - 1] == '/')
+		buf[--n] = '\0';
+	if (!make_dirs(buf)) {
+		kl__log(ctx, KL_LOG_CACHE, "cannot create %s: %s: not caching on disk", buf,
+		        strerror(errno));
+		return false;
+	}
+	/* We dlopen code from here: it must be ours and closed to others. */
+	struct stat st;
+	if (stat(buf, &st) != 0 || !S_ISDIR(st.st_mode)) {
+		kl__log(ctx, KL_LOG_CACHE, "%s is not a directory: not caching on disk", buf);
+		return false;
+	}
+	if (st.st_uid != geteuid() || (st.st_mode & 022)) {
+		kl__log(ctx, KL_LOG_CACHE,
+		        "%s is not private to this user (owner %ld, mode %03o): "
+		        "not caching on disk",
+		        buf, (long)st.st_uid, (unsigned)(st.st_mode & 0777));
+		return false;
+	}
+	return true;
+}
+
+kl_status kl__cache_workdir(kl_ctx *ctx, const char *cachedir, char *buf, size_t cap)
+{
+	const char *tmp = getenv("TMPDIR");
+	int n;
+	if (cachedir)
+		n = snprintf(buf, cap, "%s/.build-XXXXXX", cachedir);
+	else
+		n = snprintf(buf, cap, "%s/kiln-build-XXXXXX", tmp && tmp[0] == '/' ? tmp : "/tmp");
+	if (n <= 0 || (size_t)n >= cap)
+		return kl__err(ctx, KL_EIO, "kl_compile: build directory path too long");
+	if (!mkdtemp(buf))
+		return kl__err(ctx, KL_EIO, "kl_compile: cannot create a build directory in %s: %s",
+		               cachedir ? cachedir : "the temp dir", strerror(errno));
+	return KL_OK;
+}
+
+void kl__rmtree_flat(const char *dir)
+{
+	DIR *d = opendir(dir);
+	if (d) {
+		struct dirent *e;
+		char p[PATH_MAX];
+		while ((e = readdir(d))) {
+			if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+				continue;
+			if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < (int)sizeof p)
+				unlink(p);
+		}
+		closedir(d);
+	}
+	rmdir(dir);
+}
+
+static bool read_all(int fd, void *buf, size_t n)
+{
+	size_t done = 0;
+	while (done < n) {
+		ssize_t r = read(fd, (char *)buf + done, n - done);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return false;
+		done += (size_t)r;
+	}
+	return true;
+}
+
+static bool write_all(int fd, const void *buf, size_t n)
+{
+	size_t done = 0;
+	while (done < n) {
+		ssize_t w = write(fd, (const char *)buf + done, n - done);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return false;
+		done += (size_t)w;
+	}
+	return true;
+}
+
+kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
+                        void **payload, size_t *len)
+{
+	char path[PATH_MAX];
+	*payload = NULL;
+	*len = 0;
+	if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
+		return KL_EIO;
+	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	if (fd < 0) {
+		if (errno != ENOENT)
+			kl__log(ctx, KL_LOG_CACHE, "entry %s unreadable (%s): rebuilding", name,
+			        strerror(errno));
+		return KL_EIO;
+	}
+	const char *why = NULL;
+	uint8_t h[ENTRY_HEADER];
+	struct stat st;
+	uint8_t *data = NULL;
+	uint64_t plen = 0;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+		why = "not a regular file";
+	else if ((uint64_t)st.st_size < ENTRY_HEADER || !read_all(fd, h, ENTRY_HEADER))
+		why = "truncated header";
+	else if (memcmp(h, ENTRY_MAGIC, 8) != 0)
+		why = "bad magic";
+	else if (get_u32(h + 8) != ENTRY_FORMAT || get_u32(h + 12) != ENTRY_HEADER)
+		why = "unknown format version";
+	else if (get_u64(h + 40) != kl__hash_bytes(KL_HASH_SEED, h, 40))
+		why = "header checksum mismatch";
+	else if (get_u64(h + 16) != key)
+		why = "key mismatch";
+	else if ((plen = get_u64(h + 24)) > ENTRY_MAX_PAYLOAD)
+		why = "implausible length";
+	else if ((uint64_t)st.st_size - ENTRY_HEADER < plen)
+		why = "truncated";
+	else if ((uint64_t)st.st_size - ENTRY_HEADER > plen)
+		why = "trailing bytes";
+	else if (!(data = malloc(plen ? plen : 1)))
+		why = "out of memory";
+	else if (!read_all(fd, data, plen))
+		why = "truncated";
+	else if (kl__hash_bytes(KL_HASH_SEED, data, plen) != get_u64(h + 32))
+		why = "checksum mismatch";
+	close(fd);
+	if (why) {
+		free(data);
+		kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", name, why);
+		return KL_EFORMAT;
+	}
+	*payload = data;
+	*len = plen;
+	return KL_OK;
+}
+
+static void fsync_dir(const char *path)
+{
+	char dir[PATH_MAX];
+	snprintf(dir, sizeof dir, "%s", path);
+	char *slash = strrchr(dir, '/');
+	if (!slash)
+		snprintf(dir, sizeof dir, ".");
+	else if (slash == dir)
+		dir[1] = '\0';
+	else
+		*slash = '\0';
+	int fd = open(dir, O_RDONLY);
+	if (fd >= 0) {
+		fsync(fd);
+		close(fd);
+	}
+}
+
+kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
+                        const void *payload, size_t len)
+{
+	char tmp[PATH_MAX], path[PATH_MAX];
+	if (snprintf(tmp, sizeof tmp, "%s/.tmp-XXXXXX", dir) >= (int)sizeof tmp ||
+	    snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
+		return KL_EIO;
+	uint8_t h[ENTRY_HEADER];
+	memcpy(h, ENTRY_MAGIC, 8);
+	put_u32(h + 8, ENTRY_FORMAT);
+	put_u32(h + 12, ENTRY_HEADER);
+	put_u64(h + 16, key);
+	put_u64(h + 24, (uint64_t)len);
+	put_u64(h + 32, kl__hash_bytes(KL_HASH_SEED, payload, len));
+	put_u64(h + 40, kl__hash_bytes(KL_HASH_SEED, h, 40));
+	int fd = mkstemp(tmp);
+	if (fd < 0) {
+		kl__log(ctx, KL_LOG_CACHE, "cannot write entry %s: %s", name, strerror(errno));
+		return KL_EIO;
+	}
+	bool ok = write_all(fd, h, sizeof h) && write_all(fd, payload, len) && fsync(fd) == 0;
+	ok = close(fd) == 0 && ok;
+	if (!ok || rename(tmp, path) != 0) {
+		int e = errno;
+		unlink(tmp);
+		kl__log(ctx, KL_LOG_CACHE, "cannot write entry %s: %s", name, strerror(e));
+		return KL_EIO;
+	}
+	fsync_dir(path);
+	kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", name, len + ENTRY_HEADER);
+	return KL_OK;
+}
+
+kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final_path)
+{
+	int fd = open(tmp_path, O_RDONLY);
+	if (fd >= 0) {
+		fsync(fd);
+		close(fd);
+	}
+	if (rename(tmp_path, final_path) != 0) {
+		kl__log(ctx, KL_LOG_CACHE, "cannot move %s into place: %s", final_path,
+		        strerror(errno));
+		return KL_EIO;
+	}
+	fsync_dir(final_path);
+	return KL_OK;
+}
+
+kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size)
+{
+	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	if (fd < 0)
+		return KL_EIO;
+	uint64_t h = KL_HASH_SEED, n = 0;
+	uint8_t buf[1 << 15];
+	for (;;) {
+		ssize_t r = read(fd, buf, sizeof buf);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0) {
+			close(fd);
+			return KL_EIO;
+		}
+		if (r == 0)
+			break;
+		h = kl__hash_bytes(h, buf, (size_t)r);
+		n += (uint64_t)r;
+	}
+	close(fd);
+	*hash = h;
+	*size = n;
+	return KL_OK;
+}

@@ -1,0 +1,518 @@
+/* compile.c - graph -> compiled variant: key the graph, then either load its
+ * plan and shared object from the disk cache (no lowering, no codegen, no
+ * compiler) or lower it, JIT-build it and store both; finally plan memory.
+ */
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kiln_source_digest.h" /* generated: cmake/source_digest.cmake */
+#include "lower/lower.h"
+#include "runtime/rt.h"
+
+/* Bump when the meaning of a cached plan changes without its bytes changing.
+ * A change to what lowering makes of a graph needs no bump: the digest of
+ * the sources (KILN_SOURCE_DIGEST) is part of every key, so a rebuilt
+ * library never serves an older build's plans. 2: softmax by a row
+ * reciprocal, skinny CUDA products, register-row prefetch; 3: kernel splits,
+ * merged products. */
+#define RT_PLAN_VERSION 3u
+
+static atomic_long n_lowerings, n_cache_hits;
+
+long kl__rt_lowerings(void)
+{
+	return atomic_load(&n_lowerings);
+}
+
+long kl__rt_cache_hits(void)
+{
+	return atomic_load(&n_cache_hits);
+}
+
+static bool any_dynamic(const kl_graph *g, const uint32_t *masks)
+{
+	if (!masks)
+		return false;
+	for (int32_t i = 0; i < g->ninputs; i++)
+		if (masks[i])
+			return true;
+	return false;
+}
+
+/* Per node dim: its symbol (0 = static). *sym is NULL when nothing is dynamic. */
+static kl_status symbolize(kl_ctx *ctx, const kl_graph *g, const uint32_t *masks, int32_t **sym)
+{
+	*sym = NULL;
+	if (!any_dynamic(g, masks))
+		return KL_OK;
+	/* room for every input dim: symbolize may name each one */
+	size_t nsrc = (size_t)g->ninputs * KL_MAX_DIMS + 1;
+	int32_t *s = calloc((size_t)(g->n ? g->n : 1) * KL_MAX_DIMS, sizeof *s);
+	int32_t *si = calloc(nsrc, sizeof *si), *sd = calloc(nsrc, sizeof *sd);
+	if (!s || !si || !sd) {
+		free(s);
+		free(si);
+		free(sd);
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	}
+	char err[256] = "";
+	int n = kl__graph_symbolize(g, masks, s, si, sd, err, sizeof err);
+	free(si);
+	free(sd);
+	if (n > KL_MAX_DIMS * 4) {
+		snprintf(err, sizeof err, "%d symbols, a program holds %d", n, KL_MAX_DIMS * 4);
+		n = -1;
+	}
+	if (n <= 0) {
+		/* a dynamic dim the compiler cannot keep symbolic: compile this
+		 * graph for the traced sizes (its guards then cover the dim) */
+		if (n < 0)
+			kl__log(ctx, KL_LOG_RECOMPILES, "dynamic dims kept static: %s", err);
+		free(s);
+		return KL_OK;
+	}
+	*sym = s;
+	return KL_OK;
+}
+
+/* The graph with every symbolic dim replaced by -(symbol) and the strides of
+ * inputs that have symbolic dims dropped (such inputs are bound dense), so
+ * that one key covers every size of a dynamic dim. */
+static bool symbolic_hash(const kl_graph *g, const int32_t *sym, uint64_t *h)
+{
+	if (!sym) {
+		*h = kl__graph_hash(g);
+		return true;
+	}
+	kl_graph c;
+	if (kl__graph_copy(&c, g) != 0)
+		return false;
+	for (int32_t i = 0; i < c.n; i++) {
+		kl_node *n = &c.nodes[i];
+		bool dyn = false;
+		for (int d = 0; d < n->ndim; d++)
+			if (sym[i * KL_MAX_DIMS + d] > 0) {
+				n->shape[d] = -(int64_t)sym[i * KL_MAX_DIMS + d];
+				dyn = true;
+			}
+		if (dyn && n->op == KL_OP_INPUT)
+			memset(n->strides, 0, sizeof n->strides);
+	}
+	*h = kl__graph_hash(&c);
+	kl__graph_free(&c);
+	return true;
+}
+
+static uint64_t hash_str(uint64_t h, const char *s)
+{
+	return kl__hash_bytes(h, s ? s : "", s ? strlen(s) + 1 : 1);
+}
+
+static kl_status key_of(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg,
+                        const int32_t *sym, uint64_t *key)
+{
+	uint64_t h = hash_str(KL_HASH_SEED, "kiln plan");
+	h = hash_str(h, KL_VERSION_STRING);
+	uint64_t digest = KILN_SOURCE_DIGEST; /* the code that made the plan */
+	h = kl__hash_bytes(h, &digest, sizeof digest);
+	uint32_t head[4] = {RT_PLAN_VERSION, (uint32_t)ctx->device, cfg->fusion ? 1u : 0u,
+	                    /* the CPU runs every mode alike: they share entries */
+	                    ctx->device == KL_CPU ? 0u : (uint32_t)cfg->mode};
+	h = kl__hash_bytes(h, head, sizeof head);
+	uint64_t cc = ctx->device == KL_CPU ? kl__jit_cc_identity() : kl__cuda_rt_identity(ctx);
+	h = kl__hash_bytes(h, &cc, sizeof cc);
+	uint64_t gh;
+	if (!symbolic_hash(g, sym, &gh))
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	h = kl__hash_bytes(h, &gh, sizeof gh);
+	if (cfg->given) {
+		uint8_t *bytes = NULL;
+		size_t len = 0;
+		if (kl__program_serialize(cfg->given, &bytes, &len) != KL_OK)
+			return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		h = kl__hash_bytes(h, bytes, len);
+		free(bytes);
+		h = hash_str(h, cfg->given->source);
+	}
+	*key = h;
+	return KL_OK;
+}
+
+kl_status kl__compile_key(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg, uint64_t *key)
+{
+	int32_t *sym;
+	kl_status st = symbolize(ctx, g, cfg->dyn_masks, &sym);
+	if (st == KL_OK)
+		st = key_of(ctx, g, cfg, sym, key);
+	free(sym);
+	return st;
+}
+
+void kl__compiled_free(kl_compiled *c)
+{
+	if (!c)
+		return;
+	if (c->dev) {
+		kl__cuda_rt_free(c);
+		c->arena = NULL; /* the device arena went with it */
+	}
+	kl__jit_unload(c->dl);
+	free(c->fns);
+	kl__program_free(&c->prog);
+	kl__graph_free(&c->g);
+	free(c->in_strides);
+	free(c->in_dynamic);
+	kl__memplan_free(&c->plan);
+	free(c->arena);
+	free(c->scratch);
+	free(c);
+}
+
+/* ---- the cache entries: plan-<key>.klc and so-<key>-<digest>.so ------------ */
+
+static void entry_names(uint64_t key, uint64_t so_hash, char *plan, char *so, size_t cap)
+{
+	snprintf(plan, cap, "plan-%016" PRIx64 ".klc", key);
+	snprintf(so, cap, "so-%016" PRIx64 "-%016" PRIx64 ".so", key, so_hash);
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v |= (uint64_t)p[i] << (8 * i);
+	return v;
+}
+
+static kl_status load_kernels(kl_ctx *ctx, kl_compiled *c, const char *so_path)
+{
+	if (c->prog.nkernels == 0)
+		return KL_OK;
+	c->fns = calloc((size_t)c->prog.nkernels, sizeof *c->fns);
+	if (!c->fns)
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	return kl__jit_load(ctx, so_path, c->prog.kernel_names, c->prog.nkernels, &c->dl, c->fns);
+}
+
+/* KL_OK when the plan and its binary came from the cache and are loaded. */
+static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
+{
+	char plan[96], so[96], path[PATH_MAX];
+	entry_names(c->key, 0, plan, so, sizeof plan);
+	void *payload;
+	size_t len;
+	kl_status st = kl__cache_get(ctx, dir, plan, c->key, &payload, &len);
+	if (st == KL_EIO)
+		kl__log(ctx, KL_LOG_CACHE, "miss %s", plan);
+	if (st != KL_OK)
+		return st;
+	char err[256] = "";
+	uint64_t so_hash = 0, so_size = 0;
+	if (len < 16)
+		st = KL_EFORMAT;
+	else {
+		so_hash = get_u64(payload);
+		so_size = get_u64((uint8_t *)payload + 8);
+		st = kl__program_deserialize((uint8_t *)payload + 16, len - 16, &c->prog, err,
+		                             sizeof err);
+		if (st == KL_OK)
+			st = kl__program_validate(&c->prog, c->nin, c->nout, err, sizeof err);
+	}
+	free(payload);
+	if (st != KL_OK) {
+		kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", plan,
+		        err[0] ? err : "short payload");
+		kl__program_free(&c->prog);
+		memset(&c->prog, 0, sizeof c->prog);
+		return KL_EFORMAT;
+	}
+	if (c->cuda) {
+		st = kl__cuda_rt_load(ctx, c, dir, so_hash, so_size);
+		if (st != KL_OK) {
+			kl_clear_error(ctx);
+			kl__cuda_rt_free(c);
+			kl__program_free(&c->prog);
+			memset(&c->prog, 0, sizeof c->prog);
+			return KL_EFORMAT;
+		}
+	} else if (c->prog.nkernels > 0) {
+		entry_names(c->key, so_hash, plan, so, sizeof so);
+		uint64_t h, n;
+		const char *why = NULL;
+		if (snprintf(path, sizeof path, "%s/%s", dir, so) >= (int)sizeof path ||
+		    kl__file_digest(path, &h, &n) != KL_OK)
+			why = "missing";
+		else if (n != so_size)
+			why = "size mismatch";
+		else if (h != so_hash)
+			why = "checksum mismatch";
+		if (why) {
+			kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", so, why);
+			st = KL_EFORMAT;
+		} else if ((st = load_kernels(ctx, c, path)) != KL_OK) {
+			kl__log(ctx, KL_LOG_CACHE, "entry %s unusable (%s): rebuilding", so,
+			        kl_last_error(ctx));
+			kl_clear_error(ctx);
+		}
+		if (st != KL_OK) {
+			free(c->fns);
+			c->fns = NULL;
+			kl__program_free(&c->prog);
+			memset(&c->prog, 0, sizeof c->prog);
+			return st;
+		}
+	}
+	kl__log(ctx, KL_LOG_CACHE, "hit %s (%d steps, %d kernels)", plan, (int)c->prog.nsteps,
+	        (int)c->prog.nkernels);
+	return KL_OK;
+}
+
+/* A program we own, validated: the given one (copied) or a fresh lowering. */
+static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
+                              const kl_compile_cfg *cfg, bool symbolic)
+{
+	char err[512] = "";
+	kl_status st;
+	if (cfg->given) {
+		uint8_t *bytes = NULL;
+		size_t len = 0;
+		st = kl__program_serialize(cfg->given, &bytes, &len);
+		if (st == KL_OK)
+			st = kl__program_deserialize(bytes, len, &c->prog, err, sizeof err);
+		free(bytes);
+		if (st == KL_OK && cfg->given->source &&
+		    !(c->prog.source = strdup(cfg->given->source)))
+			st = KL_ENOMEM;
+		if (st == KL_OK && cfg->given->fusion_log && !c->prog.fusion_log &&
+		    !(c->prog.fusion_log = strdup(cfg->given->fusion_log)))
+			st = KL_ENOMEM;
+	} else {
+		kl_lower_opts lo = {.target = ctx->device == KL_CUDA ? KL_TARGET_CUDA : KL_TARGET_C,
+		                    .fusion = cfg->fusion,
+		                    .dyn_masks = symbolic ? cfg->dyn_masks : NULL,
+		                    .log_ctx = ctx};
+		atomic_fetch_add(&n_lowerings, 1);
+		st = kl__lower(g, &lo, &c->prog, err, sizeof err);
+		if (st != KL_OK)
+			return kl__err(ctx, st, "kl_compile: lowering failed: %s", err);
+	}
+	if (st == KL_OK)
+		st = kl__program_validate(&c->prog, c->nin, c->nout, err, sizeof err);
+	if (st != KL_OK)
+		return kl__err(ctx, st, "kl_compile: invalid program: %s", err);
+	if (c->prog.nkernels > 0 && !c->prog.source)
+		return kl__err(ctx, KL_EINVAL, "kl_compile: program has %d kernels but no source",
+		               (int)c->prog.nkernels);
+	const char *name = cfg->name ? cfg->name : "graph";
+	kl__log(ctx, KL_LOG_FUSION, "%s graph %d: %d nodes -> %d steps (%d generated kernels)%s",
+	        name, cfg->graph_index, (int)g->n, (int)c->prog.nsteps, (int)c->prog.nkernels,
+	        cfg->fusion ? "" : ", fusion off");
+	/* the fusion decisions themselves were logged by lowering (log_ctx) */
+	if (c->prog.source && (ctx->logs & KL_LOG_OUTPUT_CODE)) {
+		kl__log(ctx, KL_LOG_OUTPUT_CODE, "%s graph %d, key %016" PRIx64 ":", name,
+		        cfg->graph_index, c->key);
+		fputs(c->prog.source, stderr);
+		fflush(stderr);
+	}
+	return KL_OK;
+}
+
+/* JIT-build the program's source; publish binary and plan when dir is set. */
+static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
+{
+	char work[PATH_MAX], so_tmp[PATH_MAX], plan[96], so[96], final[PATH_MAX];
+	uint64_t so_hash = 0, so_size = 0;
+	kl_status st = KL_OK;
+	if (c->cuda) {
+		st = kl__cuda_rt_build(ctx, c, dir, &so_hash, &so_size);
+		if (st != KL_OK)
+			return st;
+	} else if (c->prog.nkernels > 0) {
+		st = kl__cache_workdir(ctx, dir, work, sizeof work);
+		if (st != KL_OK)
+			return st;
+		st = kl__jit_cc_build(ctx, c->prog.source, work, so_tmp, sizeof so_tmp);
+		if (st == KL_OK && kl__file_digest(so_tmp, &so_hash, &so_size) != KL_OK)
+			st = kl__err(ctx, KL_EIO, "kl_compile: cannot read back %s", so_tmp);
+		const char *load_from = so_tmp;
+		if (st == KL_OK && dir) {
+			entry_names(c->key, so_hash, plan, so, sizeof so);
+			if (snprintf(final, sizeof final, "%s/%s", dir, so) < (int)sizeof final &&
+			    kl__cache_publish(ctx, so_tmp, final) == KL_OK) {
+				load_from = final;
+				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%" PRIu64 " bytes)", so,
+				        so_size);
+			}
+		}
+		if (st == KL_OK)
+			st = load_kernels(ctx, c, load_from);
+		kl__rmtree_flat(work);
+		if (st != KL_OK)
+			return st;
+	}
+	if (dir) {
+		uint8_t *bytes = NULL;
+		size_t len = 0;
+		if (kl__program_serialize(&c->prog, &bytes, &len) != KL_OK)
+			return KL_OK; /* the variant works; only the cache misses out */
+		uint8_t *payload = malloc(len + 16);
+		if (payload) {
+			put_u64(payload, so_hash);
+			put_u64(payload + 8, so_size);
+			memcpy(payload + 16, bytes, len);
+			entry_names(c->key, so_hash, plan, so, sizeof plan);
+			kl__cache_put(ctx, dir, plan, c->key, payload, len + 16);
+		}
+		free(payload);
+		free(bytes);
+	}
+	return KL_OK;
+}
+
+static int64_t buf_numel(const kl_buf *bf)
+{
+	int64_t n = 1;
+	for (int d = 0; d < bf->ndim; d++)
+		n *= bf->shape[d].v;
+	return n;
+}
+
+/* Products read inputs through their traced strides: the farthest element
+ * they address must lie inside the input as traced. */
+static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
+{
+	for (int32_t s = 0; s < c->prog.nsteps; s++) {
+		const kl_step *sp = &c->prog.steps[s];
+		if (sp->kind != KL_STEP_MATMUL)
+			continue;
+		/* a, b, the residual, the bias (kl__mm_extent's 0, 1, 3, 4) */
+		int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
+		bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
+		for (int w = 0; w < 4; w++) {
+			if (!has[w])
+				continue;
+			const kl_buf *bf = &c->prog.bufs[ids[w]];
+			if (bf->role != KL_BUF_INPUT)
+				continue;
+			int64_t reach = 0, ext = kl__mm_extent(&sp->mm, w < 2 ? w : w + 1);
+			for (int d = 0; d < bf->ndim; d++)
+				reach += (bf->shape[d].v - 1) * c->in_strides[bf->index][d];
+			if (buf_numel(bf) == 0 ? ext >= 0 : ext > reach)
+				return kl__err(
+				        ctx, KL_EFORMAT,
+				        "kl_compile: step %d: matmul operand %c "
+				        "reaches element %lld of input %d, which ends at %lld",
+				        (int)s, "abrv"[w], (long long)ext, (int)bf -> index,
+				        (long long)reach);
+		}
+	}
+	return KL_OK;
+}
+
+kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg)
+{
+	if (ctx->device != KL_CPU && ctx->device != KL_CUDA) {
+		kl__err(ctx, KL_EUNSUPPORTED, "kl_compile: no compiled runtime for this device");
+		return NULL;
+	}
+	kl_compiled *c = calloc(1, sizeof *c);
+	int32_t *sym = NULL;
+	if (!c) {
+		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		return NULL;
+	}
+	c->mode = cfg->mode;
+	c->fusion = cfg->fusion;
+	c->cuda = ctx->device == KL_CUDA;
+	c->nin = g->ninputs;
+	c->nout = g->noutputs;
+	c->in_strides = calloc((size_t)(c->nin ? c->nin : 1), sizeof *c->in_strides);
+	c->in_dynamic = calloc((size_t)(c->nin ? c->nin : 1), sizeof *c->in_dynamic);
+	if (!c->in_strides || !c->in_dynamic || kl__graph_copy(&c->g, g) != 0) {
+		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		goto fail;
+	}
+	if (symbolize(ctx, g, cfg->dyn_masks, &sym) != KL_OK ||
+	    key_of(ctx, g, cfg, sym, &c->key) != KL_OK)
+		goto fail;
+	for (int32_t i = 0; i < c->nin; i++) {
+		const kl_node *n = &g->nodes[g->inputs[i]];
+		memcpy(c->in_strides[i], n->strides, sizeof c->in_strides[i]);
+		for (int d = 0; sym && d < n->ndim; d++)
+			if (sym[g->inputs[i] * KL_MAX_DIMS + d] > 0)
+				c->in_dynamic[i] = true;
+	}
+	bool symbolic = sym != NULL;
+	free(sym);
+	sym = NULL;
+
+	char dir[PATH_MAX];
+	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
+	double t0 = kl__now_ms();
+	if (have_dir && load_cached(ctx, c, dir) == KL_OK) {
+		c->from_cache = true;
+		atomic_fetch_add(&n_cache_hits, 1);
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "variant %016" PRIx64 ": plan and binary from the disk cache %.3f ms",
+		        c->key, kl__now_ms() - t0);
+	} else {
+		double t1 = kl__now_ms();
+		if (make_program(ctx, c, g, cfg, symbolic) != KL_OK)
+			goto fail;
+		double t2 = kl__now_ms();
+		if (build(ctx, c, have_dir ? dir : NULL) != KL_OK)
+			goto fail;
+		kl__log(ctx, KL_LOG_STARTUP,
+		        "variant %016" PRIx64 ": cache lookup %.3f ms, lowering %.3f ms, build (%s) "
+		        "%.3f ms",
+		        c->key, t1 - t0, t2 - t1, c->cuda ? "NVRTC, module load" : "cc, dlopen",
+		        kl__now_ms() - t2);
+	}
+	for (int32_t s = 0; s < c->prog.nsteps; s++)
+		for (int i = 0; i < c->prog.steps[s].nnodes; i++)
+			if (c->prog.steps[s].nodes[i] >= g->n) {
+				kl__err(ctx, KL_EFORMAT,
+				        "kl_compile: step %d names node %d of a %d-node "
+				        "graph",
+				        (int)s, (int)c->prog.steps[s].nodes[i], (int)g->n);
+				goto fail;
+			}
+	for (int32_t b = 0; b < c->prog.nbufs; b++)
+		if (c->prog.bufs[b].role == KL_BUF_INPUT) {
+			const kl_buf *bf = &c->prog.bufs[b];
+			const kl_node *n = &g->nodes[g->inputs[bf->index]];
+			if (bf->dtype != n->dtype || bf->ndim != n->ndim) {
+				kl__err(ctx, KL_EFORMAT,
+				        "kl_compile: input buffer %d does not match graph "
+				        "input %d",
+				        (int)b, (int)bf->index);
+				goto fail;
+			}
+		}
+	if (check_input_reach(ctx, c) != KL_OK)
+		goto fail;
+	c->dynamic = c->prog.nsyms > 0;
+	for (int32_t k = 0; k < c->prog.nsyms; k++) {
+		const kl_node *n = &g->nodes[g->inputs[c->prog.sym_input[k]]];
+		c->plan_syms[k] = n->shape[c->prog.sym_dim[k]];
+	}
+	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK) {
+		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
+		goto fail;
+	}
+	if (c->cuda)
+		kl__cuda_rt_prepare(ctx, c);
+	return c;
+fail:
+	free(sym);
+	kl__compiled_free(c);
+	return NULL;
+}

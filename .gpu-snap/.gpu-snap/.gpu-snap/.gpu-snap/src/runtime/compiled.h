@@ -1,0 +1,133 @@
+/* compiled.h - the runtime's contract with capture (and tools): turn a graph
+ * into a compiled variant (lowered or loaded from the disk cache, JIT-built,
+ * memory-planned) and run it on materialized tensors.
+ */
+#ifndef KILN_COMPILED_H
+#define KILN_COMPILED_H
+
+#include "core/core.h"
+#include "lower/program.h"
+
+typedef struct kl_compile_cfg {
+	kl_mode mode;
+	bool fusion;
+	/* per graph input: bitmask of its dims that are dynamic (NULL: none) */
+	const uint32_t *dyn_masks;
+	/* for logs and explain: the compiled function and the graph's index */
+	const char *name;
+	int graph_index;
+	/* Non-NULL: compile this program instead of lowering the graph (hand-written
+	 * programs in tests, AOT). Its source is part of the cache key. */
+	const kl_program *given;
+} kl_compile_cfg;
+
+typedef void (*kl_kernel_fn)(void *const *bufs, const int64_t *syms);
+
+/* The memory plan of the TEMP buffers: one arena, a slot per buffer. */
+typedef struct kl_memplan {
+	int32_t *slot; /* per buffer: slot index, -1 when not planned (not TEMP, empty) */
+	size_t *off;   /* per buffer: byte offset in the arena */
+	int32_t nslots;
+	size_t arena_bytes; /* planned peak of the temps (sum of the slots) */
+	size_t temp_bytes;  /* the temps' sizes added up, as if none were reused */
+	size_t out_bytes;   /* the outputs (fresh per call) */
+} kl_memplan;
+
+typedef struct kl_compiled {
+	kl_program prog; /* validated; prog.source is NULL when loaded from the cache */
+	kl_graph g;      /* the graph it was compiled from (explain, guards) */
+	uint64_t key;    /* content key of the cache entry */
+	bool from_cache; /* no lowering, codegen or compiler ran for it */
+	bool dynamic;    /* some dim is a symbol */
+	kl_mode mode;
+	bool fusion;
+	int nin;  /* graph inputs */
+	int nout; /* graph outputs */
+	/* per graph input: the strides kernels index it with (static inputs) */
+	int64_t (*in_strides)[KL_MAX_DIMS];
+	bool *in_dynamic;
+	/* the shared object and its kernels */
+	void *dl;
+	kl_kernel_fn *fns;
+	/* CUDA contexts: module, functions, device arena, graph (rt_cuda.c) */
+	bool cuda;
+	struct kl_cuda_rt *dev;
+	/* memory: the plan for plan_syms, its arena, scratch for library calls */
+	kl_memplan plan;
+	int64_t plan_syms[KL_MAX_DIMS * 4];
+	void *arena;
+	size_t arena_cap;
+	void *scratch;
+	size_t scratch_cap;
+	/* counters */
+	int last_launches;
+	uint64_t runs;
+	uint64_t launches;
+} kl_compiled;
+
+/* The cache key of compiling g with cfg on ctx's device (a graph structural
+ * hash with dynamic dims symbolized, the inputs' strides, the options, the
+ * target, compiler and flags, kiln's version). Equal keys compile alike. */
+kl_status kl__compile_key(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg, uint64_t *key);
+
+/* Lower g (or load its plan and binary from the disk cache), JIT-compile,
+ * plan memory. NULL with ctx's error set on failure. */
+kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg);
+void kl__compiled_free(kl_compiled *c);
+
+/* Run c: inputs[i] is graph input i (materialized, the dtype/shape/strides it
+ * was compiled for, dynamic dims free). outputs[j] receives a reference the
+ * caller owns (in no scope, whether or not one is open). On failure no
+ * output is left behind. */
+kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
+                           kl_tensor **outputs);
+
+/* The steps of c with the nodes fused into each, bytes, FLOPs, planned peak. */
+void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
+
+/* Process-wide counters: compiler invocations, lowerings (with codegen),
+ * cache hits. A warm process shows zero compiles and zero lowerings. */
+long kl__jit_compiles(void);
+long kl__rt_lowerings(void);
+long kl__rt_cache_hits(void);
+
+/* ---- the CUDA half (backend/cuda/rt_cuda.c; absent.c without CUDA) --------- */
+
+/* A hash of what a cubin depends on besides the source: the device's
+ * architecture and the NVRTC version. */
+uint64_t kl__cuda_rt_identity(kl_ctx *ctx);
+/* Compile c's source with NVRTC for ctx's device, store the image in the
+ * disk cache (dir may be NULL) and load it; *bin_hash / *bin_size name it in
+ * the plan entry. */
+kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t *bin_hash,
+                            uint64_t *bin_size);
+/* Load c's image from the disk cache; KL_EFORMAT when absent or corrupt. */
+kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
+                           uint64_t bin_size);
+/* Set-up the first call would otherwise do, done once c is ready (built or
+ * read from the cache, buffers planned): each product step's cuBLASLt
+ * descriptors and algorithm choice. Runs nothing on the device; a failure
+ * is logged (KILN_LOGS=startup) and left for the first call to report. */
+void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c);
+/* A device arena of at least bytes; *base receives its address. */
+kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base);
+/* Run every step on the stream (B: device addresses per buffer), through
+ * a CUDA graph under reduce-overhead / max-autotune. */
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms);
+/* Whether the last run replayed a captured graph. */
+bool kl__cuda_rt_replaying(const kl_compiled *c);
+void kl__cuda_rt_free(kl_compiled *c);
+
+/* ---- programs as data ------------------------------------------------------ */
+
+/* Strict structural check of a program: counts, ids in range, names
+ * [a-z0-9_], inputs/outputs complete. ninputs/noutputs < 0: not checked. */
+kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
+                               size_t errcap);
+/* Serialize everything but the source (malloc'd buffer). */
+kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
+/* Parse and validate; out's source is NULL. */
+kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out, char *err,
+                                  size_t errcap);
+
+#endif /* KILN_COMPILED_H */

@@ -1,0 +1,811 @@
+/* program_io.c - programs as bytes: a strict validator (every count, id and
+ * name checked, so a program from the disk cache or a buggy pass cannot make
+ * the executor index out of bounds) and a little-endian serializer.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "runtime/rt.h"
+
+#define PROG_MAGIC "KLPROG01"
+/* 2: attention steps; 3: product epilogues (residual, bias, activation);
+ * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims) */
+#define PROG_FORMAT 4u
+#define MAX_COUNT (1 << 20)
+#define MAX_NAME 63
+
+static kl_status fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
+static kl_status fail(char *err, size_t cap, const char *fmt, ...)
+{
+	if (err && cap) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(err, cap, fmt, ap);
+		va_end(ap);
+	}
+	return KL_EFORMAT;
+}
+
+static bool name_ok(const char *s)
+{
+	if (!s || !*s || (*s >= '0' && *s <= '9'))
+		return false;
+	size_t n = 0;
+	for (; s[n]; n++)
+		if (!((s[n] >= 'a' && s[n] <= 'z') || (s[n] >= '0' && s[n] <= '9') ||
+		      s[n] == '_') ||
+		    n >= MAX_NAME)
+			return false;
+	return true;
+}
+
+static bool text_ok(const char *s, size_t max)
+{
+	for (size_t i = 0; i < max; i++) {
+		unsigned char c = (unsigned char)s[i];
+		if (c == '\0')
+			return true;
+		if ((c < 0x20 && c != '\n' && c != '\t') || c > 0x7e)
+			return false;
+	}
+	return false;
+}
+
+static int64_t buf_numel(const kl_buf *b)
+{
+	int64_t n = 1;
+	for (int d = 0; d < b->ndim; d++)
+		if (__builtin_mul_overflow(n, b->shape[d].v, &n))
+			return -1;
+	return n;
+}
+
+/* The largest element index an operand addresses, or -1 when the operand is
+ * empty; -2 on overflow or a negative stride. */
+static int64_t operand_extent(int64_t off, int nbatch, const int64_t *batch, const int64_t *bst,
+                              int64_t rows, int64_t rs, int64_t cols, int64_t cs)
+{
+	if (rows == 0 || cols == 0)
+		return -1;
+	int64_t hi = off, t;
+	for (int i = 0; i < nbatch; i++) {
+		if (batch[i] == 0)
+			return -1;
+		if (bst[i] < 0 || __builtin_mul_overflow(batch[i] - 1, bst[i], &t) ||
+		    __builtin_add_overflow(hi, t, &hi))
+			return -2;
+	}
+	if (rs < 0 || cs < 0 || __builtin_mul_overflow(rows - 1, rs, &t) ||
+	    __builtin_add_overflow(hi, t, &hi) || __builtin_mul_overflow(cols - 1, cs, &t) ||
+	    __builtin_add_overflow(hi, t, &hi))
+		return -2;
+	return hi;
+}
+
+int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
+{
+	switch (which) {
+	case 0:
+		return operand_extent(mm->a_off, mm->nbatch, mm->batch, mm->a_bstride, mm->m,
+		                      mm->a_rs, mm->k, mm->a_cs);
+	case 1:
+		return operand_extent(mm->b_off, mm->nbatch, mm->batch, mm->b_bstride, mm->k,
+		                      mm->b_rs, mm->n, mm->b_cs);
+	case 2:
+		return operand_extent(mm->c_off, mm->nbatch, mm->batch, mm->c_bstride, mm->m,
+		                      mm->ldc, mm->n, 1);
+	case 3:
+		return operand_extent(mm->r_off, mm->nbatch, mm->batch, mm->r_bstride, mm->m,
+		                      mm->r_ld, mm->n, 1);
+	default:
+		return operand_extent(mm->bias_off, 0, NULL, NULL, 1, 0, mm->n, 1);
+	}
+}
+
+static bool in_ids(const int32_t *ids, int32_t n, int32_t b)
+{
+	for (int32_t i = 0; i < n; i++)
+		if (ids[i] == b)
+			return true;
+	return false;
+}
+
+static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t cap)
+{
+	const kl_step *sp = &p->steps[s];
+	const kl_matmul_step *mm = &sp->mm;
+	/* operands a, b, c, then the residual and the bias when present */
+	int32_t ids[5] = {mm->a, mm->b, mm->c, mm->r, mm->bias};
+	int which[5] = {0, 1, 2, 3, 4}, nid = 3;
+	if ((unsigned)mm->act >= KL_MM_ACT_COUNT)
+		return fail(err, cap, "step %d: matmul activation %d out of range", s, (int)mm->act);
+	if (mm->has_r)
+		nid++;
+	if (mm->has_bias) {
+		ids[nid] = mm->bias;
+		which[nid++] = 4;
+	}
+	for (int i = 0; i < nid; i++)
+		if (ids[i] < 0 || ids[i] >= p->nbufs)
+			return fail(err, cap, "step %d: matmul operand %d out of range", s, ids[i]);
+	for (int i = 3; i < nid; i++) {
+		if (ids[i] == mm->c)
+			return fail(err, cap, "step %d: matmul %s is its result buffer", s,
+			            which[i] == 3 ? "residual" : "bias");
+		if (p->bufs[ids[i]].dtype != p->bufs[mm->c].dtype)
+			return fail(err, cap, "step %d: matmul %s is %s, the result %s", s,
+			            which[i] == 3 ? "residual" : "bias",
+			            kl_dtype_name(p->bufs[ids[i]].dtype),
+			            kl_dtype_name(p->bufs[mm->c].dtype));
+	}
+	/* the planner knows a step's buffers from its reads and writes only */
+	if (!in_ids(sp->writes, sp->nwrites, mm->c))
+		return fail(err, cap, "step %d: matmul result %d is not among its writes", s, mm->c);
+	for (int i = 0; i < nid; i++)
+		if (i != 2 && !in_ids(sp->reads, sp->nreads, ids[i]))
+			return fail(err, cap, "step %d: matmul operand %d is not among its reads", s,
+			            ids[i]);
+	if (mm->has_r && (mm->r_off < 0 || mm->r_ld < (mm->m > 1 ? mm->n : 0)))
+		return fail(err, cap, "step %d: matmul residual offset or row stride out of range", s);
+	if (mm->has_bias && mm->bias_off < 0)
+		return fail(err, cap, "step %d: matmul bias offset out of range", s);
+	for (int i = 0; i < nid; i++)
+		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
+			if (p->bufs[ids[i]].shape[d].sym)
+				return fail(err, cap, "step %d: matmul over a symbolic dim", s);
+	const kl_buf *c = &p->bufs[mm->c];
+	if (c->role == KL_BUF_INPUT || (c->role == KL_BUF_OUTPUT && c->alias >= 0))
+		return fail(err, cap, "step %d: matmul writes an input or a view", s);
+	if (mm->m < 0 || mm->n < 0 || mm->k < 0 || mm->nbatch < 0 || mm->nbatch > KL_MAX_DIMS - 2)
+		return fail(err, cap, "step %d: matmul sizes out of range", s);
+	for (int i = 0; i < mm->nbatch; i++)
+		if (mm->batch[i] < 0)
+			return fail(err, cap, "step %d: matmul batch out of range", s);
+	if (!isfinite(mm->alpha) || !isfinite(mm->beta) || mm->ldc < (mm->n ? mm->n : 0) ||
+	    mm->a_off < 0 || mm->b_off < 0 || mm->c_off < 0)
+		return fail(err, cap, "step %d: matmul scalars or strides out of range", s);
+	for (int i = 0; i < nid; i++) {
+		int64_t ext = kl__mm_extent(mm, which[i]), n = buf_numel(&p->bufs[ids[i]]);
+		/* an input is addressed through the strides it was traced with, which
+		 * the program does not hold: kl__compile checks those against them */
+		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
+			return fail(err, cap,
+			            "step %d: matmul operand %c reaches element %lld of %lld", s,
+			            "abcrv"[which[i]], (long long)ext, (long long)n);
+	}
+	return KL_OK;
+}
+
+static bool float_dt(kl_dtype dt)
+{
+	return dt == KL_F32 || dt == KL_F64 || dt == KL_F16 || dt == KL_BF16;
+}
+
+static kl_status check_attention(const kl_program *p, int32_t s, char *err, size_t cap)
+{
+	const kl_attn_step *a = &p->steps[s].at;
+	int32_t ids[4] = {a->q, a->k, a->v, a->o};
+	for (int i = 0; i < 4; i++)
+		if (ids[i] < 0 || ids[i] >= p->nbufs)
+			return fail(err, cap, "step %d: attention operand %d out of range", s, ids[i]);
+	kl_dtype dt = p->bufs[a->o].dtype;
+	for (int i = 0; i < 4; i++) {
+		if (p->bufs[ids[i]].dtype != dt || !float_dt(dt))
+			return fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
+			            s);
+		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
+			if (p->bufs[ids[i]].shape[d].sym)
+				return fail(err, cap, "step %d: attention over a symbolic dim", s);
+	}
+	const kl_buf *o = &p->bufs[a->o];
+	if (o->role == KL_BUF_INPUT || (o->role == KL_BUF_OUTPUT && o->alias >= 0))
+		return fail(err, cap, "step %d: attention writes an input or a view", s);
+	if (a->tq < 0 || a->tk < 0 || a->d < 0 || a->dv < 0 || a->nbatch < 0 ||
+	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) || (a->causal != 0 && a->causal != 1) ||
+	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0)
+		return fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
+	for (int i = 0; i < a->nbatch; i++)
+		if (a->batch[i] < 0)
+			return fail(err, cap, "step %d: attention batch out of range", s);
+	int64_t ext[4] = {
+	        operand_extent(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d, a->q_cs),
+	        operand_extent(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d, a->k_cs),
+	        operand_extent(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv, a->v_cs),
+	        operand_extent(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1)};
+	for (int i = 0; i < 4; i++) {
+		int64_t n = buf_numel(&p->bufs[ids[i]]);
+		if (ext[i] == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext[i] >= n))
+			return fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
+			            s, "qkvo"[i], (long long)ext[i], (long long)n);
+	}
+	return KL_OK;
+}
+
+kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
+                               size_t cap)
+{
+	if (p->nbufs < 0 || p->nbufs > MAX_COUNT || p->nsteps < 0 || p->nsteps > MAX_COUNT ||
+	    p->nkernels < 0 || p->nkernels > MAX_COUNT || p->nsyms < 0 ||
+	    p->nsyms > KL_MAX_DIMS * 4)
+		return fail(err, cap, "counts out of range");
+	if ((p->nbufs && !p->bufs) || (p->nsteps && !p->steps) || (p->nkernels && !p->kernel_names))
+		return fail(err, cap, "missing arrays");
+	int32_t nout = 0, maxin = -1, maxout = -1;
+	for (int32_t b = 0; b < p->nbufs; b++) {
+		const kl_buf *bf = &p->bufs[b];
+		if ((unsigned)bf->role > KL_BUF_TEMP || (unsigned)bf->dtype >= KL_NDTYPES ||
+		    bf->ndim < 0 || bf->ndim > KL_MAX_DIMS)
+			return fail(err, cap, "buffer %d: role, dtype or rank out of range", b);
+		for (int d = 0; d < bf->ndim; d++)
+			if (bf->shape[d].v < 0 || bf->shape[d].sym < 0 ||
+			    bf->shape[d].sym > p->nsyms)
+				return fail(err, cap, "buffer %d: dim %d out of range", b, d);
+		if (buf_numel(bf) < 0)
+			return fail(err, cap, "buffer %d: size overflows", b);
+		if (bf->role == KL_BUF_INPUT) {
+			if (bf->index < 0 || (ninputs >= 0 && bf->index >= ninputs))
+				return fail(err, cap, "buffer %d: input index %d out of range", b,
+				            bf->index);
+			for (int32_t o = 0; o < b; o++)
+				if (p->bufs[o].role == KL_BUF_INPUT &&
+				    p->bufs[o].index == bf->index)
+					return fail(err, cap, "input %d has two buffers",
+					            bf->index);
+			maxin = bf->index > maxin ? bf->index : maxin;
+		} else if (bf->role == KL_BUF_OUTPUT) {
+			if (bf->index < 0 || bf->index >= p->nbufs)
+				return fail(err, cap, "buffer %d: output index out of range", b);
+			for (int32_t o = 0; o < b; o++)
+				if (p->bufs[o].role == KL_BUF_OUTPUT &&
+				    p->bufs[o].index == bf->index)
+					return fail(err, cap, "output %d has two buffers",
+					            bf->index);
+			nout++;
+			maxout = bf->index > maxout ? bf->index : maxout;
+		}
+		if (bf->alias != -1) {
+			if (bf->role != KL_BUF_OUTPUT || bf->alias < 0 || bf->alias >= p->nbufs ||
+			    bf->alias == b || bf->view_offset < 0)
+				return fail(err, cap, "buffer %d: alias out of range", b);
+			const kl_buf *base = &p->bufs[bf->alias];
+			if (!(base->role == KL_BUF_INPUT ||
+			      (base->role == KL_BUF_OUTPUT && base->alias == -1)))
+				return fail(err, cap, "buffer %d: aliases a temp or another view",
+				            b);
+			if (base->dtype != bf->dtype)
+				return fail(err, cap, "buffer %d: a view of another dtype", b);
+			for (int d = 0; d < bf->ndim; d++)
+				if (bf->view_strides[d] < 0)
+					return fail(err, cap, "buffer %d: negative view stride", b);
+		}
+	}
+	if (maxout != nout - 1 || (noutputs >= 0 && nout != noutputs))
+		return fail(err, cap, "outputs are not numbered 0..%d",
+		            noutputs >= 0 ? noutputs - 1 : nout - 1);
+	(void)maxin;
+	for (int32_t k = 0; k < p->nsyms; k++) {
+		bool found = false;
+		for (int32_t b = 0; b < p->nbufs; b++)
+			if (p->bufs[b].role == KL_BUF_INPUT &&
+			    p->bufs[b].index == p->sym_input[k] && p->sym_dim[k] >= 0 &&
+			    p->sym_dim[k] < p->bufs[b].ndim &&
+			    p->bufs[b].shape[p->sym_dim[k]].sym == k + 1)
+				found = true;
+		if (!found)
+			return fail(err, cap, "symbol %d is no dim of an input buffer", k + 1);
+	}
+	bool *written = calloc((size_t)(p->nbufs ? p->nbufs : 1), 1);
+	if (!written)
+		return KL_ENOMEM;
+	kl_status st = KL_OK;
+	for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
+		const kl_step *sp = &p->steps[s];
+		if (sp->nreads < 0 || sp->nreads > KL_NODE_MAX_IN * 2 || sp->nwrites < 0 ||
+		    sp->nwrites > 2 || sp->nnodes < 0 || sp->nnodes > KL_STEP_MAX_NODES) {
+			st = fail(err, cap, "step %d: counts out of range", s);
+			break;
+		}
+		for (int i = 0; i < sp->nreads + sp->nwrites && st == KL_OK; i++) {
+			int32_t b = i < sp->nreads ? sp->reads[i] : sp->writes[i - sp->nreads];
+			if (b < 0 || b >= p->nbufs)
+				st = fail(err, cap, "step %d: buffer %d out of range", s, b);
+			else if (i < sp->nreads && p->bufs[b].role == KL_BUF_TEMP && !written[b])
+				st = fail(err, cap,
+				          "step %d reads temp buffer %d before any step writes it",
+				          s, b);
+			else if (i >= sp->nreads &&
+			         (p->bufs[b].role == KL_BUF_INPUT || p->bufs[b].alias >= 0))
+				st = fail(err, cap, "step %d writes input or view buffer %d", s, b);
+		}
+		for (int i = 0; i < sp->nwrites && st == KL_OK; i++)
+			written[sp->writes[i]] = true;
+		for (int i = 0; i < sp->nnodes && st == KL_OK; i++)
+			if (sp->nodes[i] < 0)
+				st = fail(err, cap, "step %d: node id out of range", s);
+		if (st != KL_OK)
+			break;
+		if (!isfinite(sp->bytes) || sp->bytes < 0 || !isfinite(sp->flops) ||
+		    sp->flops < 0 || !text_ok(sp->what, sizeof sp->what))
+			st = fail(err, cap, "step %d: bad cost or description", s);
+		else if (sp->kind == KL_STEP_KERNEL) {
+			if (sp->kernel < 0 || sp->kernel >= p->nkernels)
+				st = fail(err, cap, "step %d: kernel %d out of range", s,
+				          sp->kernel);
+			else if (sp->row_per < 0 || sp->row_per > 1024 || sp->nrowdims < 0 ||
+			         sp->nrowdims > KL_MAX_DIMS || (sp->row_per == 0 && sp->nrowdims > 0))
+				st = fail(err, cap, "step %d: row grid of %d rows a block over %d dims", s,
+				          sp->row_per, sp->nrowdims);
+			for (int d = 0; st == KL_OK && d < sp->nrowdims; d++)
+				if (sp->rowdims[d].v < 0 || sp->rowdims[d].sym < 0 ||
+				    sp->rowdims[d].sym > p->nsyms)
+					st = fail(err, cap, "step %d: row dim %d (%lld, symbol %d) out of range",
+					          s, d, (long long)sp->rowdims[d].v, sp->rowdims[d].sym);
+		} else if (sp->kind == KL_STEP_MATMUL) {
+			st = check_matmul(p, s, err, cap);
+			if (st == KL_OK)
+				written[sp->mm.c] = true;
+		} else if (sp->kind == KL_STEP_ATTENTION) {
+			st = check_attention(p, s, err, cap);
+			if (st == KL_OK)
+				written[sp->at.o] = true;
+		} else
+			st = fail(err, cap, "step %d: unknown kind %d", s, (int)sp->kind);
+	}
+	free(written);
+	if (st != KL_OK)
+		return st;
+	for (int32_t k = 0; k < p->nkernels; k++) {
+		if (!name_ok(p->kernel_names[k]))
+			return fail(err, cap, "kernel %d: name is not [a-z0-9_]", k);
+		for (int32_t o = 0; o < k; o++)
+			if (!strcmp(p->kernel_names[o], p->kernel_names[k]))
+				return fail(err, cap, "kernel name %s appears twice",
+				            p->kernel_names[k]);
+	}
+	if (p->fusion_log && !text_ok(p->fusion_log, strlen(p->fusion_log) + 1))
+		return fail(err, cap, "fusion log is not printable text");
+	return KL_OK;
+}
+
+/* ---- writer ---------------------------------------------------------------- */
+
+typedef struct wbuf {
+	uint8_t *p;
+	size_t n, cap;
+	bool oom;
+} wbuf;
+
+static void w_bytes(wbuf *w, const void *src, size_t n)
+{
+	if (w->oom || n == 0)
+		return;
+	if (w->n + n > w->cap) {
+		size_t cap = w->cap ? w->cap : 1024;
+		while (cap < w->n + n)
+			cap *= 2;
+		uint8_t *q = realloc(w->p, cap);
+		if (!q) {
+			w->oom = true;
+			return;
+		}
+		w->p = q;
+		w->cap = cap;
+	}
+	memcpy(w->p + w->n, src, n);
+	w->n += n;
+}
+
+static void w_u64(wbuf *w, uint64_t v)
+{
+	uint8_t b[8];
+	for (int i = 0; i < 8; i++)
+		b[i] = (uint8_t)(v >> (8 * i));
+	w_bytes(w, b, 8);
+}
+
+static void w_i64(wbuf *w, int64_t v)
+{
+	w_u64(w, (uint64_t)v);
+}
+
+static void w_i32(wbuf *w, int32_t v)
+{
+	uint8_t b[4];
+	for (int i = 0; i < 4; i++)
+		b[i] = (uint8_t)((uint32_t)v >> (8 * i));
+	w_bytes(w, b, 4);
+}
+
+static void w_f64(wbuf *w, double v)
+{
+	uint64_t u;
+	memcpy(&u, &v, 8);
+	w_u64(w, u);
+}
+
+static void w_str(wbuf *w, const char *s)
+{
+	size_t n = s ? strlen(s) : 0;
+	w_i32(w, s ? (int32_t)n : -1);
+	w_bytes(w, s, n);
+}
+
+kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
+{
+	wbuf w = {0};
+	w_bytes(&w, PROG_MAGIC, 8);
+	w_i32(&w, (int32_t)PROG_FORMAT);
+	w_i32(&w, p->nbufs);
+	for (int32_t b = 0; b < p->nbufs; b++) {
+		const kl_buf *bf = &p->bufs[b];
+		w_i32(&w, (int32_t)bf->role);
+		w_i32(&w, bf->index);
+		w_i32(&w, (int32_t)bf->dtype);
+		w_i32(&w, bf->ndim);
+		for (int d = 0; d < bf->ndim; d++) {
+			w_i64(&w, bf->shape[d].v);
+			w_i32(&w, bf->shape[d].sym);
+		}
+		w_i32(&w, bf->alias);
+		for (int d = 0; d < bf->ndim; d++)
+			w_i64(&w, bf->view_strides[d]);
+		w_i64(&w, bf->view_offset);
+	}
+	w_i32(&w, p->nsteps);
+	for (int32_t s = 0; s < p->nsteps; s++) {
+		const kl_step *sp = &p->steps[s];
+		const kl_matmul_step *mm = &sp->mm;
+		w_i32(&w, (int32_t)sp->kind);
+		w_i32(&w, sp->kernel);
+		w_i32(&w, sp->row_per);
+		w_i32(&w, sp->nrowdims);
+		for (int d = 0; d < sp->nrowdims && d < KL_MAX_DIMS; d++) {
+			w_i64(&w, sp->rowdims[d].v);
+			w_i32(&w, sp->rowdims[d].sym);
+		}
+		w_i32(&w, mm->a);
+		w_i32(&w, mm->b);
+		w_i32(&w, mm->c);
+		w_i64(&w, mm->m);
+		w_i64(&w, mm->n);
+		w_i64(&w, mm->k);
+		w_i32(&w, mm->nbatch);
+		for (int i = 0; i < mm->nbatch && i < KL_MAX_DIMS; i++) {
+			w_i64(&w, mm->batch[i]);
+			w_i64(&w, mm->a_bstride[i]);
+			w_i64(&w, mm->b_bstride[i]);
+			w_i64(&w, mm->c_bstride[i]);
+		}
+		int64_t rest[8] = {mm->a_off, mm->b_off, mm->c_off, mm->a_rs,
+		                   mm->a_cs,  mm->b_rs,  mm->b_cs,  mm->ldc};
+		for (int i = 0; i < 8; i++)
+			w_i64(&w, rest[i]);
+		w_f64(&w, mm->alpha);
+		w_f64(&w, mm->beta);
+		w_i32(&w, mm->has_r);
+		w_i32(&w, mm->r);
+		w_i64(&w, mm->r_off);
+		w_i64(&w, mm->r_ld);
+		for (int i = 0; i < mm->nbatch && i < KL_MAX_DIMS; i++)
+			w_i64(&w, mm->r_bstride[i]);
+		w_i32(&w, mm->has_bias);
+		w_i32(&w, mm->bias);
+		w_i64(&w, mm->bias_off);
+		w_i32(&w, (int32_t)mm->act);
+		if (sp->kind == KL_STEP_ATTENTION) {
+			const kl_attn_step *a = &sp->at;
+			int32_t ids[4] = {a->q, a->k, a->v, a->o};
+			for (int i = 0; i < 4; i++)
+				w_i32(&w, ids[i]);
+			int64_t dims[14] = {a->tq,   a->tk,   a->d,    a->dv,   a->q_off,
+			                    a->k_off, a->v_off, a->q_rs, a->q_cs, a->k_rs,
+			                    a->k_cs, a->v_rs, a->v_cs, a->o_rs};
+			for (int i = 0; i < 14; i++)
+				w_i64(&w, dims[i]);
+			w_i32(&w, a->nbatch);
+			for (int i = 0; i < a->nbatch && i < KL_MAX_DIMS; i++) {
+				w_i64(&w, a->batch[i]);
+				w_i64(&w, a->q_bs[i]);
+				w_i64(&w, a->k_bs[i]);
+				w_i64(&w, a->v_bs[i]);
+				w_i64(&w, a->o_bs[i]);
+			}
+			w_f64(&w, a->scale);
+			w_i32(&w, a->causal);
+		}
+		w_i32(&w, sp->nreads);
+		for (int i = 0; i < sp->nreads && i < KL_NODE_MAX_IN * 2; i++)
+			w_i32(&w, sp->reads[i]);
+		w_i32(&w, sp->nwrites);
+		for (int i = 0; i < sp->nwrites && i < 2; i++)
+			w_i32(&w, sp->writes[i]);
+		w_i32(&w, sp->nnodes);
+		for (int i = 0; i < sp->nnodes && i < KL_STEP_MAX_NODES; i++)
+			w_i32(&w, sp->nodes[i]);
+		w_f64(&w, sp->bytes);
+		w_f64(&w, sp->flops);
+		w_str(&w, sp->what);
+	}
+	w_i32(&w, p->nsyms);
+	for (int32_t k = 0; k < p->nsyms && k < KL_MAX_DIMS * 4; k++) {
+		w_i32(&w, p->sym_input[k]);
+		w_i32(&w, p->sym_dim[k]);
+	}
+	w_i32(&w, p->nkernels);
+	for (int32_t k = 0; k < p->nkernels; k++)
+		w_str(&w, p->kernel_names[k]);
+	w_str(&w, p->fusion_log);
+	if (w.oom) {
+		free(w.p);
+		return KL_ENOMEM;
+	}
+	*out = w.p;
+	*len = w.n;
+	return KL_OK;
+}
+
+/* ---- reader ---------------------------------------------------------------- */
+
+typedef struct rbuf {
+	const uint8_t *p;
+	size_t n, pos;
+	bool bad;
+} rbuf;
+
+static bool r_bytes(rbuf *r, void *dst, size_t n)
+{
+	if (r->bad || n > r->n - r->pos) {
+		r->bad = true;
+		return false;
+	}
+	memcpy(dst, r->p + r->pos, n);
+	r->pos += n;
+	return true;
+}
+
+static uint64_t r_u64(rbuf *r)
+{
+	uint8_t b[8] = {0};
+	r_bytes(r, b, 8);
+	uint64_t v = 0;
+	for (int i = 0; i < 8; i++)
+		v |= (uint64_t)b[i] << (8 * i);
+	return v;
+}
+
+static int64_t r_i64(rbuf *r)
+{
+	return (int64_t)r_u64(r);
+}
+
+static int32_t r_i32(rbuf *r)
+{
+	uint8_t b[4] = {0};
+	r_bytes(r, b, 4);
+	uint32_t v = 0;
+	for (int i = 0; i < 4; i++)
+		v |= (uint32_t)b[i] << (8 * i);
+	return (int32_t)v;
+}
+
+static double r_f64(rbuf *r)
+{
+	uint64_t u = r_u64(r);
+	double v;
+	memcpy(&v, &u, 8);
+	return v;
+}
+
+/* A string of at most max bytes (-1 length: NULL). */
+static char *r_str(rbuf *r, size_t max, bool *null)
+{
+	int32_t n = r_i32(r);
+	*null = n == -1;
+	if (r->bad || n == -1)
+		return NULL;
+	if (n < 0 || (size_t)n > max || (size_t)n > r->n - r->pos) {
+		r->bad = true;
+		return NULL;
+	}
+	char *s = malloc((size_t)n + 1);
+	if (!s) {
+		r->bad = true;
+		return NULL;
+	}
+	memcpy(s, r->p + r->pos, (size_t)n);
+	s[n] = '\0';
+	if (memchr(s, '\0', (size_t)n)) {
+		free(s);
+		r->bad = true;
+		return NULL;
+	}
+	r->pos += (size_t)n;
+	return s;
+}
+
+/* A count that is in range and whose items could fit in what is left. */
+static int32_t r_count(rbuf *r, int32_t max, size_t min_item)
+{
+	int32_t n = r_i32(r);
+	if (r->bad || n < 0 || n > max || (size_t)n * min_item > r->n - r->pos) {
+		r->bad = true;
+		return 0;
+	}
+	return n;
+}
+
+static void clear_program(kl_program *p)
+{
+	free(p->bufs);
+	free(p->steps);
+	if (p->kernel_names)
+		for (int32_t k = 0; k < p->nkernels; k++)
+			free(p->kernel_names[k]);
+	free(p->kernel_names);
+	free(p->source);
+	free(p->fusion_log);
+	memset(p, 0, sizeof *p);
+}
+
+kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out, char *err,
+                                  size_t cap)
+{
+	memset(out, 0, sizeof *out);
+	rbuf r = {data, len, 0, false};
+	char magic[8];
+	if (!r_bytes(&r, magic, 8) || memcmp(magic, PROG_MAGIC, 8) != 0)
+		return fail(err, cap, "not a kiln program");
+	uint32_t version = (uint32_t)r_i32(&r);
+	if (version != PROG_FORMAT)
+		return fail(err, cap, "program format version %u, this build reads version %u%s",
+		            version, PROG_FORMAT,
+		            version < 3   ? " (written before product epilogues)"
+		            : version < 4 ? " (written before row grids)"
+		                          : "");
+	kl_program p = {0};
+	bool null;
+	p.nbufs = r_count(&r, MAX_COUNT, 24);
+	p.bufs = calloc((size_t)(p.nbufs ? p.nbufs : 1), sizeof *p.bufs);
+	if (!p.bufs)
+		r.bad = true;
+	for (int32_t b = 0; b < p.nbufs && !r.bad; b++) {
+		kl_buf *bf = &p.bufs[b];
+		bf->role = (kl_buf_role)r_i32(&r);
+		bf->index = r_i32(&r);
+		bf->dtype = (kl_dtype)r_i32(&r);
+		bf->ndim = r_i32(&r);
+		if (bf->ndim < 0 || bf->ndim > KL_MAX_DIMS) {
+			r.bad = true;
+			break;
+		}
+		for (int d = 0; d < bf->ndim; d++) {
+			bf->shape[d].v = r_i64(&r);
+			bf->shape[d].sym = r_i32(&r);
+		}
+		bf->alias = r_i32(&r);
+		for (int d = 0; d < bf->ndim; d++)
+			bf->view_strides[d] = r_i64(&r);
+		bf->view_offset = r_i64(&r);
+	}
+	p.nsteps = r_count(&r, MAX_COUNT, 64);
+	p.steps = calloc((size_t)(p.nsteps ? p.nsteps : 1), sizeof *p.steps);
+	if (!p.steps)
+		r.bad = true;
+	for (int32_t s = 0; s < p.nsteps && !r.bad; s++) {
+		kl_step *sp = &p.steps[s];
+		kl_matmul_step *mm = &sp->mm;
+		sp->kind = (kl_step_kind)r_i32(&r);
+		sp->kernel = r_i32(&r);
+		sp->row_per = r_i32(&r);
+		sp->nrowdims = r_count(&r, KL_MAX_DIMS, 12);
+		for (int d = 0; d < sp->nrowdims; d++) {
+			sp->rowdims[d].v = r_i64(&r);
+			sp->rowdims[d].sym = r_i32(&r);
+		}
+		mm->a = r_i32(&r);
+		mm->b = r_i32(&r);
+		mm->c = r_i32(&r);
+		mm->m = r_i64(&r);
+		mm->n = r_i64(&r);
+		mm->k = r_i64(&r);
+		mm->nbatch = r_count(&r, KL_MAX_DIMS - 2, 32);
+		for (int i = 0; i < mm->nbatch; i++) {
+			mm->batch[i] = r_i64(&r);
+			mm->a_bstride[i] = r_i64(&r);
+			mm->b_bstride[i] = r_i64(&r);
+			mm->c_bstride[i] = r_i64(&r);
+		}
+		mm->a_off = r_i64(&r);
+		mm->b_off = r_i64(&r);
+		mm->c_off = r_i64(&r);
+		mm->a_rs = r_i64(&r);
+		mm->a_cs = r_i64(&r);
+		mm->b_rs = r_i64(&r);
+		mm->b_cs = r_i64(&r);
+		mm->ldc = r_i64(&r);
+		mm->alpha = r_f64(&r);
+		mm->beta = r_f64(&r);
+		int32_t has_r = r_i32(&r);
+		mm->r = r_i32(&r);
+		mm->r_off = r_i64(&r);
+		mm->r_ld = r_i64(&r);
+		for (int i = 0; i < mm->nbatch; i++)
+			mm->r_bstride[i] = r_i64(&r);
+		int32_t has_bias = r_i32(&r);
+		mm->bias = r_i32(&r);
+		mm->bias_off = r_i64(&r);
+		mm->act = (kl_mm_act)r_i32(&r);
+		if ((uint32_t)has_r > 1 || (uint32_t)has_bias > 1)
+			r.bad = true;
+		mm->has_r = has_r == 1;
+		mm->has_bias = has_bias == 1;
+		if (sp->kind == KL_STEP_ATTENTION) {
+			kl_attn_step *a = &sp->at;
+			a->q = r_i32(&r);
+			a->k = r_i32(&r);
+			a->v = r_i32(&r);
+			a->o = r_i32(&r);
+			int64_t *dims[14] = {&a->tq,   &a->tk,   &a->d,    &a->dv,   &a->q_off,
+			                     &a->k_off, &a->v_off, &a->q_rs, &a->q_cs, &a->k_rs,
+			                     &a->k_cs, &a->v_rs, &a->v_cs, &a->o_rs};
+			for (int i = 0; i < 14; i++)
+				*dims[i] = r_i64(&r);
+			a->nbatch = r_count(&r, KL_MAX_DIMS - 2, 40);
+			for (int i = 0; i < a->nbatch; i++) {
+				a->batch[i] = r_i64(&r);
+				a->q_bs[i] = r_i64(&r);
+				a->k_bs[i] = r_i64(&r);
+				a->v_bs[i] = r_i64(&r);
+				a->o_bs[i] = r_i64(&r);
+			}
+			a->scale = r_f64(&r);
+			a->causal = r_i32(&r);
+		}
+		sp->nreads = r_count(&r, KL_NODE_MAX_IN * 2, 4);
+		for (int i = 0; i < sp->nreads; i++)
+			sp->reads[i] = r_i32(&r);
+		sp->nwrites = r_count(&r, 2, 4);
+		for (int i = 0; i < sp->nwrites; i++)
+			sp->writes[i] = r_i32(&r);
+		sp->nnodes = r_count(&r, KL_STEP_MAX_NODES, 4);
+		for (int i = 0; i < sp->nnodes; i++)
+			sp->nodes[i] = r_i32(&r);
+		sp->bytes = r_f64(&r);
+		sp->flops = r_f64(&r);
+		char *what = r_str(&r, sizeof sp->what - 1, &null);
+		if (what)
+			memcpy(sp->what, what, strlen(what) + 1);
+		else
+			r.bad = true;
+		free(what);
+	}
+	p.nsyms = r_count(&r, KL_MAX_DIMS * 4, 8);
+	for (int32_t k = 0; k < p.nsyms; k++) {
+		p.sym_input[k] = r_i32(&r);
+		p.sym_dim[k] = r_i32(&r);
+	}
+	p.nkernels = r_count(&r, MAX_COUNT, 4);
+	p.kernel_names = calloc((size_t)(p.nkernels ? p.nkernels : 1), sizeof(char *));
+	if (!p.kernel_names)
+		r.bad = true;
+	for (int32_t k = 0; k < p.nkernels && !r.bad; k++) {
+		p.kernel_names[k] = r_str(&r, MAX_NAME, &null);
+		if (!p.kernel_names[k])
+			r.bad = true;
+	}
+	if (!r.bad)
+		p.fusion_log = r_str(&r, len, &null);
+	if (r.bad || r.pos != r.n) {
+		clear_program(&p);
+		return fail(err, cap, r.bad ? "program truncated or malformed" : "trailing bytes");
+	}
+	kl_status st = kl__program_validate(&p, -1, -1, err, cap);
+	if (st != KL_OK) {
+		clear_program(&p);
+		return st;
+	}
+	*out = p;
+	return KL_OK;
+}

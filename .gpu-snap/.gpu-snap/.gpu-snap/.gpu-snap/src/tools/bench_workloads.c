@@ -1,0 +1,477 @@
+/* bench_workloads.c - the workloads `kiln bench` measures: one table row each,
+ * with a setup that makes random inputs of the row's dtype and sizes and
+ * states the cost of one call, and a body that is one call. Adding a
+ * workload is one row and its two functions; another size of one is a row.
+ *
+ * The CPU rows are f32 at sizes a two-core box with a few GiB holds; the
+ * CUDA rows are those of ANCHORS.md (fp16/bf16, the sizes torch was timed
+ * at), so that bench/peer_torch.py measures the very same problems.
+ */
+#include <math.h>
+#include <stdio.h>
+
+#include "tools.h"
+
+static const double NORM_EPS = 1e-5;
+
+static kl_tensor *randn2(kl_ctx *ctx, kl_dtype dt, int64_t r, int64_t c, uint64_t seed)
+{
+	return kl_randn(ctx, dt, 2, (int64_t[]){r, c}, seed);
+}
+
+/* randn scaled by 1/sqrt(fan_in), so that products keep unit scale. */
+static kl_tensor *randn_weight(kl_ctx *ctx, kl_dtype dt, int64_t out, int64_t in, uint64_t seed)
+{
+	kl_tensor *w = randn2(ctx, dt, out, in, seed);
+	kl_tensor *s = kl_mul_scalar(w, 1.0 / sqrt((double)in));
+	kl_release(w);
+	return s;
+}
+
+static kl_status setup_status(kl_ctx *ctx, kl_tensor **in, int n)
+{
+	for (int i = 0; i < n; i++)
+		if (!in[i])
+			return kl_last_status(ctx);
+	return KL_OK;
+}
+
+void *kt_state_user(kt_state *state)
+{
+	return state && state->base.kind ? state : NULL;
+}
+
+static kl_status body_status(kl_ctx *ctx, kl_tensor **out)
+{
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static double esize(const kt_workload *w)
+{
+	return (double)kl_dtype_size(w->dtype);
+}
+
+/* Rows and columns of the pointwise and row-wise workloads: dims[0] x dims[1]. */
+static double matrix_bytes(const kt_workload *w)
+{
+	return (double)w->dims[0] * (double)w->dims[1] * esize(w);
+}
+
+static void shape_2d(const kt_workload *w, kt_cost *cost)
+{
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lld", (long long)w->dims[0],
+	         (long long)w->dims[1]);
+}
+
+/* ---- relu(a*b + c) ----------------------------------------------------------- */
+
+static kl_status relu_fma_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	for (int i = 0; i < 3; i++)
+		in[i] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 101 + (uint64_t)i);
+	*cost = (kt_cost){.bytes = 4 * matrix_bytes(w),
+	                  .flops = 3.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status relu_fma_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	out[0] = kl_relu(kl_add(kl_mul(in[0], in[1]), in[2]));
+	return body_status(ctx, out);
+}
+
+/* ---- eight chained pointwise ops ------------------------------------------- */
+
+/* y = tanh(relu(x * 1.1 + 0.5) * a - b) * 0.5 + x: scalar, tensor and unary
+ * ops mixed, the kind of chain fusion turns into one pass over memory. */
+static kl_status pointwise8_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                  kt_cost *cost)
+{
+	for (int i = 0; i < 3; i++)
+		in[i] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 201 + (uint64_t)i);
+	*cost = (kt_cost){.bytes = 4 * matrix_bytes(w),
+	                  .flops = 8.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status pointwise8_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                 int nout, void *user)
+{
+	kl_tensor *x = in[0], *a = in[1], *b = in[2];
+	kl_tensor *t = kl_relu(kl_add_scalar(kl_mul_scalar(x, 1.1), 0.5));
+	t = kl_tanh(kl_sub(kl_mul(t, a), b));
+	out[0] = kl_add(kl_mul_scalar(t, 0.5), x);
+	return body_status(ctx, out);
+}
+
+/* ---- row-wise: softmax, layer_norm, rms_norm ------------------------------- */
+
+static kl_status softmax_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 301);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w),
+	                  .flops = 5.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status softmax_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                              void *user)
+{
+	out[0] = kl_softmax(in[0], -1);
+	return body_status(ctx, out);
+}
+
+static kl_status layer_norm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                  kt_cost *cost)
+{
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 401);
+	in[1] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 402);
+	in[2] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 403);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w) + 2.0 * (double)w->dims[1] * esize(w),
+	                  .flops = 8.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status layer_norm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                 int nout, void *user)
+{
+	out[0] = kl_layer_norm(in[0], in[1], in[2], NORM_EPS);
+	return body_status(ctx, out);
+}
+
+static kl_status rms_norm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 501);
+	in[1] = kl_randn(ctx, w->dtype, 1, &w->dims[1], 502);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w) + (double)w->dims[1] * esize(w),
+	                  .flops = 4.0 * (double)w->dims[0] * (double)w->dims[1],
+	                  .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 2);
+}
+
+static kl_status rms_norm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	out[0] = kl_rms_norm(in[0], in[1], NORM_EPS);
+	return body_status(ctx, out);
+}
+
+/* The same math from primitives; compiled modes should match rms_norm. */
+static kl_status rms_norm_prims_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                     int nout, void *user)
+{
+	kl_tensor *x = in[0];
+	kl_tensor *ms = kl_mean(kl_mul(x, x), 1, (int[]){-1}, true);
+	out[0] = kl_mul(kl_mul(x, kl_rsqrt(kl_add_scalar(ms, NORM_EPS))), in[1]);
+	return body_status(ctx, out);
+}
+
+/* ---- contractions ------------------------------------------------------------- */
+
+/* [m, k] @ [k, n]: dims m, k, n. */
+static kl_status gemm_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	double m = (double)w->dims[0], k = (double)w->dims[1], n = (double)w->dims[2];
+	in[0] = randn_weight(ctx, w->dtype, w->dims[0], w->dims[1], 601);
+	in[1] = randn_weight(ctx, w->dtype, w->dims[1], w->dims[2], 602);
+	*cost = (kt_cost){.bytes = (m * k + k * n + m * n) * esize(w),
+	                  .flops = 2 * m * n * k,
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld", (long long)w->dims[0],
+	         (long long)w->dims[1], (long long)w->dims[2]);
+	return setup_status(ctx, in, 2);
+}
+
+static kl_status gemm_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	out[0] = kl_matmul(in[0], in[1]);
+	return body_status(ctx, out);
+}
+
+/* The seed's FeedForward (SwiGLU, no biases): down(silu(gate(x)) * up(x)),
+ * x [batch, seq, dim], hidden width h: dims batch, seq, dim, h. */
+static kl_status swiglu_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], s = w->dims[1], d = w->dims[2], h = w->dims[3];
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, s, d}, 701);
+	in[1] = randn_weight(ctx, w->dtype, h, d, 702);
+	in[2] = randn_weight(ctx, w->dtype, h, d, 703);
+	in[3] = randn_weight(ctx, w->dtype, d, h, 704);
+	double tok = (double)b * (double)s, dd = (double)d, hh = (double)h;
+	*cost = (kt_cost){.bytes = (2 * tok * dd + 3 * dd * hh) * esize(w),
+	                  .flops = 3 * 2 * tok * dd * hh + 5 * tok * hh,
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld->%lld", (long long)b,
+	         (long long)s, (long long)d, (long long)h);
+	return setup_status(ctx, in, 4);
+}
+
+static kl_status swiglu_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                             void *user)
+{
+	kl_tensor *x = in[0];
+	kl_tensor *gate = kl_silu(kl_linear(x, in[1], NULL));
+	kl_tensor *up = kl_linear(x, in[2], NULL);
+	out[0] = kl_linear(kl_mul(gate, up), in[3], NULL);
+	return body_status(ctx, out);
+}
+
+/* A stack of small layers, x = gelu(x W_i^T + b_i): launch overhead, not
+ * arithmetic, is the cost (the reduce-overhead case). dims batch, width,
+ * layers; inputs x, then W_i and b_i for each layer. */
+enum { MLP_MAX_LAYERS = (KT_MAX_INPUTS - 1) / 2 };
+
+static kl_status mlp_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], d = w->dims[1], L = w->dims[2];
+	if (L > MLP_MAX_LAYERS || 1 + 2 * L != w->nin)
+		return kl_set_error(ctx, KL_EINVAL, "bench %s: %lld layers need %lld inputs, not %d",
+		                    w->name, (long long)L, (long long)(1 + 2 * L), w->nin);
+	in[0] = randn2(ctx, w->dtype, b, d, 801);
+	for (int64_t i = 0; i < L; i++) {
+		in[1 + 2 * i] = randn_weight(ctx, w->dtype, d, d, 802 + 2 * (uint64_t)i);
+		kl_tensor *bias = kl_randn(ctx, w->dtype, 1, &d, 803 + 2 * (uint64_t)i);
+		in[2 + 2 * i] = kl_mul_scalar(bias, 0.1);
+		kl_release(bias);
+	}
+	double bb = (double)b, dd = (double)d, ll = (double)L;
+	*cost = (kt_cost){.bytes = (2 * bb * dd + ll * (dd * dd + dd)) * esize(w),
+	                  .flops = ll * (2 * bb * dd * dd + 2 * bb * dd),
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx(%lldx%lld)", (long long)L, (long long)b,
+	         (long long)d);
+	return setup_status(ctx, in, w->nin);
+}
+
+static kl_status mlp_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	kl_tensor *x = in[0];
+	for (int i = 0; 2 * i + 2 < nin; i++)
+		x = kl_gelu(kl_linear(x, in[1 + 2 * i], in[2 + 2 * i]));
+	out[0] = x;
+	return body_status(ctx, out);
+}
+
+/* ---- attention and the seed's DecoderLayer -------------------------------------- */
+
+/* kl_sdpa over q, k, v [batch, heads, seq, head dim] (dims in that order),
+ * scale 1/sqrt(head dim). FLOPs: the two products, 4 * B * H * T * T * D;
+ * causal counts half of them (the masked half need not be computed). */
+static kl_status attention_setup_causal(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                        kt_cost *cost, bool causal)
+{
+	int64_t b = w->dims[0], h = w->dims[1], t = w->dims[2], d = w->dims[3];
+	for (int i = 0; i < 3; i++)
+		in[i] = kl_randn(ctx, w->dtype, 4, (int64_t[]){b, h, t, d}, 1101 + (uint64_t)i);
+	double qkv = (double)b * (double)h * (double)t * (double)d;
+	*cost = (kt_cost){.bytes = 4 * qkv * esize(w),
+	                  .flops = (causal ? 0.5 : 1.0) * 4 * qkv * (double)t,
+	                  .memory_bound = false};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lldx%lld", (long long)b,
+	         (long long)h, (long long)t, (long long)d);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status attention_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	return attention_setup_causal(ctx, w, in, cost, false);
+}
+
+static kl_status attention_causal_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                        kt_cost *cost)
+{
+	return attention_setup_causal(ctx, w, in, cost, true);
+}
+
+static kl_status attention_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                int nout, void *user)
+{
+	out[0] = kl_sdpa(in[0], in[1], in[2], false, 1.0 / sqrt((double)kl_dim(in[0], -1)));
+	return body_status(ctx, out);
+}
+
+static kl_status attention_causal_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
+                                       kl_tensor **out, int nout, void *user)
+{
+	out[0] = kl_sdpa(in[0], in[1], in[2], true, 1.0 / sqrt((double)kl_dim(in[0], -1)));
+	return body_status(ctx, out);
+}
+
+/* The seed's DecoderLayer (kiln_nn.h: pre-norm, RMSNorm, MultiheadAttention
+ * with one fused in-projection, not causal as in the seed, SwiGLU
+ * FeedForward), weights from kl_nn_decoder_init (PyTorch's initialization,
+ * seeded) held by the run's module, x [batch, seq, d_model] the one input:
+ * dims batch, seq, d_model, heads, ffn. FLOPs: the products only (the
+ * in-projection 6Nd^2, attention 4BT^2d, out-projection 2Nd^2, the
+ * FeedForward 6Ndf for N = B * T tokens): ANCHORS.md's 584 GFLOP. Bytes: x
+ * read, the output written, every parameter read once. */
+static kl_status decoder_setup_kind(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                    kt_cost *cost, bool memory_bound)
+{
+	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
+	kt_state *state = cost->state;
+	if (!state)
+		return kl_set_error(ctx, KL_EINVAL,
+		                    "bench %s: the harness keeps no module for this setup to make "
+		                    "(kt_cost.state is NULL)",
+		                    w->name);
+	kl_status st = kl_nn_decoder_init(&state->decoder, ctx, d, h, f, w->dtype, 1201);
+	if (st != KL_OK)
+		return st;
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1202);
+	double n = (double)b * (double)t, tt = (double)t, dd = (double)d, ff = (double)f;
+	*cost = (kt_cost){.bytes = (2 * n * dd + 4 * dd * dd + 3 * dd * ff + 6 * dd) * esize(w),
+	                  .flops = 8 * n * dd * dd + 4 * n * tt * dd + 6 * n * dd * ff,
+	                  .memory_bound = memory_bound,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld,ffn%lld", (long long)b,
+	         (long long)t, (long long)d, (long long)h, (long long)f);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status decoder_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	return decoder_setup_kind(ctx, w, in, cost, false);
+}
+
+/* One token: every weight is read for two FLOPs a parameter, so the row
+ * reports bandwidth (ANCHORS.md's 134 MB floor). */
+static kl_status decoder_token_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                     kt_cost *cost)
+{
+	return decoder_setup_kind(ctx, w, in, cost, true);
+}
+
+static kl_status decoder_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	const kt_state *state = user;
+	if (!state)
+		return kl_set_error(ctx, KL_EINVAL,
+		                    "bench: the DecoderLayer body was given no module");
+	out[0] = kl_nn_decoder_forward(&state->decoder, in[0], false);
+	return body_status(ctx, out);
+}
+
+/* ---- the device's copy ceiling ---------------------------------------------- */
+
+/* A one-input concat is a plain copy that no pass turns into a view (a
+ * compiled kl_contiguous of a dense input is one), so it measures a real
+ * read + write of every byte. */
+static kl_status copy_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	in[0] = randn2(ctx, w->dtype, w->dims[0], w->dims[1], 901);
+	*cost = (kt_cost){.bytes = 2 * matrix_bytes(w), .flops = 0, .memory_bound = true};
+	shape_2d(w, cost);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status copy_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	out[0] = kl_concat(1, in, 0);
+	return body_status(ctx, out);
+}
+
+const kt_workload kt_copy_workload = {"memory_bandwidth",
+                                      "compiled copy of a 1 GiB f16 tensor (2 GiB moved)",
+                                      KT_ON_CUDA,
+                                      KT_MODE_BIT(KT_MODE_DEFAULT),
+                                      KL_F16,
+                                      {32768, 16384},
+                                      1,
+                                      1,
+                                      copy_setup,
+                                      copy_body};
+
+/* ---- the table ---------------------------------------------------------------- */
+
+#define EAGER KT_MODE_BIT(KT_MODE_EAGER)
+#define FUSED                                                                               \
+	(KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT) |                         \
+	 KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD))
+#define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
+#define SDPA (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
+#define CPU KT_ON_CPU
+#define GPU KT_ON_CUDA
+
+/* CUDA: max-autotune only where there is a matrix product to tune (and
+ * gpu-check's time is short); one fused kl_sdpa has no launches for
+ * reduce-overhead to save, so attention runs eager and default. The CPU runs
+ * every mode (the last two as default). The FeedForward hidden width on the
+ * CPU is ~8/3 * 512 rounded to a multiple of 64; the CPU DecoderLayer is the
+ * seed's at a quarter of its width (ffn 4 * d_model as in the seed). */
+const kt_workload kt_workloads[] = {
+	{"relu_fma", "relu(a*b + c), 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"relu_fma", "relu(a*b + c), 4096x4096 f16", GPU, FUSED, KL_F16, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"relu_fma", "relu(a*b + c), 8192x8192 f16", GPU, FUSED, KL_F16, {8192, 8192}, 3, 1,
+	 relu_fma_setup, relu_fma_body},
+	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", CPU, ALL,
+	 KL_F32, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f16", GPU, FUSED,
+	 KL_F16, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	{"softmax", "softmax over rows, 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 1, 1,
+	 softmax_setup, softmax_body},
+	{"softmax", "softmax over rows, 16384x4096 bf16", GPU, FUSED, KL_BF16, {16384, 4096}, 1, 1,
+	 softmax_setup, softmax_body},
+	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", CPU, ALL, KL_F32,
+	 {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	{"layer_norm", "layer_norm over rows with weight and bias, 16384x4096 bf16", GPU, FUSED,
+	 KL_BF16, {16384, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", CPU, ALL, KL_F32,
+	 {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	{"rms_norm", "kl_rms_norm over rows with weight, 16384x4096 bf16", GPU, FUSED, KL_BF16,
+	 {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32", CPU,
+	 ALL, KL_F32, {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 16384x4096 bf16",
+	 GPU, FUSED, KL_BF16, {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", CPU, ALL, KL_F32, {2048, 2048, 2048}, 2, 1,
+	 gemm_setup, gemm_body},
+	{"gemm", "matmul 8192x8192 @ 8192x8192 bf16 (the card's product ceiling)", GPU, ALL,
+	 KL_BF16, {8192, 8192, 8192}, 2, 1, gemm_setup, gemm_body},
+	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", CPU, ALL, KL_F32,
+	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body},
+	{"swiglu_ffn", "SwiGLU feed-forward (the seed's FeedForward), x 4x1024x2048, hidden 8192, "
+	               "bf16",
+	 GPU, ALL, KL_BF16, {4, 1024, 2048, 8192}, 4, 1, swiglu_setup, swiglu_body},
+	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f32", CPU, ALL, KL_F32,
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f16", GPU, ALL, KL_F16,
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	{"attention", "kl_sdpa, batch 2, 4 heads, seq 256, head dim 64, f32", CPU, ALL, KL_F32,
+	 {2, 4, 256, 64}, 3, 1, attention_setup, attention_body},
+	{"attention", "kl_sdpa, batch 4, 16 heads, seq 1024, head dim 128, bf16", GPU, SDPA,
+	 KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_setup, attention_body},
+	{"attention_causal", "kl_sdpa causal, batch 2, 4 heads, seq 256, head dim 64, f32", CPU,
+	 ALL, KL_F32, {2, 4, 256, 64}, 3, 1, attention_causal_setup, attention_causal_body},
+	{"attention_causal", "kl_sdpa causal, batch 4, 16 heads, seq 1024, head dim 128, bf16",
+	 GPU, SDPA, KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_causal_setup,
+	 attention_causal_body},
+	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, f32",
+	 CPU, ALL, KL_F32, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body},
+	{"decoder_layer", "the seed's DecoderLayer, x 4x1024x2048, 16 heads, ffn 8192, bf16", GPU,
+	 ALL, KL_BF16, {4, 1024, 2048, 16, 8192}, 1, 1, decoder_setup, decoder_body},
+	{"decoder_token", "the DecoderLayer (small) on one token, x 1x1x256, 4 heads, ffn 1024, "
+	                  "f32",
+	 CPU, ALL, KL_F32, {1, 1, 256, 4, 1024}, 1, 1, decoder_token_setup, decoder_body},
+	{"decoder_token", "the seed's DecoderLayer on one token, x 1x1x2048, 16 heads, ffn 8192, "
+	                  "bf16",
+	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body},
+};
+
+const int kt_nworkloads = (int)(sizeof(kt_workloads) / sizeof(kt_workloads[0]));

@@ -1,0 +1,92 @@
+/* tools.h - what the files of the `kiln` command share: the subcommands' entry
+ * points and the bench harness's workload table. The command uses the public
+ * API (kiln.h) only, like any other program built on libkiln.
+ */
+#ifndef KILN_TOOLS_H
+#define KILN_TOOLS_H
+
+#include <stdbool.h>
+
+#include "kiln.h"
+#include "kiln_nn.h"
+
+/* ---- subcommands ---------------------------------------------------------- */
+
+int kt_bench_main(int argc, char **argv);
+int kt_explain_main(int argc, char **argv);
+
+/* ---- bench: modes and workloads ---------------------------------------- */
+
+/* How a workload's body is run. Each mode is a row of the harness's mode
+ * table (bench.c); a workload lists the modes it supports as a bit set. The
+ * compiled modes hand the body to kl_compile with the kl_mode of their name. */
+typedef enum kt_mode {
+	KT_MODE_EAGER = 0,
+	KT_MODE_DEFAULT,         /* kl_compile, KL_MODE_DEFAULT */
+	KT_MODE_REDUCE_OVERHEAD, /* KL_MODE_REDUCE_OVERHEAD: on the CPU, as default */
+	KT_MODE_MAX_AUTOTUNE,    /* KL_MODE_MAX_AUTOTUNE: on the CPU, as default */
+	KT_NMODES
+} kt_mode;
+#define KT_MODE_BIT(m) (1u << (m))
+
+/* What a body reads besides its inputs: a kl_nn module (its structure and
+ * weights, as a program holds them), made by the workload's setup and handed
+ * to the body as user, eagerly and to kl_compile (which bakes the weights in,
+ * as examples/decoder_stack.c does). The harness kl_nn_free's it after the
+ * workload's last mode; an untouched (zeroed) state is no module, and the
+ * body gets NULL. */
+typedef union kt_state {
+	kl_nn_module base;
+	kl_nn_decoder decoder;
+} kt_state;
+
+/* The body's user for a run whose module is state: state, or NULL when no
+ * module was made there. */
+void *kt_state_user(kt_state *state);
+
+/* The work one call of a workload does. bytes is the least traffic any
+ * implementation needs (each input read once, each output written once), so
+ * GB/s compares modes fairly and shows how far a mode is from the memory
+ * roofline; flops counts multiply-adds as two. */
+typedef struct kt_cost {
+	double bytes;
+	double flops;
+	bool memory_bound; /* report GB/s; otherwise TFLOP/s */
+	char shape[48];    /* the sizes, as the peers print them: "4096x4096" */
+	/* In: where the setup may make the workload's module; NULL where the
+	 * harness keeps none (a setup that needs one then fails, saying so). */
+	kt_state *state;
+} kt_cost;
+
+#define KT_MAX_INPUTS 64
+
+/* Devices a table row runs on. */
+#define KT_ON_CPU (1u << KL_CPU)
+#define KT_ON_CUDA (1u << KL_CUDA)
+
+typedef struct kt_workload kt_workload;
+struct kt_workload {
+	const char *name; /* rows of one name on one device differ in size */
+	const char *what; /* one line for --list */
+	unsigned devices; /* KT_ON_* */
+	unsigned modes;   /* KT_MODE_BIT per supported mode */
+	kl_dtype dtype;
+	int64_t dims[5]; /* the sizes; what each means is the setup's business */
+	int nin, nout;
+	/* Make the inputs (from kl_randn, never zeros) of w's dtype and sizes and
+	 * state the cost of one call. in[] receives nin references the harness
+	 * releases. */
+	kl_status (*setup)(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost);
+	/* One call. Written as a kl_fn_body so that compiled modes can hand it to
+	 * kl_compile unchanged; eager mode runs it inside a scope, which frees
+	 * its intermediates and outputs. */
+	kl_fn_body body;
+};
+
+extern const kt_workload kt_workloads[];
+extern const int kt_nworkloads;
+/* The CUDA bandwidth row: a compiled copy of a 1 GiB tensor (the device's
+ * streaming ceiling as kiln's own kernels reach it). */
+extern const kt_workload kt_copy_workload;
+
+#endif /* KILN_TOOLS_H */
