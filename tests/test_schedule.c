@@ -606,6 +606,24 @@ static void bad_row_nowaves(kl_program *q, int32_t s)
 	q->steps[s].waves = 0;
 }
 
+/* a layer norm's x [64, 4096], weight and bias of dtype dt */
+static void norm_inputs(kl_dtype dt, uint64_t seed, kl_tensor *out[3])
+{
+	out[0] = kltest_rand(ctx, dt, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, seed);
+	for (int i = 1; i < 3; i++)
+		out[i] = kltest_rand(ctx, dt, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                     seed + (uint64_t)i);
+}
+
+/* a skinny linear's x [8, 256], weight [256, 256] and bias, bf16 */
+static void skinny_inputs(uint64_t seed, kl_tensor *out[3])
+{
+	out[0] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, seed);
+	out[1] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG,
+	                     seed + 1);
+	out[2] = kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, seed + 2);
+}
+
 /* Lower apply for the CUDA target: whether its source holds needle */
 static bool cuda_source_has(kltest_apply_fn apply, kl_tensor *const *in, const char *needle)
 {
@@ -632,19 +650,10 @@ static bool cuda_source_has(kltest_apply_fn apply, kl_tensor *const *in, const c
 static void test_wide_row_bounds(void **state)
 {
 	(void)state;
-	kl_tensor *ln[3] = {
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 41),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 42),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 43)};
-	kl_tensor *sk[3] = {
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 44),
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 45),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, 46)};
-	/* f32 rows of 4096 take 64 bytes a thread: not wide */
-	kl_tensor *lf[3] = {
-	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 47),
-	        kltest_rand(ctx, KL_F32, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 48),
-	        kltest_rand(ctx, KL_F32, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 49)};
+	kl_tensor *ln[3], *sk[3], *lf[3];
+	norm_inputs(KL_BF16, 41, ln);
+	skinny_inputs(44, sk);
+	norm_inputs(KL_F32, 47, lf); /* f32 rows of 4096: 64 bytes a thread, not wide */
 	const char *keep = getenv("KILN_CUDA_ROW_MINBLOCKS");
 	char *saved = keep ? strdup(keep) : NULL;
 	unsetenv("KILN_CUDA_ROW_MINBLOCKS");
@@ -668,10 +677,8 @@ static void test_wide_row_bounds(void **state)
 static void test_row_grid(void **state)
 {
 	(void)state;
-	kl_tensor *ln[3] = {
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 4096}, KLTEST_NORMAL, KLTEST_CONTIG, 31),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 32),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){4096}, KLTEST_NORMAL, KLTEST_CONTIG, 33)};
+	kl_tensor *ln[3], *sk[3];
+	norm_inputs(KL_BF16, 31, ln);
 	/* wide rows: twelve waves; dot rows: one (render_cuda.c, ROW_*WAVES) */
 	assert_int_equal(check_row_grid("layer norm", ap_layer_norm, ln, 0, 64, 1, 12), 1);
 	kl_tensor *rms[2] = {kltest_rand(ctx, KL_BF16, 3, (int64_t[]){2, 16, 4096}, KLTEST_NORMAL,
@@ -680,10 +687,7 @@ static void test_row_grid(void **state)
 	assert_int_equal(check_row_grid("rms norm", ap_rms_norm, rms, 0, 32, 1, 12), 1);
 	assert_int_equal(check_row_grid("rms norm, dynamic batch", ap_rms_norm, rms, 1u, 32, 1, 12),
 	                 1);
-	kl_tensor *sk[3] = {
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){8, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 35),
-	        kltest_rand(ctx, KL_BF16, 2, (int64_t[]){256, 256}, KLTEST_NORMAL, KLTEST_CONTIG, 36),
-	        kltest_rand(ctx, KL_BF16, 1, (int64_t[]){256}, KLTEST_NORMAL, KLTEST_CONTIG, 37)};
+	skinny_inputs(35, sk);
 	/* 8 x 256 dot rows of 256: groups smaller than the block */
 	assert_int_equal(check_row_grid("skinny linear + gelu", ap_skinny, sk, 0, 8 * 256, 0, 1), 1);
 
