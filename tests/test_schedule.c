@@ -48,11 +48,10 @@ static counts count_steps(const kl_program *P)
 	return c;
 }
 
-/* Trace apply on in[], lower it for target t with fusion; the program's
- * step counts must be want's and its log must hold each of logs[]
- * (NULL-terminated). Returns the program's source (malloc'd) for NVRTC. */
-static char *lower_expect(const char *what, kltest_apply_fn apply, const void *p, int nin,
-                          kl_tensor *const *in, kl_target t, counts want, const char *const *logs)
+/* apply's graph on in[] (p: its parameters), traced; fails the test,
+ * naming what, when tracing does */
+static kl_trace *trace_apply(const char *what, kltest_apply_fn apply, const void *p,
+                             kl_tensor *const *in)
 {
 	kl_scope_begin(ctx);
 	assert_int_equal(kl__trace_begin(ctx), KL_OK);
@@ -61,6 +60,16 @@ static char *lower_expect(const char *what, kltest_apply_fn apply, const void *p
 	kl_scope_end(ctx);
 	if (!tr)
 		fail_msg("%s: trace: %s", what, kl_last_error(ctx));
+	return tr;
+}
+
+/* Trace apply on in[], lower it for target t with fusion; the program's
+ * step counts must be want's and its log must hold each of logs[]
+ * (NULL-terminated). Returns the program's source (malloc'd) for NVRTC. */
+static char *lower_expect(const char *what, kltest_apply_fn apply, const void *p, int nin,
+                          kl_tensor *const *in, kl_target t, counts want, const char *const *logs)
+{
+	kl_trace *tr = trace_apply(what, apply, p, in);
 	(void)nin;
 	kl_lower_opts o = {.target = t, .fusion = true};
 	kl_program P;
@@ -526,13 +535,7 @@ static int32_t source_rows_a_block(const char *src, const char *name)
 static int check_row_grid(const char *what, kltest_apply_fn apply, kl_tensor *const *in,
                           uint32_t dyn, int64_t rows, int32_t want_per, int32_t want_waves)
 {
-	kl_scope_begin(ctx);
-	assert_int_equal(kl__trace_begin(ctx), KL_OK);
-	kl_tensor *y = apply(in, NULL);
-	kl_trace *tr = kl__trace_end(ctx, 1, &y);
-	kl_scope_end(ctx);
-	if (!tr)
-		fail_msg("%s: trace: %s", what, kl_last_error(ctx));
+	kl_trace *tr = trace_apply(what, apply, NULL, in);
 	uint32_t masks[8] = {dyn};
 	int nrow = 0;
 	for (int t = 0; t < 2; t++) {
@@ -627,12 +630,7 @@ static void skinny_inputs(uint64_t seed, kl_tensor *out[3])
 /* Lower apply for the CUDA target: whether its source holds needle */
 static bool cuda_source_has(kltest_apply_fn apply, kl_tensor *const *in, const char *needle)
 {
-	kl_scope_begin(ctx);
-	assert_int_equal(kl__trace_begin(ctx), KL_OK);
-	kl_tensor *y = apply(in, NULL);
-	kl_trace *tr = kl__trace_end(ctx, 1, &y);
-	kl_scope_end(ctx);
-	assert_non_null(tr);
+	kl_trace *tr = trace_apply(needle, apply, NULL, in);
 	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
 	kl_program P;
 	char err[512];
@@ -679,7 +677,7 @@ static void test_row_grid(void **state)
 	(void)state;
 	kl_tensor *ln[3], *sk[3];
 	norm_inputs(KL_BF16, 31, ln);
-	/* wide rows: twelve waves; dot rows: one (render_cuda.c, ROW_*WAVES) */
+	/* wide rows: twelve waves; dot rows: one (render_cuda_rows.c, ROW_*WAVES) */
 	assert_int_equal(check_row_grid("layer norm", ap_layer_norm, ln, 0, 64, 1, 12), 1);
 	kl_tensor *rms[2] = {kltest_rand(ctx, KL_BF16, 3, (int64_t[]){2, 16, 4096}, KLTEST_NORMAL,
 	                                 KLTEST_CONTIG, 34),
@@ -692,12 +690,7 @@ static void test_row_grid(void **state)
 	assert_int_equal(check_row_grid("skinny linear + gelu", ap_skinny, sk, 0, 8 * 256, 0, 1), 1);
 
 	/* the format: a round trip keeps the grid; bad grids are refused */
-	kl_scope_begin(ctx);
-	assert_int_equal(kl__trace_begin(ctx), KL_OK);
-	kl_tensor *y = ap_rms_norm(rms, NULL);
-	kl_trace *tr = kl__trace_end(ctx, 1, &y);
-	kl_scope_end(ctx);
-	assert_non_null(tr);
+	kl_trace *tr = trace_apply("rms norm round trip", ap_rms_norm, NULL, rms);
 	uint32_t masks[2] = {1u, 0};
 	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true, .dyn_masks = masks};
 	kl_program P;

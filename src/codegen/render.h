@@ -89,8 +89,8 @@ typedef struct kl_renderer {
 	/* A target whose loops look nothing like the CPU's (CUDA: grid-stride
 	 * loops, a thread group per row) walks kernels itself; NULL: render.c's
 	 * loop nests. */
-	struct kl_row_grid (*walk)(const struct kl_renderer *r, const kir_kernel *k,
-	                           const char *name, kl_sb *sb);
+	kl_row_grid (*walk)(const struct kl_renderer *r, const kir_kernel *k, const char *name,
+	                    kl_sb *sb);
 } kl_renderer;
 
 extern const kl_renderer kl__render_c;
@@ -120,7 +120,7 @@ typedef struct kl_cuda_dot {
 	int chunks, threads, f32;
 	int minb; /* KILN_CUDA_ROW_MINBLOCKS (1-8; default 0, by the kernel): a
 	           * row kernel's blocks per SM for __launch_bounds__, which caps
-	           * its registers. By default a wide row (render_cuda.c,
+	           * its registers. By default a wide row (render_cuda_rows.c,
 	           * wide_row: softmax, layer and RMS norm rows held by the
 	           * block) asks for ROW_WIDE_MINB, every other kernel for none */
 	int hold; /* KILN_CUDA_ROW_HOLD (0 or 1; default -1, by the kernel): 1,

@@ -14,18 +14,14 @@
  * inside the kernel; the runtime needs to know nothing about it. Two
  * passes that row_onepass.c matches (max then sum of exp, sum then squared
  * deviations) share one group reduction of per-thread partials.
+ * This file: the expressions, chunk planning and I/O, pointwise kernels and
+ * the walker's entry (cu_walk); the row kernels are render_cuda_rows.c, and
+ * the context both walk with is render_cuda_walk.h.
  */
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "codegen/render.h"
-#include "codegen/row_onepass.h"
-#include "core/core.h"
-
-#define BLOCK KL_CUDA_BLOCK
+#include "codegen/render_cuda_walk.h"
 
 /* ---- expressions: the C renderer's spellings ------------------------------------- */
 
@@ -101,146 +97,7 @@ static bool cu_acc_clause(kl_sb *sb, kl_op op, kl_dtype in, const char *acc)
 	return false;
 }
 
-/* ---- the walker ---------------------------------------------------------------------- */
-
-typedef struct vplan vplan;
-
-typedef struct cctx {
-	const kl_renderer *r;
-	const kir_kernel *k;
-	kl_sb *sb;
-	uint8_t *live;
-	int depth;
-	int G;  /* threads per row (reductions) */
-	int nj; /* row-cache slots per thread (0: no row cache) */
-	uint32_t mask; /* emit_block writes the instructions of these opcodes */
-	const kl_onepass *one; /* per pass p: passes p and p+1 as one reduction */
-	int fixp[KIR_MAX_LOCAL]; /* a row-local array rescaled as read: by kl_fx<p> */
-	bool wait;  /* kl_pdl_wait is still to be emitted (row_loop does it) */
-	bool early; /* the first row's early loads were emitted before the wait */
-	int32_t per; /* rows a block of the fast path's row loop (0: none) */
-	int minb;    /* __launch_bounds__'s blocks an SM (0: none) */
-	uint64_t greduced; /* accumulators a < 64 whose group reduction of this
-	                    * pass dot_partial emitted (combine skips them) */
-	bool pair; /* in onepass_pair: a thread's partials stay its own */
-	bool wide; /* the fast path holds a wide row (wide_row) */
-} cctx;
-
-static void ind(cctx *c)
-{
-	for (int i = 0; i < c->depth; i++)
-		kl__sb_puts(c->sb, "\t");
-}
-
-/* a line at the current depth */
-static void line(cctx *c, const char *fmt, ...) KL_PRINTF(2, 3);
-static void line(cctx *c, const char *fmt, ...)
-{
-	char small[256], *buf = small;
-	va_list ap;
-	va_start(ap, fmt);
-	int n = vsnprintf(small, sizeof small, fmt, ap);
-	va_end(ap);
-	if (n >= 0 && (size_t)n >= sizeof small && (buf = malloc((size_t)n + 1)) != NULL) {
-		va_start(ap, fmt);
-		vsnprintf(buf, (size_t)n + 1, fmt, ap);
-		va_end(ap);
-	}
-	if (n < 0 || !buf) {
-		c->sb->oom = true;
-		return;
-	}
-	ind(c);
-	kl__sb_puts(c->sb, buf);
-	kl__sb_puts(c->sb, "\n");
-	if (buf != small)
-		free(buf);
-}
-
-static void open_brace(cctx *c)
-{
-	line(c, "{");
-	c->depth++;
-}
-
-static void close_brace(cctx *c)
-{
-	c->depth--;
-	line(c, "}");
-}
-
-static bool unit(const kir_kernel *k, int d)
-{
-	return k->dims[d].sym == 0 && k->dims[d].v == 1;
-}
-
-/* ---- chunks: 16-byte loads and stores -------------------------------------------------
- *
- * The fast path of a kernel moves memory in chunks of V consecutive elements
- * along one loop variable d (the innermost iterated dim of a pointwise
- * kernel, the reduced dim of a row kernel). Along d an address is
- * contiguous (1 * i_d plus terms without i_d), a broadcast (no i_d), or
- * neither (then the kernel has no fast path). Each contiguous access gets a
- * union kv<a> holding one chunk as 16-byte words and as elements; the
- * kernel's instructions then run once per element e of the chunk, exactly
- * as the scalar path spells them (the same rounding), reading and writing
- * kv<a>.e[e]. Whether a launch may take the fast path is one uniform test,
- * kl_vok: every chunked buffer 16-byte aligned, and every stride or extent
- * known only at run time a multiple of V (the static ones are checked here).
- */
-
-#define VMAX 8              /* elements per chunk at most */
-#define ROW_REGS 64         /* row values one thread holds (32 when 8 bytes wide) */
-#define ROW_BYTES 512       /* bytes of chunks and row-local arrays one thread holds */
-#define UNROLL_BUDGET 1024 /* cost (body_cost) the unrolled element loops may reach */
-
-typedef enum vkind { VK_NO, VK_BCAST, VK_CONT } vkind;
-
-typedef struct vacc {
-	int32_t buf;
-	kl_dtype dt; /* in memory */
-	bool store;
-	bool ro;  /* the kernel only reads buf: the read-only cache path */
-	int blk;  /* the first block that uses it */
-	bool each; /* rows: row-invariant, loaded by every row in block blk
-	            * right before use, not held (KILN_CUDA_ROW_HOLD=0) */
-	const kir_addr *ad;
-} vacc;
-
-struct vplan {
-	int d;     /* the chunked loop variable */
-	int V;     /* elements per chunk */
-	bool flat; /* pointwise: each chunk address is the flat index plus a constant */
-	int nacc;
-	vacc *acc;
-	int32_t *of; /* per instruction: its chunked access, -1 for a scalar one */
-	int G;       /* rows: threads per row */
-	int nj;      /* rows: chunks per thread */
-	int64_t nch; /* rows: chunks per row */
-	uint32_t outer; /* rows: the dims rows run over (a load whose address
-	                 * depends on them is fetched a row ahead) */
-	bool dot;       /* rows: one pass that reads the row and stores none of
-	                 * it (plan_rows) */
-	bool part;      /* rows: float sums go through a float partial per
-	                 * thread and chunk pass (dot_partial) */
-};
-
-static int msize(kl_dtype dt)
-{
-	switch (dt) {
-	case KL_F64:
-	case KL_I64:
-		return 8;
-	case KL_F32:
-	case KL_I32:
-		return 4;
-	case KL_F16:
-	case KL_BF16:
-		return 2;
-	default:
-		return 1;
-	}
-}
+/* ---- chunks (the types and the walker's context: render_cuda_walk.h) ---------- */
 
 static bool addr_eq(const kir_addr *a, const kir_addr *b)
 {
@@ -322,7 +179,7 @@ static bool buf_written(const cctx *c, int32_t buf)
 	return false;
 }
 
-static void plan_free(vplan *vp)
+void kl__cu_plan_free(vplan *vp)
 {
 	free(vp->acc);
 	free(vp->of);
@@ -331,7 +188,7 @@ static void plan_free(vplan *vp)
 
 /* The accesses of the chunked blocks along vp->d, and V; false when some
  * access cannot be chunked or none can. */
-static bool plan_collect(cctx *c, vplan *vp)
+bool kl__cu_plan_collect(cctx *c, vplan *vp)
 {
 	const kir_kernel *k = c->k;
 	vp->acc = calloc((size_t)k->nins + 1, sizeof *vp->acc);
@@ -380,7 +237,7 @@ static bool plan_collect(cctx *c, vplan *vp)
 }
 
 /* every chunk starts V-aligned: the terms beside i_d (statically) */
-static bool plan_aligned(const cctx *c, const vplan *vp)
+bool kl__cu_plan_aligned(const cctx *c, const vplan *vp)
 {
 	for (int a = 0; a < vp->nacc; a++) {
 		bool al;
@@ -393,7 +250,7 @@ static bool plan_aligned(const cctx *c, const vplan *vp)
 /* What the chunked blocks cost, unrolled once: the element loops repeat
  * them V (rows: nj * V) times, so kernels heavy in arithmetic (which gain
  * little from wide accesses) keep the scalar path and compile fast. */
-static int64_t body_cost(const cctx *c)
+int64_t kl__cu_body_cost(const cctx *c)
 {
 	int64_t n = 0;
 	for (int32_t i = 0; i < c->k->nins; i++) {
@@ -418,10 +275,10 @@ static bool plan_pointwise(cctx *c, vplan *vp)
 	for (int d = 0; d < k->ndim; d++)
 		if (!unit(k, d))
 			vp->d = d;
-	if (vp->d < 0 || !plan_collect(c, vp))
+	if (vp->d < 0 || !kl__cu_plan_collect(c, vp))
 		return false;
 	int V = vp->V;
-	if (body_cost(c) * V > UNROLL_BUDGET)
+	if (kl__cu_body_cost(c) * V > UNROLL_BUDGET)
 		return false;
 	/* flat: chunks may cross rows, any size (a scalar tail) */
 	bool flat = true;
@@ -437,7 +294,7 @@ static bool plan_pointwise(cctx *c, vplan *vp)
 	const kl_symdim *dd = &k->dims[vp->d];
 	if (dd->sym == 0 && dd->v % V)
 		return false;
-	return plan_aligned(c, vp);
+	return kl__cu_plan_aligned(c, vp);
 }
 
 int kl__cuda_row_group(void)
@@ -467,169 +324,8 @@ kl_cuda_dot kl__cuda_dot_knobs(void)
 	return d;
 }
 
-/* G threads per row of vp->nch chunks: each thread's nj chunks within cap
- * values, its chunks and row-local values within max_bytes, the unrolled
- * element loops within the budget; sets vp->G and vp->nj when they are */
-static bool row_fits(const cctx *c, vplan *vp, int G, int cap, int64_t max_bytes)
-{
-	const kir_kernel *k = c->k;
-	int V = vp->V;
-	int64_t nj = (vp->nch + G - 1) / G;
-	if (nj * V > cap || body_cost(c) * nj * V > UNROLL_BUDGET)
-		return false;
-	int64_t bytes = 0;
-	for (int a = 0; a < vp->nacc; a++)
-		bytes += nj * V * msize(vp->acc[a].dt);
-	for (int i = 0; i < k->nlocal; i++)
-		bytes += nj * V * msize((kl_dtype)k->local_dt[i]);
-	if (bytes > max_bytes)
-		return false;
-	vp->G = G;
-	vp->nj = (int)nj;
-	return true;
-}
-
-/* The group of a dot row (vp->dot): the smallest of 32 ... 256 threads at
- * which a thread holds at most kl_cuda_dot.chunks chunks and the rows keep
- * kl_cuda_dot.threads threads busy (fewer rows: a larger group each; one
- * row: the block), within the limits. Several loads in flight a thread,
- * several rows a block where rows are short; a long row (a down
- * projection's 8192) takes the block. The block when nothing smaller fits
- * the knobs. */
-static bool dot_group(const cctx *c, vplan *vp, int cap, int64_t nrows)
-{
-	kl_cuda_dot kn = kl__cuda_dot_knobs();
-	for (int g = 32; g < BLOCK; g *= 2) {
-		if ((vp->nch + g - 1) / g > kn.chunks || nrows < ((int64_t)kn.threads + g - 1) / g)
-			continue;
-		if (row_fits(c, vp, g, cap, ROW_BYTES))
-			return true;
-	}
-	return row_fits(c, vp, BLOCK, cap, ROW_BYTES);
-}
-
-/* a's address moves with the row (or has symbolic strides): not one chunk
- * for every row */
-static bool row_dependent(const cctx *c, const vplan *vp, const vacc *a)
-{
-	return a->ad->ns > 0 || (c->k->ixa.ex[a->ad->ix].vars & vp->outer) != 0;
-}
-
-/* A wide row: a block's row (not a dot row), whose row-dependent loads
- * take at most 32 bytes a thread (a 4096-wide bf16 softmax, layer or RMS
- * norm row: two 16-byte chunks). Such a kernel streams: the more blocks an
- * SM, the more bytes in flight. So by default it gets __launch_bounds__
- * for ROW_WIDE_MINB blocks and leaves its row-invariant chunks to L1
- * rather than registers (KILN_CUDA_ROW_HOLD=0). On an H200 (run 23,
- * 16384 x 4096 bf16, eight waves) that took softmax from 71.0 to 70.5 us,
- * layer norm from 73.8 (72 registers: three blocks an SM) to 71.9, RMS
- * norm 70.0 either way, RMS norm from primitives 74.6 to 72.2; the same
- * knobs on every row kernel slowed the one-token layer's dot rows from
- * 47.8 to 60.1 us, so dot rows and longer rows keep none.
- * Grids: a wide row's holds at most ROW_WIDE_WAVES waves of resident
- * blocks, every other row kernel's ROW_WAVES (kl_row_grid.waves; the
- * launcher's cap unless KILN_CUDA_WAVES is set). Run 25 (H200,
- * reduce-overhead): 12 waves against 8 on the 16384 x 4096 bf16 rows,
- * softmax 69.7 against 70.0-71.3 us, layer norm 70.1 against 71.3, RMS
- * 69.3 against 70.5-70.6 (16 waves slower again, run 24); one wave against
- * eight on the one-token layer's dot rows, 45.9 against 49.3-49.9 us
- * (a block takes several rows, the next one's weights in flight), mlp24
- * 37.0-37.1 against 37.4-37.7. */
-#define ROW_WIDE_MINB 5
-#define ROW_WIDE_WAVES 12
-#define ROW_WAVES 1
-static bool wide_row(const cctx *c, const vplan *vp)
-{
-	if (vp->dot || vp->G != BLOCK)
-		return false;
-	int64_t bytes = 0;
-	for (int a = 0; a < vp->nacc; a++)
-		if (!vp->acc[a].store && row_dependent(c, vp, &vp->acc[a]))
-			bytes += (int64_t)vp->nj * vp->V * msize(vp->acc[a].dt);
-	return bytes > 0 && bytes <= 32;
-}
-
-/* nrows: the rows when static, else INT64_MAX */
-static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
-{
-	const kir_kernel *k = c->k;
-	memset(vp, 0, sizeof *vp);
-	vp->d = -1;
-	for (int d = 0; d < k->ndim; d++) {
-		if (!(k->rmask & (1u << d)) || unit(k, d))
-			continue;
-		if (vp->d >= 0 || k->dims[d].sym > 0)
-			return false; /* one static reduced dim only */
-		vp->d = d;
-	}
-	if (vp->d < 0 || k->dims[vp->d].v <= 0 || !plan_collect(c, vp))
-		return false;
-	int V = vp->V;
-	int64_t rn = k->dims[vp->d].v;
-	if (rn % V)
-		return false;
-	vp->nch = rn / V;
-	int wide = 0;
-	for (int a = 0; a < vp->nacc; a++)
-		wide |= msize(vp->acc[a].dt) == 8;
-	for (int i = 0; i < k->nlocal; i++)
-		wide |= msize((kl_dtype)k->local_dt[i]) == 8;
-	int cap = wide ? ROW_REGS / 2 : ROW_REGS;
-	vp->dot = k->npass == 1;
-	for (int a = 0; a < vp->nacc; a++)
-		vp->dot &= !vp->acc[a].store;
-	/* float partials only where every chunked operand is 16-bit: they lose
-	 * nothing such inputs had, while f32 inputs keep a double per element
-	 * (an 8192-long f32 dot drifted 2.3e-4 relative with partials on an
-	 * H200) */
-	bool half = vp->nacc > 0;
-	for (int a = 0; a < vp->nacc; a++)
-		half &= msize(vp->acc[a].dt) == 2;
-	/* every row kernel's sums, not only dot rows': a layer norm's two sums
-	 * converted each bf16 element to double, 2 x 67 M F2F.F64 at 16 a clock
-	 * an SM, about 36 us of its 88 on an H200 (run of 2026-12-03) */
-	vp->part = half && kl__cuda_dot_knobs().f32;
-	/* A dot row takes dot_group's choice. Otherwise the group: a warp when a lane's share fits (up to cap values and half
-	 * the bytes: no barrier at all), else the block. Groups of 64 or 128
-	 * threads (several rows a block, fewer chunks a thread) measured slower
-	 * on an H200 for 4096-wide bf16 rows (softmax 88.2 vs 82.7 us, layer
-	 * norm 96.9 vs 87.1, rms norm from primitives 104.3 vs 92.4 at 128
-	 * against the block; 2026-12-03), so they are only taken when forced:
-	 * KILN_CUDA_ROW_GROUP forces a group that fits the limits. */
-	int force = kl__cuda_row_group();
-	bool fits = force && row_fits(c, vp, force, cap, ROW_BYTES);
-	if (!fits && vp->dot)
-		fits = dot_group(c, vp, cap, nrows);
-	if (!fits)
-		fits = row_fits(c, vp, 32, cap, ROW_BYTES / 2);
-	if (!fits && !row_fits(c, vp, BLOCK, cap, ROW_BYTES))
-		return false;
-	/* every chunk of the row is loaded at the start of the first pass, all
-	 * in flight at once (not a wait for the weights of a layer norm in the
-	 * last pass); KILN_CUDA_ROW_HOLD=0 leaves the row-invariant ones in the
-	 * block that first uses them, loaded there by every row */
-	for (int d = 0; d < k->ndim; d++)
-		if (!(k->rmask & (1u << d)))
-			vp->outer |= 1u << d;
-	kl_cuda_dot kn = kl__cuda_dot_knobs();
-	bool wrow = wide_row(c, vp);
-	bool hold = kn.hold >= 0 ? kn.hold != 0 : !wrow;
-	c->wide = wrow;
-	if (wrow && !kn.minb)
-		c->minb = ROW_WIDE_MINB;
-	for (int a = 0; a < vp->nacc; a++) {
-		if (vp->acc[a].store)
-			continue;
-		if (!hold && !row_dependent(c, vp, &vp->acc[a]))
-			vp->acc[a].each = true;
-		else
-			vp->acc[a].blk = 1;
-	}
-	return plan_aligned(c, vp);
-}
-
 /* "const bool kl_vok = ...": the run-time half of the fast path's conditions */
-static void plan_cond(cctx *c, const vplan *vp)
+void kl__cu_plan_cond(cctx *c, const vplan *vp)
 {
 	const kir_kernel *k = c->k;
 	kl_sb *sb = c->sb;
@@ -695,19 +391,19 @@ static void addr_text(cctx *c, const vplan *vp, const vacc *a, kl_sb *out)
 	kl__sb_free(&t);
 }
 
-static void chunk_word(const vplan *vp, const vacc *a, const char **w, int *nw)
+void kl__cu_chunk_word(const vplan *vp, const vacc *a, const char **w, int *nw)
 {
 	int cb = vp->V * msize(a->dt);
 	*w = cb >= 16 ? "uint4" : cb == 8 ? "uint2" : cb == 4 ? "unsigned int" : "unsigned short";
 	*nw = cb >= 16 ? cb / 16 : 1;
 }
 
-static void chunk_decls(cctx *c, const vplan *vp, int slots)
+void kl__cu_chunk_decls(cctx *c, const vplan *vp, int slots)
 {
 	for (int a = 0; a < vp->nacc; a++) {
 		const char *w;
 		int nw;
-		chunk_word(vp, &vp->acc[a], &w, &nw);
+		kl__cu_chunk_word(vp, &vp->acc[a], &w, &nw);
 		line(c, "union { %s u[%d]; %s e[%d]; } kv%d[%d];", w, nw,
 		     c->r->mtype[vp->acc[a].dt], vp->V, a, slots);
 	}
@@ -715,7 +411,7 @@ static void chunk_decls(cctx *c, const vplan *vp, int slots)
 
 /* an access loaded before kl_pdl_wait (row_loop): the first row's, so not
  * one that every row loads again (vacc.each) */
-static bool early_acc(const cctx *c, const vacc *a)
+bool kl__cu_early_acc(const cctx *c, const vacc *a)
 {
 	return c->k->early && !a->store && a->blk == 1 && !a->each && c->k->early[a->buf];
 }
@@ -725,7 +421,7 @@ static bool early_acc(const cctx *c, const vacc *a)
  * ahead: the loads of the next row into kn<a> (row-dependent ones only).
  * which: 0 every access, 1 the early ones, 2 all but the early ones, 3 the
  * loads every row makes right before use (vacc.each; 0-2 leave them out) */
-static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
+void kl__cu_chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const char *slot,
                         bool ahead, int which)
 {
 	for (int ai = 0; ai < vp->nacc; ai++) {
@@ -734,12 +430,12 @@ static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
 			continue;
 		if (!store && a->each != (which == 3))
 			continue;
-		if ((which == 1 && !early_acc(c, a)) || (which == 2 && early_acc(c, a)))
+		if ((which == 1 && !kl__cu_early_acc(c, a)) || (which == 2 && kl__cu_early_acc(c, a)))
 			continue;
 		const char *kv = ahead ? "kn" : "kv";
 		const char *w;
 		int nw;
-		chunk_word(vp, a, &w, &nw);
+		kl__cu_chunk_word(vp, a, &w, &nw);
 		kl_sb ad = {0};
 		addr_text(c, vp, a, &ad);
 		if (ad.oom)
@@ -761,9 +457,9 @@ static void chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
 	}
 }
 
-static void chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
+void kl__cu_chunk_io(cctx *c, const vplan *vp, int blk, bool store, const char *slot)
 {
-	chunk_io_to(c, vp, blk, store, slot, false, 0);
+	kl__cu_chunk_io_to(c, vp, blk, store, slot, false, 0);
 }
 
 /* A row-local array that holds exp(v - M) computed with a thread's own M
@@ -794,67 +490,11 @@ static void fixed_load(cctx *c, const kir_ins *in, int32_t id, const char *lc)
 	kl__sb_free(&e);
 }
 
-/* a float sum that a row's thread adds up in float first (vp->part) */
-static bool part_acc(const kir_ins *in)
-{
-	return in->opc == KIR_ACC && in->op == KL_OP_SUM &&
-	       (in->in_dt == KL_F32 || in->in_dt == KL_F16 || in->in_dt == KL_BF16);
-}
-
-/* does every live instruction updating accumulator a sit in block blk as
- * a float partial's sum? (then the partials are the whole sum) */
-static bool part_only(const cctx *c, int blk, int32_t a)
-{
-	const kir_kernel *k = c->k;
-	for (int32_t i = 0; i < k->nins; i++) {
-		const kir_ins *in = &k->ins[i];
-		if (c->live[i] && in->opc == KIR_ACC && in->acc == a && (in->blk != blk || !part_acc(in)))
-			return false;
-	}
-	return true;
-}
-
-/* A row's float partials of pass block blk: declared (open) or added to
- * their double accumulators (!open). A thread's share is at most 64
- * products; the F2F.F64 conversion per element, at 16 a clock an SM on
- * sm_90, would otherwise bound the product below the memory's rate. Where
- * the partials are an accumulator's whole sum, the group reduces them in
- * float, once converted: half the shuffles of a double and fewer registers
- * (16-bit operands only, vp->part; each partial sums at most 64 of them,
- * the tree eight more levels, far inside a 16-bit result's rounding). */
-static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
-{
-	const kir_kernel *k = c->k;
-	if (!vp->part)
-		return;
-	for (int32_t i = 0; i < k->nins; i++) {
-		const kir_ins *in = &k->ins[i];
-		if (!c->live[i] || in->blk != blk || !part_acc(in))
-			continue;
-		bool first = true; /* one partial per accumulator */
-		for (int32_t j = 0; j < i && first; j++)
-			first = !(c->live[j] && k->ins[j].blk == blk && part_acc(&k->ins[j]) &&
-			          k->ins[j].acc == in->acc);
-		if (!first)
-			continue;
-		int a = (int)in->acc;
-		if (open) {
-			line(c, "float kp%d = 0.0f;", a);
-		} else if (a < 64 && !c->pair && part_only(c, blk, in->acc)) {
-			line(c, "acc%d += (double)kl_gred<%d>(kp%d, kl_add_op(), kl_sh, kl_ph);", a, c->G,
-			     a);
-			c->greduced |= 1ull << a;
-		} else {
-			line(c, "acc%d += (double)kp%d;", a, a);
-		}
-	}
-}
-
 /* The instructions of block blk. With a plan vp, chunked loads and stores
  * take element e of their chunk in `slot`, and (pointwise) broadcast loads
  * are left out, hoisted before the element loop. lc: the row-local arrays'
  * index. */
-static void emit_block(cctx *c, int blk, const vplan *vp, const char *slot, const char *lc)
+void kl__cu_emit_block(cctx *c, int blk, const vplan *vp, const char *slot, const char *lc)
 {
 	const kir_kernel *k = c->k;
 	for (int32_t i = 0; i < k->nins; i++) {
@@ -893,7 +533,7 @@ static void emit_block(cctx *c, int blk, const vplan *vp, const char *slot, cons
 
 /* Sets the loop variables of the dims in mask from the flat index q (the
  * innermost dim fastest); unit dims are 0. */
-static void decompose(cctx *c, uint32_t mask, const char *q)
+void kl__cu_decompose(cctx *c, uint32_t mask, const char *q)
 {
 	const kir_kernel *k = c->k;
 	int first = -1;
@@ -934,7 +574,7 @@ static void decompose(cctx *c, uint32_t mask, const char *q)
 static int pw_unroll(const cctx *c, const vplan *vp)
 {
 	int u = kl__cuda_dot_knobs().pw;
-	while (u > 1 && body_cost(c) * vp->V * u > UNROLL_BUDGET)
+	while (u > 1 && kl__cu_body_cost(c) * vp->V * u > UNROLL_BUDGET)
 		u /= 2;
 	return u;
 }
@@ -948,14 +588,14 @@ static void pointwise_chunks(cctx *c, const vplan *vp, uint32_t all)
 {
 	const kir_kernel *k = c->k;
 	int V = vp->V, U = pw_unroll(c, vp);
-	plan_cond(c, vp);
+	kl__cu_plan_cond(c, vp);
 	line(c, "const int64_t nv = kl_vok ? n / %d : 0;", V);
 	line(c, "const int64_t kl_gs = (int64_t)gridDim.x * %d; /* %d chunk%s a thread in flight */",
 	     BLOCK, U, U > 1 ? "s" : "");
 	line(c, "for (int64_t T = (int64_t)blockIdx.x * %d + threadIdx.x; T < nv; T += kl_gs * %d)",
 	     BLOCK, U);
 	open_brace(c);
-	chunk_decls(c, vp, U);
+	kl__cu_chunk_decls(c, vp, U);
 	bool vars = false;
 	for (int32_t i = 0; i < k->nins; i++)
 		vars |= c->live[i] && (k->ins[i].opc == KIR_INDEX || k->ins[i].opc == KIR_IDXLT);
@@ -967,9 +607,9 @@ static void pointwise_chunks(cctx *c, const vplan *vp, uint32_t all)
 		line(c, "\tbreak;");
 		line(c, "const int64_t L0 = (T + u * kl_gs) * %d;", V);
 		if (!vp->flat)
-			decompose(c, all, "L0");
+			kl__cu_decompose(c, all, "L0");
 		if (pass == 0) {
-			chunk_io(c, vp, 0, false, "[u]");
+			kl__cu_chunk_io(c, vp, 0, false, "[u]");
 			close_brace(c);
 			continue;
 		}
@@ -980,10 +620,10 @@ static void pointwise_chunks(cctx *c, const vplan *vp, uint32_t all)
 		line(c, "for (int e = 0; e < %d; e++)", V);
 		open_brace(c);
 		if (vars)
-			decompose(c, all, "L0 + e");
-		emit_block(c, 0, vp, "[u]", "0");
+			kl__cu_decompose(c, all, "L0 + e");
+		kl__cu_emit_block(c, 0, vp, "[u]", "0");
 		close_brace(c);
-		chunk_io(c, vp, 0, true, "[u]");
+		kl__cu_chunk_io(c, vp, 0, true, "[u]");
 		close_brace(c);
 	}
 	close_brace(c);
@@ -1011,436 +651,10 @@ static void render_pointwise(cctx *c)
 	     "L += (int64_t)gridDim.x * %d)",
 	     from, BLOCK, BLOCK);
 	open_brace(c);
-	decompose(c, all, "L");
-	emit_block(c, 0, NULL, "", "0");
+	kl__cu_decompose(c, all, "L");
+	kl__cu_emit_block(c, 0, NULL, "", "0");
 	close_brace(c);
-	plan_free(&vp);
-}
-
-/* ---- row kernels -------------------------------------------------------------------------- */
-
-/* the group reduction of every accumulator pass p updates */
-static void combine(cctx *c, int p)
-{
-	const kir_kernel *k = c->k;
-	uint8_t *done = calloc((size_t)k->nacc + 1, 1);
-	if (!done) {
-		c->sb->oom = true;
-		return;
-	}
-	for (int32_t i = 0; i < k->nins; i++) {
-		const kir_ins *in = &k->ins[i];
-		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i] || done[in->acc])
-			continue;
-		done[in->acc] = 1;
-		if (in->acc < 64 && (c->greduced >> in->acc & 1))
-			continue; /* reduced in float (dot_partial) */
-		kl_op op = (kl_op)in->op;
-		int a = (int)in->acc;
-		if (op == KL_OP_ARGMAX) {
-			line(c,
-			     "{ long long ai_ = acc%di; kl_gargmax<%d>(acc%d, ai_, kl_sh, kl_shi, kl_ph); "
-			     "acc%di = ai_; }",
-			     a, c->G, a, a);
-			continue;
-		}
-		/* one variable each: float max/min fold NaN in (cu_acc_vars) */
-		const char *f = op == KL_OP_SUM   ? "kl_add_op"
-		                : op == KL_OP_MAX ? "kl_max_op"
-		                                  : "kl_min_op";
-		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh, kl_ph);", a, c->G, a, f);
-	}
-	c->greduced = 0;
-	free(done);
-}
-
-/* pass p over the row, the scalar way: position r = lane + G * j */
-static void pass_scalar(cctx *c, int p, uint32_t inner)
-{
-	const kir_kernel *k = c->k;
-	if (c->nj) {
-		line(c, "#pragma unroll");
-		line(c, "for (int j = 0; j < %d; j++)", c->nj);
-		open_brace(c);
-		line(c, "const int64_t r = lane + (int64_t)j * %d;", c->G);
-		line(c, "if (r >= rn)");
-		line(c, "\tbreak;");
-	} else {
-		/* NVRTC 13.0 crashes (SIGSEGV) unrolling this loop when it divides
-		 * the position by a dim's extent, for some extents and G (e.g.
-		 * 6 x 50 by 64, 6 x 100 by 256): such loops stay rolled */
-		int nd = 0;
-		for (int d = 0; d < k->ndim; d++)
-			nd += (inner & (1u << d)) && !unit(k, d);
-		if (nd > 1)
-			line(c, "#pragma unroll 1");
-		line(c, "for (int64_t r = lane; r < rn; r += %d)", c->G);
-		open_brace(c);
-	}
-	/* the reduced dims from the flat position in the row */
-	line(c, "int64_t q = r;");
-	int first = -1;
-	for (int d = 0; d < k->ndim && first < 0; d++)
-		if ((inner & (1u << d)) && !unit(k, d))
-			first = d;
-	for (int d = k->ndim - 1; d >= 0; d--) {
-		if (!(inner & (1u << d)) || unit(k, d))
-			continue;
-		ind(c);
-		if (d == first) {
-			kl__sb_printf(c->sb, "i%d = q;\n", d);
-			continue;
-		}
-		kl__sb_printf(c->sb, "i%d = q %% (", d);
-		kl__render_dim(c->r, k, d, c->sb);
-		kl__sb_puts(c->sb, ");\n");
-		ind(c);
-		kl__sb_puts(c->sb, "q /= (");
-		kl__render_dim(c->r, k, d, c->sb);
-		kl__sb_puts(c->sb, ");\n");
-	}
-	line(c, "(void)q;");
-	emit_block(c, 2 * p - 1, NULL, "", "j");
-	close_brace(c);
-}
-
-/* the chunk slots of one thread: j, the chunk ch = lane + G * j of the row,
- * i_d at the chunk's start; closed by close_brace twice */
-static void open_slots(cctx *c, const vplan *vp)
-{
-	line(c, "#pragma unroll");
-	line(c, "for (int j = 0; j < %d; j++)", vp->nj);
-	open_brace(c);
-	line(c, "const int64_t ch = lane + (int64_t)j * %d;", vp->G);
-	if (vp->nch % vp->G)
-		line(c, "if (ch < %lld)", (long long)vp->nch);
-	open_brace(c);
-	line(c, "i%d = ch * %d;", vp->d, vp->V);
-}
-
-/* pass p over a row held in registers: thread lane has the chunks
- * lane + G * j, all loaded (in flight together) before the first pass
- * reads them */
-static void pass_chunks(cctx *c, int p, const vplan *vp)
-{
-	int V = vp->V, d = vp->d, blk = 2 * p - 1;
-	bool loads = false, each = false, stores = false;
-	for (int a = 0; a < vp->nacc; a++) {
-		loads |= !vp->acc[a].store && vp->acc[a].blk == blk && !vp->acc[a].each;
-		each |= vp->acc[a].each && vp->acc[a].blk == blk;
-		stores |= vp->acc[a].store && vp->acc[a].blk == blk;
-	}
-	if (loads) {
-		/* a later row's chunks came ahead (and row-invariant ones, such
-		 * as a norm's weight, are still held, unless KILN_CUDA_ROW_HOLD=0
-		 * has every row load them below): loaded on the first only */
-		line(c, "if (!kl_ahead)");
-		open_brace(c);
-		open_slots(c, vp);
-		chunk_io_to(c, vp, blk, false, "[j]", false, c->early ? 2 : 0);
-		close_brace(c);
-		close_brace(c);
-		close_brace(c);
-		/* the next row's chunks, in flight while this one is reduced */
-		bool any = false;
-		for (int a = 0; a < vp->nacc; a++)
-			any |= !vp->acc[a].store && vp->acc[a].blk == blk &&
-			       row_dependent(c, vp, &vp->acc[a]);
-		if (any) {
-			open_brace(c);
-			line(c, "const int64_t kl_next = row + (int64_t)gridDim.x * %d;",
-			     BLOCK / vp->G);
-			line(c, "if (kl_next < nrows)");
-			open_brace(c);
-			decompose(c, vp->outer, "kl_next");
-			open_slots(c, vp);
-			chunk_io_to(c, vp, blk, false, "[j]", true, 0);
-			close_brace(c);
-			close_brace(c);
-			close_brace(c);
-			close_brace(c);
-		}
-	}
-	dot_partial(c, vp, blk, true);
-	open_slots(c, vp);
-	/* KILN_CUDA_ROW_HOLD=0: this row's row-invariant chunks, each right
-	 * before the elements that read it */
-	if (each)
-		chunk_io_to(c, vp, blk, false, "[j]", false, 3);
-	line(c, "#pragma unroll");
-	line(c, "for (int e = 0; e < %d; e++)", V);
-	open_brace(c);
-	line(c, "i%d = ch * %d + e;", d, V);
-	char lc[32];
-	snprintf(lc, sizeof lc, "j * %d + e", V);
-	emit_block(c, blk, vp, "[j]", lc);
-	close_brace(c);
-	if (stores) {
-		line(c, "i%d = ch * %d;", d, V);
-		chunk_io(c, vp, blk, true, "[j]");
-	}
-	close_brace(c);
-	close_brace(c);
-	dot_partial(c, vp, blk, false);
-}
-
-static void pass_body(cctx *c, int p, const vplan *vp, uint32_t inner)
-{
-	if (vp)
-		pass_chunks(c, p, vp);
-	else
-		pass_scalar(c, p, inner);
-}
-
-/* block blk with only (or without) the instructions of the opcodes in mask */
-static void emit_part(cctx *c, int blk, uint32_t mask)
-{
-	c->mask = mask;
-	emit_block(c, blk, NULL, "", "0");
-	c->mask = ~0u;
-}
-
-/* Passes p and p+1 of a matched pair (row_onepass.h) with one group
- * reduction: each thread reduces its own values in both passes, pass p+1
- * seeing block 2p computed from its own partial result (a thread of -inf
- * values subtracts 0; VAR: the sum scaled so that M is the thread's mean);
- * the partials merge; block 2p then runs on the row's result, and pass
- * p+1's sum is moved to the row's M. */
-static void onepass_pair(cctx *c, const kl_onepass *op, const vplan *vp, uint32_t inner)
-{
-	const kir_kernel *k = c->k;
-	int p = op->p, a = (int)op->acc_a, b = (int)op->acc_b, m = (int)op->m, G = c->G;
-	const uint32_t init = 1u << KIR_ACC_INIT, store = 1u << KIR_STORE;
-	const char *mt = c->r->ctype[k->ins[op->m].dt];
-	bool lse = op->kind == KL_ONEPASS_LSE;
-	line(c, "/* passes %d and %d, one reduction: %s */", p, p + 1,
-	     lse ? "max and sum of exp" : "count, sum and squared deviations");
-	c->pair = true;
-	pass_body(c, p, vp, inner);
-	emit_part(c, 2 * p, init);
-	if (lse) {
-		kl_dtype adt = KL_F32;
-		for (int32_t i = 0; i < k->nins; i++)
-			if (k->ins[i].opc == KIR_ACC && k->ins[i].acc == op->acc_a)
-				adt = (kl_dtype)k->ins[i].in_dt;
-		line(c, "const %s kl_m%d = acc%d;", c->r->ctype[adt], p, a);
-	} else {
-		if (vp)
-			line(c, "double kl_n%d = %d.0 * (%lld > lane ? (%lld - lane + %d) / %d : 0);", p,
-			     vp->V, (long long)vp->nch, (long long)vp->nch, G - 1, G);
-		else
-			line(c, "double kl_n%d = (double)(rn > lane ? (rn - lane + %d) / %d : 0);", p,
-			     G - 1, G);
-		line(c, "const double kl_s%d = acc%d;", p, a);
-	}
-	line(c, "%s kl_ml%d;", mt, p);
-	open_brace(c);
-	if (lse)
-		line(c, "acc%d = acc%d == -INFINITY ? 0 : acc%d;", a, a, a);
-	else
-		line(c, "acc%d = kl_n%d > 0 ? acc%d * (%lld.0 / kl_n%d) : 0;", a, p, a,
-		     (long long)op->n, p);
-	emit_part(c, 2 * p, ~(init | store));
-	line(c, "acc%d = kl_%s%d;", a, lse ? "m" : "s", p);
-	line(c, "kl_ml%d = t%d;", p, m);
-	pass_body(c, p + 1, vp, inner);
-	c->pair = false;
-	close_brace(c);
-	if (lse) {
-		line(c, "acc%d = kl_rebase(acc%d, kl_ml%d, (%s)acc%d);", b, b, p, mt, a);
-		line(c, "kl_glse<%d>(acc%d, acc%d, kl_sh, kl_shi, kl_ph);", G, a, b);
-		/* a row of -inf: every exp(v - M) is NaN */
-		line(c, "if (acc%d == -INFINITY && rn > 0)", a);
-		line(c, "\tacc%d = NAN;", b);
-	} else {
-		line(c, "if (kl_n%d > 0)", p);
-		line(c, "\tacc%d -= kl_n%d * (kl_s%d / kl_n%d - (double)kl_ml%d) * "
-		        "(kl_s%d / kl_n%d - (double)kl_ml%d);",
-		     b, p, p, p, p, p, p, p);
-		/* sums of squares about 0 for values of f32 or narrower (held in
-		 * double), Chan's merge for f64 */
-		bool sq = k->ins[op->m].dt != KL_F64;
-		line(c, "kl_gvar<%d, %s>(kl_n%d, acc%d, acc%d, kl_sh, kl_shi, kl_shv, kl_ph);", G,
-		     sq ? "true" : "false", p, a, b);
-	}
-	emit_part(c, 2 * p, ~init);
-	if (lse) {
-		line(c, "acc%d = kl_rebase(acc%d, (%s)acc%d, t%d);", b, b, mt, a, m);
-		bool held = false;
-		for (int i = 0; i < KIR_MAX_LOCAL; i++)
-			if (op->held[i] >= 0) {
-				c->fixp[i] = p;
-				held = true;
-			}
-		if (held)
-			line(c, "const %s kl_fx%d = kl_lse_fix((%s)kl_m%d, kl_ml%d, (%s)acc%d, t%d);", mt,
-			     p, mt, p, p, mt, a, m);
-	} else {
-		line(c, "acc%d += %lld.0 * (acc%d / %lld.0 - (double)t%d) * (acc%d / %lld.0 - (double)t%d);",
-		     b, (long long)op->n, a, (long long)op->n, m, a, (long long)op->n, m);
-	}
-}
-
-/* the loop over rows: a group of G threads per row; with vp, the row in
- * registers */
-static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan *vp)
-{
-	const kir_kernel *k = c->k;
-	c->G = G;
-	int per = BLOCK / G;
-	if (!c->per)
-		c->per = per;
-	open_brace(c);
-	if (vp)
-		line(c, "/* row group: %d threads, %d rows a block, %d chunks of %d a thread */", G,
-		     per, vp->nj, vp->V);
-	else
-		line(c, "/* row group (scalar): %d threads, %d rows a block */", G, per);
-	line(c, "const int lane = threadIdx.x %% %d;", G);
-	line(c, "int kl_ph = 0; /* which half of kl_sh the next reduction uses */");
-	line(c, "(void)kl_ph;");
-	if (vp) {
-		/* the row's chunks, kept across rows: kn<a> holds the next row's */
-		chunk_decls(c, vp, vp->nj);
-		for (int a = 0; a < vp->nacc; a++) {
-			if (vp->acc[a].store || !row_dependent(c, vp, &vp->acc[a]))
-				continue;
-			const char *w;
-			int nw;
-			chunk_word(vp, &vp->acc[a], &w, &nw);
-			line(c, "union { %s u[%d]; %s e[%d]; } kn%d[%d];", w, nw,
-			     c->r->mtype[vp->acc[a].dt], vp->V, a, vp->nj);
-		}
-		line(c, "bool kl_ahead = false;");
-	}
-	c->early = false;
-	if (c->wait) {
-		/* the first row's chunks of buffers no step writes (weights) are
-		 * in flight while the kernel before this one finishes */
-		bool any = false;
-		for (int a = 0; vp && !c->one && a < vp->nacc; a++)
-			any |= early_acc(c, &vp->acc[a]);
-		if (any) {
-			open_brace(c);
-			line(c, "const int64_t row = (int64_t)blockIdx.x * %d + threadIdx.x / %d;", per,
-			     G);
-			line(c, "if (row < nrows)");
-			open_brace(c);
-			decompose(c, outer, "row");
-			for (int d = 0; d < k->ndim; d++)
-				if (inner & (1u << d))
-					line(c, "int64_t i%d = 0;", d);
-			open_slots(c, vp);
-			chunk_io_to(c, vp, 1, false, "[j]", false, 1);
-			close_brace(c);
-			close_brace(c);
-			close_brace(c);
-			close_brace(c);
-			c->early = true;
-		}
-		line(c, "kl_pdl_wait();");
-	}
-	/* every thread of a group runs the same number of iterations: the
-	 * shuffles and barriers inside see full groups */
-	line(c,
-	     "for (int64_t row = (int64_t)blockIdx.x * %d + threadIdx.x / %d; row < nrows; "
-	     "row += (int64_t)gridDim.x * %d)",
-	     per, G, per);
-	open_brace(c);
-	decompose(c, outer, "row");
-	for (int d = 0; d < k->ndim; d++)
-		if (inner & (1u << d))
-			line(c, "int64_t i%d = 0;", d);
-	int slots = vp ? vp->nj * vp->V : c->nj;
-	for (int i = 0; i < k->nlocal; i++)
-		line(c, "%s lc%d[%d];", c->r->ctype[k->local_dt[i]], i, slots);
-	emit_block(c, 0, NULL, "", "0");
-	memset(c->fixp, 0, sizeof c->fixp);
-	for (int p = 1; p <= k->npass; p++) {
-		if (c->one && c->one[p].kind != KL_ONEPASS_NONE) {
-			onepass_pair(c, &c->one[p], vp, inner);
-			p++;
-		} else {
-			pass_body(c, p, vp, inner);
-			combine(c, p);
-		}
-		emit_block(c, 2 * p, NULL, "", "0");
-	}
-	if (vp) {
-		for (int a = 0; a < vp->nacc; a++) {
-			if (vp->acc[a].store || !row_dependent(c, vp, &vp->acc[a]))
-				continue;
-			const char *w;
-			int nw;
-			chunk_word(vp, &vp->acc[a], &w, &nw);
-			line(c, "#pragma unroll");
-			line(c, "for (int j = 0; j < %d; j++)", vp->nj);
-			line(c, "\tfor (int u = 0; u < %d; u++)", nw);
-			line(c, "\t\tkv%d[j].u[u] = kn%d[j].u[u];", a, a);
-		}
-		line(c, "kl_ahead = true;");
-	}
-	close_brace(c);
-	close_brace(c);
-}
-
-static void render_rows(cctx *c)
-{
-	const kir_kernel *k = c->k;
-	uint32_t outer = 0, inner = 0;
-	for (int d = 0; d < k->ndim; d++) {
-		if (k->rmask & (1u << d))
-			inner |= 1u << d;
-		else
-			outer |= 1u << d;
-	}
-	kl_sb rows = {0}, rn = {0};
-	double nrows, vr;
-	bool nstat = kl__render_extent(c->r, k, outer, &rows, &nrows);
-	bool rstat = kl__render_extent(c->r, k, inner, &rn, &vr);
-	/* the scalar path: the smallest group at which a thread takes at most
-	 * 8 positions of a static row, else the block */
-	int G = kl__cuda_row_group();
-	for (int g = 32; !G && rstat && g < BLOCK; g *= 2)
-		if (vr <= 8.0 * g)
-			G = g;
-	if (!G)
-		G = BLOCK;
-	c->nj = k->nlocal ? (int)((k->row_n + G - 1) / G) : 0;
-	line(c, "__shared__ unsigned long long kl_sh[%d];", 2 * BLOCK / 32);
-	line(c, "__shared__ long long kl_shi[%d];", 2 * BLOCK / 32);
-	line(c, "(void)kl_sh;");
-	line(c, "(void)kl_shi;");
-	/* pairs of passes that one reduction serves */
-	kl_onepass *one = NULL;
-	bool var = false;
-	if (kl__cuda_row_onepass() && k->npass >= 2 &&
-	    !(one = calloc((size_t)k->npass + 2, sizeof *one)))
-		c->sb->oom = true;
-	for (int p = 1; one && p < k->npass; p++) {
-		/* a pass that ends a pair starts none */
-		if (one[p - 1].kind == KL_ONEPASS_NONE)
-			kl__onepass_match(k, c->live, p, rstat ? (int64_t)vr : 0, &one[p]);
-		var |= one[p].kind == KL_ONEPASS_VAR;
-	}
-	c->one = one;
-	if (var)
-		line(c, "__shared__ unsigned long long kl_shv[%d];", 2 * BLOCK / 32);
-	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));
-	line(c, "(void)rn;");
-	vplan vp;
-	if (plan_rows(c, &vp, nstat && nrows < 9.0e18 ? (int64_t)nrows : INT64_MAX)) {
-		plan_cond(c, &vp);
-		line(c, "if (kl_vok)");
-		row_loop(c, outer, inner, vp.G, &vp);
-		line(c, "else");
-	}
-	row_loop(c, outer, inner, G, NULL);
-	plan_free(&vp);
-	c->one = NULL;
-	free(one);
-	kl__sb_free(&rows);
-	kl__sb_free(&rn);
+	kl__cu_plan_free(&vp);
 }
 
 /* the rows a block takes: the first row loop's (the chunked path's where
@@ -1472,7 +686,7 @@ static kl_row_grid cu_walk(const kl_renderer *r, const kir_kernel *k, const char
 		if (k->rmask == 0)
 			render_pointwise(&c);
 		else
-			render_rows(&c);
+			kl__cu_render_rows(&c);
 	}
 	kl__sb_puts(&body, "}\n\n");
 	free(c.live);
@@ -1487,10 +701,7 @@ static kl_row_grid cu_walk(const kl_renderer *r, const kir_kernel *k, const char
 	else
 		kl__sb_puts(sb, kl__sb_str(&body));
 	kl__sb_free(&body);
-	kl_row_grid g = {c.per, 0};
-	if (g.per > 0)
-		g.waves = c.wide ? ROW_WIDE_WAVES : ROW_WAVES;
-	return g;
+	return (kl_row_grid){c.per, c.per > 0 ? c.waves : 0};
 }
 
 const kl_renderer kl__render_cuda = {

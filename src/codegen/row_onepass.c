@@ -1,6 +1,6 @@
 /* row_onepass.c - finds, in a row kernel's IR, two passes whose reductions
  * one cross-thread merge of per-thread partials can serve (row_onepass.h
- * says which); render_cuda.c emits them.
+ * says which); render_cuda_rows.c emits them.
  */
 #include <math.h>
 #include <stdlib.h>
