@@ -638,11 +638,83 @@ static void layout_cases(kl_ctx *ctx, int nkinds)
 	unforce_kind();
 }
 
+/* q, k and v as the heads of one packed [b, t, 3 h d] product, as the
+ * MultiheadAttention module makes them: batch dims (b, h) whose strides
+ * (t * 3 h d, d) do not merge into one, and a row stride of 3 h d. On the
+ * GPU with kl_attn_fa3 forced, the step must run it (five-dim tensor maps),
+ * not fall back. in[0] is the packed tensor; p->h its heads. */
+typedef struct packed_p {
+	sdpa_p sd;
+	int64_t h, d;
+} packed_p;
+
+static kl_tensor *head_view(kl_tensor *qkv, int which, const packed_p *p)
+{
+	int64_t B = kl_shape(qkv)[0], T = kl_shape(qkv)[1], hd = p->h * p->d;
+	kl_tensor *x = kl_slice(qkv, 2, which * hd, (which + 1) * hd, 1);
+	return kl_permute(kl_reshape(x, 4, (int64_t[]){B, T, p->h, p->d}), (int[]){0, 2, 1, 3});
+}
+
+static int b_sdpa_packed(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)ctx;
+	const packed_p *pp = p;
+	kl_tensor *qkv[3] = {head_view(in[0], 0, pp), head_view(in[0], 1, pp),
+	                     head_view(in[0], 2, pp)};
+	out[0] = apply_sdpa(qkv, &pp->sd);
+	return 1;
+}
+
+static void packed_cases(kl_ctx *ctx, int nkinds)
+{
+	/* b, t, h, d, causal */
+	static const struct {
+		int64_t b, t, h, d;
+		bool causal;
+	} pc[] = {{2, 200, 3, 128, false}, {3, 130, 2, 64, true}, {2, 256, 4, 128, true}};
+	for (int ki = 0; ki < nkinds; ki++) {
+		if (nkinds > 1)
+			force_kind(&KINDS[ki]);
+		for (size_t ci = 0; ci < sizeof pc / sizeof pc[0]; ci++) {
+			int64_t sh[3] = {pc[ci].b, pc[ci].t, 3 * pc[ci].h * pc[ci].d};
+			kl_tensor *in[1] = {kltest_rand(ctx, KL_BF16, 3, sh, KLTEST_NORMAL, KLTEST_CONTIG,
+			                                6000 + ci * 10 + 100 * ki)};
+			packed_p p = {{pc[ci].causal, 1.0 / sqrt((double)pc[ci].d)}, pc[ci].h, pc[ci].d};
+			kl_trace *tr = trace(ctx, b_sdpa_packed, in, &p);
+			kl_compiled *cc = NULL;
+#ifdef KILN_HAVE_CUDA
+			long fa0 = 0, fb0 = 0, fa1 = 0, fb1 = 0;
+			kl__cuda_attn_counts(&fa0, &fb0);
+#endif
+			run_compiled(ctx, tr, NULL, 3 * factor_of(KL_BF16), &cc);
+			/* one attention step reading the views in place */
+			assert_int_equal(count_kind(&cc->prog, KL_STEP_ATTENTION), 1);
+			assert_int_equal(count_kind(&cc->prog, KL_STEP_KERNEL), 0);
+#ifdef KILN_HAVE_CUDA
+			kl__cuda_attn_counts(&fa1, &fb1);
+			if (nkinds > 1 && !strcmp(KINDS[ki].name, "wgmma-fa3")) {
+				const kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+				if (fb1 != fb0)
+					fail_msg("packed case %zu: kl_attn_fa3 fell back %ld times", ci,
+					         fb1 - fb0);
+				if (d->cc_major == 9 && d->cc_minor == 0 && fa1 == fa0)
+					fail_msg("packed case %zu: kl_attn_fa3 did not run on sm_90", ci);
+			}
+#endif
+			kl__compiled_free(cc);
+			kl__trace_free(tr);
+			kl_release(in[0]);
+		}
+	}
+	unforce_kind();
+}
+
 static void test_sdpa_layout_cpu(void **state)
 {
 	(void)state;
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	layout_cases(ctx, 1);
+	packed_cases(ctx, 1);
 	kl_ctx_free(ctx);
 }
 
@@ -654,6 +726,7 @@ static void test_cuda_sdpa_layout(void **state)
 	if (!ctx)
 		skip();
 	layout_cases(ctx, (int)(sizeof KINDS / sizeof KINDS[0]));
+	packed_cases(ctx, (int)(sizeof KINDS / sizeof KINDS[0]));
 	kl_ctx_free(ctx);
 #else
 	print_message("test_attention: skipped, built without the CUDA backend\n");

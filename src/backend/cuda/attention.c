@@ -27,6 +27,7 @@
  * T1024 D128 bf16: fa3 447 TFLOP/s, causal 51.1 us (run 16; 458 and 52.8
  * us before it was persistent), two warpgroups 372, causal 61 us.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,7 @@ typedef struct kl_at_args {
 	double scale;
 	float scale_log2;
 	int nb, causal, nsplit;
+	int tn0, tn1; /* kl_attn_fa3: its tensor maps' two inner batch dims */
 } kl_at_args;
 
 #define BM 64    /* query rows per block, mma.sync kernel */
@@ -62,9 +64,11 @@ enum { WG_TWO, WG_ONE, WG_FA3 };
 /* kl_attn_fa3's registers a thread after setmaxnreg (KL_AT_PR, KL_AT_CR):
  * the producer warpgroup's and the consumers'. The consumers' increase
  * waits until the block's pool holds it, so the kernel is launched only
- * where ptxas gave it at least the mean (fa3_regs_ok, when it loads) */
-#define WG_FA3_PRODUCER_REGS 24
-#define WG_FA3_CONSUMER_REGS 240
+ * where ptxas gave it at least the mean (fa3_regs_ok, when it loads).
+ * ptxas fits the producer's code in its count: at 24, the batch
+ * coordinates of the five-dim tensor maps spilled a register at d = 64 */
+#define WG_FA3_PRODUCER_REGS 32
+#define WG_FA3_CONSUMER_REGS 232
 #define WG_SMEM(d, k)                                                          \
 	((size_t)(1 + 2 * WG_STAGES) * WG_BM(k) * (size_t)(d) * 2 + 1024 + \
 	 ((k) == WG_FA3 ? WG_BAR_BYTES : 0))
@@ -314,41 +318,82 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
 	return s->d == 64 ? VAR_D64 : VAR_D128;
 }
 
-/* kl_attn_fa3's tensor map of one operand (base p, t rows of d elements,
- * row stride rs, batch strides bs): dims (d, t, batch) with the batches
- * flattened, box 64 x WG_BM rows x 1 (one 64-column panel of a tile, 128
- * bytes a row, the 128-byte swizzle wgmma reads). It fits where the batch
- * dims of size > 1 flatten to one stride S (each the next inner one's
- * stride times that one's size) and the layout is the one the driver
- * documents: row stride >= d and a multiple of 16 bytes, S >= t row strides
- * and a multiple of 16 bytes, both under 2^40 bytes. False where it does not
- * fit or the driver refuses it. */
-static bool tma_map(CUtensorMap *m, kl_dtype dt, CUdeviceptr p, int64_t t, int64_t d, int64_t rs,
-                    const int64_t *bs, const kl_attn_step *s, int64_t nbt)
+/* kl_attn_fa3's batch dims: those of size > 1, innermost first, adjacent
+ * ones merged where q, k and v each store them as one (the outer's stride
+ * the inner's times its size). A tensor map has five dims: (d, t) and up
+ * to three of these; n[] their sizes (1 past the last), idx[] the step's
+ * batch dim each starts at (its innermost). False where more than three
+ * remain. */
+typedef struct fa_dims {
+	int nd;
+	int64_t n[3];
+	int idx[3];
+} fa_dims;
+
+static bool fa_batch_dims(const kl_attn_step *s, fa_dims *f)
 {
-	int64_t S = 0, next = -1;
+	memset(f, 0, sizeof *f);
+	for (int j = 0; j < 3; j++)
+		f->n[j] = 1;
+	int last = -1; /* the step's dim the current map dim ends at (outermost) */
 	for (int i = s->nbatch - 1; i >= 0; i--) {
 		if (s->batch[i] == 1)
 			continue;
-		if (bs[i] <= 0 || (next >= 0 && bs[i] != next) || bs[i] > INT64_MAX / s->batch[i])
-			return false;
-		if (next < 0)
-			S = bs[i];
-		next = bs[i] * s->batch[i];
+		if (f->nd > 0 && s->q_bs[i] == s->q_bs[last] * s->batch[last] &&
+		    s->k_bs[i] == s->k_bs[last] * s->batch[last] &&
+		    s->v_bs[i] == s->v_bs[last] * s->batch[last] &&
+		    f->n[f->nd - 1] <= INT64_MAX / s->batch[i]) {
+			f->n[f->nd - 1] *= s->batch[i];
+		} else {
+			if (f->nd == 3)
+				return false;
+			f->idx[f->nd] = i;
+			f->n[f->nd++] = s->batch[i];
+		}
+		last = i;
 	}
-	if (next < 0)
-		S = t * rs; /* one batch: any stride past the rows */
+	return true;
+}
+
+/* kl_attn_fa3's tensor map of one operand (base p, t rows of d elements,
+ * row stride rs, batch strides bs): dims (d, t, and the batch dims f) with
+ * strides (rs, bs of each batch dim's innermost), box 64 x WG_BM rows x 1 x
+ * 1 x 1 (one 64-column panel of a tile, 128 bytes a row, the 128-byte
+ * swizzle wgmma reads). Only reads go through it, so rows and batches may
+ * interleave in memory (q, k and v as views of one [b, t, 3, h, d] product:
+ * a head's stride under the row's). The driver's rules: strides positive
+ * multiples of 16 bytes under 2^40 bytes, dims at most 2^32. False where
+ * that does not hold or the driver refuses the map. */
+static bool tma_map(CUtensorMap *m, kl_dtype dt, CUdeviceptr p, int64_t t, int64_t d, int64_t rs,
+                    const int64_t *bs, const fa_dims *f)
+{
 	const int64_t lim = (int64_t)1 << 39; /* 2^40 bytes */
-	if (rs < d || rs >= lim || S >= lim || S / rs < t || (rs * 2) % 16 || (S * 2) % 16)
+	cuuint64_t dim[5] = {(cuuint64_t)d, (cuuint64_t)t, 1, 1, 1};
+	cuuint64_t str[4] = {(cuuint64_t)rs * 2, 0, 0, 0};
+	if (rs < d || rs >= lim || (rs * 2) % 16 || t > ((int64_t)1 << 32))
 		return false;
-	cuuint64_t dim[3] = {(cuuint64_t)d, (cuuint64_t)t, (cuuint64_t)nbt};
-	cuuint64_t str[2] = {(cuuint64_t)rs * 2, (cuuint64_t)S * 2};
-	cuuint32_t box[3] = {64, WG_BM(WG_FA3), 1}, es[3] = {1, 1, 1};
+	for (int j = 0; j < 3; j++) {
+		/* a dim of size 1 takes the row stride: any valid one does */
+		int64_t b = j < f->nd ? bs[f->idx[j]] : rs;
+		if (b <= 0 || b >= lim || (b * 2) % 16 || f->n[j] > ((int64_t)1 << 32))
+			return false;
+		dim[2 + j] = (cuuint64_t)f->n[j];
+		str[1 + j] = (cuuint64_t)b * 2;
+	}
+	cuuint32_t box[5] = {64, WG_BM(WG_FA3), 1, 1, 1}, es[5] = {1, 1, 1, 1, 1};
 	return kl__cu.cuTensorMapEncodeTiled(
 	               m, dt == KL_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-	               3, (void *)(uintptr_t)p, dim, str, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+	               5, (void *)(uintptr_t)p, dim, str, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
 	               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
 	               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static atomic_long n_fa3, n_fa3_fallbacks;
+
+void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks)
+{
+	*fa3 = atomic_load(&n_fa3);
+	*fa3_fallbacks = atomic_load(&n_fa3_fallbacks);
 }
 
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
@@ -407,10 +452,14 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		 * tile past the end, stay in int); else the two-warpgroup kernel */
 		CUtensorMap maps[3];
 		const int64_t room = INT32_MAX - 2 * WG_BM(WG_FA3);
-		if (s->tq < room && s->tk < room &&
-		    tma_map(&maps[0], dt, a.q, s->tq, s->d, s->q_rs, s->q_bs, s, nbt) &&
-		    tma_map(&maps[1], dt, a.k, s->tk, s->d, s->k_rs, s->k_bs, s, nbt) &&
-		    tma_map(&maps[2], dt, a.v, s->tk, s->d, s->v_rs, s->v_bs, s, nbt)) {
+		fa_dims fd;
+		if (s->tq < room && s->tk < room && fa_batch_dims(s, &fd) && fd.n[0] <= INT32_MAX &&
+		    fd.n[1] <= INT32_MAX && fd.n[2] <= INT32_MAX &&
+		    tma_map(&maps[0], dt, a.q, s->tq, s->d, s->q_rs, s->q_bs, &fd) &&
+		    tma_map(&maps[1], dt, a.k, s->tk, s->d, s->k_rs, s->k_bs, &fd) &&
+		    tma_map(&maps[2], dt, a.v, s->tk, s->d, s->v_rs, s->v_bs, &fd)) {
+			a.tn0 = (int)fd.n[0];
+			a.tn1 = (int)fd.n[1];
 			if ((st = get_fns(ctx, d, c, var, f)) != KL_OK)
 				return st;
 			if (d->attn->fa3_short[c][var])
@@ -431,14 +480,17 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			void *fargv[4] = {&a, &maps[0], &maps[1], &maps[2]};
 			unsigned grid[3] = {(unsigned)(items < sms ? items : sms), 1, 1};
 			unsigned block[3] = {WG_THREADS(WG_FA3), 1, 1};
+			atomic_fetch_add(&n_fa3, 1);
 			return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), fargv,
 			                       KL_LAUNCH_PDL);
 		}
 		kl__log(ctx, KL_LOG_FUSION,
 		        "kl_sdpa: kl_attn_fa3: q, k or v does not fit a tensor map (strides "
-		        "q %lld k %lld v %lld a row): the two-warpgroup wgmma kernel",
+		        "q %lld k %lld v %lld a row, or over three batch dims that do not "
+		        "merge): the two-warpgroup wgmma kernel",
 		        (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs);
 	two_wg:
+		atomic_fetch_add(&n_fa3_fallbacks, 1);
 		var = var == VAR_FA3_64 ? VAR_WG64 : VAR_WG128;
 	}
 	if (var == VAR_WG64 || var == VAR_WG128 || var == VAR_WG1_64 || var == VAR_WG1_128) {

@@ -45,6 +45,7 @@ const char kl__cuda_attention_src[] =
         "\tdouble scale;\n"
         "\tfloat scale_log2;\n"
         "\tint nb, causal, nsplit;\n"
+        "\tint tn0, tn1; /* kl_attn_fa3: its tensor maps' two inner batch dims */\n"
         "};\n"
         "#if KL_AT_DT == 0\n"
         "typedef float T; typedef float ACC;\n"

@@ -290,6 +290,10 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
                                   CUdeviceptr o);
+/* Attention steps since the process began that ran kl_attn_fa3, and those
+ * that chose it but fell back to the two-warpgroup kernel (an operand that
+ * no tensor map describes, too many work items, too few registers). */
+void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks);
 /* Frees the kernels and the workspace (device close does this). */
 void kl__cuda_attention_release(kl_cuda_dev *d);
 
