@@ -60,19 +60,19 @@
 	"KL_FN float kl_minf(float a, float b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n" \
 	"KL_FN double kl_maxd(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n" \
 	"KL_FN double kl_mind(double a, double b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n" \
+	"/* sigmoid from z = exp(-|x|), which never overflows: 1 / (1 + z) for\n" \
+	" * x >= 0, z / (1 + z) below, chosen by a select. One exp and one\n" \
+	" * reciprocal a point and no branch: a GPU warp does not run both sides\n" \
+	" * when its signs differ, and the C compiler vectorizes it */\n" \
 	"KL_FN float kl_sigmoidf(float x)\n" \
 	"{\n" \
-	"\tif (x >= 0.0f)\n" \
-	"\t\treturn 1.0f / (1.0f + expf(-x));\n" \
-	"\tfloat z = expf(x);\n" \
-	"\treturn z / (1.0f + z);\n" \
+	"\tfloat z = expf(-fabsf(x)), r = 1.0f / (1.0f + z);\n" \
+	"\treturn x >= 0.0f ? r : z * r;\n" \
 	"}\n" \
 	"KL_FN double kl_sigmoidd(double x)\n" \
 	"{\n" \
-	"\tif (x >= 0.0)\n" \
-	"\t\treturn 1.0 / (1.0 + exp(-x));\n" \
-	"\tdouble z = exp(x);\n" \
-	"\treturn z / (1.0 + z);\n" \
+	"\tdouble z = exp(-fabs(x)), r = 1.0 / (1.0 + z);\n" \
+	"\treturn x >= 0.0 ? r : z * r;\n" \
 	"}\n" \
 	"KL_FN float kl_siluf(float x) { return x * kl_sigmoidf(x); }\n" \
 	"KL_FN double kl_silud(double x) { return x * kl_sigmoidd(x); }\n" \
