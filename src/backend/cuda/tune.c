@@ -210,9 +210,9 @@ static kl_status time_step(tuner *t, int32_t s, float *ms)
 		st = kl__cuda_event_ms(t->ctx, t->e0, t->e1, &one);
 	if (st != KL_OK)
 		return st;
-	/* about a millisecond of runs, 3 to 50 of them */
-	int reps = one > 0 ? (int)(1.0f / one) : 50;
-	reps = reps < 3 ? 3 : reps > 50 ? 50 : reps;
+	/* about two milliseconds of runs, 3 to 100 of them */
+	int reps = one > 0 ? (int)(2.0f / one) : 100;
+	reps = reps < 3 ? 3 : reps > 100 ? 100 : reps;
 	if ((st = kl__cuda_event_record(t->ctx, rt->dev, t->e0)) != KL_OK)
 		return st;
 	for (int i = 0; i < reps && st == KL_OK; i++)
@@ -309,6 +309,7 @@ static kl_status step_gemm(tuner *t, int32_t s, kl_gemm *g, bool *lib)
 }
 
 #define TUNE_ALGOS 16
+#define TUNE_ROUNDS 2
 
 static kl_status tune_matmul(tuner *t, int32_t s, kl_tune_step *out)
 {
@@ -327,27 +328,37 @@ static kl_status tune_matmul(tuner *t, int32_t s, kl_tune_step *out)
 	snprintf(what, sizeof what, "matmul %lldx%lldx%lld%s", (long long)mm->m, (long long)mm->n,
 	         (long long)mm->k, g.batch > 1 ? " batched" : "");
 	progress(t, s, what, n);
-	float best = 0, base = 0;
-	int pick = -1;
-	rt->has_algo[s] = false;
-	if ((st = time_step(t, s, &base)) != KL_OK)
-		return st; /* the heuristic's own choice fails: an error */
-	best = base;
-	for (int i = 0; i < n; i++) {
-		float ms = 0;
-		rt->has_algo[s] = true;
-		rt->algo[s] = cand[i];
-		if (time_step(t, s, &ms) != KL_OK) {
-			kl__log(t->ctx, KL_LOG_AUTOTUNE, "step %d: algorithm %d of %d fails: %s",
-			        (int)s, i + 1, n, kl_last_error(t->ctx));
-			kl_clear_error(t->ctx);
-			continue;
+	/* TUNE_ROUNDS rounds over the heuristic's choice (ms[0]) and the
+	 * candidates (ms[1 + i]; -1 where one fails), each keeping its best: a
+	 * product of a few hundred microseconds times in a few runs, and the
+	 * clocks move between one candidate's runs and the next's */
+	float ms[TUNE_ALGOS + 1];
+	for (int r = 0; r < TUNE_ROUNDS; r++)
+		for (int i = -1; i < n; i++) {
+			if (r > 0 && ms[i + 1] < 0)
+				continue;
+			float one = 0;
+			rt->has_algo[s] = i >= 0;
+			if (i >= 0)
+				rt->algo[s] = cand[i];
+			if ((st = time_step(t, s, &one)) != KL_OK) {
+				if (i < 0)
+					return st; /* the heuristic's own choice fails: an error */
+				kl__log(t->ctx, KL_LOG_AUTOTUNE, "step %d: algorithm %d of %d fails: %s",
+				        (int)s, i + 1, n, kl_last_error(t->ctx));
+				kl_clear_error(t->ctx);
+				ms[i + 1] = -1;
+				continue;
+			}
+			ms[i + 1] = r == 0 || one < ms[i + 1] ? one : ms[i + 1];
 		}
-		if (beats(ms, best, pick < 0)) {
-			best = ms;
+	float base = ms[0], best = base;
+	int pick = -1;
+	for (int i = 0; i < n; i++)
+		if (ms[i + 1] >= 0 && beats(ms[i + 1], best, pick < 0)) {
+			best = ms[i + 1];
 			pick = i;
 		}
-	}
 	rt->has_algo[s] = pick >= 0;
 	if (pick >= 0)
 		rt->algo[s] = cand[pick];
