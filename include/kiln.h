@@ -319,6 +319,13 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
 /* The graphs, breaks (reason and op), guards of each variant, kernels with
  * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory. */
 kl_status kl_explain(kl_fn *f, FILE *out);
+/* Call f on in once, then time each step of each compiled graph of the
+ * call alone (on the GPU: device events over about 2 ms of plain launches,
+ * no CUDA graph; on the CPU: the host clock over at least 3 runs and 2 ms)
+ * and write a table per graph to out: each step's time, share, bytes moved
+ * and FLOPs computed per second, kernel and what it computes. The call's
+ * outputs are released; its compile, if any, happens as in kl_fn_call. */
+kl_status kl_profile(kl_fn *f, kl_tensor *const *in, FILE *out);
 void kl_fn_free(kl_fn *f);
 /* How many kernels (and library calls) the last kl_fn_call launched. */
 int kl_fn_last_kernels(const kl_fn *f);

@@ -600,6 +600,115 @@ static kl_tensor *apply_affine1(kl_tensor *const *in, const void *p)
 	return kl_add_scalar(kl_mul_scalar(in[0], 2), 1);
 }
 
+/* ---- kl_profile ------------------------------------------------------------------ */
+
+static char *profile_str(kl_fn *f, kl_tensor *const *in, kl_status *st)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *m = open_memstream(&buf, &len);
+	*st = kl_profile(f, in, m);
+	fclose(m);
+	return buf;
+}
+
+/* The step rows of graph g's table in text: their count, each time positive
+ * and finite, the steps numbered from 0 in order; -1 where the table is
+ * missing or a row is malformed. */
+static int profile_rows(const char *text, int g)
+{
+	char head[48];
+	snprintf(head, sizeof head, "kiln profile: graph %d: ", g);
+	const char *t = strstr(text, head);
+	if (!t)
+		return -1;
+	int nsteps = -1;
+	if (sscanf(t + strlen(head), "%d steps", &nsteps) != 1)
+		return -1;
+	int rows = 0;
+	for (const char *l = strchr(t, '\n'); l && l[1]; l = strchr(l + 1, '\n')) {
+		int idx = -1;
+		double us = -1;
+		if (strncmp(l + 1, "kiln profile:", 13) == 0)
+			break;
+		if (sscanf(l + 1, " [%d] %lf us", &idx, &us) != 2)
+			continue; /* the column header */
+		if (idx != rows || !(us > 0) || !isfinite(us))
+			return -1;
+		rows++;
+	}
+	return rows == nsteps ? rows : -1;
+}
+
+static void test_profile(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	int64_t shape[2] = {64, 96};
+	kl_tensor *in[1], *out[2];
+	make_inputs(ctx, in, 1, KL_F32, 2, shape, 50);
+	/* two graphs around kl_item: a table each, every step timed */
+	brk b = {.no_host = true};
+	kl_fn *f = kl_compile(ctx, body_break, &b, 1, 2, NULL);
+	kl_status st;
+	char *text = profile_str(f, in, &st);
+	assert_int_equal(st, KL_OK);
+	assert_true(profile_rows(text, 1) >= 1);
+	assert_true(profile_rows(text, 2) >= 1);
+	assert_null(strstr(text, "kiln profile: graph 3"));
+	assert_non_null(strstr(text, "host clock"));
+	free(text);
+	assert_null(ctx->profile);
+	/* the function still computes what it should, and the profile's call
+	 * was a call (compiled once, reused) */
+	long before = kl__jit_compiles();
+	assert_int_equal(kl_fn_call(f, in, out), KL_OK);
+	assert_int_equal(kl__jit_compiles(), before);
+	check_against(ctx, out[0], apply_break_ref, in, &b, 2, "after kl_profile");
+	release_all(out, 2);
+	kl_fn_free(f);
+
+	/* a fullgraph function replays its plan: one table */
+	counter c = {0};
+	int64_t ws[2] = {96, 32}, ys[2] = {64, 32};
+	kl_tensor *ain[2];
+	make_inputs(ctx, &c.w, 1, KL_F32, 2, ws, 51);
+	make_inputs(ctx, &ain[0], 1, KL_F32, 2, shape, 52);
+	make_inputs(ctx, &ain[1], 1, KL_F32, 2, ys, 53);
+	f = kl_compile(ctx, body_affine, &c, 2, 1, &(kl_compile_opts){.fullgraph = true});
+	assert_int_equal(kl_fn_call(f, ain, out), KL_OK);
+	kl_release(out[0]);
+	text = profile_str(f, ain, &st);
+	assert_int_equal(st, KL_OK);
+	assert_true(profile_rows(text, 1) >= 1);
+	assert_non_null(strstr(text, "blas"));
+	free(text);
+	assert_int_equal(kl_fn_call(f, ain, out), KL_OK);
+	check_against(ctx, out[0], apply_affine, ain, &c, 2, "replay after kl_profile");
+	kl_release(out[0]);
+	kl_fn_free(f);
+
+	/* nothing compiled: said, not an error */
+	f = kl_compile(ctx, body_affine, &c, 2, 1, &(kl_compile_opts){.disable = true});
+	text = profile_str(f, ain, &st);
+	assert_int_equal(st, KL_OK);
+	assert_non_null(strstr(text, "no compiled step to time (compilation is disabled"));
+	free(text);
+	/* errors name the call and leave the context as it was */
+	assert_int_equal(kl_profile(NULL, ain, stdout), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(NULL), "kl_profile: f is NULL"));
+	assert_int_equal(kl_profile(f, ain, NULL), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_profile: out is NULL"));
+	assert_int_equal(kl_profile(f, NULL, stdout), KL_EINVAL);
+	assert_null(ctx->profile);
+	kl_fn_free(f);
+	for (int i = 0; i < 2; i++)
+		kl_release(ain[i]);
+	kl_release(c.w);
+	kl_release(in[0]);
+	kl_ctx_free(ctx);
+}
+
 static kl_status body_affine1(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
                               void *user)
 {
@@ -955,6 +1064,7 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_kernel_counts),
 	        cmocka_unit_test(test_random_graphs_every_mode),
 	        cmocka_unit_test(test_graph_break),
+	        cmocka_unit_test(test_profile),
 	        cmocka_unit_test(test_fullgraph_replay),
 	        cmocka_unit_test(test_recompiles_and_limit),
 	        cmocka_unit_test(test_dynamic_dims),

@@ -909,3 +909,40 @@ kl_status kl_explain(kl_fn *f, FILE *out)
 	kl__capture_explain(f, out);
 	return ferror(out) ? kl__err(f->ctx, KL_EIO, "kl_explain: write error") : KL_OK;
 }
+
+kl_status kl_profile(kl_fn *f, kl_tensor *const *in, FILE *out)
+{
+	if (!f)
+		return kl__err(NULL, KL_EINVAL, "kl_profile: f is NULL");
+	kl_ctx *ctx = f->ctx;
+	if (!out)
+		return kl__err(ctx, KL_EINVAL, "kl_profile: out is NULL");
+	if (ctx->profile)
+		return kl__err(ctx, KL_ESTATE, "kl_profile: %s: another kl_profile is running",
+		               f->name);
+	if (ctx->trace)
+		return kl__err(ctx, KL_ESTATE,
+		               "kl_profile: %s: called inside a traced function (it would be "
+		               "inlined, not run)",
+		               f->name);
+	kl_tensor **outs = calloc((size_t)(f->nout > 0 ? f->nout : 1), sizeof *outs);
+	if (!outs)
+		return kl__err(ctx, KL_ENOMEM, "kl_profile: out of memory");
+	ctx->profile = out;
+	ctx->profile_segs = 0;
+	kl_status st = kl_fn_call(f, in, outs);
+	int segs = ctx->profile_segs;
+	ctx->profile = NULL;
+	for (int k = 0; k < f->nout; k++)
+		if (outs[k])
+			kl_release(outs[k]);
+	free(outs);
+	if (st == KL_OK && segs == 0)
+		fprintf(out, "kiln profile: %s: no compiled step to time (%s)\n", f->name,
+		        f->o.disable ? "compilation is disabled: it ran eagerly"
+		        : f->eager   ? "past its recompile limit: it ran eagerly"
+		                     : "the call ran no graph");
+	if (st == KL_OK && ferror(out))
+		st = kl__err(ctx, KL_EIO, "kl_profile: write error");
+	return st;
+}

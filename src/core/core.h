@@ -102,6 +102,9 @@ struct kl_ctx {
 	unsigned logs; /* KL_LOG_* bits, from KILN_LOGS at kl_ctx_new */
 	void *backend_state; /* per-backend data (CUDA context, streams, ...) */
 	size_t host_in_use, host_peak; /* the CPU allocator's bytes for this context */
+	FILE *profile;    /* kl_profile's stream while it runs (each compiled graph's
+	                   * steps are timed and reported there), else NULL */
+	int profile_segs; /* graphs reported so far by the running kl_profile */
 };
 
 /* Set the context's error; returns status for `return kl__err(...)`.

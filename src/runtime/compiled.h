@@ -114,6 +114,11 @@ kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **ba
 /* Run every step on the stream (B: device addresses per buffer), through
  * a CUDA graph under reduce-overhead / max-autotune. */
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms);
+/* kl_profile: us[s] = microseconds of step s run alone, by device events over
+ * about 2 ms of plain launches (no graph); the buffers as the last run left
+ * them. */
+kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                 const int64_t *syms, double *us);
 /* Whether the last run replayed a captured graph. */
 bool kl__cuda_rt_replaying(const kl_compiled *c);
 void kl__cuda_rt_free(kl_compiled *c);

@@ -561,6 +561,81 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 	return KL_OK;
 }
 
+/* Step sp of c on the CPU. */
+static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void **B,
+                          const int64_t *syms)
+{
+	const kl_program *p = &c->prog;
+	if (sp->kind == KL_STEP_KERNEL) {
+		c->fns[sp->kernel]((void *const *)B, syms);
+		return KL_OK;
+	}
+	if (sp->kind == KL_STEP_ATTENTION)
+		return kl__cpu_attention(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q], B[sp->at.k],
+		                         B[sp->at.v], B[sp->at.o])
+		               ? KL_OK
+		               : kl__err(ctx, KL_ENOMEM,
+		                         "kl_fn_call: out of memory for attention tiles");
+	return run_matmul(ctx, c, sp, B);
+}
+
+static const char *human(double v, const char *unit, char *buf, size_t cap);
+static const char *step_label(const kl_program *p, const kl_step *sp, char *buf, size_t cap);
+
+/* kl_profile: after the call has run every step, each one again alone (the
+ * program is functional: a step rewrites only its own outputs, from buffers
+ * the call left in place), on the GPU by device events over about 2 ms of
+ * plain launches, on the CPU by the host clock over at least 3 runs and
+ * 2 ms; then a table to ctx->profile. */
+static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int64_t *syms)
+{
+	const kl_program *p = &c->prog;
+	double *us = calloc((size_t)(p->nsteps > 0 ? p->nsteps : 1), sizeof *us);
+	if (!us)
+		return kl__err(ctx, KL_ENOMEM, "kl_profile: out of memory");
+	kl_status st = KL_OK;
+	if (c->cuda) {
+		st = kl__cuda_rt_time_steps(ctx, c, (void *const *)B, syms, us);
+	} else {
+		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
+			double t0 = kl__now_ms(), t1 = t0;
+			int n = 0;
+			do {
+				st = cpu_step(ctx, c, &p->steps[s], B, syms);
+				n++;
+				t1 = kl__now_ms();
+			} while (st == KL_OK && n < 1000 && (n < 3 || t1 - t0 < 2.0));
+			us[s] = (t1 - t0) * 1e3 / n;
+		}
+	}
+	if (st == KL_OK) {
+		FILE *f = ctx->profile;
+		double total = 0;
+		for (int32_t s = 0; s < p->nsteps; s++)
+			total += us[s];
+		fprintf(f, "kiln profile: graph %d: %d steps, each timed alone (%s): %.1f us in all\n",
+		        ++ctx->profile_segs, (int)p->nsteps,
+		        c->cuda ? "device events, plain launches" : "host clock", total);
+		fprintf(f, "  %-6s %12s %7s %12s %15s  %s\n", "step", "time", "share", "moved",
+		        "computed", "what");
+		for (int32_t s = 0; s < p->nsteps; s++) {
+			const kl_step *sp = &p->steps[s];
+			char b1[32], b2[32], idx[16], label[96];
+			double sec = us[s] * 1e-6;
+			snprintf(idx, sizeof idx, "[%d]", (int)s);
+			fprintf(f, "  %-6s %9.1f us %6.1f%% %10s/s %13s/s  %s\n", idx, us[s],
+			        total > 0 ? 100.0 * us[s] / total : 0.0,
+			        human(sec > 0 ? sp->bytes / sec : 0, "B", b1, sizeof b1),
+			        human(sec > 0 ? sp->flops / sec : 0, "FLOP", b2, sizeof b2),
+			        step_label(p, sp, label, sizeof label));
+		}
+		if (ferror(f))
+			st = kl__err(ctx, KL_EIO, "kl_profile: write error");
+	}
+	free(us);
+	return st;
+}
+
 kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
                            kl_tensor **outputs)
 {
@@ -612,20 +687,11 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 	} else if (st == KL_OK) {
 		if (ctx->nthreads > 0)
 			omp_set_num_threads(ctx->nthreads);
-		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
-			const kl_step *sp = &p->steps[s];
-			if (sp->kind == KL_STEP_KERNEL)
-				c->fns[sp->kernel]((void *const *)B, syms);
-			else if (sp->kind == KL_STEP_ATTENTION)
-				st = kl__cpu_attention(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q],
-				                       B[sp->at.k], B[sp->at.v], B[sp->at.o])
-				             ? KL_OK
-				             : kl__err(ctx, KL_ENOMEM,
-				                       "kl_fn_call: out of memory for attention tiles");
-			else
-				st = run_matmul(ctx, c, sp, B);
-		}
+		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++)
+			st = cpu_step(ctx, c, &p->steps[s], B, syms);
 	}
+	if (st == KL_OK && ctx->profile)
+		st = profile_steps(ctx, c, B, syms);
 	free(B);
 	if (st == KL_OK)
 		for (int j = 0; j < c->nout; j++)
@@ -656,6 +722,17 @@ static const char *human(double v, const char *unit, char *buf, size_t cap)
 	return buf;
 }
 
+/* A step in words: its kernel's name (or the library call) and what it is. */
+static const char *step_label(const kl_program *p, const kl_step *sp, char *buf, size_t cap)
+{
+	snprintf(buf, cap, "%s %s",
+	         sp->kind == KL_STEP_KERNEL      ? p->kernel_names[sp->kernel]
+	         : sp->kind == KL_STEP_ATTENTION ? "attn"
+	                                         : "blas",
+	         sp->what[0] ? sp->what : (sp->kind == KL_STEP_KERNEL ? "kernel" : "matmul"));
+	return buf;
+}
+
 void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 {
 	const kl_program *p = &c->prog;
@@ -677,12 +754,8 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	        c->dynamic ? " at the traced sizes" : "");
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		const kl_step *sp = &p->steps[s];
-		fprintf(f, "%s  [%d] %s %s:", ind, (int)s,
-		        sp->kind == KL_STEP_KERNEL      ? p->kernel_names[sp->kernel]
-		        : sp->kind == KL_STEP_ATTENTION ? "attn"
-		                                        : "blas",
-		        sp->what[0] ? sp->what
-		                    : (sp->kind == KL_STEP_KERNEL ? "kernel" : "matmul"));
+		char label[96];
+		fprintf(f, "%s  [%d] %s:", ind, (int)s, step_label(p, sp, label, sizeof label));
 		for (int i = 0; i < sp->nnodes; i++) {
 			int32_t id = sp->nodes[i];
 			const char *op = id < c->g.n && c->g.nodes[id].op < KL_NOPS

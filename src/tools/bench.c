@@ -490,6 +490,23 @@ static int time_device(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_ro
 	return 0;
 }
 
+/* --profile: kl_profile's table for the mode's function (the default mode's),
+ * as text to print after its row; a failure is said in the text. */
+static char *profile_text(kt_run *r)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *ps = open_memstream(&buf, &len);
+	if (!ps)
+		return NULL;
+	if (kl_profile(r->fn, r->in, ps) != KL_OK) {
+		fprintf(ps, "kiln bench: kl_profile: %s\n", kl_last_error(r->ctx));
+		kl_clear_error(r->ctx);
+	}
+	fclose(ps);
+	return buf;
+}
+
 static int run_mode(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_row *row)
 {
 	bool gpu = kl_ctx_device(r->ctx) == KL_CUDA;
@@ -557,6 +574,9 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 		int rc = run_mode(&r, &kt_modes[m], o, &row);
 		if (rc == 0 && r.fn)
 			row.kernels = kl_fn_last_kernels(r.fn);
+		char *prof = rc == 0 && r.fn && o->profile && m == KT_MODE_DEFAULT
+		                     ? profile_text(&r)
+		                     : NULL;
 		if (r.fn) {
 			kl_fn_free(r.fn);
 			r.fn = NULL;
@@ -567,6 +587,7 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 				        kt_modes[m].name, kl_last_error(ctx));
 			kl_clear_error(ctx);
 			failures++;
+			free(prof);
 			continue;
 		}
 		if (m == KT_MODE_EAGER)
@@ -581,6 +602,9 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 			row.tflops = cost.flops / (row.ms * 1e-3) * 1e-12;
 		}
 		print_row(o, &row);
+		if (prof)
+			fputs(prof, stdout);
+		free(prof);
 	}
 	release_inputs(&r);
 	return failures;
@@ -640,6 +664,7 @@ static void usage(FILE *f)
 	fprintf(f,
 	        "usage: kiln bench [--device cpu|cuda] [--json] [--workload NAME]... [--iters N]\n"
 	        "                  [--warmup N] [--threads N] [--list] [--cold] [--probe]\n"
+	        "                  [--profile]\n"
 	        "\n"
 	        "Times each workload of the device's table in each mode it supports: a first\n"
 	        "call, then the median of repeated calls. Modes: eager, then kl_compile in\n"
@@ -669,7 +694,9 @@ static void usage(FILE *f)
 	        "                 cache (a cold compile), then in a second process that\n"
 	        "                 finds the cache warm\n"
 	        "  --list         list the device's workloads and exit\n"
-	        "  --probe        make a context for the device and exit: 0 when it works\n",
+	        "  --probe        make a context for the device and exit: 0 when it works\n"
+	        "  --profile      after each default-mode row, kl_profile's table: each step\n"
+	        "                 of the compiled call timed alone (not with --json)\n",
 	        MIN_TIME_MS / 1e3, MIN_ITERS, GPU_WARMUP, GPU_MIN_BATCH, GPU_BATCH_MS, GPU_SAMPLES,
 	        GPU_WARMUP);
 }
@@ -710,6 +737,11 @@ static const char *opt_value(int argc, char **argv, int *i, const char *opt)
 /* --workload names are checked once the device is known (after every option). */
 static int check_names(const kt_opts *o)
 {
+	if (o->profile && (o->json || o->cold)) {
+		fprintf(stderr, "kiln bench: --profile prints tables: not with %s\n",
+		        o->json ? "--json" : "--cold");
+		return -1;
+	}
 	for (int i = 0; i < o->nonly; i++) {
 		const char *p = o->only[i];
 		if (!kt_find_workload(o->device, p, strlen(p))) {
@@ -736,6 +768,8 @@ static int parse_opts(int argc, char **argv, kt_opts *o, char *names, size_t cap
 			o->list = true;
 		} else if (!strcmp(a, "--probe")) {
 			o->probe = true;
+		} else if (!strcmp(a, "--profile")) {
+			o->profile = true;
 		} else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
 			usage(stdout);
 			exit(0);

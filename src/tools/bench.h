@@ -21,6 +21,7 @@ typedef struct kt_opts {
 	int nonly;
 	bool cold;            /* measure a cold compile and a warm process's first call */
 	bool first_call_only; /* hidden: the child process of --cold */
+	bool profile;         /* kl_profile's table after each default-mode row */
 } kt_opts;
 
 /* One workload being measured in one mode. */

@@ -74,6 +74,16 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 	return absent(ctx);
 }
 
+kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                 const int64_t *syms, double *us)
+{
+	(void)c;
+	(void)B;
+	(void)syms;
+	(void)us;
+	return kl__err(ctx, KL_EUNSUPPORTED, "kl_profile: kiln was built without CUDA");
+}
+
 bool kl__cuda_rt_replaying(const kl_compiled *c)
 {
 	(void)c;

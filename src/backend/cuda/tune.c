@@ -194,32 +194,59 @@ typedef struct tuner {
 	bool tty;
 } tuner;
 
-/* Milliseconds per run of step s with the choices now in the runtime. */
-static kl_status time_step(tuner *t, int32_t s, float *ms)
+/* Milliseconds per run of step s with the choices now in the runtime: one
+ * run, then about two milliseconds of them (3 to 100) between events e0 and
+ * e1. Plain launches, whatever graph the variant holds. */
+static kl_status time_one(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                          int32_t s, CUevent e0, CUevent e1, float *ms)
 {
-	kl_cuda_rt *rt = t->c->dev;
-	kl_status st = kl__cuda_rt_launch(t->ctx, t->c, t->B, t->syms, s, s + 1);
+	kl_cuda_rt *rt = c->dev;
+	kl_status st = kl__cuda_rt_launch(ctx, c, B, syms, s, s + 1);
 	if (st == KL_OK)
-		st = kl__cuda_event_record(t->ctx, rt->dev, t->e0);
+		st = kl__cuda_event_record(ctx, rt->dev, e0);
 	if (st == KL_OK)
-		st = kl__cuda_rt_launch(t->ctx, t->c, t->B, t->syms, s, s + 1);
+		st = kl__cuda_rt_launch(ctx, c, B, syms, s, s + 1);
 	if (st == KL_OK)
-		st = kl__cuda_event_record(t->ctx, rt->dev, t->e1);
+		st = kl__cuda_event_record(ctx, rt->dev, e1);
 	float one = 0;
 	if (st == KL_OK)
-		st = kl__cuda_event_ms(t->ctx, t->e0, t->e1, &one);
+		st = kl__cuda_event_ms(ctx, e0, e1, &one);
 	if (st != KL_OK)
 		return st;
-	/* about two milliseconds of runs, 3 to 100 of them */
 	int reps = one > 0 ? (int)(2.0f / one) : 100;
 	reps = reps < 3 ? 3 : reps > 100 ? 100 : reps;
-	if ((st = kl__cuda_event_record(t->ctx, rt->dev, t->e0)) != KL_OK)
+	if ((st = kl__cuda_event_record(ctx, rt->dev, e0)) != KL_OK)
 		return st;
 	for (int i = 0; i < reps && st == KL_OK; i++)
-		st = kl__cuda_rt_launch(t->ctx, t->c, t->B, t->syms, s, s + 1);
-	if (st == KL_OK && (st = kl__cuda_event_record(t->ctx, rt->dev, t->e1)) == KL_OK &&
-	    (st = kl__cuda_event_ms(t->ctx, t->e0, t->e1, ms)) == KL_OK)
+		st = kl__cuda_rt_launch(ctx, c, B, syms, s, s + 1);
+	if (st == KL_OK && (st = kl__cuda_event_record(ctx, rt->dev, e1)) == KL_OK &&
+	    (st = kl__cuda_event_ms(ctx, e0, e1, ms)) == KL_OK)
 		*ms /= (float)reps;
+	return st;
+}
+
+static kl_status time_step(tuner *t, int32_t s, float *ms)
+{
+	return time_one(t->ctx, t->c, t->B, t->syms, s, t->e0, t->e1, ms);
+}
+
+kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                 const int64_t *syms, double *us)
+{
+	kl_cuda_rt *rt = c->dev;
+	CUevent e0 = NULL, e1 = NULL;
+	kl_status st = kl__cuda_bind(ctx, rt->dev);
+	if (st == KL_OK)
+		st = kl__cuda_event_new(ctx, rt->dev, &e0);
+	if (st == KL_OK)
+		st = kl__cuda_event_new(ctx, rt->dev, &e1);
+	for (int32_t s = 0; s < c->prog.nsteps && st == KL_OK; s++) {
+		float ms = 0;
+		st = time_one(ctx, c, B, syms, s, e0, e1, &ms);
+		us[s] = (double)ms * 1e3;
+	}
+	kl__cuda_event_free(rt->dev, e0);
+	kl__cuda_event_free(rt->dev, e1);
 	return st;
 }
 
