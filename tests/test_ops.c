@@ -1173,6 +1173,75 @@ static void test_matmul(void **state)
 	done();
 }
 
+/* Products big enough that blas.c splits them over kiln's threads (3, an
+ * odd count, so the shares are uneven): C's rows (m >= 2 per thread), its
+ * columns (fewer rows), a matrix-vector product's outputs (one row, in the
+ * compiled program), f32 and f64, each operand plain and transposed; eager
+ * and compiled, against the float64 reference. */
+static kl_status body_matmul2(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	(void)c;
+	(void)nin;
+	(void)nout;
+	out[0] = user ? ap_matmul_bt(in, NULL) : ap_matmul(in, NULL);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_matmul_threads(void **state)
+{
+	(void)state;
+	kl_ctx *shared = ctx;
+	ctx = kl_ctx_new(&(kl_ctx_opts){.nthreads = 3});
+	assert_non_null(ctx);
+	static const struct {
+		int64_t m, k, n;
+	} cases[] = {{67, 129, 45}, {3, 200, 300}, {1, 512, 600}, {130, 64, 70}};
+	char w[96];
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+		for (int f = 0; f < 2; f++)
+			for (int bt = 0; bt < 2; bt++) {
+				kl_dtype dt = f ? KL_F64 : KL_F32;
+				int64_t m = cases[i].m, k = cases[i].k, n = cases[i].n;
+				/* A plain or stored transposed (PERMUTED), B as [k, n] or as
+				 * [n, k] transposed by the op */
+				kl_tensor *in[2] = {
+				        mk(dt, (shp){2, {m, k}}, KLTEST_NORMAL,
+				           bt ? KLTEST_PERMUTED : KLTEST_CONTIG),
+				        mk(dt, bt ? (shp){2, {n, k}} : (shp){2, {k, n}}, KLTEST_NORMAL,
+				           KLTEST_CONTIG)};
+				kltest_apply_fn ap = bt ? ap_matmul_bt : ap_matmul;
+				snprintf(w, sizeof w, "kl_matmul %lldx%lldx%lld %s%s, 3 threads, compiled",
+				         (long long)m, (long long)k, (long long)n, kl_dtype_name(dt),
+				         bt ? " transposed" : "");
+				kl_fn *fn = kl_compile(ctx, body_matmul2, bt ? (void *)1 : NULL, 2, 1, NULL);
+				kl_tensor *out = NULL;
+				if (!fn || kl_fn_call(fn, in, &out) != KL_OK) {
+					fprintf(stderr, "FAIL %s: %s\n", w, kl_last_error(ctx));
+					fails++;
+				} else {
+					int nd;
+					int64_t shape[KL_MAX_DIMS];
+					kl_dtype rdt;
+					double *ref = kltest_reference(ctx, w, ap, in, NULL, &nd, shape, &rdt);
+					double *got = kltest_read(out);
+					if (!ref || !got || !kltest_compare(w, rdt, nd, shape, got, ref, 4))
+						fails++;
+					free(ref);
+					free(got);
+				}
+				kl_release(out);
+				kl_fn_free(fn);
+				snprintf(w, sizeof w, "kl_matmul %lldx%lldx%lld %s%s, 3 threads, eager",
+				         (long long)m, (long long)k, (long long)n, kl_dtype_name(dt),
+				         bt ? " transposed" : "");
+				check(w, ap, NULL, 2, in, 4);
+			}
+	kl_ctx_free(ctx);
+	ctx = shared;
+	done();
+}
+
 static kl_tensor *ap_linear(kl_tensor *const *in, const void *p)
 {
 	return kl_linear(in[0], in[1], p ? in[2] : NULL);
@@ -1660,6 +1729,7 @@ int main(void)
 		cmocka_unit_test_setup(test_concat, reset),
 		cmocka_unit_test_setup(test_gather, reset),
 		cmocka_unit_test_setup(test_matmul, reset),
+		cmocka_unit_test_setup(test_matmul_threads, reset),
 		cmocka_unit_test_setup(test_linear, reset),
 		cmocka_unit_test_setup(test_softmax, reset),
 		cmocka_unit_test_setup(test_norms, reset),

@@ -107,6 +107,12 @@ struct kl_ctx {
 	int profile_segs; /* graphs reported so far by the running kl_profile */
 };
 
+/* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
+ * kiln splits its products over its own OpenMP team instead): the first
+ * kl_ctx_new sets its thread count to 1, the last kl_ctx_free puts it back. */
+void kl__blas_hold(void);
+void kl__blas_release(void);
+
 /* Set the context's error; returns status for `return kl__err(...)`.
  * ctx may be NULL (thread-local message, see kl_last_error). */
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);

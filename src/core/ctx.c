@@ -123,6 +123,7 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 		free(ctx);
 		return NULL;
 	}
+	kl__blas_hold();
 	return ctx;
 }
 
@@ -154,6 +155,7 @@ void kl_ctx_free(kl_ctx *ctx)
 	free(ctx->scopes);
 	kl__cuda_ctx_fini(ctx);
 	free(ctx);
+	kl__blas_release();
 }
 
 kl_device kl_ctx_device(const kl_ctx *ctx)

@@ -178,28 +178,18 @@ static kl_status gemm_one(kl_compiled *c, const mm_args *x)
 			 * weight once, where a GEMM packs all of it first */
 			CBLAS_TRANSPOSE tv = trb == CblasTrans ? CblasNoTrans : CblasTrans;
 			int vr = (int)(trb == CblasTrans ? n : k), vc = (int)(trb == CblasTrans ? k : n);
-			if (x->tc == KL_F32)
-				cblas_sgemv(CblasRowMajor, tv, vr, vc, (float)mm->alpha,
-				            (const float *)x->b + x->bo, (int)ldb,
-				            (const float *)x->a + x->ao, (int)mm->a_cs, (float)mm->beta,
-				            (float *)x->c + x->co, 1);
-			else
-				cblas_dgemv(CblasRowMajor, tv, vr, vc, mm->alpha,
-				            (const double *)x->b + x->bo, (int)ldb,
-				            (const double *)x->a + x->ao, (int)mm->a_cs, mm->beta,
-				            (double *)x->c + x->co, 1);
+			size_t es = kl_dtype_size(x->tc);
+			kl__blas_gemv(omp_get_max_threads(), x->tc == KL_F64, tv, vr, vc, mm->alpha,
+			              (const char *)x->b + (size_t)x->bo * es, (int)ldb,
+			              (const char *)x->a + (size_t)x->ao * es, (int)mm->a_cs, mm->beta,
+			              (char *)x->c + (size_t)x->co * es);
 			return KL_OK;
 		}
-		if (x->tc == KL_F32)
-			cblas_sgemm(CblasRowMajor, tra, trb, (int)m, (int)n, (int)k,
-			            (float)mm->alpha, (const float *)x->a + x->ao, (int)lda,
-			            (const float *)x->b + x->bo, (int)ldb, (float)mm->beta,
-			            (float *)x->c + x->co, ldc);
-		else
-			cblas_dgemm(CblasRowMajor, tra, trb, (int)m, (int)n, (int)k, mm->alpha,
-			            (const double *)x->a + x->ao, (int)lda,
-			            (const double *)x->b + x->bo, (int)ldb, mm->beta,
-			            (double *)x->c + x->co, ldc);
+		size_t es = kl_dtype_size(x->tc);
+		kl__blas_gemm(omp_get_max_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
+		              mm->alpha, (const char *)x->a + (size_t)x->ao * es, (int)lda,
+		              (const char *)x->b + (size_t)x->bo * es, (int)ldb, mm->beta,
+		              (char *)x->c + (size_t)x->co * es, ldc);
 		return KL_OK;
 	}
 	if (small && is_f32ish(x->ta) && is_f32ish(x->tb) && is_f32ish(x->tc)) {
@@ -213,9 +203,9 @@ static kl_status gemm_one(kl_compiled *c, const mm_args *x)
 		pack_f32(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
 		if (mm->beta != 0)
 			pack_f32(sc, x->c, x->tc, x->co, m, n, mm->ldc, 1);
-		cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k,
-		            (float)mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
-		            (float)mm->beta, sc, (int)(n > 1 ? n : 1));
+		kl__blas_gemm(omp_get_max_threads(), false, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
+		              mm->beta, sc, (int)(n > 1 ? n : 1));
 		unpack_f32(x->c, x->tc, x->co, m, n, mm->ldc, sc);
 		return KL_OK;
 	}
@@ -227,9 +217,9 @@ static kl_status gemm_one(kl_compiled *c, const mm_args *x)
 		double *sb = sa + na;
 		pack_f64(sa, x->a, x->ta, x->ao, m, k, mm->a_rs, mm->a_cs);
 		pack_f64(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
-		cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)n, (int)k,
-		            mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1), mm->beta,
-		            (double *)x->c + x->co, (int)(mm->ldc > 1 ? mm->ldc : 1));
+		kl__blas_gemm(omp_get_max_threads(), true, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
+		              mm->beta, (double *)x->c + x->co, (int)(mm->ldc > 1 ? mm->ldc : 1));
 		return KL_OK;
 	}
 	if (is_int(x->ta) && is_int(x->tb) && is_int(x->tc)) {

@@ -24,6 +24,17 @@
 
 int kl__cpu_threads(const kl_ctx *ctx);
 
+/* Products through OpenBLAS (blas.c), row-major as cblas: C = alpha op(A)
+ * op(B) + beta C, and y = alpha op(W) x + beta y with y contiguous; f64
+ * picks d over s. Split over nt threads of kiln's OpenMP team, OpenBLAS
+ * single-threaded; inside a parallel region, or when small, one call. The
+ * enum is cblas's, as an int here so that this header needs no cblas.h. */
+void kl__blas_gemm(int nt, bool f64, int ta, int tb, int m, int n, int k, double alpha,
+                   const void *A, int lda, const void *B, int ldb, double beta, void *C,
+                   int ldc);
+void kl__blas_gemv(int nt, bool f64, int tw, int rows, int cols, double alpha, const void *W,
+                   int ldw, const void *x, int incx, double beta, void *y);
+
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
  * short exact head and a tail); e^r by Taylor to degree 7, whose truncation

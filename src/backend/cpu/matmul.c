@@ -29,6 +29,7 @@ typedef struct mm_plan {
 	/* per operand: read in place through a gemm layout, else a dense copy */
 	bool a_direct, b_direct, a_trans, b_trans;
 	int64_t lda, ldb;
+	int nt; /* kiln's threads, for each product's split */
 } mm_plan;
 
 /* Can BLAS read a rows x cols matrix with these strides in place? Row-major
@@ -121,12 +122,8 @@ static void mm_batch(const mm_plan *p, int64_t bi, mm_scratch *s)
 	int ldb = (int)(p->b_direct ? p->ldb : (N > 1 ? N : 1));
 	enum CBLAS_TRANSPOSE ta = p->a_direct && p->a_trans ? CblasTrans : CblasNoTrans;
 	enum CBLAS_TRANSPOSE tb = p->b_direct && p->b_trans ? CblasTrans : CblasNoTrans;
-	if (p->ct == KL_CT_F32)
-		cblas_sgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, 1.0f, A, lda, B, ldb,
-		            0.0f, C, (int)N);
-	else
-		cblas_dgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, 1.0, A, lda, B, ldb, 0.0,
-		            C, (int)N);
+	kl__blas_gemm(p->nt, p->ct != KL_CT_F32, ta, tb, (int)M, (int)N, (int)K, 1.0, A, lda, B,
+	              ldb, 0.0, C, (int)N);
 	if (!cdirect)
 		kl__cpu_store_ct(p->ct, out, p->odt, 1, C, M * N);
 }
@@ -211,6 +208,7 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	}
 
 	int nt = kl__cpu_threads(ctx);
+	p.nt = nt;
 	double per = (double)p.M * (double)p.N * (double)p.K;
 	bool oom = false;
 	if (nt > 1 && p.batch > 1 && per <= MM_SMALL && per * (double)p.batch >= KL_CPU_PAR_MIN) {
