@@ -80,7 +80,10 @@ typedef struct kl_ctx_opts {
 } kl_ctx_opts;
 
 /* opts may be NULL for a CPU context. On failure returns NULL and
- * kl_last_error(NULL) says why (for this thread). */
+ * kl_last_error(NULL) says why (for this thread). While any context is
+ * alive, OpenBLAS (process-wide) runs single-threaded: kiln splits its own
+ * products over its threads; the last kl_ctx_free puts OpenBLAS's thread
+ * count back. */
 kl_ctx *kl_ctx_new(const kl_ctx_opts *opts);
 void kl_ctx_free(kl_ctx *ctx);
 kl_device kl_ctx_device(const kl_ctx *ctx);
