@@ -1807,6 +1807,62 @@ static void test_gpu_autotune(void **state)
 	}
 }
 
+/* kl_profile on the GPU: a reduce-overhead function (its graph captured and
+ * replayed) gets one table, every step timed by device events, and replays
+ * correctly after */
+static void test_gpu_profile(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	const gcase_fn *g = &GC_MM;
+	kl_ctx *ctx = gpu_ctx_or_skip("profile");
+	kl_fn *fn = kl_compile(ctx, g->f, NULL, g->nin, g->nout,
+	                       &(kl_compile_opts){.mode = KL_MODE_REDUCE_OVERHEAD});
+	assert_non_null(fn);
+	for (int call = 0; call < 4; call++) {
+		kl_tensor *in[3], *out[3] = {NULL};
+		for (int i = 0; i < g->nin; i++)
+			in[i] = gc_input(ctx, g, i, 900 + 10 * (uint64_t)call + (uint64_t)i);
+		if (call == 2) {
+			char *buf = NULL;
+			size_t len = 0;
+			FILE *m = open_memstream(&buf, &len);
+			if (kl_profile(fn, in, m) != KL_OK)
+				fail_msg("kl_profile: %s", kl_last_error(ctx));
+			fclose(m);
+			print_message("%s", buf);
+			const char *t = strstr(buf, "kiln profile: graph 1: ");
+			int nsteps = 0, rows = 0;
+			assert_non_null(t);
+			assert_int_equal(sscanf(t, "kiln profile: graph 1: %d steps", &nsteps), 1);
+			assert_non_null(strstr(t, "device events"));
+			for (const char *l = strchr(t, '\n'); l && l[1]; l = strchr(l + 1, '\n')) {
+				int idx;
+				double us;
+				if (sscanf(l + 1, " [%d] %lf us", &idx, &us) == 2) {
+					assert_int_equal(idx, rows);
+					assert_true(us > 0 && us < 1e6);
+					rows++;
+				}
+			}
+			assert_true(nsteps >= 1);
+			assert_int_equal(rows, nsteps);
+			assert_null(strstr(buf, "graph 2"));
+			free(buf);
+		}
+		gc_poison(ctx, g);
+		if (kl_fn_call(fn, in, out) != KL_OK)
+			fail_msg("profile call %d: %s", call, kl_last_error(ctx));
+		gc_check(g, in, out, "reduce-overhead around kl_profile", call);
+		for (int j = 0; j < g->nout; j++)
+			kl_release(out[j]);
+		for (int i = 0; i < g->nin; i++)
+			kl_release(in[i]);
+	}
+	kl_fn_free(fn);
+	kl_ctx_free(ctx);
+}
+
 int main(void)
 {
 	const struct CMUnitTest host[] = {
@@ -1826,6 +1882,7 @@ int main(void)
 	        cmocka_unit_test(test_gpu_graph_matmul_moving),
 	        cmocka_unit_test(test_gpu_graph_kernels_moving),
 	        cmocka_unit_test(test_gpu_autotune),
+	        cmocka_unit_test(test_gpu_profile),
 	};
 	int fails = cmocka_run_group_tests_name("cuda_host", host, NULL, NULL);
 	fails += cmocka_run_group_tests_name("cuda_gpu", gpu, gpu_setup, gpu_teardown);
