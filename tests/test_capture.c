@@ -675,9 +675,9 @@ static void test_profile(void **state)
 	make_inputs(ctx, &c.w, 1, KL_F32, 2, ws, 51);
 	make_inputs(ctx, &ain[0], 1, KL_F32, 2, shape, 52);
 	make_inputs(ctx, &ain[1], 1, KL_F32, 2, ys, 53);
-	f = kl_compile(ctx, body_affine, &c, 2, 1, &(kl_compile_opts){.fullgraph = true});
+	f = kl_compile(ctx, body_affine, &c, 2, 2, &(kl_compile_opts){.fullgraph = true});
 	assert_int_equal(kl_fn_call(f, ain, out), KL_OK);
-	kl_release(out[0]);
+	release_all(out, 2);
 	text = profile_str(f, ain, &st);
 	assert_int_equal(st, KL_OK);
 	assert_true(profile_rows(text, 1) >= 1);
@@ -685,11 +685,11 @@ static void test_profile(void **state)
 	free(text);
 	assert_int_equal(kl_fn_call(f, ain, out), KL_OK);
 	check_against(ctx, out[0], apply_affine, ain, &c, 2, "replay after kl_profile");
-	kl_release(out[0]);
+	release_all(out, 2);
 	kl_fn_free(f);
 
 	/* nothing compiled: said, not an error */
-	f = kl_compile(ctx, body_affine, &c, 2, 1, &(kl_compile_opts){.disable = true});
+	f = kl_compile(ctx, body_affine, &c, 2, 2, &(kl_compile_opts){.disable = true});
 	text = profile_str(f, ain, &st);
 	assert_int_equal(st, KL_OK);
 	assert_non_null(strstr(text, "no compiled step to time (compilation is disabled"));
