@@ -1711,6 +1711,21 @@ static int tune_entries(const char *dir, char *found, size_t cap)
 	return n;
 }
 
+/* one checked call of fn on in (outputs poisoned first), then in and the
+ * outputs released */
+static void checked_call(kl_ctx *ctx, kl_fn *fn, const gcase_fn *g, kl_tensor **in,
+                         kl_tensor **out, const char *what, int call)
+{
+	gc_poison(ctx, g);
+	if (kl_fn_call(fn, in, out) != KL_OK)
+		fail_msg("%s call %d: %s", what, call, kl_last_error(ctx));
+	gc_check(g, in, out, what, call);
+	for (int j = 0; j < g->nout; j++)
+		kl_release(out[j]);
+	for (int i = 0; i < g->nin; i++)
+		kl_release(in[i]);
+}
+
 /* one process's worth: a fresh context compiles the function in mode and
  * calls it three times with fresh inputs, every call checked */
 static void tuned_run(kl_mode mode, uint64_t seed)
@@ -1724,15 +1739,8 @@ static void tuned_run(kl_mode mode, uint64_t seed)
 		kl_tensor *in[3], *out[3] = {NULL};
 		for (int i = 0; i < g->nin; i++)
 			in[i] = gc_input(ctx, g, i, seed + 10 * (uint64_t)call + (uint64_t)i);
-		gc_poison(ctx, g);
-		if (kl_fn_call(fn, in, out) != KL_OK)
-			fail_msg("autotune mode %d call %d: %s", (int)mode, call, kl_last_error(ctx));
-		gc_check(g, in, out, mode == KL_MODE_MAX_AUTOTUNE ? "max-autotune" : "no-cudagraphs",
-		         call);
-		for (int j = 0; j < g->nout; j++)
-			kl_release(out[j]);
-		for (int i = 0; i < g->nin; i++)
-			kl_release(in[i]);
+		checked_call(ctx, fn, g, in, out,
+		             mode == KL_MODE_MAX_AUTOTUNE ? "max-autotune" : "no-cudagraphs", call);
 	}
 	kl_fn_free(fn);
 	kl_ctx_free(ctx);
@@ -1850,14 +1858,7 @@ static void test_gpu_profile(void **state)
 			assert_null(strstr(buf, "graph 2"));
 			free(buf);
 		}
-		gc_poison(ctx, g);
-		if (kl_fn_call(fn, in, out) != KL_OK)
-			fail_msg("profile call %d: %s", call, kl_last_error(ctx));
-		gc_check(g, in, out, "reduce-overhead around kl_profile", call);
-		for (int j = 0; j < g->nout; j++)
-			kl_release(out[j]);
-		for (int i = 0; i < g->nin; i++)
-			kl_release(in[i]);
+		checked_call(ctx, fn, g, in, out, "reduce-overhead around kl_profile", call);
 	}
 	kl_fn_free(fn);
 	kl_ctx_free(ctx);
