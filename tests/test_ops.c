@@ -1174,10 +1174,10 @@ static void test_matmul(void **state)
 }
 
 /* Products big enough that blas.c splits them over kiln's threads (3, an
- * odd count, so the shares are uneven): C's rows (m >= 2 per thread), its
- * columns (fewer rows), a matrix-vector product's outputs (one row, in the
- * compiled program), f32 and f64, each operand plain and transposed; eager
- * and compiled, against the float64 reference. */
+ * odd count, so the shares are uneven): C's rows (64 or more), its columns
+ * (fewer rows than threads, or under 64), a matrix-vector product's outputs
+ * (one row, in the compiled program), f32 and f64, each operand plain and
+ * transposed; eager and compiled, against the float64 reference. */
 static kl_status body_matmul2(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
                               int nout, void *user)
 {
@@ -1196,7 +1196,7 @@ static void test_matmul_threads(void **state)
 	assert_non_null(ctx);
 	static const struct {
 		int64_t m, k, n;
-	} cases[] = {{67, 129, 45}, {3, 200, 300}, {1, 512, 600}, {130, 64, 70}};
+	} cases[] = {{67, 129, 45}, {3, 200, 300}, {20, 100, 200}, {1, 512, 600}, {130, 64, 70}};
 	char w[96];
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
 		for (int f = 0; f < 2; f++)

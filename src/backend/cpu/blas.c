@@ -10,7 +10,7 @@
  * first context and put back by the last one freed; setting it per product
  * cost about a millisecond a call, OpenBLAS resizing its buffers), and a
  * product is one call per thread of kiln's team on its own block of C's
- * rows (or columns, when there are fewer rows than threads). Called inside a
+ * rows (or columns, when it has few rows). Called inside a
  * parallel region (the eager batched products), a product is one call.
  */
 #include <cblas.h>
@@ -82,10 +82,12 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k,
 		gemm_block(f64, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);
 		return;
 	}
-	/* rows where there are two a thread: splitting the columns instead (each
-	 * thread packing only its share of B) measured slower on 2 cores (the
-	 * CPU FFN 13.2-13.6 against 11.4-12.1 ms) */
-	bool rows = m >= 2 * nt;
+	/* rows where there are 64 or more (and two a thread): each thread packs
+	 * all of B, which the rows repay; the columns (each thread packing its
+	 * share of B) for fewer rows. On 2 cores: columns for every product
+	 * took the CPU FFN (512 rows) 13.2-13.6 ms against 11.4-12.1, rows for
+	 * every product took mlp24 (8 rows) 437 us against 376-385 */
+	bool rows = m >= 2 * nt && (m >= 64 || n < 16 * nt);
 #pragma omp parallel num_threads(nt)
 	{
 		int t = omp_get_thread_num(), lo, hi;
