@@ -3,17 +3,20 @@
  * queries); each walks the keys in blocks of BK, keeping per query row the
  * running maximum m, the running sum l of exp(s - m) and the unnormalized
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
- * softmax). Blocks a causal mask hides entirely are never visited. f16, bf16
- * and f32 compute in float, f64 in double; the result rounds once.
+ * softmax). Blocks a causal mask hides entirely are never visited. The two
+ * products of a block (S = q k^T * scale, acc += P v) are single-threaded
+ * BLAS calls inside the parallel region (blas.c). f16, bf16 and f32 compute
+ * in float, f64 in double; the result rounds once.
  */
+#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
 
-#define BQ 32
-#define BK 64
+#define BQ 64
+#define BK 128
 
 /* one operand's element offset for flat batch index b */
 static int64_t batch_off(const kl_attn_step *a, const int64_t *bs, int64_t b)
@@ -33,7 +36,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 
 /* rows x cols of (base + off) with strides rs, cs into a dense tile; with
  * transposed set the tile is cols x rows */
-#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP)                                                     \
+#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, F64)                                                \
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
@@ -50,15 +53,18 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 		int64_t nqb = (a->tq + BQ - 1) / BQ, ntask = nb * nqb;                             \
 		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
 		bool ok = true;                                                                    \
-		_Pragma("omp parallel") {                                                          \
-			size_t n = (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ + D + 1); \
+		_Pragma("omp parallel")                                                            \
+		{                                                                                  \
+			size_t n =                                                                 \
+			        (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ);  \
 			T *buf = malloc(sizeof(T) * n);                                            \
 			if (!buf) {                                                                \
 				_Pragma("omp atomic write") ok = false;                            \
 			}                                                                          \
-			T *q = buf, *kt = q + BQ * D, *v = kt + BK * D, *s = v + BK * DV;          \
-			T *acc = s + BQ * BK, *m = acc + BQ * DV, *l = m + BQ, *kr = l + BQ;      \
-			_Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < ntask; t++) \
+			T *q = buf, *kb = q + BQ * D, *v = kb + BK * D, *s = v + BK * DV;          \
+			T *acc = s + BQ * BK, *m = acc + BQ * DV, *l = m + BQ;                     \
+			_Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < ntask;     \
+			                                             t++)                          \
 			{                                                                          \
 				if (!buf)                                                          \
 					continue;                                                  \
@@ -75,39 +81,36 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 					for (int64_t c = 0; c < DV; c++)                           \
 						acc[i * DV + c] = 0;                               \
 				}                                                                  \
-				/* keys past the last row's limit are masked for every row */     \
+				/* keys past the last row's limit are masked for every row */      \
 				int64_t kend = a->tk;                                              \
 				if (a->causal && q0 + nq + lag < kend)                             \
 					kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;              \
 				for (int64_t k0 = 0; k0 < kend; k0 += BK) {                        \
 					int64_t nk = kend - k0 < BK ? kend - k0 : BK;              \
-					/* K transposed (D x nk), so that scores vectorize over keys */ \
-					for (int64_t j = 0; j < nk; j++) {                         \
-						LOAD(kr, at(K, dt, ko + (k0 + j) * a->k_rs), dt, a->k_cs, D); \
-						for (int64_t d = 0; d < D; d++)                    \
-							kt[d * nk + j] = kr[d];                    \
-					}                                                          \
+					load_##NAME(kb, K, dt, ko + k0 * a->k_rs, nk, D, a->k_rs,  \
+					            a->k_cs);                                      \
 					load_##NAME(v, V, dt, vo + k0 * a->v_rs, nk, DV, a->v_rs,  \
 					            a->v_cs);                                      \
+					/* S = q k^T * scale: nq x nk, rows BK apart */            \
+					kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq,   \
+					              (int)nk, (int)D, a->scale, q, (int)D, kb,    \
+					              (int)D, 0.0, s, BK);                         \
 					for (int64_t i = 0; i < nq; i++) {                         \
 						T *si = s + i * BK;                                \
-						for (int64_t j = 0; j < nk; j++)                   \
-							si[j] = 0;                                 \
-						for (int64_t d = 0; d < D; d++) {                  \
-							T qd = q[i * D + d];                       \
-							const T *kd = kt + d * nk;                 \
-							KL_SIMD for (int64_t j = 0; j < nk; j++)   \
-								si[j] += qd * kd[j];               \
-						}                                                  \
-						int64_t lim = a->causal ? q0 + i + lag - k0 : nk - 1; \
+						int64_t lim =                                      \
+						        a->causal ? q0 + i + lag - k0 : nk - 1;    \
 						T mx = m[i];                                       \
 						for (int64_t j = 0; j < nk; j++) {                 \
-							si[j] = j <= lim ? si[j] * (T)a->scale     \
-							                 : -(T)INFINITY;           \
-							mx = si[j] > mx || si[j] != si[j] ? si[j] : mx; \
+							si[j] = j <= lim ? si[j] : -(T)INFINITY;   \
+							mx = si[j] > mx || si[j] != si[j] ? si[j]  \
+							                                  : mx;    \
 						}                                                  \
-						if (mx == -(T)INFINITY)                            \
-							continue; /* nothing allowed yet */        \
+						if (mx == -(T)INFINITY) {                          \
+							/* nothing allowed yet: no share of P v */ \
+							for (int64_t j = 0; j < nk; j++)           \
+								si[j] = 0;                         \
+							continue;                                  \
+						}                                                  \
 						T corr = EXP(m[i] - mx), sum = 0;                  \
 						for (int64_t j = 0; j < nk; j++) {                 \
 							si[j] = EXP(si[j] - mx);                   \
@@ -116,14 +119,13 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 						m[i] = mx;                                         \
 						l[i] = l[i] * corr + sum;                          \
 						T *ai = acc + i * DV;                              \
-						KL_SIMD for (int64_t c = 0; c < DV; c++) ai[c] *= corr; \
-						for (int64_t j = 0; j < nk; j++) {                 \
-							T p = si[j];                               \
-							const T *vj = v + j * DV;                  \
-							KL_SIMD for (int64_t c = 0; c < DV; c++)   \
-								ai[c] += p * vj[c];                \
-						}                                                  \
+						KL_SIMD for (int64_t c = 0; c < DV; c++) ai[c] *=  \
+						        corr;                                      \
 					}                                                          \
+					/* acc += P v (P in s) */                                  \
+					kl__blas_gemm(1, F64, CblasNoTrans, CblasNoTrans, (int)nq, \
+					              (int)DV, (int)nk, 1.0, s, BK, v, (int)DV,    \
+					              1.0, acc, (int)DV);                          \
 				}                                                                  \
 				for (int64_t i = 0; i < nq; i++) {                                 \
 					T *ai = acc + i * DV;                                      \
@@ -144,8 +146,8 @@ static inline float exp_f32(float x)
 
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32)
-ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp)
+ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, false)
+ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o)
@@ -166,7 +168,8 @@ kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_t
 		               (int)n->nin, r);
 	for (int i = 0; i < 3; i++)
 		if (in[i]->dtype != n->dtype || in[i]->ndim != r)
-			return kl__err(ctx, KL_EINVAL, "kl_sdpa: input %d does not match the node", i);
+			return kl__err(ctx, KL_EINVAL, "kl_sdpa: input %d does not match the node",
+			               i);
 	kl_attn_step a;
 	memset(&a, 0, sizeof a);
 	int64_t os[KL_MAX_DIMS];
