@@ -47,39 +47,38 @@ void kl__blas_release(void)
 /* [lo, hi) of n items for thread t of nt, in multiples of align. */
 static void share(int n, int t, int nt, int align, int *lo, int *hi)
 {
-	int per = (n + nt - 1) / nt;
+	int64_t per = ((int64_t)n + nt - 1) / nt;
 	per = (per + align - 1) / align * align;
-	*lo = t * per < n ? t * per : n;
-	*hi = *lo + per < n ? *lo + per : n;
+	int64_t a = (int64_t)t * per < n ? (int64_t)t * per : n;
+	*lo = (int)a;
+	*hi = (int)(a + per < n ? a + per : n);
 }
 
-static void gemm_block(bool f64, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k,
-                       double alpha, const void *A, int lda, const void *B, int ldb, double beta,
-                       void *C, int ldc, int r0, int r1, int c0, int c1)
+static void gemm_block(bool f64, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int k, double alpha,
+                       const void *A, int lda, const void *B, int ldb, double beta, void *C,
+                       int ldc, int r0, int r1, int c0, int c1)
 {
 	/* rows [r0, r1) of op(A) and of C, columns [c0, c1) of op(B) and of C */
 	size_t ao = ta == CblasNoTrans ? (size_t)r0 * (size_t)lda : (size_t)r0;
 	size_t bo = tb == CblasNoTrans ? (size_t)c0 : (size_t)c0 * (size_t)ldb;
 	size_t co = (size_t)r0 * (size_t)ldc + (size_t)c0;
-	(void)m;
-	(void)n;
 	if (f64)
-		cblas_dgemm(CblasRowMajor, ta, tb, r1 - r0, c1 - c0, k, alpha, (const double *)A + ao,
-		            lda, (const double *)B + bo, ldb, beta, (double *)C + co, ldc);
+		cblas_dgemm(CblasRowMajor, ta, tb, r1 - r0, c1 - c0, k, alpha,
+		            (const double *)A + ao, lda, (const double *)B + bo, ldb, beta,
+		            (double *)C + co, ldc);
 	else
 		cblas_sgemm(CblasRowMajor, ta, tb, r1 - r0, c1 - c0, k, (float)alpha,
 		            (const float *)A + ao, lda, (const float *)B + bo, ldb, (float)beta,
 		            (float *)C + co, ldc);
 }
 
-void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k,
-                   double alpha, const void *A, int lda, const void *B, int ldb, double beta,
-                   void *C, int ldc)
+void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, double alpha,
+                   const void *A, int lda, const void *B, int ldb, double beta, void *C, int ldc)
 {
 	CBLAS_TRANSPOSE ta = (CBLAS_TRANSPOSE)ta_, tb = (CBLAS_TRANSPOSE)tb_;
 	if (nt <= 1 || omp_in_parallel() || (double)m * n * k < GEMM_PAR_MIN ||
 	    (m < 2 * nt && n < 16 * nt)) {
-		gemm_block(f64, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);
+		gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);
 		return;
 	}
 	/* rows where there are 64 or more (and two a thread): each thread packs
@@ -93,13 +92,13 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k,
 		int t = omp_get_thread_num(), lo, hi;
 		share(rows ? m : n, t, omp_get_num_threads(), rows ? 4 : 16, &lo, &hi);
 		if (lo < hi)
-			gemm_block(f64, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc,
+			gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc,
 			           rows ? lo : 0, rows ? hi : m, rows ? 0 : lo, rows ? n : hi);
 	}
 }
 
-void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha,
-                   const void *W, int ldw, const void *x, int incx, double beta, void *y)
+void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha, const void *W,
+                   int ldw, const void *x, int incx, double beta, void *y)
 {
 	/* y (contiguous) = alpha op(W) x + beta y; W is rows x cols. Split over
 	 * y's elements: W's rows (no transpose) or columns (transposed). */
@@ -107,7 +106,8 @@ void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha,
 	int ny = tw == CblasNoTrans ? rows : cols;
 	if (nt <= 1 || omp_in_parallel() || (double)rows * cols < GEMM_PAR_MIN || ny < 64 * nt) {
 		if (f64)
-			cblas_dgemv(CblasRowMajor, tw, rows, cols, alpha, W, ldw, x, incx, beta, y, 1);
+			cblas_dgemv(CblasRowMajor, tw, rows, cols, alpha, W, ldw, x, incx, beta, y,
+			            1);
 		else
 			cblas_sgemv(CblasRowMajor, tw, rows, cols, (float)alpha, W, ldw, x, incx,
 			            (float)beta, y, 1);
@@ -122,11 +122,12 @@ void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha,
 			size_t wo = plain ? (size_t)lo * (size_t)ldw : (size_t)lo;
 			int r = plain ? hi - lo : rows, c = plain ? cols : hi - lo;
 			if (f64)
-				cblas_dgemv(CblasRowMajor, tw, r, c, alpha, (const double *)W + wo, ldw, x,
-				            incx, beta, (double *)y + lo, 1);
+				cblas_dgemv(CblasRowMajor, tw, r, c, alpha, (const double *)W + wo,
+				            ldw, x, incx, beta, (double *)y + lo, 1);
 			else
-				cblas_sgemv(CblasRowMajor, tw, r, c, (float)alpha, (const float *)W + wo, ldw,
-				            x, incx, (float)beta, (float *)y + lo, 1);
+				cblas_sgemv(CblasRowMajor, tw, r, c, (float)alpha,
+				            (const float *)W + wo, ldw, x, incx, (float)beta,
+				            (float *)y + lo, 1);
 		}
 	}
 }
