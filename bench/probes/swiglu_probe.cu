@@ -4,8 +4,10 @@
 // 4096 x 16384 x 2048) and the silu-mul kernel (55-60 us)? The fused kernel
 // never writes the 134 MB gate/up product nor reads it back.
 //
-// The kernel: a block per 128 x 128 tile of h (its 128 rows of x against 128
-// rows of Wg and the same 128 of Wu), 384 threads: warpgroup 0 the producer (one
+// The kernel: 128 x 128 tiles of h (128 rows of x against 128 rows of Wg and
+// the same 128 of Wu), a block a tile or persistent (one block an SM walking
+// the tiles, its stage ring going on across them), the tiles in m-fast or
+// n-fast order; 384 threads: warpgroup 0 the producer (one
 // thread issues the TMA loads of a 64-wide K step, x's 128 x 64 tile and Wg's
 // and Wu's 128 x 64 tiles, into STAGES mbarrier-guarded stages, 128-byte
 // swizzle), warpgroups 1 and 2 the consumers (64 rows each, two m64n128k16
@@ -13,9 +15,9 @@
 // products in flight and releases a stage once the products that read it are
 // done. The epilogue is silu(g) * u in registers, stored as bf16 pairs.
 //
-// Checked against a float64 dot product at 4096 random outputs; times the
-// fused kernel and, for scale, a plain wgmma GEMM of the same structure with a
-// single accumulator (gate only: half the FLOPs, the same loads of x).
+// Each variant is checked against float64 dot products at 4096 random outputs
+// and timed; for scale, the same kernel with a single accumulator (gate only:
+// half the FLOPs, the same loads of x) is a plain GEMM of that structure.
 // Build and run on the GPU machine (not part of the library or its tests):
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o swiglu_probe bench/probes/swiglu_probe.cu && ./swiglu_probe
 #include <cuda.h>
@@ -105,7 +107,7 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); 
 template <bool FUSED>
 __global__ void __launch_bounds__(384, 1)
 swiglu(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorMap mg,
-       const __grid_constant__ CUtensorMap mu, __nv_bfloat16 *h)
+       const __grid_constant__ CUtensorMap mu, __nv_bfloat16 *h, int mfast)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // wgmma and setmaxnreg: sm_90a only (nvcc's
                                        // -arch=sm_90a also makes compute_90 PTX)
@@ -115,7 +117,15 @@ swiglu(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorM
 	const unsigned base = smem_u32(sb), bars = base + STAGES * STAGE;
 	const unsigned full = bars, empty = bars + 8 * STAGES;
 	const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-	const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+	// tiles w = blockIdx.x, + gridDim.x, ... (a grid of one block a tile, or
+	// persistent: one block an SM walking the tiles; the stage ring and its
+	// parities go on across tiles, so the producer loads the next tile while
+	// the consumers store this one). mfast: consecutive tiles take consecutive
+	// row tiles of x against one column tile of the weights (a wave reads a
+	// few weight tiles and all of x, which stay in L2); else consecutive weight
+	// tiles against one x tile (a wave reads most of the 64 MB of weights,
+	// more than L2 holds)
+	const int mt = M / BM, ntiles = mt * (N / BN);
 	const int nk = K / BK;
 	const unsigned bytes = FUSED ? STAGE : 2 * TILE;
 	if (tid == 0) {
@@ -129,71 +139,83 @@ swiglu(const __grid_constant__ CUtensorMap mx, const __grid_constant__ CUtensorM
 	if (wg == 0) {
 		asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
 		if (tid == 0) {
-			for (int t = 0; t < nk; t++) {
-				int s = t % STAGES;
-				if (t >= STAGES)
-					mb_wait(empty + 8 * s, ((t / STAGES) - 1) & 1);
-				unsigned st = base + s * STAGE;
-				mb_expect(full + 8 * s, bytes);
-				tma2(st, &mx, t * BK, m0, full + 8 * s);
-				tma2(st + TILE, &mg, t * BK, n0, full + 8 * s);
-				if (FUSED)
-					tma2(st + 2 * TILE, &mu, t * BK, n0, full + 8 * s);
+			int gk = 0; // k steps loaded so far, across tiles
+			for (int w = blockIdx.x; w < ntiles; w += gridDim.x) {
+				const int m0 = (mfast ? w % mt : w / (N / BN)) * BM;
+				const int n0 = (mfast ? w / mt : w % (N / BN)) * BN;
+				for (int t = 0; t < nk; t++, gk++) {
+					int s = gk % STAGES;
+					if (gk >= STAGES)
+						mb_wait(empty + 8 * s, ((gk / STAGES) - 1) & 1);
+					unsigned st = base + s * STAGE;
+					mb_expect(full + 8 * s, bytes);
+					tma2(st, &mx, t * BK, m0, full + 8 * s);
+					tma2(st + TILE, &mg, t * BK, n0, full + 8 * s);
+					if (FUSED)
+						tma2(st + 2 * TILE, &mu, t * BK, n0, full + 8 * s);
+				}
 			}
 		}
 		return;
 	}
 	asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
 	const int c = wg - 1; // consumer 0 or 1: rows c * 64 .. + 64 of the tile
-	float g[16][4], u[16][4];
+	int gk = 0;
+	for (int w = blockIdx.x; w < ntiles; w += gridDim.x) {
+		const int m0 = (mfast ? w % mt : w / (N / BN)) * BM;
+		const int n0 = (mfast ? w / mt : w % (N / BN)) * BN;
+		float g[16][4], u[16][4];
 #pragma unroll
-	for (int i = 0; i < 16; i++)
+		for (int i = 0; i < 16; i++)
 #pragma unroll
-		for (int j = 0; j < 4; j++)
-			g[i][j] = u[i][j] = 0.f;
-	for (int t = 0; t < nk; t++) {
-		int s = t % STAGES;
-		mb_wait(full + 8 * s, (t / STAGES) & 1);
-		unsigned st = base + s * STAGE;
-		unsigned long long da = desc(st + c * 64 * 128), dg = desc(st + TILE), du = desc(st + 2 * TILE);
-		hold(g);
-		if (FUSED)
-			hold(u);
-		wg_fence();
-#pragma unroll
-		for (int kk = 0; kk < BK / 16; kk++) {
-			// k16 step kk: 32 bytes along a 128-byte swizzled row
-			mma128(g, da + 2 * kk, dg + 2 * kk, 1);
+			for (int j = 0; j < 4; j++)
+				g[i][j] = u[i][j] = 0.f;
+		for (int t = 0; t < nk; t++, gk++) {
+			int s = gk % STAGES;
+			mb_wait(full + 8 * s, (gk / STAGES) & 1);
+			unsigned st = base + s * STAGE;
+			unsigned long long da = desc(st + c * 64 * 128), dg = desc(st + TILE), du = desc(st + 2 * TILE);
+			hold(g);
 			if (FUSED)
-				mma128(u, da + 2 * kk, du + 2 * kk, 1);
+				hold(u);
+			wg_fence();
+#pragma unroll
+			for (int kk = 0; kk < BK / 16; kk++) {
+				// k16 step kk: 32 bytes along a 128-byte swizzled row
+				mma128(g, da + 2 * kk, dg + 2 * kk, 1);
+				if (FUSED)
+					mma128(u, da + 2 * kk, du + 2 * kk, 1);
+			}
+			wg_commit();
+			wg_wait1(); // the products of the step before are done: release its stage
+			hold(g);
+			if (FUSED)
+				hold(u);
+			if (t > 0 && lane == 0)
+				mb_arrive(empty + 8 * ((gk - 1) % STAGES));
 		}
-		wg_commit();
-		wg_wait1(); // the products of step t - 1 are done: release its stage
+		wg_wait0();
 		hold(g);
 		if (FUSED)
 			hold(u);
-		if (t > 0 && lane == 0)
-			mb_arrive(empty + 8 * ((t - 1) % STAGES));
-	}
-	wg_wait0();
-	hold(g);
-	if (FUSED)
-		hold(u);
-	// the epilogue: thread (warp, lane) holds rows r and r + 8, columns
-	// 8 n + 2 (lane % 4) + {0, 1} of each 8-column group n
-	const int r = m0 + c * 64 + warp * 16 + (lane >> 2);
+		if (lane == 0)
+			mb_arrive(empty + 8 * ((gk - 1) % STAGES));
+		// the epilogue: thread (warp, lane) holds rows r and r + 8, columns
+		// 8 n + 2 (lane % 4) + {0, 1} of each 8-column group n
+		const int r = m0 + c * 64 + warp * 16 + (lane >> 2);
 #pragma unroll
-	for (int n = 0; n < 16; n++) {
-		int col = n0 + n * 8 + 2 * (lane & 3);
+		for (int n = 0; n < 16; n++) {
+			int col = n0 + n * 8 + 2 * (lane & 3);
 #pragma unroll
-		for (int hh = 0; hh < 2; hh++) {
-			float a0 = g[n][2 * hh], a1 = g[n][2 * hh + 1];
-			if (FUSED) {
-				a0 = silu(a0) * u[n][2 * hh];
-				a1 = silu(a1) * u[n][2 * hh + 1];
+			for (int hh = 0; hh < 2; hh++) {
+				float a0 = g[n][2 * hh], a1 = g[n][2 * hh + 1];
+				if (FUSED) {
+					a0 = silu(a0) * u[n][2 * hh];
+					a1 = silu(a1) * u[n][2 * hh + 1];
+				}
+				__nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
+				*(__nv_bfloat162 *)(h + (size_t)(r + 8 * hh) * N + col) = v;
 			}
-			__nv_bfloat162 v = __floats2bfloat162_rn(a0, a1);
-			*(__nv_bfloat162 *)(h + (size_t)(r + 8 * hh) * N + col) = v;
 		}
 	}
 #endif
@@ -283,16 +305,27 @@ int main(void)
 			return 1;
 		}
 	}
-	dim3 grid(N / BN, M / BM), block(384);
+	dim3 block(384);
 	cudaEvent_t e0, e1;
 	CHECK(cudaEventCreate(&e0));
 	CHECK(cudaEventCreate(&e1));
-	for (int fused = 1; fused >= 0; fused--) {
+	// variant: fused (1) or gate only (0); raster m-fast (1) or n-fast (0);
+	// persistent (1: one block an SM) or a block a tile (0)
+	int sms = 0;
+	CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+	const int ntiles = (M / BM) * (N / BN);
+	const int variants[5][3] = {{1, 0, 0}, {1, 1, 0}, {1, 1, 1}, {0, 1, 0}, {0, 1, 1}};
+	for (int vi = 0; vi < 5; vi++) {
+		int fused = variants[vi][0], mfast = variants[vi][1], persist = variants[vi][2];
+		dim3 grid(persist ? (sms < ntiles ? sms : ntiles) : ntiles);
+		auto launch = [&]() {
+			if (fused)
+				swiglu<true><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh, mfast);
+			else
+				swiglu<false><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh, mfast);
+		};
 		CHECK(cudaMemset(dh, 0xff, nh * 2)); // poison: NaN bf16
-		if (fused)
-			swiglu<true><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
-		else
-			swiglu<false><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
+		launch();
 		CHECK(cudaGetLastError());
 		CHECK(cudaDeviceSynchronize());
 		CHECK(cudaMemcpy(hh, dh, nh * 2, cudaMemcpyDeviceToHost));
@@ -316,27 +349,20 @@ int main(void)
 				worst = got != got ? INFINITY : err;
 		}
 		int reps = 20;
-		for (int i = 0; i < 3; i++) {
-			if (fused)
-				swiglu<true><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
-			else
-				swiglu<false><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
-		}
+		for (int i = 0; i < 3; i++)
+			launch();
 		CHECK(cudaEventRecord(e0));
-		for (int i = 0; i < reps; i++) {
-			if (fused)
-				swiglu<true><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
-			else
-				swiglu<false><<<grid, block, SMEM>>>(mx, mg, mu, (__nv_bfloat16 *)dh);
-		}
+		for (int i = 0; i < reps; i++)
+			launch();
 		CHECK(cudaEventRecord(e1));
 		CHECK(cudaEventSynchronize(e1));
 		float ms = 0;
 		CHECK(cudaEventElapsedTime(&ms, e0, e1));
 		double us = ms * 1e3 / reps, flops = 2.0 * M * (double)K * N * (fused ? 2 : 1);
-		printf("swiglu_probe: %-28s %8.1f us  %6.1f TFLOP/s  check: %d of 4096 off by > 2%%, worst %.3g\n",
-		       fused ? "fused gate/up + silu*mul" : "gate only (one accumulator)", us, flops / us * 1e-6,
-		       bad, worst);
+		printf("swiglu_probe: %-28s %-7s %-10s %8.1f us  %6.1f TFLOP/s  check: %d of 4096 off by > 2%%, "
+		       "worst %.3g\n",
+		       fused ? "fused gate/up + silu*mul" : "gate only (one accumulator)", mfast ? "m-fast" : "n-fast",
+		       persist ? "persistent" : "tile/block", us, flops / us * 1e-6, bad, worst);
 	}
 	return 0;
 }
