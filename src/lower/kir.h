@@ -19,7 +19,7 @@
 
 #include <string.h>
 
-#include "lower/program.h"
+#include "plan/plan.h"
 
 /* ---- index expressions ---------------------------------------------------- */
 

@@ -8,7 +8,7 @@
 #define KILN_LOWER_H
 
 #include "core/core.h"
-#include "lower/program.h"
+#include "plan/plan.h"
 
 typedef enum kl_target { KL_TARGET_C = 0, KL_TARGET_CUDA = 1 } kl_target;
 typedef struct kl_lower_opts {

@@ -6,20 +6,6 @@
 
 #include "lower/lower_int.h"
 
-void kl__program_free(kl_program *p)
-{
-	if (!p)
-		return;
-	free(p->bufs);
-	free(p->steps);
-	for (int32_t i = 0; i < p->nkernels; i++)
-		free(p->kernel_names[i]);
-	free(p->kernel_names);
-	free(p->source);
-	free(p->fusion_log);
-	memset(p, 0, sizeof(*p));
-}
-
 static void lctx_free(kl_lctx *L)
 {
 	kl__graph_free(&L->g);

@@ -6,7 +6,7 @@
 #define KILN_COMPILED_H
 
 #include "core/core.h"
-#include "lower/program.h"
+#include "plan/plan.h"
 
 typedef struct kl_compile_cfg {
 	kl_mode mode;
@@ -20,8 +20,6 @@ typedef struct kl_compile_cfg {
 	 * programs in tests, AOT). Its source is part of the cache key. */
 	const kl_program *given;
 } kl_compile_cfg;
-
-typedef void (*kl_kernel_fn)(void *const *bufs, const int64_t *syms);
 
 /* The memory plan of the TEMP buffers: one arena, a slot per buffer. */
 typedef struct kl_memplan {
@@ -122,17 +120,5 @@ kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 /* Whether the last run replayed a captured graph. */
 bool kl__cuda_rt_replaying(const kl_compiled *c);
 void kl__cuda_rt_free(kl_compiled *c);
-
-/* ---- programs as data ------------------------------------------------------ */
-
-/* Strict structural check of a program: counts, ids in range, names
- * [a-z0-9_], inputs/outputs complete. ninputs/noutputs < 0: not checked. */
-kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
-                               size_t errcap);
-/* Serialize everything but the source (malloc'd buffer). */
-kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
-/* Parse and validate; out's source is NULL. */
-kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out, char *err,
-                                  size_t errcap);
 
 #endif /* KILN_COMPILED_H */

@@ -52,10 +52,6 @@ kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final
 /* Checksum and size of a whole file. KL_EIO when it cannot be read. */
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size);
 
-/* program_io.c: the largest element index operand which (0 a, 1 b, 2 c) of a
- * product reaches; -1 when empty, -2 when it overflows. */
-int64_t kl__mm_extent(const kl_matmul_step *mm, int which);
-
 /* ---- memplan.c: TEMP buffers into arena slots by liveness ------------------ */
 
 /* Bytes of buffer b with symbols at syms (dense layout). */

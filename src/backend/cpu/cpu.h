@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
-#include "lower/program.h"
+#include "plan/plan.h"
 
 /* Below this many elements a parallel region costs more than it saves. */
 #define KL_CPU_PAR_MIN 32768

@@ -9,7 +9,7 @@
 #include "backend/cuda/backend.h"
 #include "backend/cuda/loader.h"
 #include "backend/cuda/pool.h"
-#include "lower/program.h"
+#include "plan/plan.h"
 
 /* ---- errors ------------------------------------------------------------------ */
 

@@ -1,13 +1,29 @@
-/* program_io.c - programs as bytes: a strict validator (every count, id and
- * name checked, so a program from the disk cache or a buggy pass cannot make
- * the executor index out of bounds) and a little-endian serializer.
+/* plan_io.c - plans as bytes: a strict validator (every count, id and
+ * name checked, so a plan from the disk cache or a buggy pass cannot make
+ * the executor index out of bounds), a little-endian serializer, and
+ * kl__program_free.
  */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "runtime/rt.h"
+#include "core/core.h"
+#include "plan/plan.h"
+
+void kl__program_free(kl_program *p)
+{
+	if (!p)
+		return;
+	free(p->bufs);
+	free(p->steps);
+	for (int32_t i = 0; i < p->nkernels; i++)
+		free(p->kernel_names[i]);
+	free(p->kernel_names);
+	free(p->source);
+	free(p->fusion_log);
+	memset(p, 0, sizeof(*p));
+}
 
 #define PROG_MAGIC "KLPROG01"
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);

@@ -1,13 +1,15 @@
-/* program.h - what lowering hands the runtime: the buffers of a compiled
- * graph, the steps that fill them, and the source of the generated kernels.
+/* plan.h - the plan (kl_program): the buffers of a compiled graph, the steps
+ * that fill them (generated kernels and library calls: matrix products,
+ * attention), and the source of the generated kernels.
  *
- * This is the contract between `lower`/`codegen` (which build a program from
- * a graph) and `runtime` (which compiles its source once, plans its memory,
- * caches it on disk and executes it). It is plain data so that it hashes,
- * serializes (disk cache, AOT packages) and prints.
+ * This is the contract between `lower` (which builds a plan from a graph),
+ * `runtime` (which compiles its source once, plans its memory, caches it on
+ * disk and executes it) and the backends (which run its library-call steps).
+ * It is plain data so that it hashes, serializes (plan_io.c: disk cache, and
+ * next AOT packages) and prints. It includes graph and core, nothing above.
  */
-#ifndef KILN_PROGRAM_H
-#define KILN_PROGRAM_H
+#ifndef KILN_PLAN_H
+#define KILN_PLAN_H
 
 #include "graph/graph.h"
 
@@ -142,6 +144,24 @@ typedef struct kl_program {
 	char *fusion_log;       /* every fusion refused, with its reason (malloc'd, may be NULL) */
 } kl_program;
 
-void kl__program_free(kl_program *p);
+/* How the runtime calls a generated CPU kernel of a plan: the buffers'
+ * addresses (by buffer id) and the symbols' values. */
+typedef void (*kl_kernel_fn)(void *const *bufs, const int64_t *syms);
 
-#endif
+/* ---- plan_io.c: plans as data ----------------------------------------------- */
+
+void kl__program_free(kl_program *p);
+/* Strict structural check of a program: counts, ids in range, names
+ * [a-z0-9_], inputs/outputs complete. ninputs/noutputs < 0: not checked. */
+kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
+                               size_t errcap);
+/* Serialize everything but the source (malloc'd buffer). */
+kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
+/* Parse and validate; out's source is NULL. */
+kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out, char *err,
+                                  size_t errcap);
+/* The largest element index operand which (0 a, 1 b, 2 c) of a product
+ * reaches; -1 when empty, -2 when it overflows. */
+int64_t kl__mm_extent(const kl_matmul_step *mm, int which);
+
+#endif /* KILN_PLAN_H */
