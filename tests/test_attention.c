@@ -24,7 +24,9 @@
 
 #include <cmocka.h>
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "graph/reference.h"
 #include "kltest.h"
 #include "lower/lower.h"

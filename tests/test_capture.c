@@ -19,6 +19,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "graph/graph.h"
 #include "kltest.h"
 #include "runtime/compiled.h"
 

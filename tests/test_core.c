@@ -15,6 +15,7 @@
 
 #include "api/front.h"
 #include "core/core.h"
+#include "graph/graph.h"
 
 /* ---- helpers ----------------------------------------------------------------- */
 

@@ -11,7 +11,9 @@
 
 #include <cmocka.h>
 
+#include "backend/cpu/cpu.h"
 #include "core/core.h"
+#include "graph/graph.h"
 
 #define SH(...) ((const int64_t[]){__VA_ARGS__})
 

@@ -14,7 +14,10 @@
 #include <cmocka.h>
 
 #include "backend/cuda/backend.h"
+#include "capture/trace.h"
+#include "backend/cpu/cpu.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "kltest.h"
 
 #ifdef KILN_HAVE_CUDA

@@ -15,7 +15,9 @@
 
 #include <cmocka.h>
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "kltest.h"
 #include "codegen/render.h"
 #include "codegen/row_onepass.h"

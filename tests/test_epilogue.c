@@ -17,7 +17,9 @@
 
 #include <cmocka.h>
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "kltest.h"
 #include "lower/lower.h"
 #include "runtime/compiled.h"

@@ -21,7 +21,9 @@
 #include <cmocka.h>
 
 #include "codegen/render.h"
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "graph/reference.h"
 #include "backend/cpu/cpu.h"
 #include "kltest.h"

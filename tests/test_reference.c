@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "graph/graph.h"
 #include "graph/reference.h"
 
 /* ---- building graphs by hand ---------------------------------------------- */

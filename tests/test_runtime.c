@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "graph/graph.h"
 #include "graph/reference.h"
 #include "kltest.h"
 #include "runtime/compiled.h"

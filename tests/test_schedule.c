@@ -21,7 +21,9 @@
 
 #include <cmocka.h>
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "kiln_nn.h"
 #include "kltest.h"
 #include "lower/lower.h"

@@ -3,7 +3,9 @@
 #ifndef KILN_FRONT_H
 #define KILN_FRONT_H
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 
 /* Run (eager) or record (trace) node n over inputs in[0..n->nin-1].
  * n's op, dtype, shape, nin and attrs must be set; in[] are the tensors

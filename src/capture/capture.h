@@ -5,6 +5,7 @@
 #ifndef KILN_CAPTURE_H
 #define KILN_CAPTURE_H
 
+#include "capture/trace.h"
 #include "runtime/compiled.h"
 
 /* What a variant requires of fn input i (dims in dyn are free). */

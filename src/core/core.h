@@ -10,7 +10,6 @@
 #include <string.h>
 
 #include "core/half.h"
-#include "graph/graph.h"
 #include "kiln.h"
 
 #if defined(__GNUC__)
@@ -30,7 +29,8 @@ typedef struct kl_storage {
 	size_t nbytes;
 } kl_storage;
 
-struct kl_trace;
+struct kl_trace; /* capture/trace.h */
+struct kl_node;  /* graph/graph.h: core includes nothing of kiln but the public header */
 
 struct kl_tensor {
 	kl_ctx *ctx;
@@ -60,7 +60,7 @@ typedef struct kl_backend {
 	 * out is allocated, dense (contiguous) with the node's shape/dtype.
 	 * Movement nodes that are plain views never reach exec; CONTIGUOUS and
 	 * CONCAT do. Returns KL_OK or sets the error and returns a status. */
-	kl_status (*exec)(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+	kl_status (*exec)(kl_ctx *ctx, const struct kl_node *n, kl_tensor *const *in, kl_tensor *out);
 	/* copy between host and device memory (CPU: memcpy) */
 	kl_status (*to_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
 	kl_status (*from_host)(kl_ctx *ctx, void *dst, const void *src, size_t nbytes);
@@ -68,8 +68,6 @@ typedef struct kl_backend {
 	 * the peak restarts from in_use first. */
 	void (*memory)(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak);
 } kl_backend;
-
-extern const kl_backend kl__cpu_backend;
 
 /* ---- the context ---------------------------------------------------------- */
 
@@ -107,11 +105,9 @@ struct kl_ctx {
 	int profile_segs; /* graphs reported so far by the running kl_profile */
 };
 
-/* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
- * kiln splits its products over its own OpenMP team instead): the first
- * kl_ctx_new sets its thread count to 1, the last kl_ctx_free puts it back. */
-void kl__blas_hold(void);
-void kl__blas_release(void);
+/* kl_ctx_free's part in core (api/context.c calls it): every tensor still
+ * alive and its storage (through ctx->be), and the scopes. */
+void kl__ctx_free_tensors(kl_ctx *ctx);
 
 /* Set the context's error; returns status for `return kl__err(...)`.
  * ctx may be NULL (thread-local message, see kl_last_error). */
@@ -156,6 +152,20 @@ bool kl__strides_contiguous(int ndim, const int64_t *shape, const int64_t *strid
  * kl_release would leave a dangling entry. */
 void kl__tensor_discard(kl_tensor *t);
 
+/* ---- shape helpers (shape.c) shared by tensors, the front end, lowering and
+ * the reference ------------------------------------------------------------ */
+
+int64_t kl__numel(int ndim, const int64_t *shape);
+void kl__contig_strides(int ndim, const int64_t *shape, int64_t *strides);
+/* "[4,3]" into buf */
+const char *kl__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
+/* numpy broadcasting of two shapes; false if they do not broadcast */
+bool kl__broadcast(int na, const int64_t *sa, int nb, const int64_t *sb, int *nout, int64_t *out);
+/* Strides that read a tensor of (ndim, shape, strides) as the broadcast
+ * shape (ondim, oshape): 0 along broadcast dims. */
+void kl__broadcast_strides(int ndim, const int64_t *shape, const int64_t *strides, int ondim,
+                           const int64_t *oshape, int64_t *ostrides);
+
 /* ---- scalars, dtype conversion -------------------------------------------- */
 
 /* element i (in elements) of memory p of dtype dt, as a double */
@@ -178,26 +188,5 @@ double kl__rand_normal(uint64_t seed, uint64_t i);  /* Box-Muller */
  * bf16 only) become the largest value below 1, so [0, 1) holds in every
  * dtype. Backends store, and the reference uses, exactly this. */
 double kl__rand_uniform_as(kl_dtype dt, uint64_t seed, uint64_t i);
-
-/* ---- traces (lazy capture) ------------------------------------------------ */
-
-typedef struct kl_trace {
-	uint64_t id;
-	kl_graph g;
-	/* the materialized tensor behind each INPUT node (one reference held) */
-	kl_tensor **in_tensors;
-	int nin_tensors, cap_in_tensors;
-} kl_trace;
-
-/* Start recording: ops on ctx append nodes instead of running. */
-kl_status kl__trace_begin(kl_ctx *ctx);
-/* Stop recording; returns the trace (caller frees with kl__trace_free).
- * outputs[] are lazy tensors of this trace: they become the graph's
- * outputs in order. */
-kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs);
-void kl__trace_free(kl_trace *tr);
-/* The node a tensor is in the active trace, adding an INPUT node for a
- * materialized tensor; -1 on error. */
-int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t);
 
 #endif /* KILN_CORE_H */

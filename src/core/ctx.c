@@ -1,4 +1,5 @@
-/* ctx.c - contexts: creation and teardown (which frees every live tensor),
+/* ctx.c - contexts: teardown of their tensors (api/context.c makes and frees
+ * contexts, setting devices up),
  * the error path (per-context message, thread-local for failures with no
  * context), scopes as autorelease pools, version and status names.
  */
@@ -6,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "backend/cuda/backend.h"
 #include "core/core.h"
 
 /* Failures that have no context to hold them: kl_ctx_new, and ops whose
@@ -94,52 +94,11 @@ const char *kl_version(void)
 	return KL_VERSION_STRING;
 }
 
-kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
-{
-	kl_ctx_opts o = {0};
-	if (opts)
-		o = *opts;
-	if (o.device != KL_CPU && o.device != KL_CUDA) {
-		kl__err(NULL, KL_EINVAL, "kl_ctx_new: unknown device %d", (int)o.device);
-		return NULL;
-	}
-	if (o.nthreads < 0 || o.index < 0) {
-		kl__err(NULL, KL_EINVAL, "kl_ctx_new: nthreads %d and index %d must be >= 0",
-		        o.nthreads, o.index);
-		return NULL;
-	}
-	kl_ctx *ctx = calloc(1, sizeof *ctx);
-	if (!ctx) {
-		kl__err(NULL, KL_ENOMEM, "kl_ctx_new: out of memory");
-		return NULL;
-	}
-	ctx->device = KL_CPU;
-	ctx->index = o.index;
-	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
-	ctx->be = &kl__cpu_backend;
-	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
-	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index) != KL_OK) {
-		kl__err(NULL, ctx->status, "kl_ctx_new: %s", ctx->err);
-		free(ctx);
-		return NULL;
-	}
-	kl__blas_hold();
-	return ctx;
-}
-
 /* Frees every tensor still alive, so a context is a memory arena as well:
  * every storage is referenced only by tensors of its context, so dropping
- * each tensor's storage reference frees all storage too. Traces handed out
- * by kl__trace_end must be freed before (they hold tensor references). */
-void kl_ctx_free(kl_ctx *ctx)
+ * each tensor's storage reference frees all storage too. */
+void kl__ctx_free_tensors(kl_ctx *ctx)
 {
-	if (!ctx)
-		return;
-	if (ctx->trace) {
-		kl_trace *tr = ctx->trace;
-		ctx->trace = NULL;
-		kl__trace_free(tr);
-	}
 	kl_tensor *t = ctx->live;
 	while (t) {
 		kl_tensor *next = t->next;
@@ -150,12 +109,12 @@ void kl_ctx_free(kl_ctx *ctx)
 		free(t);
 		t = next;
 	}
+	ctx->live = NULL;
 	for (int i = 0; i < ctx->nscopes; i++)
 		free(ctx->scopes[i].items);
 	free(ctx->scopes);
-	kl__cuda_ctx_fini(ctx);
-	free(ctx);
-	kl__blas_release();
+	ctx->scopes = NULL;
+	ctx->nscopes = ctx->cap_scopes = 0;
 }
 
 kl_device kl_ctx_device(const kl_ctx *ctx)

@@ -10,7 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "capture/trace.h"
 #include "core/core.h"
+#include "graph/graph.h"
 #include "graph/reference.h"
 
 uint64_t kltest_next(uint64_t *state)

@@ -9,7 +9,16 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "graph/graph.h"
 #include "plan/plan.h"
+
+extern const kl_backend kl__cpu_backend;
+
+/* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
+ * kiln splits its products over its own OpenMP team instead): the first
+ * kl_ctx_new sets its thread count to 1, the last kl_ctx_free puts it back. */
+void kl__blas_hold(void);
+void kl__blas_release(void);
 
 /* Below this many elements a parallel region costs more than it saves. */
 #define KL_CPU_PAR_MIN 32768

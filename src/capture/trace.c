@@ -4,7 +4,7 @@
  */
 #include <stdlib.h>
 
-#include "core/core.h"
+#include "capture/trace.h"
 
 kl_status kl__trace_begin(kl_ctx *ctx)
 {

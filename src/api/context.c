@@ -1,0 +1,63 @@
+/* context.c - kl_ctx_new and kl_ctx_free: a context is made here, above
+ * every layer it sets up: the CPU backend and OpenBLAS's thread count, the
+ * CUDA device (backend/cuda/backend.h) when asked for, and at teardown the
+ * active trace (capture) and the tensors (core).
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "backend/cpu/cpu.h"
+#include "backend/cuda/backend.h"
+#include "capture/trace.h"
+#include "core/core.h"
+
+kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
+{
+	kl_ctx_opts o = {0};
+	if (opts)
+		o = *opts;
+	if (o.device != KL_CPU && o.device != KL_CUDA) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: unknown device %d", (int)o.device);
+		return NULL;
+	}
+	if (o.nthreads < 0 || o.index < 0) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: nthreads %d and index %d must be >= 0",
+		        o.nthreads, o.index);
+		return NULL;
+	}
+	kl_ctx *ctx = calloc(1, sizeof *ctx);
+	if (!ctx) {
+		kl__err(NULL, KL_ENOMEM, "kl_ctx_new: out of memory");
+		return NULL;
+	}
+	ctx->device = KL_CPU;
+	ctx->index = o.index;
+	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
+	ctx->be = &kl__cpu_backend;
+	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
+	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index) != KL_OK) {
+		kl__err(NULL, ctx->status, "kl_ctx_new: %s", ctx->err);
+		free(ctx);
+		return NULL;
+	}
+	kl__blas_hold();
+	return ctx;
+}
+
+/* Frees every tensor still alive (kl__ctx_free_tensors), so a context is a
+ * memory arena as well. Traces handed out by kl__trace_end must be freed
+ * before (they hold tensor references). */
+void kl_ctx_free(kl_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (ctx->trace) {
+		kl_trace *tr = ctx->trace;
+		ctx->trace = NULL;
+		kl__trace_free(tr);
+	}
+	kl__ctx_free_tensors(ctx);
+	kl__cuda_ctx_fini(ctx);
+	free(ctx);
+	kl__blas_release();
+}
