@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "backend/cuda/device.h"
-#include "backend/cuda/rt_cuda.h"
+#include "runtime/cuda/exec_cuda.h"
 #include "lower/lower.h"
 
 /* ---- shared kernels --------------------------------------------------------------- */
@@ -128,7 +128,7 @@ static void test_driver_missing(void **state)
 		char first[KL_ERR_CAP];
 		snprintf(first, sizeof first, "%s", m);
 		kl_clear_error(ctx);
-		assert_int_equal(kl__cuda_ctx_init(ctx, 0), KL_EDEVICE);
+		assert_int_equal(kl__cuda_ctx_init(ctx, 0, &kl__cuda_rt_hooks), KL_EDEVICE);
 		assert_string_equal(kl_last_error(ctx), first);
 		assert_ptr_equal(ctx->be, be);
 		assert_null(ctx->backend_state);
@@ -803,7 +803,7 @@ static void test_gpu_alloc(void **state)
 
 	/* the backend table, through a context made CUDA */
 	kl_ctx *ctx = kl_ctx_new(NULL);
-	assert_int_equal(kl__cuda_ctx_init(ctx, 0), KL_OK);
+	assert_int_equal(kl__cuda_ctx_init(ctx, 0, &kl__cuda_rt_hooks), KL_OK);
 	assert_int_equal(ctx->device, KL_CUDA);
 	assert_string_equal(ctx->be->name, "cuda");
 	/* the device opened with cuBLASLt's workspace, from the same pool */
@@ -1230,7 +1230,7 @@ static void test_gpu_eager_matmul(void **state)
 	(void)state;
 	NEED_GPU();
 	kl_ctx *gpu = kl_ctx_new(NULL);
-	assert_int_equal(kl__cuda_ctx_init(gpu, 0), KL_OK);
+	assert_int_equal(kl__cuda_ctx_init(gpu, 0, &kl__cuda_rt_hooks), KL_OK);
 	int64_t sa[3] = {2, 5, 7}, sb[2] = {7, 3};
 	uint64_t rng = 11;
 	double *va = fill(70, KL_F32, &rng), *vb = fill(21, KL_F32, &rng);
@@ -1904,7 +1904,7 @@ static void test_cuda_absent(void **state)
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	assert_non_null(ctx);
 	const kl_backend *be = ctx->be;
-	assert_int_equal(kl__cuda_ctx_init(ctx, 0), KL_EDEVICE);
+	assert_int_equal(kl__cuda_ctx_init(ctx, 0, NULL), KL_EDEVICE);
 	assert_non_null(strstr(kl_last_error(ctx), "KILN_CUDA=OFF"));
 	assert_ptr_equal(ctx->be, be);
 	kl__cuda_ctx_fini(ctx);

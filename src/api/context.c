@@ -10,6 +10,7 @@
 #include "backend/cuda/backend.h"
 #include "capture/trace.h"
 #include "core/core.h"
+#include "runtime/compiled.h"
 
 kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 {
@@ -35,7 +36,7 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
 	ctx->be = &kl__cpu_backend;
 	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
-	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index) != KL_OK) {
+	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index, &kl__cuda_rt_hooks) != KL_OK) {
 		kl__err(NULL, ctx->status, "kl_ctx_new: %s", ctx->err);
 		free(ctx);
 		return NULL;

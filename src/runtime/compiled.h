@@ -5,6 +5,7 @@
 #ifndef KILN_COMPILED_H
 #define KILN_COMPILED_H
 
+#include "backend/cuda/backend.h"
 #include "core/core.h"
 #include "plan/plan.h"
 
@@ -47,7 +48,7 @@ typedef struct kl_compiled {
 	/* the shared object and its kernels */
 	void *dl;
 	kl_kernel_fn *fns;
-	/* CUDA contexts: module, functions, device arena, graph (rt_cuda.c) */
+	/* CUDA contexts: module, functions, device arena, graph (cuda/exec_cuda.c) */
 	bool cuda;
 	struct kl_cuda_rt *dev;
 	/* memory: the plan for plan_syms, its arena, scratch for library calls */
@@ -89,7 +90,7 @@ long kl__jit_compiles(void);
 long kl__rt_lowerings(void);
 long kl__rt_cache_hits(void);
 
-/* ---- the CUDA half (backend/cuda/rt_cuda.c; absent.c without CUDA) --------- */
+/* ---- the CUDA half (runtime/cuda/; no_cuda.c without CUDA) ---------------- */
 
 /* A hash of what a cubin depends on besides the source: the device's
  * architecture and the NVRTC version. */
@@ -120,5 +121,9 @@ kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 /* Whether the last run replayed a captured graph. */
 bool kl__cuda_rt_replaying(const kl_compiled *c);
 void kl__cuda_rt_free(kl_compiled *c);
+/* What the runtime lends a CUDA context (api/context.c passes it to
+ * kl__cuda_ctx_init): its disk cache, and eager execution of nodes through
+ * the compiler (runtime/cuda/eager_cuda.c; no_cuda.c: all NULL). */
+extern const kl_cuda_hooks kl__cuda_rt_hooks;
 
 #endif /* KILN_COMPILED_H */

@@ -53,7 +53,8 @@ typedef struct kl_cuda_dev {
 	bool capturing;         /* inside kl__cuda_capture_begin/end */
 	bool synced;            /* the stream was waited for once (the startup log) */
 	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made at device open */
-	struct kl_eager_cache *eager; /* backend.c: compiled one-node programs by key */
+	kl_cuda_hooks hooks;          /* lent by the layers above (kl__cuda_ctx_init) */
+	void *eager; /* hooks.exec_generated's state (runtime/cuda/eager_cuda.c) */
 	struct kl_cuda_attn *attn;    /* attention.c: compiled attention kernels, workspace */
 } kl_cuda_dev;
 

@@ -3,7 +3,6 @@
  * One module per graph: a graph's kernels are one translation unit.
  */
 #include "backend/cuda/device.h"
-#include "runtime/rt.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -247,7 +246,8 @@ static bool cached_image(kl_ctx *ctx, const char *dir, const char *entry, uint64
 {
 	void *payload = NULL;
 	size_t len = 0;
-	bool ok = kl__cache_get(ctx, dir, entry, key, &payload, &len) == KL_OK &&
+	const kl_cuda_hooks *h = &kl__cuda_dev_of(ctx)->hooks;
+	bool ok = h->cache_get(ctx, dir, entry, key, &payload, &len) == KL_OK &&
 	          kl__cuda_image_from_payload(payload, len, im);
 	if (!ok)
 		kl_clear_error(ctx);
@@ -266,7 +266,9 @@ kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, c
 	int tag[2] = {o.arch, arch_specific ? 1 : 0};
 	key = kl__hash_bytes(key, tag, sizeof tag);
 	char dir[1024], entry[64];
-	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
+	/* the disk cache is lent by the runtime (kl_cuda_hooks): none, no caching */
+	bool have_dir = d->hooks.cache_dir && d->hooks.cache_get && d->hooks.cache_put &&
+	                d->hooks.cache_dir(ctx, dir, sizeof dir);
 	snprintf(entry, sizeof entry, "mod-%016llx.klm", (unsigned long long)key);
 	kl_cuda_image im;
 	memset(&im, 0, sizeof im);
@@ -285,7 +287,7 @@ kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, c
 	if (s == KL_OK && have_dir) {
 		size_t len;
 		uint8_t *payload = kl__cuda_image_payload(&im, &len);
-		if (payload && kl__cache_put(ctx, dir, entry, key, payload, len) == KL_OK)
+		if (payload && d->hooks.cache_put(ctx, dir, entry, key, payload, len) == KL_OK)
 			kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", entry, len);
 		else
 			kl_clear_error(ctx);

@@ -13,7 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "backend/cuda/rt_cuda.h"
+#include "runtime/cuda/exec_cuda.h"
 #include "codegen/render.h"
 #include "codegen/row_onepass.h"
 

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "backend/cuda/rt_cuda.h"
+#include "runtime/cuda/exec_cuda.h"
 
 /* ---- the cache entry --------------------------------------------------------------- */
 

@@ -1,0 +1,83 @@
+/* no_cuda.c - the runtime's CUDA half (src/runtime/cuda/) in a kiln built
+ * without the CUDA backend (KILN_CUDA=OFF; backend/cuda/absent.c stands in
+ * for the backend).
+ */
+#include "runtime/compiled.h"
+
+/* The runtime's CUDA half: unreachable without a CUDA context, which this
+ * build cannot make; each still answers with the same reason. */
+static kl_status absent(kl_ctx *ctx)
+{
+	return kl__err(ctx, KL_EDEVICE,
+	               "kl_compile: this kiln was built without the CUDA backend (KILN_CUDA=OFF)");
+}
+
+uint64_t kl__cuda_rt_identity(kl_ctx *ctx)
+{
+	(void)ctx;
+	return 0;
+}
+
+kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t *bin_hash,
+                            uint64_t *bin_size)
+{
+	(void)c;
+	(void)dir;
+	*bin_hash = *bin_size = 0;
+	return absent(ctx);
+}
+
+kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
+                           uint64_t bin_size)
+{
+	(void)c;
+	(void)dir;
+	(void)bin_hash;
+	(void)bin_size;
+	return absent(ctx);
+}
+
+void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c)
+{
+	(void)ctx;
+	(void)c;
+}
+
+kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base)
+{
+	(void)c;
+	(void)bytes;
+	*base = NULL;
+	return absent(ctx);
+}
+
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+{
+	(void)c;
+	(void)B;
+	(void)syms;
+	return absent(ctx);
+}
+
+kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                 const int64_t *syms, double *us)
+{
+	(void)c;
+	(void)B;
+	(void)syms;
+	(void)us;
+	return kl__err(ctx, KL_EUNSUPPORTED, "kl_profile: kiln was built without CUDA");
+}
+
+bool kl__cuda_rt_replaying(const kl_compiled *c)
+{
+	(void)c;
+	return false;
+}
+
+void kl__cuda_rt_free(kl_compiled *c)
+{
+	(void)c;
+}
+
+const kl_cuda_hooks kl__cuda_rt_hooks = {0};
