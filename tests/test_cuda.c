@@ -29,6 +29,7 @@
 #include "backend/cuda/device.h"
 #include "runtime/cuda/exec_cuda.h"
 #include "lower/lower.h"
+#include "runtime/rt.h"
 
 /* ---- shared kernels --------------------------------------------------------------- */
 

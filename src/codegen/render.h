@@ -12,24 +12,6 @@
 
 #include "lower/kir.h"
 
-/* ---- a growable string ------------------------------------------------------ */
-
-typedef struct kl_sb {
-	char *s;
-	size_t n, cap;
-	bool oom;
-} kl_sb;
-
-void kl__sb_printf(kl_sb *sb, const char *fmt, ...)
-#if defined(__GNUC__)
-	__attribute__((format(printf, 2, 3)))
-#endif
-	;
-void kl__sb_puts(kl_sb *sb, const char *s);
-void kl__sb_free(kl_sb *sb);
-/* the text (never NULL), owned by sb */
-const char *kl__sb_str(const kl_sb *sb);
-
 /* ---- the table --------------------------------------------------------------- */
 
 /* A row kernel's grid, as its renderer lays it out: per, the rows one

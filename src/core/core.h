@@ -113,6 +113,20 @@ void kl__ctx_free_tensors(kl_ctx *ctx);
  * ctx may be NULL (thread-local message, see kl_last_error). */
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);
 
+/* ---- a growable string (strbuf.c) ----------------------------------------- */
+
+typedef struct kl_sb {
+	char *s;
+	size_t n, cap;
+	bool oom;
+} kl_sb;
+
+void kl__sb_printf(kl_sb *sb, const char *fmt, ...) KL_PRINTF(2, 3);
+void kl__sb_puts(kl_sb *sb, const char *s);
+void kl__sb_free(kl_sb *sb);
+/* the text (never NULL), owned by sb */
+const char *kl__sb_str(const kl_sb *sb);
+
 /* ---- logging (KILN_LOGS=graph_breaks,recompiles,fusion,output_code,cache,...) */
 
 enum {

@@ -97,8 +97,8 @@ typedef struct kir_addr {
 
 /* Dense (row-major) strides of a shape whose dims may be symbols. */
 void kl__mono_dense(int ndim, const int64_t *shape, const int32_t *sym, kl_mono *st);
-/* The address of index I in a buffer with strides st; false when the arena failed. */
-bool kl__ix_linearize(kl_ixa *a, int ndim, const int32_t *I, const kl_mono *st, kir_addr *out);
+/* The address of index ix in a buffer with strides st; false when the arena failed. */
+bool kl__ix_linearize(kl_ixa *a, int ndim, const int32_t *ix, const kl_mono *st, kir_addr *out);
 
 /* ---- instructions ---------------------------------------------------------- */
 

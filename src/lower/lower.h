@@ -1,13 +1,16 @@
-/* lower.h - the compiler middle: a traced graph in, a kl_program out.
+/* lower.h - the compiler middle: a traced graph in, a plan (kl_program) and
+ * its kernels' IR out.
  *
- * kl__lower decomposes composites, assigns symbolic dims, fuses nodes into
- * kernels (fuse.c), builds each kernel's loop IR (kir.h) and renders all of
- * them into one C translation unit (codegen/). See docs/design.md, Fusion.
+ * kl__lower_ir decomposes composites, assigns symbolic dims, fuses nodes into
+ * kernels (fuse.c) and builds each kernel's loop IR (kir.h). Lowering ends
+ * there: the runtime's compile driver renders the IR (codegen/) into the
+ * plan's source (kl__lower, runtime/render_plan.c). See docs/design.md.
  */
 #ifndef KILN_LOWER_H
 #define KILN_LOWER_H
 
 #include "core/core.h"
+#include "lower/kir.h"
 #include "plan/plan.h"
 
 typedef enum kl_target { KL_TARGET_C = 0, KL_TARGET_CUDA = 1 } kl_target;
@@ -18,7 +21,19 @@ typedef struct kl_lower_opts {
 	const kl_ctx *log_ctx;        /* for kl__log(ctx, KL_LOG_FUSION, ...) of refused fusions; may be NULL */
 	bool no_attention;            /* the target has no attention step: sdpa decomposes, none is fused */
 } kl_lower_opts;
-kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err, size_t errcap);
+/* What lowering produces: the plan, its source still NULL and its kernel
+ * steps' row grid (row_per, waves, rowdims) still zero, which the renderer
+ * fills; kernels[i] is the IR of kernel i (prog.nkernels, in step order). */
+typedef struct kl_lowered {
+	kl_program prog;
+	kir_kernel *kernels;
+	uint8_t *early; /* CUDA: what kir_kernel.early points to (owned here) */
+} kl_lowered;
+/* On failure out is empty and err says why. */
+kl_status kl__lower_ir(const kl_graph *g, const kl_lower_opts *o, kl_lowered *out, char *err,
+                       size_t errcap);
+/* Frees the kernels, early and the plan (move prog out first to keep it). */
+void kl__lowered_free(kl_lowered *lw);
 /* Symbolic dims: sym[node * KL_MAX_DIMS + d] = 0 (static) or k > 0 (symbol k). Dims of INPUT nodes
  * whose mask bit is set become symbols (a dim whose traced value is 0 or 1 stays static: it is
  * specialized, like Dynamo). Returns the number of symbols, or -1 with a reason in err when a dynamic

@@ -5,7 +5,6 @@
 #ifndef KILN_LOWER_INT_H
 #define KILN_LOWER_INT_H
 
-#include "codegen/render.h"
 #include "lower/kir.h"
 #include "lower/lower.h"
 

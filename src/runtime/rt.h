@@ -6,6 +6,7 @@
 
 #include <limits.h>
 
+#include "lower/lower.h"
 #include "runtime/compiled.h"
 
 #ifndef PATH_MAX
@@ -51,6 +52,14 @@ kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t
 kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final_path);
 /* Checksum and size of a whole file. KL_EIO when it cannot be read. */
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size);
+
+/* ---- render_plan.c: the compile driver's lowering and rendering ------------ */
+
+/* Lower g (kl__lower_ir), then render its kernels for o->target into one
+ * translation unit: out is the whole plan, source included. On failure out
+ * is empty and err says why. */
+kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err,
+                    size_t errcap);
 
 /* ---- memplan.c: TEMP buffers into arena slots by liveness ------------------ */
 
