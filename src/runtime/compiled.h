@@ -5,6 +5,7 @@
 #ifndef KILN_COMPILED_H
 #define KILN_COMPILED_H
 
+#include "backend/cpu/cpu.h"
 #include "backend/cuda/backend.h"
 #include "core/core.h"
 #include "plan/plan.h"
@@ -84,9 +85,9 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 /* The steps of c with the nodes fused into each, bytes, FLOPs, planned peak. */
 void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
 
-/* Process-wide counters: compiler invocations, lowerings (with codegen),
- * cache hits. A warm process shows zero compiles and zero lowerings. */
-long kl__jit_compiles(void);
+/* Process-wide counters: lowerings (with codegen), cache hits; compiler
+ * invocations: kl__jit_compiles (backend/cpu/cpu.h). A warm process shows
+ * zero compiles and zero lowerings. */
 long kl__rt_lowerings(void);
 long kl__rt_cache_hits(void);
 

@@ -13,22 +13,6 @@
 #define PATH_MAX 4096
 #endif
 
-/* ---- jit_cc.c: C source -> shared object -> kernel pointers ------------------ */
-
-/* A hash naming the toolchain: the compiler's resolved path, size and
- * modification time, the flags, and the host CPU (-march=native code must
- * not be loaded on another CPU). Computed without running the compiler. */
-uint64_t kl__jit_cc_identity(void);
-/* Compile source into a shared object inside workdir (a private directory
- * the caller owns); *so_path receives its path. KL_ECOMPILE with the first
- * lines of the compiler's stderr on failure. */
-kl_status kl__jit_cc_build(kl_ctx *ctx, const char *source, const char *workdir, char *so_path,
-                           size_t cap);
-/* dlopen so_path and look up each kernel. */
-kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int32_t n, void **dl,
-                       kl_kernel_fn *fns);
-void kl__jit_unload(void *dl);
-
 /* ---- cache.c: the content-addressed disk cache ----------------------------- */
 
 /* The cache directory (created 0700), or false when there is none we can

@@ -183,4 +183,30 @@ void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n)
 /* The op's public name for messages. */
 const char *kl__cpu_opname(const kl_node *n);
 
+/* ---- plan steps the runtime's executor hands the CPU ------------------------ */
+
+/* matmul_step.c: step on the plan's buffers (bufs: its buffer table, B: their
+ * addresses); *scratch (*scratch_cap bytes) is the caller's conversion
+ * buffer, grown as needed. KL_ENOMEM with ctx's error set on failure. */
+kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
+                              void *const *B, void **scratch, size_t *scratch_cap);
+
+/* ---- toolchain.c: C source -> shared object -> kernel pointers ----------- */
+
+/* A hash naming the toolchain: the compiler's resolved path, size and
+ * modification time, the flags, and the host CPU (-march=native code must
+ * not be loaded on another CPU). Computed without running the compiler. */
+uint64_t kl__jit_cc_identity(void);
+/* Compile source into a shared object inside workdir (a private directory
+ * the caller owns); *so_path receives its path. KL_ECOMPILE with the first
+ * lines of the compiler's stderr on failure. */
+kl_status kl__jit_cc_build(kl_ctx *ctx, const char *source, const char *workdir, char *so_path,
+                           size_t cap);
+/* dlopen so_path and look up each kernel. */
+kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int32_t n, void **dl,
+                       kl_kernel_fn *fns);
+void kl__jit_unload(void *dl);
+/* Compiler invocations so far in this process (a warm process shows none). */
+long kl__jit_compiles(void);
+
 #endif

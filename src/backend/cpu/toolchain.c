@@ -1,10 +1,11 @@
-/* jit_cc.c - the CPU JIT: generated C source -> the system compiler (spawned
+/* toolchain.c - the CPU toolchain (as nvrtc.c is CUDA's): generated C source -> the system compiler (spawned
  * directly, no shell, only kiln-made strings in its arguments) -> a shared
  * object -> dlopen -> one function pointer per kernel.
  */
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <spawn.h>
 #include <stdatomic.h>
@@ -19,7 +20,11 @@
 #include <cpuid.h>
 #endif
 
-#include "runtime/rt.h"
+#include "backend/cpu/cpu.h"
+
+#ifndef PATH_MAX
+#define PATH_MAX 4096
+#endif
 
 extern char **environ;
 

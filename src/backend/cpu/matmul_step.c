@@ -1,0 +1,427 @@
+/* matmul_step.c - a plan's matrix-product step on the CPU: BLAS (operands
+ * packed to f32 / f64 where BLAS cannot take them as they are; integer
+ * products by loops) followed by one pass over the product for its epilogue
+ * (residual, bias, activation through the eager unary kernels).
+ */
+#include <cblas.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "backend/cpu/cpu.h"
+
+/* ---- matrix products ----------------------------------------------------------- */
+
+static void pack_f32(float *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,
+                     int64_t cols, int64_t rs, int64_t cs)
+{
+	for (int64_t i = 0; i < rows; i++) {
+		float *d = dst + i * cols;
+		int64_t base = off + i * rs;
+		switch (dt) {
+		case KL_F32:
+			for (int64_t j = 0; j < cols; j++)
+				d[j] = ((const float *)src)[base + j * cs];
+			break;
+		case KL_F16:
+			for (int64_t j = 0; j < cols; j++)
+				d[j] = kl__f16_to_f32(((const uint16_t *)src)[base + j * cs]);
+			break;
+		case KL_BF16:
+			for (int64_t j = 0; j < cols; j++)
+				d[j] = kl__bf16_to_f32(((const uint16_t *)src)[base + j * cs]);
+			break;
+		default:
+			for (int64_t j = 0; j < cols; j++)
+				d[j] = (float)kl__load(src, dt, base + j * cs);
+			break;
+		}
+	}
+}
+
+static void unpack_f32(void *dst, kl_dtype dt, int64_t off, int64_t rows, int64_t cols, int64_t ld,
+                       const float *src)
+{
+	for (int64_t i = 0; i < rows; i++) {
+		const float *s = src + i * cols;
+		int64_t base = off + i * ld;
+		switch (dt) {
+		case KL_F32:
+			memcpy((float *)dst + base, s, (size_t)cols * sizeof(float));
+			break;
+		case KL_F16:
+			for (int64_t j = 0; j < cols; j++)
+				((uint16_t *)dst)[base + j] = kl__f32_to_f16(s[j]);
+			break;
+		case KL_BF16:
+			for (int64_t j = 0; j < cols; j++)
+				((uint16_t *)dst)[base + j] = kl__f32_to_bf16(s[j]);
+			break;
+		default:
+			for (int64_t j = 0; j < cols; j++)
+				kl__store(dst, dt, base + j, s[j]);
+			break;
+		}
+	}
+}
+
+static void pack_f64(double *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,
+                     int64_t cols, int64_t rs, int64_t cs)
+{
+	for (int64_t i = 0; i < rows; i++)
+		for (int64_t j = 0; j < cols; j++)
+			dst[i * cols + j] = kl__load(src, dt, off + i * rs + j * cs);
+}
+
+/* How BLAS can read a rows x cols operand with strides (rs, cs) in place. */
+static bool blas_view(int64_t rows, int64_t cols, int64_t rs, int64_t cs, CBLAS_TRANSPOSE *t,
+                      int64_t *ld)
+{
+	if (rows > INT_MAX || cols > INT_MAX || rs > INT_MAX || cs > INT_MAX)
+		return false;
+	int64_t c1 = cols > 1 ? cols : 1, r1 = rows > 1 ? rows : 1;
+	if ((cs == 1 || cols <= 1) && (rows <= 1 || rs >= c1)) {
+		*t = CblasNoTrans;
+		*ld = rows <= 1 ? c1 : rs;
+		return true;
+	}
+	if ((rs == 1 || rows <= 1) && (cols <= 1 || cs >= r1)) {
+		*t = CblasTrans;
+		*ld = cols <= 1 ? r1 : cs;
+		return true;
+	}
+	return false;
+}
+
+static int64_t int_load(const void *p, kl_dtype dt, int64_t i)
+{
+	switch (dt) {
+	case KL_I32:
+		return ((const int32_t *)p)[i];
+	case KL_I64:
+		return ((const int64_t *)p)[i];
+	case KL_BOOL:
+		return ((const uint8_t *)p)[i] != 0;
+	default:
+		return (int64_t)kl__load(p, dt, i);
+	}
+}
+
+static void int_store(void *p, kl_dtype dt, int64_t i, int64_t v)
+{
+	switch (dt) {
+	case KL_I32:
+		((int32_t *)p)[i] = (int32_t)(uint32_t)(uint64_t)v;
+		break;
+	case KL_I64:
+		((int64_t *)p)[i] = v;
+		break;
+	case KL_BOOL:
+		((uint8_t *)p)[i] = v != 0;
+		break;
+	default:
+		kl__store(p, dt, i, (double)v);
+		break;
+	}
+}
+
+static bool is_int(kl_dtype dt)
+{
+	return dt == KL_I32 || dt == KL_I64 || dt == KL_BOOL;
+}
+
+static bool is_f32ish(kl_dtype dt)
+{
+	return dt == KL_F32 || dt == KL_F16 || dt == KL_BF16;
+}
+
+/* the caller's scratch buffer, grown to at least bytes */
+typedef struct mm_scratch {
+	void **p;
+	size_t *cap;
+} mm_scratch;
+
+static void *scratch(const mm_scratch *c, size_t bytes)
+{
+	if (bytes > *c->cap) {
+		void *p = realloc(*c->p, bytes);
+		if (!p)
+			return NULL;
+		*c->p = p;
+		*c->cap = bytes;
+	}
+	return *c->p;
+}
+
+typedef struct mm_args {
+	const kl_matmul_step *mm;
+	kl_dtype ta, tb, tc;
+	const void *a, *b;
+	void *c;
+	int64_t ao, bo, co;
+} mm_args;
+
+/* One product C = alpha A B + beta C at element offsets ao, bo, co. */
+static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
+{
+	const kl_matmul_step *mm = x->mm;
+	int64_t m = mm->m, n = mm->n, k = mm->k;
+	CBLAS_TRANSPOSE tra, trb;
+	int64_t lda, ldb;
+	bool same = x->ta == x->tb && x->tb == x->tc;
+	bool small = m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && mm->ldc <= INT_MAX;
+	if (same && small && (x->tc == KL_F32 || x->tc == KL_F64) &&
+	    blas_view(m, k, mm->a_rs, mm->a_cs, &tra, &lda) &&
+	    blas_view(k, n, mm->b_rs, mm->b_cs, &trb, &ldb)) {
+		int ldc = (int)(mm->ldc > 1 ? mm->ldc : 1);
+		if (m == 1 && n > 1 && mm->a_cs >= 1 && mm->a_cs <= INT_MAX) {
+			/* one row (a decode step): a matrix-vector product reads the
+			 * weight once, where a GEMM packs all of it first */
+			CBLAS_TRANSPOSE tv = trb == CblasTrans ? CblasNoTrans : CblasTrans;
+			int vr = (int)(trb == CblasTrans ? n : k), vc = (int)(trb == CblasTrans ? k : n);
+			size_t es = kl_dtype_size(x->tc);
+			kl__blas_gemv(omp_get_max_threads(), x->tc == KL_F64, tv, vr, vc, mm->alpha,
+			              (const char *)x->b + (size_t)x->bo * es, (int)ldb,
+			              (const char *)x->a + (size_t)x->ao * es, (int)mm->a_cs, mm->beta,
+			              (char *)x->c + (size_t)x->co * es);
+			return KL_OK;
+		}
+		size_t es = kl_dtype_size(x->tc);
+		kl__blas_gemm(omp_get_max_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
+		              mm->alpha, (const char *)x->a + (size_t)x->ao * es, (int)lda,
+		              (const char *)x->b + (size_t)x->bo * es, (int)ldb, mm->beta,
+		              (char *)x->c + (size_t)x->co * es, ldc);
+		return KL_OK;
+	}
+	if (small && is_f32ish(x->ta) && is_f32ish(x->tb) && is_f32ish(x->tc)) {
+		/* f16/bf16 (or unusual strides): products in f32, rounded once */
+		size_t na = (size_t)(m * k), nb = (size_t)(k * n), nc = (size_t)(m * n);
+		float *sa = scratch(c, (na + nb + nc) * sizeof(float));
+		if (!sa)
+			return KL_ENOMEM;
+		float *sb = sa + na, *sc = sb + nb;
+		pack_f32(sa, x->a, x->ta, x->ao, m, k, mm->a_rs, mm->a_cs);
+		pack_f32(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
+		if (mm->beta != 0)
+			pack_f32(sc, x->c, x->tc, x->co, m, n, mm->ldc, 1);
+		kl__blas_gemm(omp_get_max_threads(), false, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
+		              mm->beta, sc, (int)(n > 1 ? n : 1));
+		unpack_f32(x->c, x->tc, x->co, m, n, mm->ldc, sc);
+		return KL_OK;
+	}
+	if (small && same && x->tc == KL_F64) {
+		size_t na = (size_t)(m * k), nb = (size_t)(k * n);
+		double *sa = scratch(c, (na + nb) * sizeof(double));
+		if (!sa)
+			return KL_ENOMEM;
+		double *sb = sa + na;
+		pack_f64(sa, x->a, x->ta, x->ao, m, k, mm->a_rs, mm->a_cs);
+		pack_f64(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
+		kl__blas_gemm(omp_get_max_threads(), true, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
+		              mm->beta, (double *)x->c + x->co, (int)(mm->ldc > 1 ? mm->ldc : 1));
+		return KL_OK;
+	}
+	if (is_int(x->ta) && is_int(x->tb) && is_int(x->tc)) {
+		/* integers wrap like torch's: accumulate modulo 2^64 */
+		bool plain = mm->alpha == 1 && mm->beta == 0;
+		for (int64_t i = 0; i < m; i++)
+			for (int64_t j = 0; j < n; j++) {
+				uint64_t acc = 0;
+				for (int64_t p = 0; p < k; p++)
+					acc += (uint64_t)int_load(x->a, x->ta,
+					                          x->ao + i * mm->a_rs +
+					                                  p * mm->a_cs) *
+					       (uint64_t)int_load(x->b, x->tb,
+					                          x->bo + p * mm->b_rs +
+					                                  j * mm->b_cs);
+				int64_t ci = x->co + i * mm->ldc + j;
+				int64_t v = (int64_t)acc;
+				if (!plain)
+					v = (int64_t)(mm->alpha * (double)v +
+					              (mm->beta != 0
+					                       ? mm->beta * (double)int_load(
+					                                            x->c, x->tc, ci)
+					                       : 0.0));
+				int_store(x->c, x->tc, ci, v);
+			}
+		return KL_OK;
+	}
+	/* mixed dtypes BLAS has no routine for: exact enough in double */
+	for (int64_t i = 0; i < m; i++)
+		for (int64_t j = 0; j < n; j++) {
+			double acc = 0;
+			for (int64_t p = 0; p < k; p++)
+				acc += kl__load(x->a, x->ta, x->ao + i * mm->a_rs + p * mm->a_cs) *
+				       kl__load(x->b, x->tb, x->bo + p * mm->b_rs + j * mm->b_cs);
+			int64_t ci = x->co + i * mm->ldc + j;
+			double v = mm->alpha * acc;
+			if (mm->beta != 0)
+				v += mm->beta * kl__load(x->c, x->tc, ci);
+			kl__store(x->c, x->tc, ci, v);
+		}
+	return KL_OK;
+}
+
+/* ---- epilogues: C = act(C + beta * R + bias), one row at a time ------------------ */
+
+typedef struct epi_args {
+	const kl_matmul_step *mm;
+	kl_dtype dt; /* C's, R's and the bias's */
+	kl_op act;   /* KL_OP_INPUT: none */
+	void *c;
+	const void *r, *bias;
+	int64_t co, ro;
+} epi_args;
+
+#define EPI_CHUNK 256
+
+/* One row of C through the epilogue, in C's own type T: beta*R, the bias,
+ * then the activation through the eager kernels (from a copy: they do not
+ * work in place). */
+#define EPI_ROW(NAME, T, UNARY)                                                          \
+	static void NAME(const epi_args *e, int64_t i)                                   \
+	{                                                                                \
+		const kl_matmul_step *mm = e->mm;                                        \
+		T *c = (T *)e->c + e->co + i * mm->ldc;                                  \
+		int64_t n = mm->n;                                                       \
+		if (mm->has_r) {                                                         \
+			const T *r = (const T *)e->r + e->ro + i * mm->r_ld;             \
+			T beta = (T)mm->beta;                                            \
+			KL_SIMD                                                          \
+			for (int64_t j = 0; j < n; j++)                                  \
+				c[j] += beta * r[j];                                     \
+		}                                                                        \
+		if (mm->has_bias) {                                                      \
+			const T *b = (const T *)e->bias + mm->bias_off;                  \
+			KL_SIMD                                                          \
+			for (int64_t j = 0; j < n; j++)                                  \
+				c[j] += b[j];                                            \
+		}                                                                        \
+		if (e->act == KL_OP_INPUT)                                               \
+			return;                                                          \
+		T t[EPI_CHUNK];                                                          \
+		for (int64_t j = 0; j < n; j += EPI_CHUNK) {                             \
+			int64_t len = n - j < EPI_CHUNK ? n - j : EPI_CHUNK;             \
+			memcpy(t, c + j, (size_t)len * sizeof(T));                       \
+			UNARY(e->act, t, c + j, len);                                    \
+		}                                                                        \
+	}
+
+EPI_ROW(epi_row_f32, float, kl__cpu_unary_f32)
+EPI_ROW(epi_row_f64, double, kl__cpu_unary_f64)
+
+/* any other dtype: in double, rounded once into C (the scheduler folds
+ * epilogues into f32/f64 products only on the CPU; this keeps a program
+ * from elsewhere correct) */
+static void epi_row_any(const epi_args *e, int64_t i)
+{
+	const kl_matmul_step *mm = e->mm;
+	double t[EPI_CHUNK], u[EPI_CHUNK];
+	for (int64_t j0 = 0; j0 < mm->n; j0 += EPI_CHUNK) {
+		int64_t len = mm->n - j0 < EPI_CHUNK ? mm->n - j0 : EPI_CHUNK;
+		int64_t ci = e->co + i * mm->ldc + j0;
+		for (int64_t j = 0; j < len; j++) {
+			double v = kl__load(e->c, e->dt, ci + j);
+			if (mm->has_r)
+				v += mm->beta * kl__load(e->r, e->dt, e->ro + i * mm->r_ld + j0 + j);
+			if (mm->has_bias)
+				v += kl__load(e->bias, e->dt, mm->bias_off + j0 + j);
+			t[j] = v;
+		}
+		if (e->act != KL_OP_INPUT)
+			kl__cpu_unary_f64(e->act, t, u, len);
+		for (int64_t j = 0; j < len; j++)
+			kl__store(e->c, e->dt, ci + j, e->act != KL_OP_INPUT ? u[j] : t[j]);
+	}
+}
+
+static void epilogue_rows(const epi_args *e)
+{
+	int64_t m = e->mm->m;
+	bool par = (double)m * (double)e->mm->n >= KL_CPU_PAR_MIN;
+#pragma omp parallel for schedule(static) if (par)
+	for (int64_t i = 0; i < m; i++) {
+		if (e->dt == KL_F32)
+			epi_row_f32(e, i);
+		else if (e->dt == KL_F64)
+			epi_row_f64(e, i);
+		else
+			epi_row_any(e, i);
+	}
+}
+
+static kl_op act_op(kl_mm_act a)
+{
+	switch (a) {
+	case KL_MM_ACT_RELU:
+		return KL_OP_RELU;
+	case KL_MM_ACT_GELU:
+		return KL_OP_GELU;
+	case KL_MM_ACT_GELU_TANH:
+		return KL_OP_GELU_TANH;
+	default:
+		return KL_OP_INPUT;
+	}
+}
+
+kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
+                              void *const *B, void **scratch_p, size_t *scratch_cap)
+{
+	mm_scratch sc = {scratch_p, scratch_cap}, *c = &sc;
+	/* BLAS computes alpha A B (+ beta C in place); a residual is added after */
+	kl_matmul_step plain = *step;
+	if (step->has_r)
+		plain.beta = 0;
+	const kl_matmul_step *mm = &plain;
+	epi_args e = {.mm = step,
+	              .dt = bufs[step->c].dtype,
+	              .act = act_op(step->act),
+	              .c = B[step->c],
+	              .r = step->has_r ? B[step->r] : NULL,
+	              .bias = step->has_bias ? B[step->bias] : NULL};
+	bool epi = step->has_r || step->has_bias || e.act != KL_OP_INPUT;
+	mm_args x = {.mm = mm,
+	             .ta = bufs[mm->a].dtype,
+	             .tb = bufs[mm->b].dtype,
+	             .tc = bufs[mm->c].dtype,
+	             .a = B[mm->a],
+	             .b = B[mm->b],
+	             .c = B[mm->c]};
+	if (mm->m == 0 || mm->n == 0)
+		return KL_OK;
+	int64_t idx[KL_MAX_DIMS] = {0};
+	for (;;) {
+		x.ao = mm->a_off;
+		x.bo = mm->b_off;
+		x.co = mm->c_off;
+		e.ro = mm->r_off;
+		for (int i = 0; i < mm->nbatch; i++) {
+			if (mm->batch[i] == 0)
+				return KL_OK;
+			x.ao += idx[i] * mm->a_bstride[i];
+			x.bo += idx[i] * mm->b_bstride[i];
+			x.co += idx[i] * mm->c_bstride[i];
+			e.ro += idx[i] * mm->r_bstride[i];
+		}
+		if (gemm_one(c, &x) != KL_OK)
+			return kl__err(ctx, KL_ENOMEM,
+			               "kl_fn_call: out of memory converting a %" PRId64 "x%" PRId64
+			               "x%" PRId64 " matmul",
+			               mm->m, mm->n, mm->k);
+		if (epi) {
+			e.co = x.co;
+			epilogue_rows(&e);
+		}
+		int i = mm->nbatch - 1;
+		for (; i >= 0; i--) {
+			if (++idx[i] < mm->batch[i])
+				break;
+			idx[i] = 0;
+		}
+		if (i < 0)
+			return KL_OK;
+	}
+}
