@@ -39,7 +39,7 @@ ALLOWED = {
     "core": set(),
 }
 # What codegen may see of lower: the kernel IR, nothing else.
-CODEGEN_FROM_LOWER = {"lower/kir.h"}
+CODEGEN_FROM_LOWER = {"lower/kernel_ir.h"}
 PUBLIC = {"kiln.h", "kiln_nn.h"}
 # Made by the build (CMakeLists.txt), named by the layer that includes it.
 GENERATED = {"runtime": {"kiln_source_digest.h"}}

@@ -30,7 +30,7 @@
 #include "graph/reference.h"
 #include "kltest.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 #ifdef KILN_HAVE_CUDA
 #include "backend/cuda/device.h"
 #endif

@@ -13,7 +13,7 @@
 
 #include <cmocka.h>
 
-#include "api/front.h"
+#include "api/dispatch.h"
 #include "core/core.h"
 #include "graph/graph.h"
 

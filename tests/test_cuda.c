@@ -29,7 +29,7 @@
 #include "backend/cuda/device.h"
 #include "runtime/cuda/exec_cuda.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 /* ---- shared kernels --------------------------------------------------------------- */
 

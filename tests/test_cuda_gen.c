@@ -22,7 +22,7 @@
 #include "codegen/render.h"
 #include "codegen/row_onepass.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 #ifdef KILN_HAVE_CUDA
 #include "backend/cuda/device.h"

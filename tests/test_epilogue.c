@@ -22,7 +22,7 @@
 #include "graph/graph.h"
 #include "kltest.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 #include "runtime/compiled.h"
 
 enum {

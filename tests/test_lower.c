@@ -28,7 +28,7 @@
 #include "backend/cpu/cpu.h"
 #include "kltest.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 #include "runtime/compiled.h"
 
 static kl_ctx *ctx;

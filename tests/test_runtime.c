@@ -26,7 +26,7 @@
 #include "graph/reference.h"
 #include "kltest.h"
 #include "runtime/compiled.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 extern char **environ;
 

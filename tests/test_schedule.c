@@ -27,7 +27,7 @@
 #include "kiln_nn.h"
 #include "kltest.h"
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 #include "runtime/compiled.h"
 
 #ifdef KILN_HAVE_CUDA

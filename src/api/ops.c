@@ -6,7 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 
-#include "api/front.h"
+#include "api/dispatch.h"
 
 #define SB 192 /* room for one "[d0,...,d7]" */
 

@@ -10,7 +10,7 @@
 #ifndef KILN_RENDER_H
 #define KILN_RENDER_H
 
-#include "lower/kir.h"
+#include "lower/kernel_ir.h"
 
 /* ---- the table --------------------------------------------------------------- */
 

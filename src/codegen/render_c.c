@@ -10,7 +10,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "codegen/helpers.h"
+#include "codegen/kernel_prelude.h"
 #include "codegen/render.h"
 
 static const char prelude[] =

@@ -3,7 +3,7 @@
  * reductions over 32, 64, 128 or KL_CUDA_BLOCK threads with one barrier each,
  * the one-reduction pairs' merges, argmax/argmin. The renderer
  * (render_cuda.c) hands it out as kl__render_cuda.prelude. */
-#include "codegen/helpers.h"
+#include "codegen/kernel_prelude.h"
 #include "codegen/render.h"
 
 #define KL_STR(x) #x

@@ -20,7 +20,7 @@
 #ifndef KILN_ROW_ONEPASS_H
 #define KILN_ROW_ONEPASS_H
 
-#include "lower/kir.h"
+#include "lower/kernel_ir.h"
 
 typedef enum kl_onepass_kind { KL_ONEPASS_NONE, KL_ONEPASS_LSE, KL_ONEPASS_VAR } kl_onepass_kind;
 

@@ -10,7 +10,7 @@
 #define KILN_LOWER_H
 
 #include "core/core.h"
-#include "lower/kir.h"
+#include "lower/kernel_ir.h"
 #include "plan/plan.h"
 
 typedef enum kl_target { KL_TARGET_C = 0, KL_TARGET_CUDA = 1 } kl_target;

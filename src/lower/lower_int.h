@@ -5,7 +5,7 @@
 #ifndef KILN_LOWER_INT_H
 #define KILN_LOWER_INT_H
 
-#include "lower/kir.h"
+#include "lower/kernel_ir.h"
 #include "lower/lower.h"
 
 /* A kernel being formed: an iteration space F with reduced dims rmask, and

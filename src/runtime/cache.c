@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 #define ENTRY_MAGIC "KILNCACH"
 #define ENTRY_FORMAT 1u

@@ -9,7 +9,7 @@
 
 #include "kiln_source_digest.h" /* generated: cmake/source_digest.cmake */
 #include "lower/lower.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 /* Bump when the meaning of a cached plan changes without its bytes changing.
  * A change to what lowering makes of a graph needs no bump: the digest of

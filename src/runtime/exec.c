@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h" /* matmul and attention steps */
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 /* ---- binding and running ------------------------------------------------------- */
 

@@ -5,7 +5,7 @@
  */
 #include <stdlib.h>
 
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 size_t kl__buf_bytes(const kl_buf *b, const int64_t *syms)
 {

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 
 #include "codegen/render.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, char *err,
                     size_t errcap)

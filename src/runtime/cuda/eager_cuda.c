@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 #include "backend/cuda/device.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 
 /* compiled one-node programs by compile key: open addressing, power-of-two size */

@@ -7,7 +7,7 @@
 #define KILN_RT_CUDA_H
 
 #include "backend/cuda/device.h"
-#include "runtime/rt.h"
+#include "runtime/runtime_int.h"
 
 typedef enum kl_gstate { KL_G_WARMUP = 0, KL_G_CAPTURE, KL_G_READY, KL_G_OFF } kl_gstate;
 

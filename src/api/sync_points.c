@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "api/front.h"
+#include "api/dispatch.h"
 
 /* Make t readable: inside a trace the capture layer runs the graph so far
  * (or refuses, in fullgraph mode); with no hook that is an error. */

@@ -8,7 +8,7 @@
  */
 #include <stdlib.h>
 
-#include "lower/kir.h"
+#include "lower/kernel_ir.h"
 
 /* ---- the arena -------------------------------------------------------------- */
 

@@ -2,7 +2,7 @@
  * active trace as a node (returning a lazy tensor) or, eagerly, through the
  * backend's exec into a fresh dense tensor. Eager movement ops become views.
  */
-#include "api/front.h"
+#include "api/dispatch.h"
 
 /* torch's view rule (computeStride): a reshape is a view when every run of
  * old dims that is contiguous in memory maps onto a run of new dims. */
