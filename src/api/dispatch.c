@@ -1,4 +1,4 @@
-/* front.c - kl__dispatch: where every op built by ops.c goes, either into the
+/* dispatch.c - kl__dispatch: where every op built by ops.c goes, either into the
  * active trace as a node (returning a lazy tensor) or, eagerly, through the
  * backend's exec into a fresh dense tensor. Eager movement ops become views.
  */

@@ -1,4 +1,4 @@
-/* front.h - the op front end shared by every public op: validation, shape and
+/* dispatch.h - the op front end shared by every public op: validation, shape and
  * dtype rules, then dispatch to the eager backend or the active trace. */
 #ifndef KILN_FRONT_H
 #define KILN_FRONT_H

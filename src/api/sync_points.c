@@ -1,4 +1,4 @@
-/* host.c - the sync points: copying tensors to the host (kl_to_host,
+/* sync_points.c - the sync points: copying tensors to the host (kl_to_host,
  * kl_item), printing them the way torch does (kl_print), and host callbacks
  * (kl_host_call). Inside a trace each one asks the capture layer (sync_hook)
  * to materialize the graph so far: a graph break.

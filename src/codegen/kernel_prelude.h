@@ -1,4 +1,4 @@
-/* helpers.h - the helper functions every generated translation unit starts with,
+/* kernel_prelude.h - the helper functions every generated translation unit starts with,
  * C or CUDA: half-precision conversions, NaN-propagating max/min, saturating
  * float->int casts, Philox. The including renderer defines KL_FN, the integer
  * types and the float macros first; the text is the same for both targets so

@@ -1,4 +1,4 @@
-/* attention.c - finds attention written out by hand in the caller's graph, so
+/* attention_match.c - finds attention written out by hand in the caller's graph, so
  * that decompose.c replaces it with one sdpa node (an attention step).
  *
  * What is matched, from the final product back (all of one float dtype, the

@@ -514,7 +514,7 @@ kl_status kl__decompose(kl_lctx *L)
 		}
 		const kl_attn_match *am = L->am ? &L->am[i] : NULL;
 		if (am && am->q >= 0) {
-			/* hand-written attention ending here (attention.c) */
+			/* hand-written attention ending here (attention_match.c) */
 			kl_node a = mk(KL_OP_ATTENTION, (kl_dtype)s->dtype, s->ndim, s->shape, 3);
 			a.a.s[0] = am->scale;
 			a.a.flags = am->causal ? KL_F_CAUSAL : 0;

@@ -6,7 +6,7 @@
  * scale, a bias add, a residual add, an activation) and checks that its
  * other operand can be addressed the way both executors read it. The order
  * of the parts and the targets' limits are the scheduler's (fuse.c); the
- * program builder (program.c) reads the same classification back.
+ * program builder (lower.c) reads the same classification back.
  */
 #include <math.h>
 #include <stdarg.h>

@@ -1,4 +1,4 @@
-/* kbuild.c - one group of graph nodes into the kernel IR of one kernel.
+/* kernel_build.c - one group of graph nodes into the kernel IR of one kernel.
  *
  * Every member is a function of its own index: the builder evaluates the
  * stored members at their canonical index (the kernel's loop variables) and

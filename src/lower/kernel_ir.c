@@ -1,4 +1,4 @@
-/* kir.c - index arithmetic and instruction storage of the kernel IR.
+/* kernel_ir.c - index arithmetic and instruction storage of the kernel IR.
  *
  * Index expressions are simplified on construction with the rules that make
  * views compose back into plain strides: (e / a) % b and (e / (a*b)) pair

@@ -1,4 +1,4 @@
-/* kir.h - the loop-level kernel IR: what one generated kernel does, as data.
+/* kernel_ir.h - the loop-level kernel IR: what one generated kernel does, as data.
  *
  * A kernel iterates a space of dims F (static or symbolic). With rmask == 0 it
  * is pointwise: every instruction runs once per point of F. Otherwise the

@@ -1,4 +1,4 @@
-/* program.c - kl__lower_ir: runs the passes (decompose, symbolize, schedule)
+/* lower.c - kl__lower_ir: runs the passes (decompose, symbolize, schedule)
  * and assembles the plan the runtime executes: the buffer table, one step per
  * kernel or library product in execution order, and each kernel's IR, which
  * the runtime's compile driver renders (runtime/render_plan.c).

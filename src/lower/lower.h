@@ -2,7 +2,7 @@
  * its kernels' IR out.
  *
  * kl__lower_ir decomposes composites, assigns symbolic dims, fuses nodes into
- * kernels (fuse.c) and builds each kernel's loop IR (kir.h). Lowering ends
+ * kernels (fuse.c) and builds each kernel's loop IR (kernel_ir.h). Lowering ends
  * there: the runtime's compile driver renders the IR (codegen/) into the
  * plan's source (kl__lower, runtime/render_plan.c). See docs/design.md.
  */

@@ -1,6 +1,6 @@
 /* lower_int.h - what the passes of lowering share: the decomposed graph, its
  * symbols, the kernel groups the scheduler forms, and the entry points of
- * each pass (decompose.c, symbolic.c, fuse.c, kbuild.c, program.c).
+ * each pass (decompose.c, symbolic.c, fuse.c, kernel_build.c, lower.c).
  */
 #ifndef KILN_LOWER_INT_H
 #define KILN_LOWER_INT_H
@@ -26,7 +26,7 @@ typedef struct kl_group {
 	uint8_t epi;   /* matmul: the kl_epart parts folded in so far (members 1..) */
 } kl_group;
 
-/* a hand-written attention that ends at a product (attention.c) */
+/* a hand-written attention that ends at a product (attention_match.c) */
 typedef struct kl_attn_match {
 	int32_t q, k, v; /* src nodes; q < 0: no match */
 	double scale;
@@ -70,7 +70,7 @@ typedef struct kl_lctx {
 /* one line of the fusion log (and KL_LOG_FUSION) */
 void kl__lower_logf(kl_lctx *L, const char *fmt, ...) KL_PRINTF(2, 3);
 
-/* attention.c: L->am, hand-written attention in src (logged either way) */
+/* attention_match.c: L->am, hand-written attention in src (logged either way) */
 kl_status kl__attention_match(kl_lctx *L);
 
 /* merge.c: which products of src become one wider product (L->mlead etc.) */
@@ -121,7 +121,7 @@ kl_mm_act kl__epilogue_act(const kl_node *x);
  * strided view of a stored node. */
 bool kl__stored_view(const kl_lctx *L, int32_t c, int32_t *base, int64_t *st, int64_t *off);
 
-/* kbuild.c: the kernel IR of group gi. validate: evaluate every home member
+/* kernel_build.c: the kernel IR of group gi. validate: evaluate every home member
  * (no buffers assigned yet) to decide whether the group is legal. Returns
  * false with the reason in why. */
 bool kl__kbuild(kl_lctx *L, const kl_group *G, bool validate, kir_kernel *k, char *why, size_t cap);

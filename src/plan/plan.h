@@ -42,7 +42,8 @@ typedef struct kl_buf {
 typedef enum kl_step_kind {
 	KL_STEP_KERNEL, /* generated kernel: fn(bufs, ints) */
 	KL_STEP_MATMUL, /* library matrix product (BLAS / cuBLASLt) */
-	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention.c; CUDA: backend/cuda/attention.c) */
+	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention_cpu.c; CUDA:
+	                   * backend/cuda/attention_cuda.c) */
 } kl_step_kind;
 
 /* The activation a product's epilogue applies last. */

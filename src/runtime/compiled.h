@@ -91,7 +91,7 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
 long kl__rt_lowerings(void);
 long kl__rt_cache_hits(void);
 
-/* ---- the CUDA half (runtime/cuda/; no_cuda.c without CUDA) ---------------- */
+/* ---- the CUDA half (runtime/cuda/; exec_no_cuda.c without CUDA) ----------- */
 
 /* A hash of what a cubin depends on besides the source: the device's
  * architecture and the NVRTC version. */
@@ -124,7 +124,7 @@ bool kl__cuda_rt_replaying(const kl_compiled *c);
 void kl__cuda_rt_free(kl_compiled *c);
 /* What the runtime lends a CUDA context (api/context.c passes it to
  * kl__cuda_ctx_init): its disk cache, and eager execution of nodes through
- * the compiler (runtime/cuda/eager_cuda.c; no_cuda.c: all NULL). */
+ * the compiler (runtime/cuda/eager_cuda.c; exec_no_cuda.c: all NULL). */
 extern const kl_cuda_hooks kl__cuda_rt_hooks;
 
 #endif /* KILN_COMPILED_H */

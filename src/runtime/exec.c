@@ -2,7 +2,7 @@
  * outputs or views, arena slots), evaluate its symbols from the input
  * shapes, then run its steps in order: generated kernels through their
  * function pointers, library steps through the backend (on the CPU:
- * backend/cpu/matmul_step.c, attention.c; CUDA: cuda/exec_cuda.c). Also its
+ * backend/cpu/matmul_step.c, attention_cpu.c; CUDA: cuda/exec_cuda.c). Also its
  * explain printer.
  */
 #include <inttypes.h>

@@ -1,5 +1,5 @@
-/* no_cuda.c - the runtime's CUDA half (src/runtime/cuda/) in a kiln built
- * without the CUDA backend (KILN_CUDA=OFF; backend/cuda/absent.c stands in
+/* exec_no_cuda.c - the runtime's CUDA half (src/runtime/cuda/) in a kiln built
+ * without the CUDA backend (KILN_CUDA=OFF; backend/cuda/backend_no_cuda.c stands in
  * for the backend).
  */
 #include "runtime/compiled.h"

@@ -1,5 +1,6 @@
-/* rt.h - private to the runtime: the system-compiler JIT, the disk cache and
- * the memory planner that compile.c and exec.c put together.
+/* runtime_int.h - private to the runtime: the compile driver's lowering and
+ * rendering, the disk cache and the memory planner that compile.c and exec.c
+ * put together.
  */
 #ifndef KILN_RT_H
 #define KILN_RT_H

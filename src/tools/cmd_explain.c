@@ -1,4 +1,4 @@
-/* explain.c - `kiln explain`: compile example programs and print what kl_explain
+/* cmd_explain.c - `kiln explain`: compile example programs and print what kl_explain
  * says of them (graphs, breaks, guards, kernels and the nodes fused into each,
  * bytes, FLOPs, planned peak memory). The examples are the bench workloads plus
  * one program that breaks its graph at a host sync.

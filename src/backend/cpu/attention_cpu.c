@@ -1,4 +1,4 @@
-/* attention.c - fused attention on the CPU: softmax(q k^T * scale [+ causal
+/* attention_cpu.c - fused attention on the CPU: softmax(q k^T * scale [+ causal
  * mask]) v without the Tq x Tk matrix. Work items are (batch, block of BQ
  * queries); each walks the keys in blocks of BK, keeping per query row the
  * running maximum m, the running sum l of exp(s - m) and the unnormalized

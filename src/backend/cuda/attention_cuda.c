@@ -1,4 +1,4 @@
-/* attention.c - attention steps on the GPU: picks a kernel of
+/* attention_cuda.c - attention steps on the GPU: picks a kernel of
  * attention_src.c for the step's dtype, head dim and layout, compiles that
  * variant once per device (NVRTC, kept until the device closes) and launches
  * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte

@@ -3,7 +3,7 @@
  * kl__cuda_attention_source puts it after kl__cuda_attention_src, whose
  * helpers it uses (the wgmma wrappers, descriptors, ex2, batch_offs); it is
  * compiled only with KL_AT_WG 2. The protocol and why it cannot hang are in
- * the comment at its top; attention.c builds the tensor maps and sizes the
+ * the comment at its top; attention_cuda.c builds the tensor maps and sizes the
  * launch (WG_* there).
  */
 #include "backend/cuda/device.h"

@@ -1,11 +1,11 @@
 /* attention_src.c - the CUDA source of kiln's fused attention, compiled by
- * NVRTC once per variant and device (attention.c). The variant comes from
+ * NVRTC once per variant and device (attention_cuda.c). The variant comes from
  * the macros put in front of it:
  *   KL_AT_DT  0 f32, 1 f64, 2 f16, 3 bf16 (the storage type of q, k, v, o)
  *   KL_AT_D   64 or 128: the tensor-core kernel kl_attn_mma (f16/bf16 only);
  *             0: the general kernels kl_attn_rows and kl_attn_combine
  *   KL_AT_WG  1: also kl_attn_wgmma (sm_90a only), whose block shape comes
- *             from attention.c (which sizes its launch and shared memory from
+ *             from attention_cuda.c (which sizes its launch and shared memory from
  *             the same numbers): KL_AT_BM query rows per block = keys per
  *             tile, KL_AT_TH threads (a warpgroup per 64 rows), KL_AT_WS
  *             K/V stages; 2: kl_attn_fa3 instead (attention_fa3_src.c, put

@@ -1,6 +1,6 @@
 /* backend.h - how a kl_ctx becomes a CUDA context. Includes no CUDA header,
  * so ctx.c can call these whether or not kiln was built with the CUDA
- * backend (KILN_CUDA=OFF links absent.c, which explains what is missing).
+ * backend (KILN_CUDA=OFF links backend_no_cuda.c, which explains what is missing).
  */
 #ifndef KILN_CUDA_BACKEND_H
 #define KILN_CUDA_BACKEND_H

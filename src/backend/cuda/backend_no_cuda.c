@@ -1,4 +1,4 @@
-/* absent.c - the CUDA entry points of a kiln built without the CUDA backend
+/* backend_no_cuda.c - the CUDA entry points of a kiln built without the CUDA backend
  * (KILN_CUDA=OFF, usually because the toolkit headers were not found): a
  * CUDA context then fails with a message saying so, instead of a link error.
  */

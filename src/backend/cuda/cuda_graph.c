@@ -1,4 +1,4 @@
-/* graph.c - CUDA graph primitives for reduce-overhead mode: capture a region
+/* cuda_graph.c - CUDA graph primitives for reduce-overhead mode: capture a region
  * of the stream, instantiate (or update in place), replay, and rewrite the
  * arguments of captured kernels between replays.
  */

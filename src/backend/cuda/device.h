@@ -55,7 +55,7 @@ typedef struct kl_cuda_dev {
 	struct kl_lt_state *lt; /* cuBLASLt handle, plans, workspace: made at device open */
 	kl_cuda_hooks hooks;          /* lent by the layers above (kl__cuda_ctx_init) */
 	void *eager; /* hooks.exec_generated's state (runtime/cuda/eager_cuda.c) */
-	struct kl_cuda_attn *attn;    /* attention.c: compiled attention kernels, workspace */
+	struct kl_cuda_attn *attn;    /* attention_cuda.c: compiled attention kernels, workspace */
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -236,7 +236,7 @@ kl_status kl__lt_time(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, const kl_lt
 kl_status kl__lt_matmul_nd(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, int nbatch,
                            const int64_t *batch, const int64_t *a_bs, const int64_t *b_bs,
                            const int64_t *c_bs, const int64_t *d_bs);
-/* A runtime matrix-product step (lower/program.h) on buffers a, b, c: A and
+/* A runtime matrix-product step (plan/plan.h) on buffers a, b, c: A and
  * B of dtype ab, C of cd. Its epilogue runs in cuBLASLt's: beta scales the
  * residual buffer r (mm->has_r; else C in place, read first), bias is the
  * bias buffer (mm->has_bias), relu and gelu_tanh are its RELU and GELU
@@ -273,7 +273,7 @@ kl_status kl__lt_prepare_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_matmul_step 
 /* Frees the handle, cached plans and workspace (device close does this). */
 void kl__lt_release(kl_cuda_dev *d);
 
-/* ---- attention (attention.c, attention_src.c) -------------------------------------- */
+/* ---- attention (attention_cuda.c, attention_src.c) -------------------------------------- */
 
 /* The fixed CUDA source of the attention kernels (variants by macros), and
  * that of kl_attn_fa3 (attention_fa3_src.c), which follows it. */
@@ -286,7 +286,7 @@ extern const char kl__cuda_attention_fa3_src[];
  * kernels; malloc'd, NULL for a variant that does not exist (or out of
  * memory). */
 char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
-/* One attention step (lower/program.h) on the stream; q, k, v, o are the
+/* One attention step (plan/plan.h) on the stream; q, k, v, o are the
  * buffers' bases. */
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,

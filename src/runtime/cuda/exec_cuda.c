@@ -1,4 +1,4 @@
-/* rt_cuda.c - the runtime's CUDA half: a compiled variant's source becomes one
+/* exec_cuda.c - the runtime's CUDA half: a compiled variant's source becomes one
  * NVRTC module for the device's architecture (its cubin cached on disk next
  * to the plan), temps live in a device arena, kernel steps launch on the
  * context's stream and products go through cuBLASLt. Under reduce-overhead

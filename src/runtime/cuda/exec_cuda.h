@@ -1,5 +1,5 @@
-/* rt_cuda.h - the state a compiled variant keeps on the GPU (rt_cuda.c), shared
- * with the autotuner (tune.c): module and kernels, the temps' arena, the
+/* exec_cuda.h - the state a compiled variant keeps on the GPU (exec_cuda.c), shared
+ * with the autotuner (tune_cuda.c): module and kernels, the temps' arena, the
  * per-step launch choices, and the CUDA graph of reduce-overhead with the
  * bookkeeping that re-points its nodes when buffers move.
  */
@@ -77,7 +77,7 @@ typedef struct kl_cuda_counters {
 void kl__cuda_counters(kl_cuda_counters *out);
 void kl__cuda_count_tune(int which); /* 0: tuned, 1: cache hit, 2: entry rejected */
 
-/* ---- tune.c ------------------------------------------------------------------ */
+/* ---- tune_cuda.c ------------------------------------------------------------- */
 
 /* One step's choice as stored: grid cap (kernels) or algorithm (matmuls). */
 typedef struct kl_tune_step {

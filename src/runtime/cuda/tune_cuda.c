@@ -1,4 +1,4 @@
-/* tune.c - max-autotune: on a variant's first call, time each step's
+/* tune_cuda.c - max-autotune: on a variant's first call, time each step's
  * candidates on the call's own shapes and buffers (cuBLASLt's algorithms for
  * products, grid caps for generated kernels), keep the fastest, and store the
  * choices in the disk cache keyed by the variant and the device, so that the
