@@ -69,6 +69,18 @@ static kl_tensor *eager_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in
 	return out;
 }
 
+kl_tensor *kl__eager_contiguous(kl_ctx *ctx, kl_tensor *a)
+{
+	kl_node c;
+	memset(&c, 0, sizeof c);
+	c.op = KL_OP_CONTIGUOUS;
+	c.dtype = (uint8_t)a->dtype;
+	c.ndim = (uint8_t)a->ndim;
+	c.nin = 1;
+	memcpy(c.shape, a->shape, sizeof c.shape);
+	return eager_exec(ctx, &c, &a);
+}
+
 /* Movement ops in eager mode: views of the input's storage, except a reshape
  * whose layout forbids it, which copies to dense first (torch's reshape). */
 static kl_tensor *eager_view(kl_ctx *ctx, kl_node *n, kl_tensor *a)
@@ -90,14 +102,7 @@ static kl_tensor *eager_view(kl_ctx *ctx, kl_node *n, kl_tensor *a)
 		break;
 	default: /* RESHAPE */
 		if (!view_strides(a->ndim, a->shape, a->strides, n->ndim, n->shape, strides)) {
-			kl_node c;
-			memset(&c, 0, sizeof c);
-			c.op = KL_OP_CONTIGUOUS;
-			c.dtype = (uint8_t)a->dtype;
-			c.ndim = (uint8_t)a->ndim;
-			c.nin = 1;
-			memcpy(c.shape, a->shape, sizeof c.shape);
-			kl_tensor *d = eager_exec(ctx, &c, &a);
+			kl_tensor *d = kl__eager_contiguous(ctx, a);
 			if (!d)
 				return NULL;
 			/* d is fresh and private: reshaping it in place is safe */

@@ -12,5 +12,9 @@
  * behind n->in (the front end fills n->in itself). Returns a new reference
  * (owned by the caller or the open scope) or NULL with the error set. */
 kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in);
+/* A dense copy of materialized a through the backend's CONTIGUOUS, run at
+ * once even while a trace is active (never recorded: after a graph break a
+ * new trace would only record the copy). NULL with the error set. */
+kl_tensor *kl__eager_contiguous(kl_ctx *ctx, kl_tensor *a);
 
 #endif

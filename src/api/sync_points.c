@@ -36,21 +36,10 @@ static kl_status copy_out(kl_ctx *ctx, kl_tensor *t, void *dst, size_t nbytes)
 		return KL_OK;
 	if (kl_is_contiguous(t))
 		return ctx->be->to_host(ctx, dst, kl__tensor_data(t), nbytes);
-	kl_node n;
-	memset(&n, 0, sizeof n);
-	n.op = KL_OP_CONTIGUOUS;
-	n.dtype = (uint8_t)t->dtype;
-	n.ndim = (uint8_t)t->ndim;
-	n.nin = 1;
-	memcpy(n.shape, t->shape, sizeof n.shape);
-	/* straight to the backend, not kl__dispatch: after a graph break a new
-	 * trace is active and would only record the copy */
-	kl_tensor *d = kl__tensor_alloc(ctx, t->dtype, t->ndim, t->shape);
+	kl_tensor *d = kl__eager_contiguous(ctx, t);
 	if (!d)
 		return ctx->status;
-	kl_status st = ctx->be->exec(ctx, &n, &t, d);
-	if (st == KL_OK)
-		st = ctx->be->to_host(ctx, dst, kl__tensor_data(d), nbytes);
+	kl_status st = ctx->be->to_host(ctx, dst, kl__tensor_data(d), nbytes);
 	kl__tensor_discard(d);
 	return st;
 }

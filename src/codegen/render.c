@@ -535,6 +535,24 @@ static void emit_needed(rctx *c, const uint8_t *need, int blk)
 			emit_ins(c, i);
 }
 
+/* The loop over a column tile's columns (jj, with i<J> = jt + jj) and in it
+ * what pass blk needs, then pass blk itself; the caller closes the loop. */
+static void tile_columns(rctx *c, int J, int blk, uint8_t *need)
+{
+	indent(c);
+	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "{\n");
+	c->depth++;
+	indent(c);
+	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
+	indent(c);
+	kl__sb_printf(c->sb, "(void)i%d;\n", J);
+	needed_from(c, 1u << blk, need);
+	emit_needed(c, need, 0);
+	emit_block(c, blk);
+}
+
 /* A reduction over dims before the innermost one (a column sum): the rows
  * would be walked with a large stride, so the loop order turns around:
  * accumulators for a tile of columns, the reduced dims outside, the
@@ -602,41 +620,13 @@ static void render_columns(rctx *c, int J)
 		if (k->ins[i].opc == KIR_ACC_INIT && c->live[i])
 			emit_ins(c, i);
 	/* the reduced dims, and inside them the columns */
-	if (inner)
-		open_loops(c, inner);
-	else {
-		indent(c);
-		kl__sb_puts(c->sb, "{\n");
-		c->depth++;
-	}
+	open_loops(c, inner); /* no dims: a plain block */
 	pragma(c, false, NULL, 1, true, NULL);
-	indent(c);
-	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
-	indent(c);
-	kl__sb_printf(c->sb, "{\n");
-	c->depth++;
-	indent(c);
-	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
-	indent(c);
-	kl__sb_printf(c->sb, "(void)i%d;\n", J);
-	needed_from(c, 1u << 1, need);
-	emit_needed(c, need, 0);
-	emit_block(c, 1);
+	tile_columns(c, J, 1, need);
 	close_loops(c);
 	close_loops(c);
 	/* the results of the tile */
-	indent(c);
-	kl__sb_printf(c->sb, "for (int64_t jj = 0; jj < jn; jj++)\n");
-	indent(c);
-	kl__sb_printf(c->sb, "{\n");
-	c->depth++;
-	indent(c);
-	kl__sb_printf(c->sb, "int64_t i%d = jt + jj;\n", J);
-	indent(c);
-	kl__sb_printf(c->sb, "(void)i%d;\n", J);
-	needed_from(c, 1u << 2, need);
-	emit_needed(c, need, 0);
-	emit_block(c, 2);
+	tile_columns(c, J, 2, need);
 	close_loops(c);
 	close_loops(c);
 	c->col = false;
@@ -758,13 +748,7 @@ static void render_reduction(rctx *c)
 		if (inner && sums && !no_rows)
 			/* no outer loop to share out: the pass itself runs in parallel */
 			pragma(c, !outer && par, ifc, popc(inner), true, rc);
-		if (inner)
-			open_loops(c, inner);
-		else {
-			indent(c);
-			kl__sb_puts(c->sb, "{\n");
-			c->depth++;
-		}
+		open_loops(c, inner); /* no dims: a plain block */
 		emit_block(c, 2 * p - 1);
 		close_loops(c);
 		if (p == k->npass)

@@ -532,17 +532,19 @@ void kl__cu_emit_block(cctx *c, int blk, const vplan *vp, const char *slot, cons
 }
 
 /* Sets the loop variables of the dims in mask from the flat index q (the
- * innermost dim fastest); unit dims are 0. */
-void kl__cu_decompose(cctx *c, uint32_t mask, const char *q)
+ * innermost dim fastest): declare, as new constants, unit dims 0; else
+ * assigned to the i<d> already declared, unit dims left as they are. */
+void kl__cu_decompose_to(cctx *c, uint32_t mask, const char *q, bool declare)
 {
 	const kir_kernel *k = c->k;
+	const char *decl = declare ? "const int64_t " : "";
 	int first = -1;
 	for (int d = 0; d < k->ndim && first < 0; d++)
 		if ((mask & (1u << d)) && !unit(k, d))
 			first = d;
 	line(c, "int64_t q = %s;", q);
 	for (int d = k->ndim - 1; d >= 0; d--) {
-		if (!(mask & (1u << d)))
+		if (!(mask & (1u << d)) || (!declare && unit(k, d)))
 			continue;
 		ind(c);
 		if (unit(k, d)) {
@@ -550,10 +552,10 @@ void kl__cu_decompose(cctx *c, uint32_t mask, const char *q)
 			continue;
 		}
 		if (d == first) {
-			kl__sb_printf(c->sb, "const int64_t i%d = q;\n", d);
+			kl__sb_printf(c->sb, "%si%d = q;\n", decl, d);
 			continue;
 		}
-		kl__sb_printf(c->sb, "const int64_t i%d = q %% (", d);
+		kl__sb_printf(c->sb, "%si%d = q %% (", decl, d);
 		kl__render_dim(c->r, k, d, c->sb);
 		kl__sb_puts(c->sb, ");\n");
 		ind(c);
@@ -562,6 +564,11 @@ void kl__cu_decompose(cctx *c, uint32_t mask, const char *q)
 		kl__sb_puts(c->sb, ");\n");
 	}
 	line(c, "(void)q;");
+}
+
+void kl__cu_decompose(cctx *c, uint32_t mask, const char *q)
+{
+	kl__cu_decompose_to(c, mask, q, true);
 }
 
 /* ---- pointwise kernels ------------------------------------------------------------------ */

@@ -275,28 +275,7 @@ static void pass_scalar(cctx *c, int p, uint32_t inner)
 		open_brace(c);
 	}
 	/* the reduced dims from the flat position in the row */
-	line(c, "int64_t q = r;");
-	int first = -1;
-	for (int d = 0; d < k->ndim && first < 0; d++)
-		if ((inner & (1u << d)) && !unit(k, d))
-			first = d;
-	for (int d = k->ndim - 1; d >= 0; d--) {
-		if (!(inner & (1u << d)) || unit(k, d))
-			continue;
-		ind(c);
-		if (d == first) {
-			kl__sb_printf(c->sb, "i%d = q;\n", d);
-			continue;
-		}
-		kl__sb_printf(c->sb, "i%d = q %% (", d);
-		kl__render_dim(c->r, k, d, c->sb);
-		kl__sb_puts(c->sb, ");\n");
-		ind(c);
-		kl__sb_puts(c->sb, "q /= (");
-		kl__render_dim(c->r, k, d, c->sb);
-		kl__sb_puts(c->sb, ");\n");
-	}
-	line(c, "(void)q;");
+	kl__cu_decompose_to(c, inner, "r", false);
 	kl__cu_emit_block(c, 2 * p - 1, NULL, "", "j");
 	close_brace(c);
 }

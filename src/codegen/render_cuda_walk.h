@@ -180,6 +180,7 @@ void kl__cu_chunk_io_to(cctx *c, const vplan *vp, int blk, bool store, const cha
                         bool ahead, int which);
 void kl__cu_chunk_word(const vplan *vp, const vacc *a, const char **w, int *nw);
 void kl__cu_decompose(cctx *c, uint32_t mask, const char *q);
+void kl__cu_decompose_to(cctx *c, uint32_t mask, const char *q, bool declare);
 bool kl__cu_early_acc(const cctx *c, const vacc *a);
 void kl__cu_emit_block(cctx *c, int blk, const vplan *vp, const char *slot, const char *lc);
 bool kl__cu_plan_aligned(const cctx *c, const vplan *vp);

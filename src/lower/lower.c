@@ -53,15 +53,6 @@ static double bytes_of(const kl_program *P, int32_t b)
 	return n;
 }
 
-static char *dupstr(const char *s)
-{
-	size_t n = strlen(s) + 1;
-	char *p = malloc(n);
-	if (p)
-		memcpy(p, s, n);
-	return p;
-}
-
 /* ---- buffers ------------------------------------------------------------------------ */
 
 static void fill_buf(const kl_lctx *L, kl_buf *b, int32_t n, kl_buf_role role, int32_t index)
@@ -448,7 +439,7 @@ static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 		return KL_ENOMEM;
 	}
 	P->kernel_names = names;
-	names[P->nkernels] = dupstr(name);
+	names[P->nkernels] = strdup(name);
 	if (!names[P->nkernels]) {
 		kl__kir_free(k);
 		return KL_ENOMEM;

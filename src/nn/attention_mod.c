@@ -12,10 +12,7 @@
 kl_status kl_nn_mha_init(kl_nn_mha *m, kl_ctx *ctx, int64_t d_model, int64_t n_heads,
                          kl_dtype dt, uint64_t seed)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_mha_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_mha_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_mha_init", dt);
 	if (st != KL_OK)
 		return st;
 	if (d_model < 1 || n_heads < 1 || d_model % n_heads != 0)
@@ -40,9 +37,7 @@ kl_status kl_nn_mha_init(kl_nn_mha *m, kl_ctx *ctx, int64_t d_model, int64_t n_h
 		                       kl__nn_seed(seed, 1));
 	if (st == KL_OK)
 		st = kl__nn_fill(ctx, &m->out_proj.bias, dt, 1, &d_model, 0.0);
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 /* [B, T, d] -> [B, H, T, Dh] */

@@ -33,6 +33,21 @@ kl_status kl__nn_check_dtype(kl_ctx *ctx, const char *fn, kl_dtype dt)
 	return KL_OK;
 }
 
+kl_status kl__nn_init_begin(void *m, size_t size, kl_ctx *ctx, const char *fn, kl_dtype dt)
+{
+	if (!m)
+		return kl_set_error(ctx, KL_EINVAL, "%s: module is NULL", fn);
+	memset(m, 0, size);
+	return kl__nn_check_dtype(ctx, fn, dt);
+}
+
+kl_status kl__nn_init_end(kl_nn_module *m, kl_status st)
+{
+	if (st != KL_OK)
+		kl_nn_free(m);
+	return st;
+}
+
 /* t (made in the caller's private scope) kept in *slot past the scope */
 static kl_status own(kl_ctx *ctx, kl_tensor **slot, kl_tensor *t)
 {
@@ -85,10 +100,7 @@ static void header(kl_nn_module *m, kl_nn_kind k, kl_ctx *ctx, kl_dtype dt)
 kl_status kl_nn_linear_init(kl_nn_linear *m, kl_ctx *ctx, int64_t in_features,
                             int64_t out_features, bool bias, kl_dtype dt, uint64_t seed)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_linear_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_linear_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_linear_init", dt);
 	if (st != KL_OK)
 		return st;
 	if (in_features < 1 || out_features < 1)
@@ -104,9 +116,7 @@ kl_status kl_nn_linear_init(kl_nn_linear *m, kl_ctx *ctx, int64_t in_features,
 	                    kl__nn_seed(seed, 0));
 	if (st == KL_OK && bias)
 		st = kl__nn_uniform(ctx, &m->bias, dt, 1, &out_features, bound, kl__nn_seed(seed, 1));
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 kl_tensor *kl_nn_linear_forward(const kl_nn_linear *m, kl_tensor *x)
@@ -120,10 +130,7 @@ kl_tensor *kl_nn_linear_forward(const kl_nn_linear *m, kl_tensor *x)
 
 kl_status kl_nn_rmsnorm_init(kl_nn_rmsnorm *m, kl_ctx *ctx, int64_t dim, double eps, kl_dtype dt)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_rmsnorm_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_rmsnorm_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_rmsnorm_init", dt);
 	if (st != KL_OK)
 		return st;
 	if (dim < 1 || isnan(eps))
@@ -133,9 +140,7 @@ kl_status kl_nn_rmsnorm_init(kl_nn_rmsnorm *m, kl_ctx *ctx, int64_t dim, double 
 	m->dim = dim;
 	m->eps = eps;
 	st = kl__nn_fill(ctx, &m->weight, dt, 1, &dim, 1.0);
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 /* torch.finfo(dt).eps */
@@ -160,10 +165,7 @@ kl_tensor *kl_nn_rmsnorm_forward(const kl_nn_rmsnorm *m, kl_tensor *x)
 kl_status kl_nn_layernorm_init(kl_nn_layernorm *m, kl_ctx *ctx, int64_t dim, double eps,
                                bool bias, kl_dtype dt)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_layernorm_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_layernorm_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_layernorm_init", dt);
 	if (st != KL_OK)
 		return st;
 	if (dim < 1 || !(eps >= 0))
@@ -175,9 +177,7 @@ kl_status kl_nn_layernorm_init(kl_nn_layernorm *m, kl_ctx *ctx, int64_t dim, dou
 	st = kl__nn_fill(ctx, &m->weight, dt, 1, &dim, 1.0);
 	if (st == KL_OK && bias)
 		st = kl__nn_fill(ctx, &m->bias, dt, 1, &dim, 0.0);
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 kl_tensor *kl_nn_layernorm_forward(const kl_nn_layernorm *m, kl_tensor *x)
@@ -192,10 +192,7 @@ kl_tensor *kl_nn_layernorm_forward(const kl_nn_layernorm *m, kl_tensor *x)
 kl_status kl_nn_embedding_init(kl_nn_embedding *m, kl_ctx *ctx, int64_t num, int64_t dim,
                                kl_dtype dt, uint64_t seed)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_embedding_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_embedding_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_embedding_init", dt);
 	if (st != KL_OK)
 		return st;
 	if (num < 1 || dim < 1)
@@ -210,9 +207,7 @@ kl_status kl_nn_embedding_init(kl_nn_embedding *m, kl_ctx *ctx, int64_t num, int
 	                          kl__nn_seed(seed, 0)),
 	                 dt));
 	kl_scope_end(ctx);
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 kl_tensor *kl_nn_embedding_forward(const kl_nn_embedding *m, kl_tensor *idx)
@@ -250,10 +245,7 @@ static kl_status ffn_pack(const kl_nn_ffn *m, kl_tensor *gate, kl_tensor *up, kl
 kl_status kl_nn_ffn_init(kl_nn_ffn *m, kl_ctx *ctx, int64_t d_model, int64_t ffn_dim,
                          kl_dtype dt, uint64_t seed)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_ffn_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_ffn_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_ffn_init", dt);
 	if (st != KL_OK)
 		return st;
 	header(&m->base, KL_NN_FFN, ctx, dt);
@@ -275,9 +267,7 @@ kl_status kl_nn_ffn_init(kl_nn_ffn *m, kl_ctx *ctx, int64_t d_model, int64_t ffn
 		m->up_proj.weight = vu;
 		m->gate_up = gu;
 	}
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 kl_tensor *kl_nn_ffn_forward(const kl_nn_ffn *m, kl_tensor *x)
@@ -304,10 +294,7 @@ kl_tensor *kl_nn_ffn_forward(const kl_nn_ffn *m, kl_tensor *x)
 kl_status kl_nn_decoder_init(kl_nn_decoder *m, kl_ctx *ctx, int64_t d_model, int64_t n_heads,
                              int64_t ffn_dim, kl_dtype dt, uint64_t seed)
 {
-	if (!m)
-		return kl_set_error(ctx, KL_EINVAL, "kl_nn_decoder_init: module is NULL");
-	memset(m, 0, sizeof *m);
-	kl_status st = kl__nn_check_dtype(ctx, "kl_nn_decoder_init", dt);
+	kl_status st = kl__nn_init_begin(m, sizeof *m, ctx, "kl_nn_decoder_init", dt);
 	if (st != KL_OK)
 		return st;
 	header(&m->base, KL_NN_DECODER, ctx, dt);
@@ -318,9 +305,7 @@ kl_status kl_nn_decoder_init(kl_nn_decoder *m, kl_ctx *ctx, int64_t d_model, int
 		st = kl_nn_mha_init(&m->attn, ctx, d_model, n_heads, dt, kl__nn_seed(seed, 0));
 	if (st == KL_OK)
 		st = kl_nn_ffn_init(&m->ffn, ctx, d_model, ffn_dim, dt, kl__nn_seed(seed, 1));
-	if (st != KL_OK)
-		kl_nn_free(&m->base);
-	return st;
+	return kl__nn_init_end(&m->base, st);
 }
 
 kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool causal)

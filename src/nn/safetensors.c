@@ -51,15 +51,6 @@ static const char *st_dtype_name(kl_dtype dt)
 	return NULL;
 }
 
-static char *dupstr(const char *s)
-{
-	size_t n = strlen(s) + 1;
-	char *d = malloc(n);
-	if (d)
-		memcpy(d, s, n);
-	return d;
-}
-
 void kl_safetensors_close(kl_safetensors *st)
 {
 	if (!st)
@@ -165,7 +156,7 @@ static int parse_entry(kl_safetensors *st, const char *name, const kl__jval *v, 
 		           "data_offsets [%lld,%lld] hold %lld bytes but %s of that "
 		           "shape needs %lld",
 		           b0, b1, b1 - b0, dt->str, (long long)bytes);
-	e->name = dupstr(name);
+	e->name = strdup(name);
 	if (!e->name) {
 		kl_set_error(st->ctx, KL_ENOMEM, "kl_safetensors_open: out of memory");
 		return -1;
@@ -263,7 +254,7 @@ kl_safetensors *kl_safetensors_open(kl_ctx *ctx, const char *path)
 	}
 	kl_safetensors *st = calloc(1, sizeof *st);
 	char *hdr = NULL;
-	if (!st || !(st->path = dupstr(path))) {
+	if (!st || !(st->path = strdup(path))) {
 		free(st);
 		kl_set_error(ctx, KL_ENOMEM, "%s: out of memory", P);
 		return NULL;

@@ -12,11 +12,6 @@ kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, 
                     size_t errcap)
 {
 	memset(out, 0, sizeof(*out));
-	char dummy[8];
-	if (!err || !errcap) {
-		err = dummy;
-		errcap = sizeof(dummy);
-	}
 	kl_lowered lw;
 	kl_status st = kl__lower_ir(g, o, &lw, err, errcap);
 	if (st != KL_OK)
@@ -47,7 +42,8 @@ kl_status kl__lower(const kl_graph *g, const kl_lower_opts *o, kl_program *out, 
 				sp->rowdims[sp->nrowdims++] = k->dims[d];
 	}
 	if (src.oom) {
-		snprintf(err, errcap, "kl__lower: out of memory");
+		if (err && errcap)
+			snprintf(err, errcap, "kl__lower: out of memory");
 		st = KL_ENOMEM;
 	} else {
 		P->source = src.s;
