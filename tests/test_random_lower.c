@@ -43,6 +43,7 @@
 #include "runtime/compiled.h"
 
 static kl_ctx *ctx;
+enum { MAX_IO = 64 }; /* inputs and outputs of one compiled body */
 static bool verbose; /* KILN_RANDOM_VERBOSE=1: print every graph */
 
 /* ---- a body with several outputs against the reference ------------------------------- */
@@ -61,7 +62,7 @@ typedef struct multi_check {
 /* the trace of body on in[] (NULL on failure, printed) */
 static kl_trace *trace_body(const multi_check *m, kl_tensor *const *in)
 {
-	kl_tensor *out[8] = {0};
+	kl_tensor *out[MAX_IO] = {0};
 	kl_scope_begin(ctx);
 	kl_status st = kl__trace_begin(ctx);
 	if (st == KL_OK)
@@ -81,8 +82,8 @@ static kl_trace *trace_body(const multi_check *m, kl_tensor *const *in)
 static bool reference_of(const char *what, const kl_trace *tr, double **ref)
 {
 	const kl_graph *g = &tr->g;
-	double *vals[64] = {0};
-	bool ok = g->ninputs <= 64 && tr->nin_tensors == g->ninputs;
+	double *vals[MAX_IO] = {0};
+	bool ok = g->ninputs <= MAX_IO && tr->nin_tensors == g->ninputs;
 	for (int k = 0; ok && k < g->ninputs; k++)
 		ok = (vals[k] = kltest_read(tr->in_tensors[k])) != NULL;
 	char err[512] = "";
@@ -90,7 +91,7 @@ static bool reference_of(const char *what, const kl_trace *tr, double **ref)
 		fprintf(stderr, "FAIL %s: reference: %s\n", what, err);
 		ok = false;
 	}
-	for (int k = 0; k < g->ninputs && k < 64; k++)
+	for (int k = 0; k < g->ninputs && k < MAX_IO; k++)
 		free(vals[k]);
 	return ok;
 }
@@ -125,8 +126,8 @@ static bool check_multi(const multi_check *m, inputs_fn make_inputs)
 	}
 	bool ok = true;
 	for (int call = 0; call < 2 && ok; call++) {
-		kl_tensor *in[8] = {0}, *out[8] = {0};
-		double *ref[8] = {0};
+		kl_tensor *in[MAX_IO] = {0}, *out[MAX_IO] = {0};
+		double *ref[MAX_IO] = {0};
 		kl_trace *tr = NULL;
 		ok = make_inputs(m->user, call, in) && (tr = trace_body(m, in)) != NULL &&
 		     reference_of(m->what, tr, ref);
@@ -502,7 +503,7 @@ static rg_val reduction(uint64_t *s, rg_val a)
 	}
 }
 
-/* permute, transpose, reshape, slice, expand, a copy */
+/* permute, transpose, reshape, slice, expand, concat, a copy */
 static rg_val movement(uint64_t *s, rg_val a)
 {
 	kl_tensor *x = a.t;
@@ -583,6 +584,17 @@ static rg_val movement(uint64_t *s, rg_val a)
 		return val(kl_expand(x, k, ns), a.B, a.E);
 	}
 	default:
+		if (nd >= 1 && 2 * kl_numel(x) <= RG_NUMEL) {
+			/* beside a function of itself, along one of its dims */
+			rg_val b = unary(s, a);
+			kl_tensor *two[2] = {x, b.t};
+			if (rnd(s, 2)) {
+				two[0] = b.t;
+				two[1] = x;
+			}
+			return val(kl_concat(2, two, (int)rnd(s, (uint64_t)nd)), a.B > b.B ? a.B : b.B,
+			           a.E > b.E ? a.E : b.E);
+		}
 		return val(kl_contiguous(rnd(s, 2) && nd >= 2 ? kl_transpose(x, 0, 1) : x), a.B, a.E);
 	}
 }
@@ -867,6 +879,88 @@ static bool run_seed(uint64_t seed)
 	return ok;
 }
 
+/* Several random graphs side by side in one compiled body (inputs and
+ * outputs concatenated): one C compile for all of them, which is what makes
+ * thousands of graphs affordable on the CPU. The graphs share nothing but
+ * the kernels' source file. */
+enum { RG_BATCH = 8 };
+
+typedef struct rbatch {
+	int k;
+	rgraph g[RG_BATCH];
+	int in0[RG_BATCH + 1], out0[RG_BATCH + 1];
+	double atol[MAX_IO];
+} rbatch;
+
+static kl_status body_batch(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                            void *user)
+{
+	(void)nin;
+	(void)nout;
+	rbatch *b = user;
+	for (int i = 0; i < b->k; i++) {
+		kl_status st = body_random(c, in + b->in0[i], b->in0[i + 1] - b->in0[i],
+		                           out + b->out0[i], b->g[i].nout, &b->g[i]);
+		if (st != KL_OK)
+			return st;
+		memcpy(b->atol + b->out0[i], b->g[i].atol, sizeof(double) * (size_t)b->g[i].nout);
+	}
+	return KL_OK;
+}
+
+static bool batch_inputs(void *user, int call, kl_tensor **in)
+{
+	rbatch *b = user;
+	bool ok = true;
+	for (int i = 0; i < b->k && ok; i++)
+		ok = random_inputs(&b->g[i], call, in + b->in0[i]);
+	return ok;
+}
+
+/* seeds first..first+k-1: each lowered alone for both targets, then all
+ * compiled as one body and run; a failing batch runs each seed alone to
+ * name it. Returns the number of failing seeds. */
+static int run_batch(uint64_t first, int k)
+{
+	rbatch b;
+	b.k = k;
+	b.in0[0] = b.out0[0] = 0;
+	int bad = 0;
+	for (int i = 0; i < k; i++) {
+		rgraph *r = &b.g[i];
+		random_graph(first + (uint64_t)i, r);
+		b.in0[i + 1] = b.in0[i] + r->nf + 2;
+		b.out0[i + 1] = b.out0[i] + r->nout;
+		char what[64];
+		snprintf(what, sizeof what, "random graph %llu", (unsigned long long)r->seed);
+		multi_check m = {.what = what, .body = body_random, .user = r, .nin = r->nf + 2,
+		                 .nout = r->nout};
+		kl_tensor *in[8] = {0};
+		bool ok = random_inputs(r, 0, in);
+		ok = ok && lowers(&m, in, KL_TARGET_C) && lowers(&m, in, KL_TARGET_CUDA);
+		for (int j = 0; j < m.nin; j++)
+			kl_release(in[j]);
+		if (!ok) {
+			fprintf(stderr, "FAILED random graph seed %llu (KILN_RANDOM_SEED=%llu "
+			        "KILN_RANDOM_GRAPHS=1)\n", (unsigned long long)r->seed,
+			        (unsigned long long)r->seed);
+			bad++;
+		}
+	}
+	if (bad)
+		return bad;
+	char what[96];
+	snprintf(what, sizeof what, "random graphs %llu to %llu in one body",
+	         (unsigned long long)first, (unsigned long long)(first + (uint64_t)k - 1));
+	multi_check m = {.what = what, .body = body_batch, .user = &b, .nin = b.in0[k],
+	                 .nout = b.out0[k], .atol = b.atol, .fullgraph = first / RG_BATCH % 2 == 1};
+	if (check_multi(&m, batch_inputs))
+		return 0;
+	for (int i = 0; i < k; i++)
+		bad += !run_seed(first + (uint64_t)i);
+	return bad ? bad : 1; /* together only: the batch is the case */
+}
+
 static uint64_t env_u64(const char *name, uint64_t dflt)
 {
 	const char *e = getenv(name);
@@ -894,11 +988,8 @@ static void test_random_graphs(void **state)
 	int bad = 0;
 	struct timespec t0, t1;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	for (uint64_t i = 0; i < n; i++) {
-		bad += !run_seed(first + i);
-		if (bad >= 10)
-			break;
-	}
+	for (uint64_t i = 0; i < n && bad < 10; i += RG_BATCH)
+		bad += run_batch(first + i, n - i < RG_BATCH ? (int)(n - i) : RG_BATCH);
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	print_message("test_random_lower: %llu random graphs from seed %llu, %d failed, %.1f s\n",
 	              (unsigned long long)n, (unsigned long long)first, bad,
