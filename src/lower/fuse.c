@@ -5,9 +5,13 @@
  * it fits (same elements; the rows of a reduction; a reduction over the
  * kernel's elements). A producer that stays in another kernel is either
  * recomputed here, when it is a short pointwise chain, or read from memory.
- * Merges never create a cycle between kernels and respect the limits of a
- * step (reads, writes, nodes); the kernel IR builder has the last word on
- * legality. Every refusal is logged with its reason. Matrix products are
+ * Merges and recomputed producers never create a cycle between kernels
+ * (legal() checks reachability over the kernels' reads first) and respect
+ * the limits of a step (reads, writes, nodes); the kernel IR builder has the
+ * last word on legality. A kernel no one reads is dropped; a value only it
+ * computed may live on as a copy in another kernel, and whoever later
+ * recomputes from that kernel recomputes the copy too (computed_by), so that
+ * no kernel reads a value no kernel stores. Every refusal is logged with its reason. Matrix products are
  * library steps; a consumer chain of scale, bias, residual and activation
  * folds into the product's epilogue (epilogue.c says which nodes qualify),
  * other consumers start new kernels.
