@@ -593,7 +593,9 @@ static void prepare(kl_lctx *L)
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
 	/* operands of products BLAS cannot address are copied first; attention
-	 * reads rows whose elements are adjacent */
+	 * reads rows whose elements are adjacent. Last: a view over a view
+	 * stored above (an output, a gather's table) is addressed in that
+	 * view's buffer, or not at all (program.c's operand()). */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
 		bool att = x->op == KL_OP_ATTENTION;
@@ -602,7 +604,7 @@ static void prepare(kl_lctx *L)
 		for (int i = 0; i < x->nin; i++) {
 			int32_t c = x->in[i], base;
 			int64_t st[KL_MAX_DIMS], off;
-			if (!kl__view_of(L, c, &base, st, &off) ||
+			if (!kl__stored_view(L, c, &base, st, &off) ||
 			    (att && g->nodes[c].shape[g->nodes[c].ndim - 1] > 1 &&
 			     st[g->nodes[c].ndim - 1] != 1))
 				L->mat[c] = 1;
