@@ -11,8 +11,8 @@
  * last word on legality. A kernel no one reads is dropped; a value only it
  * computed may live on as a copy in another kernel, and whoever later
  * recomputes from that kernel recomputes the copy too (computed_by), so that
- * no kernel reads a value no kernel stores. Every refusal is logged with its reason. Matrix products are
- * library steps; a consumer chain of scale, bias, residual and activation
+ * no kernel reads a value no kernel stores. Every refusal is logged with its
+ * reason. Matrix products are library steps; a consumer chain of scale, bias, residual and activation
  * folds into the product's epilogue (epilogue.c says which nodes qualify),
  * other consumers start new kernels.
  */
@@ -1071,8 +1071,9 @@ static kl_status finish(sched *s)
 				    (L->home[r] >= 0 && L->gr[L->home[r]].alive))
 					continue;
 				char l1[64], l2[64];
-				snprintf(L->err, L->errcap, "kl__lower: internal error: the kernel of %s reads "
-				         "%s, which no kernel stores", kl__node_label(L, G->first, l1, sizeof l1),
+				snprintf(L->err, L->errcap, "kl__lower: internal error: the kernel of %s "
+				         "reads %s, which no kernel stores",
+				         kl__node_label(L, G->first, l1, sizeof l1),
 				         kl__node_label(L, r, l2, sizeof l2));
 				return KL_EINVAL;
 			}
@@ -1125,23 +1126,26 @@ static kl_status finish(sched *s)
 	free(deps);
 	if (!ok)
 		return KL_ENOMEM;
-	int32_t alive = 0, left = -1;
-	for (int32_t gi = 0; gi < ng; gi++) {
+	int32_t alive = 0;
+	for (int32_t gi = 0; gi < ng; gi++)
 		alive += L->gr[gi].alive;
-		if (L->gr[gi].alive && left < 0) {
-			bool ordered = false;
-			for (int32_t k = 0; k < L->norder && !ordered; k++)
-				ordered = L->order[k] == gi;
-			left = ordered ? -1 : gi;
+	if (alive == L->norder)
+		return KL_OK;
+	/* never, by legal(): name a kernel Kahn could not order */
+	int32_t left = 0;
+	for (int32_t gi = 0; gi < ng; gi++) {
+		bool ordered = !L->gr[gi].alive;
+		for (int32_t k = 0; k < L->norder && !ordered; k++)
+			ordered = L->order[k] == gi;
+		if (!ordered) {
+			left = gi;
+			break;
 		}
 	}
-	if (alive != L->norder) {
-		char l[64];
-		snprintf(L->err, L->errcap, "kl__lower: internal error: kernels depend on each other "
-		         "(the kernel of %s among them)", kl__node_label(L, L->gr[left].first, l, sizeof l));
-		return KL_EINVAL;
-	}
-	return KL_OK;
+	char l[64];
+	snprintf(L->err, L->errcap, "kl__lower: internal error: kernels depend on each other (the "
+	         "kernel of %s among them)", kl__node_label(L, L->gr[left].first, l, sizeof l));
+	return KL_EINVAL;
 }
 
 kl_status kl__schedule(kl_lctx *L)
