@@ -5,10 +5,14 @@
  * it fits (same elements; the rows of a reduction; a reduction over the
  * kernel's elements). A producer that stays in another kernel is either
  * recomputed here, when it is a short pointwise chain, or read from memory.
- * Merges never create a cycle between kernels and respect the limits of a
- * step (reads, writes, nodes); the kernel IR builder has the last word on
- * legality. Every refusal is logged with its reason. Matrix products are
- * library steps; a consumer chain of scale, bias, residual and activation
+ * Merges and recomputed producers never create a cycle between kernels
+ * (legal() checks reachability over the kernels' reads first) and respect
+ * the limits of a step (reads, writes, nodes); the kernel IR builder has the
+ * last word on legality. A kernel no one reads is dropped; a value only it
+ * computed may live on as a copy in another kernel, and whoever later
+ * recomputes from that kernel recomputes the copy too (computed_by), so that
+ * no kernel reads a value no kernel stores. Every refusal is logged with its
+ * reason. Matrix products are library steps; a consumer chain of scale, bias, residual and activation
  * folds into the product's epilogue (epilogue.c says which nodes qualify),
  * other consumers start new kernels.
  */
@@ -419,6 +423,22 @@ static bool widening(const kl_lctx *L, int32_t x)
 	return (narrow && (to == KL_F32 || to == KL_F64)) || (from == KL_F32 && to == KL_F64);
 }
 
+/* x is computed by kernel h: its home, or a copy h recomputes because its
+ * home kernel is gone (no kernel stores x: a reader must recompute it too) */
+static bool computed_by(const kl_lctx *L, int32_t x, int32_t h)
+{
+	int32_t hx = L->home[x];
+	if (hx == h)
+		return true;
+	if (hx < 0 || L->gr[hx].alive)
+		return false;
+	const kl_group *H = &L->gr[h];
+	for (int32_t i = 0; i < H->nm; i++)
+		if (H->m[i] == x)
+			return true;
+	return false;
+}
+
 /* the members of p's kernel h that computing p in group s would need */
 static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int budget, char *why,
                 size_t cap)
@@ -430,7 +450,7 @@ static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int 
 	char l[64];
 	while (sp > 0) {
 		int32_t x = stack[--sp];
-		if (in_group(L, S, si, x) || L->home[x] != h)
+		if (in_group(L, S, si, x) || !computed_by(L, x, h))
 			continue;
 		bool seen = false;
 		for (int i = 0; i < n && !seen; i++)
@@ -573,7 +593,9 @@ static void prepare(kl_lctx *L)
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
 	/* operands of products BLAS cannot address are copied first; attention
-	 * reads rows whose elements are adjacent */
+	 * reads rows whose elements are adjacent. Last: a view over a view
+	 * stored above (an output, a gather's table) is addressed in that
+	 * view's buffer, or not at all (program.c's operand()). */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
 		bool att = x->op == KL_OP_ATTENTION;
@@ -582,7 +604,7 @@ static void prepare(kl_lctx *L)
 		for (int i = 0; i < x->nin; i++) {
 			int32_t c = x->in[i], base;
 			int64_t st[KL_MAX_DIMS], off;
-			if (!kl__view_of(L, c, &base, st, &off) ||
+			if (!kl__stored_view(L, c, &base, st, &off) ||
 			    (att && g->nodes[c].shape[g->nodes[c].ndim - 1] > 1 &&
 			     st[g->nodes[c].ndim - 1] != 1))
 				L->mat[c] = 1;
@@ -824,31 +846,6 @@ static void mark_stored(kl_lctx *L)
 			L->stored[L->g.outputs[j]] = 1;
 }
 
-static bool dissolve(kl_lctx *L, int32_t gi)
-{
-	int32_t nm = L->gr[gi].nm;
-	int32_t *m = L->gr[gi].m;
-	uint8_t *cp = L->gr[gi].copy;
-	L->gr[gi].m = NULL;
-	L->gr[gi].copy = NULL;
-	L->gr[gi].alive = false;
-	bool ok = true;
-	for (int32_t i = 0; i < nm && ok; i++) {
-		if (cp[i])
-			continue;
-		int32_t s = g_new(L);
-		ok = s >= 0 && g_push(&L->gr[s], m[i], false);
-		if (ok) {
-			L->home[m[i]] = s;
-			L->gr[s].first = m[i];
-			node_space(L, m[i], &L->gr[s]);
-		}
-	}
-	free(m);
-	free(cp);
-	return ok;
-}
-
 /* mark (need[q] = 1) the members of G before i that member i reads */
 static void need_inputs(const kl_lctx *L, const kl_group *G, int32_t i, uint8_t *need)
 {
@@ -924,6 +921,42 @@ static bool split_last(kl_lctx *L, const kl_group *G, int32_t j, kl_group *T, kl
 		ok = false;
 	}
 	free(need);
+	return ok;
+}
+
+/* Every home member of kernel gi becomes a kernel of its own, with the
+ * copies of gi it needs (their home kernels may be gone: nothing else
+ * computes them then). */
+static bool dissolve(kl_lctx *L, int32_t gi)
+{
+	kl_group G = L->gr[gi];
+	L->gr[gi].m = NULL;
+	L->gr[gi].copy = NULL;
+	L->gr[gi].nm = L->gr[gi].cap = 0;
+	L->gr[gi].alive = false;
+	uint8_t *need = malloc((size_t)G.nm + 1);
+	bool ok = need != NULL;
+	for (int32_t i = 0; i < G.nm && ok; i++) {
+		if (G.copy[i])
+			continue;
+		memset(need, 0, (size_t)G.nm);
+		need[i] = 1;
+		for (int32_t q = i; q >= 0; q--)
+			if (need[q] && (q == i || G.copy[q]))
+				need_inputs(L, &G, q, need);
+		int32_t s = g_new(L);
+		ok = s >= 0;
+		for (int32_t q = 0; q <= i && ok; q++)
+			if (q == i || (need[q] && G.copy[q]))
+				ok = g_push(&L->gr[s], G.m[q], q != i);
+		if (ok) {
+			L->home[G.m[i]] = s;
+			L->gr[s].first = G.m[i];
+			node_space(L, G.m[i], &L->gr[s]);
+		}
+	}
+	free(need);
+	g_free(&G);
 	return ok;
 }
 
@@ -1027,6 +1060,25 @@ static kl_status finish(sched *s)
 		if (!changed)
 			break;
 	}
+	/* every value a kernel reads is stored by a live kernel */
+	for (int32_t gi = 0; gi < L->ngr; gi++) {
+		const kl_group *G = &L->gr[gi];
+		for (int32_t i = 0; G->alive && i < G->nm; i++) {
+			const kl_node *x = &L->g.nodes[G->m[i]];
+			for (int j = 0; j < x->nin; j++) {
+				int32_t r = read_base(L, G, gi, x->in[j]);
+				if (r < 0 || L->g.nodes[r].op == KL_OP_INPUT ||
+				    (L->home[r] >= 0 && L->gr[L->home[r]].alive))
+					continue;
+				char l1[64], l2[64];
+				snprintf(L->err, L->errcap, "kl__lower: internal error: the kernel of %s "
+				         "reads %s, which no kernel stores",
+				         kl__node_label(L, G->first, l1, sizeof l1),
+				         kl__node_label(L, r, l2, sizeof l2));
+				return KL_EINVAL;
+			}
+		}
+	}
 	/* execution order: Kahn over "reads from" */
 	int32_t ng = L->ngr;
 	int32_t *dep_off = calloc((size_t)ng + 1, sizeof(int32_t));
@@ -1077,11 +1129,23 @@ static kl_status finish(sched *s)
 	int32_t alive = 0;
 	for (int32_t gi = 0; gi < ng; gi++)
 		alive += L->gr[gi].alive;
-	if (alive != L->norder) {
-		snprintf(L->err, L->errcap, "kl__lower: internal error: kernels depend on each other");
-		return KL_EINVAL;
+	if (alive == L->norder)
+		return KL_OK;
+	/* never, by legal(): name a kernel Kahn could not order */
+	int32_t left = 0;
+	for (int32_t gi = 0; gi < ng; gi++) {
+		bool ordered = !L->gr[gi].alive;
+		for (int32_t k = 0; k < L->norder && !ordered; k++)
+			ordered = L->order[k] == gi;
+		if (!ordered) {
+			left = gi;
+			break;
+		}
 	}
-	return KL_OK;
+	char l[64];
+	snprintf(L->err, L->errcap, "kl__lower: internal error: kernels depend on each other (the "
+	         "kernel of %s among them)", kl__node_label(L, L->gr[left].first, l, sizeof l));
+	return KL_EINVAL;
 }
 
 kl_status kl__schedule(kl_lctx *L)
