@@ -87,6 +87,13 @@ typedef struct kl_ctx_opts {
 kl_ctx *kl_ctx_new(const kl_ctx_opts *opts);
 void kl_ctx_free(kl_ctx *ctx);
 kl_device kl_ctx_device(const kl_ctx *ctx);
+/* Wait until every op and compiled call issued on ctx so far has finished on
+ * its device (torch.cuda.synchronize): on CUDA a wait on the context's
+ * stream, on the CPU nothing (ops have finished when they return). Calls on
+ * CUDA return once their work is queued, so time them between two
+ * synchronizes. Inside a compiled function it is a sync point: a graph break
+ * (with .fullgraph, an error). */
+kl_status kl_ctx_synchronize(kl_ctx *ctx);
 
 /* The message of the last failed call on ctx ("" if none). With ctx NULL:
  * the last failure of kl_ctx_new on this thread. */
@@ -172,7 +179,8 @@ kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape
 kl_status kl_to_host(kl_tensor *t, void *dst, size_t nbytes);
 /* The value of a one-element tensor, as a double. */
 kl_status kl_item(kl_tensor *t, double *out);
-/* Print shape, dtype and (up to a limit) values. */
+/* Print values (torch's layout: above 1000 elements only the edges of each
+ * dim), shape and dtype, e.g. "tensor([[1., 2.]], size=[1,2], dtype=f32)". */
 kl_status kl_print(kl_tensor *t, FILE *f);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) --------- */
@@ -278,7 +286,12 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
 /* Scaled dot-product attention, one fused op: softmax(q k^T * scale) v over
  * q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] with equal batch dims and
  * one float dtype (mixed ones promote). causal: query i sees key j iff
- * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv]. */
+ * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv].
+ * scale: KL_SDPA_DEFAULT_SCALE (0) means torch's scale=None, 1/sqrt(D); any
+ * other finite value (negative included) is used as given; NaN and infinities
+ * are an error. (A scale of exactly 0 would make every row a plain mean of v,
+ * so 0 is the "not set" value, as 0 is elsewhere in kiln's options.) */
+#define KL_SDPA_DEFAULT_SCALE 0.0
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
 
 /* ---- compilation (kl_compile) -------------------------------------------- */

@@ -268,6 +268,19 @@ static kl_variant *new_variant(kl_fn *f, kl_tensor *const *in)
 	return v;
 }
 
+/* A variant whose first call failed compiled nothing that a later call can
+ * use as it is: it goes, and is not counted as a compile. */
+static void drop_variant(kl_fn *f, kl_variant *v)
+{
+	if (f->nvars == 0 || f->vars[f->nvars - 1] != v)
+		return;
+	f->nvars--;
+	f->compiles--;
+	if (f->last == v)
+		f->last = NULL;
+	variant_free(v);
+}
+
 /* ---- one call under a trace -------------------------------------------------- */
 
 typedef struct dynrec {
@@ -535,6 +548,7 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
 			refine_guards(cs, tr, e->c);
+		ctx->profile_graph = cs->seg;
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
 		cs->run_ms += kl__now_ms() - t1;
@@ -755,6 +769,7 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 		for (int i = 0; st == KL_OK && i < e->c->nin; i++)
 			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
 			                           : v->captured[-1 - v->in_src[i]];
+		ctx->profile_graph = 0;
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, gin, gout);
 	}
@@ -887,8 +902,12 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			owned = true;
 		} else {
 			st = traced_call(f, v, fresh, pin, out);
+			if (st != KL_OK && fresh)
+				drop_variant(f, v);
 		}
 	}
+	f->failed_calls += st != KL_OK;
+	f->last_failed = st != KL_OK;
 	if (st == KL_OK && !owned)
 		for (int k = 0; k < f->nout; k++)
 			kl_retain(out[k]);

@@ -72,8 +72,9 @@ struct kl_fn {
 	bool eager;   /* over the recompile limit: fn runs eagerly */
 	kl_guard_tally tally[8];
 	char last_fail[256];
-	long calls, eager_calls, replays;
-	int last_kernels;
+	long calls, eager_calls, replays, failed_calls;
+	bool last_failed; /* the latest kl_fn_call returned an error */
+	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };
 
 /* explain.c */

@@ -67,6 +67,10 @@ typedef struct kl_backend {
 	/* kl_memory_stats: what the allocator holds for ctx; with reset_peak,
 	 * the peak restarts from in_use first. */
 	void (*memory)(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak);
+	/* kl_ctx_synchronize: wait until the work queued on ctx's device has
+	 * finished. NULL: the backend runs every op to completion before it
+	 * returns (the CPU), so there is nothing to wait for. */
+	kl_status (*synchronize)(kl_ctx *ctx);
 } kl_backend;
 
 extern const kl_backend kl__cpu_backend;
@@ -105,6 +109,8 @@ struct kl_ctx {
 	FILE *profile;    /* kl_profile's stream while it runs (each compiled graph's
 	                   * steps are timed and reported there), else NULL */
 	int profile_segs; /* graphs reported so far by the running kl_profile */
+	int profile_graph; /* the graph about to run, numbered from 0 in the call as
+	                    * kl_explain numbers them (the capture layer sets it) */
 };
 
 /* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
