@@ -183,6 +183,16 @@ kl_status kl_item(kl_tensor *t, double *out);
  * dim), shape and dtype, e.g. "tensor([[1., 2.]], size=[1,2], dtype=f32)". */
 kl_status kl_print(kl_tensor *t, FILE *f);
 
+/* ---- writing in place ---------------------------------------------------- */
+
+/* torch's dst.copy_(src): write src's values, broadcast to dst's shape and
+ * cast to dst's dtype, into dst's memory (which dst's views share). dst may
+ * be strided but must not repeat an element (a stride-0 dim); src may
+ * overlap it. Every write bumps the version counter of dst's memory, which
+ * compiled functions that captured dst guard (see kl_compile). Refused
+ * inside a compiled function (a graph records no writes). */
+kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
+
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) --------- */
 
 kl_tensor *kl_add(kl_tensor *a, kl_tensor *b);
@@ -307,8 +317,27 @@ typedef enum kl_mode {
 
 /* The function kl_compile captures: reads nin tensors, writes nout new
  * tensors to out[] (references the caller of kl_fn_call then owns).
- * It must compute only through kl_ ops on its inputs and on tensors it
- * creates; state it reads through user is baked into the graph. */
+ * It must compute only through kl_ ops on its inputs, on tensors it creates
+ * and on tensors it reaches through user.
+ *
+ * State reached through user. Plain C values fn reads there (a double passed
+ * to kl_mul_scalar, a flag deciding which ops run) are baked into the graph.
+ * Tensors fn reads there are captured: the compiled plan reads their memory
+ * at every call, never a copy. Without .fullgraph fn runs on every call, so
+ * it always reads the tensors user holds now. With .fullgraph a call replays
+ * the plan without running fn, so each captured tensor is guarded:
+ *  - identity: the program must still hold the tensor (a reference other
+ *    than the compiled function's). Replacing it (kl_release the old one,
+ *    store a new one in user) fails the guard;
+ *  - version: the counter of its memory, bumped by every write in place
+ *    (kl_copy). A write fails the guard.
+ * A failed guard makes that call run fn again: when the graph it traces is
+ * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
+ * fn reads now, with no compile; otherwise the graph is recompiled, which
+ * counts toward recompile_limit. KILN_LOGS=recompiles logs each with its
+ * reason. Two things no guard can see: a tensor replaced while the program
+ * keeps the old one alive elsewhere, and a plain C value changed in user;
+ * without .fullgraph both are seen, since fn runs on every call. */
 typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
                                 int nout, void *user);
 
@@ -316,7 +345,8 @@ typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_t
 
 typedef struct kl_compile_opts {
 	kl_mode mode;
-	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn */
+	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn
+	                      * while its guards (inputs, captured tensors) hold */
 	bool disable;        /* run fn eagerly (the kill switch) */
 	int recompile_limit; /* variants before falling back to eager; 0 = 8 */
 	/* dynamic dims: dynamic == KL_DYNAMIC_ALL marks every input dim dynamic;

@@ -21,6 +21,7 @@
 
 #include "core/core.h"
 #include "kltest.h"
+#include "runtime/compiled.h"
 
 static kl_ctx *new_ctx(void)
 {
@@ -71,6 +72,247 @@ static void expect_all(kl_tensor *t, double want, const char *what)
 			fail_msg("%s: element %lld is %.9g, want %.9g", what, (long long)i, v[i],
 			         want);
 	free(v);
+}
+
+/* ---- tensors reached through user state (item 2) -------------------------------- */
+
+typedef struct params {
+	kl_tensor *w;
+	int traces; /* how many times fn ran */
+} params;
+
+static kl_status body_scaled(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	params *p = user;
+	p->traces++;
+	out[0] = kl_mul(in[0], p->w);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+typedef struct scaled_call {
+	kl_fn *f;
+	kl_tensor *x, *out;
+	kl_status st;
+} scaled_call;
+
+static void call_scaled(void *p)
+{
+	scaled_call *c = p;
+	c->out = NULL;
+	c->st = kl_fn_call(c->f, &c->x, &c->out);
+}
+
+/* Call f on x with the recompiles log captured; out = x * w must equal want
+ * everywhere. Returns the log. */
+static char *expect_call(scaled_call *c, double want, const char *what)
+{
+	kl_ctx *ctx = kl_tensor_ctx(c->x);
+	unsigned saved = ctx->logs;
+	ctx->logs |= KL_LOG_RECOMPILES;
+	char *log = capture_stderr(call_scaled, c);
+	ctx->logs = saved;
+	if (c->st != KL_OK)
+		fail_msg("%s: %s", what, kl_last_error(ctx));
+	expect_all(c->out, want, what);
+	kl_release(c->out);
+	return log;
+}
+
+/* out = x * p->w with x all 1s: the result shows which weight was used. */
+static void check_user_weights(kl_ctx *ctx, const kl_compile_opts *o, const char *mode)
+{
+	char what[128];
+	int64_t n4[1] = {4}, n5[1] = {5};
+	params p = {.w = kl_full(ctx, KL_F32, 1, n4, 2)};
+	scaled_call c = {.f = kl_compile(ctx, body_scaled, &p, 1, 1, o),
+	                 .x = kl_full(ctx, KL_F32, 1, n4, 1)};
+	assert_non_null(c.f);
+	snprintf(what, sizeof what, "%s: first call", mode);
+	free(expect_call(&c, 2, what));
+	snprintf(what, sizeof what, "%s: second call", mode);
+	free(expect_call(&c, 2, what));
+	int traces = p.traces;
+	if (o->fullgraph)
+		assert_int_equal(traces, 1); /* replayed: fn did not run */
+
+	/* the weight replaced by a new tensor of 3s: the next call sees it */
+	kl_release(p.w);
+	p.w = kl_full(ctx, KL_F32, 1, n4, 3);
+	long compiles = kl__jit_compiles();
+	snprintf(what, sizeof what, "%s: weight replaced", mode);
+	char *log = expect_call(&c, 3, what);
+	assert_int_equal(kl__jit_compiles(), compiles); /* same graph: no compile */
+	if (o->fullgraph) {
+		assert_non_null(strstr(log, "captured tensor 0 (f32 [4], reached through user state) "
+		                            "is no longer held by the program: tracing fn again"));
+		assert_non_null(strstr(log, "the same graph, its plan re-bound"));
+	}
+	free(log);
+	/* and replays again from then on */
+	traces = p.traces;
+	snprintf(what, sizeof what, "%s: after the replacement", mode);
+	free(expect_call(&c, 3, what));
+	if (o->fullgraph)
+		assert_int_equal(p.traces, traces);
+
+	/* written in place: 5s through kl_copy (a broadcast scalar) */
+	kl_tensor *five = kl_scalar(ctx, KL_F64, 5);
+	assert_int_equal(kl_copy(p.w, five), KL_OK);
+	kl_release(five);
+	snprintf(what, sizeof what, "%s: weight written in place", mode);
+	log = expect_call(&c, 5, what);
+	if (o->fullgraph)
+		assert_non_null(strstr(log, "was written in place (version 0 -> 1): tracing fn "
+		                            "again"));
+	free(log);
+	/* through a view of it: half of the weight becomes 7 */
+	kl_tensor *half = kl_slice(p.w, 0, 2, 4, 1), *seven = kl_scalar(ctx, KL_F32, 7);
+	assert_int_equal(kl_copy(half, seven), KL_OK);
+	kl_release(half);
+	kl_release(seven);
+	snprintf(what, sizeof what, "%s: weight written through a view", mode);
+	c.st = KL_ESTATE;
+	call_scaled(&c);
+	assert_int_equal(c.st, KL_OK);
+	double *v = kltest_read(c.out);
+	assert_true(v[0] == 5 && v[1] == 5 && v[2] == 7 && v[3] == 7);
+	free(v);
+	kl_release(c.out);
+
+	/* replaced by one of another shape: x broadcasts against [5,4]... here
+	 * x is [4] and w [5,4]: a recompile, logged with the graph diff */
+	kl_release(p.w);
+	p.w = kl_full(ctx, KL_F32, 2, (int64_t[]){5, 4}, 6);
+	snprintf(what, sizeof what, "%s: weight of another shape", mode);
+	log = expect_call(&c, 6, what);
+	if (o->fullgraph) {
+		assert_non_null(strstr(log, "is no longer held by the program"));
+		assert_non_null(strstr(log, "recompile #2 of "));
+		assert_non_null(strstr(log, "its graph changed and was recompiled"));
+	}
+	free(log);
+	(void)n5;
+	kl_fn_free(c.f);
+	/* the function held the old weights only while it lived: all released */
+	kl_release(p.w);
+	kl_release(c.x);
+}
+
+static void test_user_weights(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	check_user_weights(ctx, &(kl_compile_opts){.fullgraph = true}, "fullgraph");
+	check_user_weights(ctx, &(kl_compile_opts){0}, "default");
+	check_user_weights(ctx, &(kl_compile_opts){.fullgraph = true, .mode = KL_MODE_REDUCE_OVERHEAD},
+	                   "fullgraph reduce-overhead");
+	check_user_weights(ctx, &(kl_compile_opts){.mode = KL_MODE_REDUCE_OVERHEAD},
+	                   "reduce-overhead");
+	kl_memory_usage mu;
+	assert_int_equal(kl_memory_stats(ctx, &mu), KL_OK);
+	assert_int_equal(mu.in_use, 0);
+	kl_ctx_free(ctx);
+}
+
+/* the fullgraph guard counts the program's references, not the functions':
+ * two compiled functions sharing a weight both see it replaced */
+static void test_shared_weight(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	int64_t n4[1] = {4};
+	params p = {.w = kl_full(ctx, KL_F32, 1, n4, 2)};
+	kl_compile_opts o = {.fullgraph = true};
+	scaled_call a = {.f = kl_compile(ctx, body_scaled, &p, 1, 1, &o),
+	                 .x = kl_full(ctx, KL_F32, 1, n4, 1)};
+	scaled_call b = {.f = kl_compile(ctx, body_scaled, &p, 1, 1, &o), .x = a.x};
+	free(expect_call(&a, 2, "a"));
+	free(expect_call(&b, 2, "b"));
+	kl_release(p.w);
+	p.w = kl_full(ctx, KL_F32, 1, n4, 3);
+	free(expect_call(&a, 3, "a after the replacement"));
+	free(expect_call(&b, 3, "b after the replacement"));
+	kl_fn_free(a.f);
+	kl_fn_free(b.f);
+	kl_release(p.w);
+	kl_release(a.x);
+	kl_ctx_free(ctx);
+}
+
+/* kl_copy: broadcasting, casting, strided destinations, overlap, errors */
+static void test_copy(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	int64_t s23[2] = {2, 3};
+	kl_tensor *d = kl_zeros(ctx, KL_F32, 2, s23);
+	kl_tensor *row = kl_arange(ctx, KL_I64, 0, 3, 1);
+	assert_int_equal(kl_copy(d, row), KL_OK); /* [3] i64 -> [2,3] f32 */
+	double *v = kltest_read(d);
+	for (int i = 0; i < 6; i++)
+		assert_true(v[i] == i % 3);
+	free(v);
+	/* into a transposed view: d^T = [[0,1],[2,3],[4,5]] */
+	kl_tensor *t = kl_transpose(d, 0, 1);
+	kl_tensor *src = kl_reshape(kl_arange(ctx, KL_F32, 0, 6, 1), 2, (int64_t[]){3, 2});
+	assert_int_equal(kl_copy(t, src), KL_OK);
+	v = kltest_read(d);
+	const double want[6] = {0, 2, 4, 1, 3, 5};
+	for (int i = 0; i < 6; i++)
+		assert_true(v[i] == want[i]);
+	free(v);
+	/* src overlapping dst: d = d^T^T of a copy made first, d[0] <- d[1] */
+	kl_tensor *r0 = kl_slice(d, 0, 0, 1, 1), *r1 = kl_slice(d, 0, 1, 2, 1);
+	assert_int_equal(kl_copy(r0, r1), KL_OK);
+	v = kltest_read(d);
+	for (int i = 0; i < 3; i++)
+		assert_true(v[i] == v[i + 3]);
+	free(v);
+	/* errors name the call, the shapes and the reason; nothing is written */
+	kl_tensor *bad = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4});
+	assert_int_equal(kl_copy(d, bad), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_copy: src [4] does not broadcast to dst [2,3]"));
+	kl_tensor *ex = kl_expand(kl_zeros(ctx, KL_F32, 2, (int64_t[]){1, 3}), 2, s23);
+	assert_int_equal(kl_copy(ex, d), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "repeats elements"));
+	assert_int_equal(kl_copy(NULL, d), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_copy: dst is NULL"));
+	kl_tensor *all[8] = {d, row, t, src, r0, r1, bad, ex};
+	for (int i = 0; i < 8; i++)
+		kl_release(all[i]);
+	kl_ctx_free(ctx);
+}
+
+static kl_status body_copy_inside(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                  int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	params *p = user;
+	kl_status st = kl_copy(p->w, in[0]);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_neg(in[0]);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static void test_copy_inside_compiled(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	params p = {.w = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4})};
+	kl_tensor *x = kl_full(ctx, KL_F32, 1, (int64_t[]){4}, 1), *out = NULL;
+	kl_fn *f = kl_compile(ctx, body_copy_inside, &p, 1, 1, NULL);
+	assert_int_equal(kl_fn_call(f, &x, &out), KL_ESTATE);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_copy: called inside a compiled function"));
+	expect_all(p.w, 0, "nothing written");
+	kl_fn_free(f);
+	kl_release(x);
+	kl_release(p.w);
+	kl_ctx_free(ctx);
 }
 
 /* ---- kl_explain after a failed first call ------------------------------------ */
@@ -260,6 +502,10 @@ static void test_cache_dir_open_to_others(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
+	        cmocka_unit_test(test_user_weights),
+	        cmocka_unit_test(test_shared_weight),
+	        cmocka_unit_test(test_copy),
+	        cmocka_unit_test(test_copy_inside_compiled),
 	        cmocka_unit_test(test_explain_after_failure),
 	        cmocka_unit_test(test_synchronize),
 	        cmocka_unit_test(test_cache_dir_open_to_others),

@@ -104,15 +104,29 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	return f;
 }
 
+/* Forget how a fullgraph variant replays (its captured tensors go back). */
+static void replay_reset(kl_variant *v)
+{
+	for (int i = 0; i < v->ncaptured; i++) {
+		v->captured[i]->capture_refs--;
+		kl_release(v->captured[i]);
+	}
+	free(v->captured);
+	free(v->cap_version);
+	free(v->in_src);
+	free(v->out_src);
+	v->captured = NULL;
+	v->cap_version = NULL;
+	v->in_src = v->out_src = NULL;
+	v->ncaptured = 0;
+	v->replay = false;
+}
+
 static void variant_free(kl_variant *v)
 {
 	if (!v)
 		return;
-	for (int i = 0; i < v->ncaptured; i++)
-		kl_release(v->captured[i]);
-	free(v->captured);
-	free(v->in_src);
-	free(v->out_src);
+	replay_reset(v);
 	free(v->segs);
 	free(v->g);
 	free(v);
@@ -468,6 +482,53 @@ static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
 	}
 }
 
+/* Capture t (a tensor fn reached through user state) for replays: its index
+ * in v->captured, or -1 when out of memory. */
+static int capture(kl_variant *v, kl_tensor *t)
+{
+	for (int i = 0; i < v->ncaptured; i++)
+		if (v->captured[i] == t)
+			return i;
+	kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
+	if (!p)
+		return -1;
+	v->captured = p;
+	uint64_t *q = realloc(v->cap_version, (size_t)(v->ncaptured + 1) * sizeof *q);
+	if (!q)
+		return -1;
+	v->cap_version = q;
+	v->captured[v->ncaptured] = kl_retain(t);
+	t->capture_refs++;
+	v->cap_version[v->ncaptured] = t->st->version;
+	return v->ncaptured++;
+}
+
+/* Why a replay of v would compute with tensors the program no longer means
+ * (the guards on captured tensors, see kl_fn_body in kiln.h); NULL if none. */
+static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
+{
+	for (int i = 0; i < v->ncaptured; i++) {
+		const kl_tensor *t = v->captured[i];
+		char sh[128];
+		kl__shape_str(sh, sizeof sh, t->ndim, t->shape);
+		if (t->refs <= t->capture_refs) {
+			snprintf(why, cap,
+			         "captured tensor %d (%s %s, reached through user state) is no longer "
+			         "held by the program",
+			         i, kl_dtype_name(t->dtype), sh);
+			return why;
+		}
+		if (t->st->version != v->cap_version[i]) {
+			snprintf(why, cap,
+			         "captured tensor %d (%s %s, reached through user state) was written "
+			         "in place (version %" PRIu64 " -> %" PRIu64 ")",
+			         i, kl_dtype_name(t->dtype), sh, v->cap_version[i], t->st->version);
+			return why;
+		}
+	}
+	return NULL;
+}
+
 static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 {
 	kl_variant *v = cs->v;
@@ -486,12 +547,10 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 			continue;
 		}
 		/* a tensor fn reached through user state: bound as traced */
-		kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
-		if (!p)
+		int k = capture(v, t);
+		if (k < 0)
 			return KL_ENOMEM;
-		v->captured = p;
-		v->captured[v->ncaptured] = kl_retain(t);
-		v->in_src[i] = -1 - v->ncaptured++;
+		v->in_src[i] = -1 - k;
 	}
 	return KL_OK;
 }
@@ -665,13 +724,10 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 		for (j = 0; j < f->nin && in[j] != out[k]; j++)
 			;
 		if (j == f->nin) {
-			kl_tensor **p =
-			        realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
-			if (!p)
+			int c = capture(v, out[k]);
+			if (c < 0)
 				return KL_ENOMEM;
-			v->captured = p;
-			v->captured[v->ncaptured] = kl_retain(out[k]);
-			j = f->nin + v->ncaptured++;
+			j = f->nin + c;
 		}
 		v->out_src[k] = -1 - j;
 	}
@@ -793,6 +849,20 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 	return st;
 }
 
+/* Check v's captured-tensor guards before a replay; when one fails, log it
+ * and drop the replay state (the call traces fn again). */
+static bool stale_replay(kl_fn *f, kl_variant *v)
+{
+	char why[256];
+	if (!captured_stale(v, why, sizeof why))
+		return false;
+	tally(f, "captured tensor", why);
+	kl__log(f->ctx, KL_LOG_RECOMPILES, "%s: variant %d: %s: tracing fn again", f->name, v->id,
+	        why);
+	replay_reset(v);
+	return true;
+}
+
 static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, bool count)
 {
 	kl_ctx *ctx = f->ctx;
@@ -873,7 +943,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			    !(pin[i] = kl_contiguous(in[i])))
 				st = kl_last_status(ctx);
 		kl_variant *v = st == KL_OK ? find_variant(f, pin) : NULL;
-		bool fresh = false;
+		bool fresh = false, stale = false;
 		if (st == KL_OK && !v) {
 			char why[160], name[48];
 			explain_miss(f, pin, why, sizeof why, name, sizeof name);
@@ -896,10 +966,21 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 		} else if (!v) {
 			f->eager_calls++;
 			st = eager_call(f, pin, out, true);
-		} else if (v->replay) {
+		} else if (v->replay && !(stale = stale_replay(f, v))) {
 			/* replay hands out references of its own, not the scope's */
 			st = replay(f, v, pin, out);
 			owned = true;
+		} else if (stale) {
+			/* a captured tensor changed: fn runs again to read the program's
+			 * tensors; the same graph is only re-bound, another recompiles */
+			int before = f->compiles;
+			st = traced_call(f, v, false, pin, out);
+			if (st == KL_OK)
+				kl__log(ctx, KL_LOG_RECOMPILES, "%s: variant %d traced again: %s", f->name,
+				        v->id,
+				        f->compiles == before ? "the same graph, its plan re-bound to the "
+				                                "tensors fn reads now (no compile)"
+				                              : "its graph changed and was recompiled");
 		} else {
 			st = traced_call(f, v, fresh, pin, out);
 			if (st != KL_OK && fresh)

@@ -44,7 +44,8 @@ typedef struct kl_variant {
 	 * -1 - j: fn input j (j < nin) or captured[j - nin]. */
 	bool replay;
 	int32_t *in_src, *out_src;
-	kl_tensor **captured;
+	kl_tensor **captured; /* each holds one capture reference (capture_refs) */
+	uint64_t *cap_version; /* captured[i]'s storage version when captured */
 	int ncaptured;
 } kl_variant;
 

@@ -28,6 +28,10 @@ typedef struct kl_storage {
 	kl_device device;
 	void *data;   /* host pointer on the CPU, device pointer on CUDA */
 	size_t nbytes;
+	/* Bumped by every write into this memory after it was first filled
+	 * (kl__storage_written): the version counter compiled functions guard
+	 * the tensors they captured with. Views share it with their base. */
+	uint64_t version;
 } kl_storage;
 
 struct kl_trace;
@@ -46,6 +50,10 @@ struct kl_tensor {
 	 * was never materialized is an error to use. */
 	uint64_t trace_id;
 	int32_t node;
+	/* references held by compiled functions that captured this tensor (it
+	 * was reached through user state): refs - capture_refs is what the
+	 * program itself holds, 0 once it let the tensor go */
+	int32_t capture_refs;
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
 
@@ -157,6 +165,12 @@ static inline void *kl__tensor_data(const kl_tensor *t)
 	return (char *)t->st->data + t->offset * (int64_t)kl_dtype_size(t->dtype);
 }
 bool kl__strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* Every path that writes into an existing tensor's memory (rather than
+ * filling fresh storage) calls this after the write. */
+static inline void kl__storage_written(kl_storage *st)
+{
+	st->version++;
+}
 /* Drop a tensor made inside the library that is not handed out (a temporary,
  * or the output of a failed op): it also leaves the open scope, where a plain
  * kl_release would leave a dangling entry. */
