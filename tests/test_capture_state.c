@@ -51,7 +51,8 @@ static char *capture_stderr(void (*fn)(void *), void *arg)
 	return s;
 }
 
-static char *explain_str(kl_fn *f)
+/* noinline: once inlined, GCC takes open_memstream's buffer for a dangling local */
+__attribute__((noinline)) static char *explain_str(kl_fn *f)
 {
 	char *buf = NULL;
 	size_t len = 0;
@@ -315,6 +316,187 @@ static void test_copy_inside_compiled(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* ---- scopes inside a function with a graph break (item 5) --------------------------- */
+
+enum { NO_SCOPE, SCOPE_ACROSS_BREAK, SCOPE_BEFORE_BREAK, USE_AFTER, KEEP, PRODUCT };
+
+typedef struct scoped_body {
+	int how;
+	double total;
+	kl_tensor *kept; /* KEEP: a tensor fn retains for after the call */
+} scoped_body;
+
+/* y = relu(a*b + c); kl_item(mean(y)) breaks the graph; then a result that
+ * reads y (USE_AFTER, KEEP) or not */
+static kl_status body_scoped(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	scoped_body *b = user;
+	if (b->how == SCOPE_ACROSS_BREAK || b->how == SCOPE_BEFORE_BREAK)
+		kl_scope_begin(ctx);
+	kl_tensor *y = kl_relu(kl_add(kl_mul(in[0], in[1]), in[2]));
+	kl_tensor *m = kl_mean(y, 0, NULL, false);
+	if (b->how == SCOPE_BEFORE_BREAK) {
+		kl_retain(m);
+		kl_scope_end(ctx);
+	}
+	if (b->how == KEEP)
+		b->kept = kl_retain(kl_exp(y));
+	kl_status st = kl_item(m, &b->total);
+	if (b->how == SCOPE_BEFORE_BREAK)
+		kl_release(m);
+	if (b->how == SCOPE_ACROSS_BREAK)
+		kl_scope_end(ctx);
+	if (st != KL_OK)
+		return st;
+	out[0] = b->how == USE_AFTER || b->how == KEEP ? kl_mul_scalar(y, b->total)
+	                                               : kl_mul_scalar(in[0], b->total);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static kl_tensor *apply_y(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_relu(kl_add(kl_mul(in[0], in[1]), in[2]));
+}
+
+static kl_tensor *apply_after(kl_tensor *const *in, const void *p)
+{
+	const scoped_body *b = p;
+	kl_tensor *base = b->how == USE_AFTER || b->how == KEEP ? apply_y(in, NULL) : in[0];
+	return kl_mul_scalar(base, b->total);
+}
+
+static kl_tensor *apply_mean_y(kl_tensor *const *in, const void *p)
+{
+	return kl_mean(apply_y(in, p), 0, NULL, false);
+}
+
+static kl_tensor *apply_exp_y(kl_tensor *const *in, const void *p)
+{
+	return kl_exp(apply_y(in, p));
+}
+
+static void check_values(kl_ctx *ctx, kl_tensor *t, kltest_apply_fn apply, kl_tensor *const *in,
+                         const void *p, const char *what)
+{
+	int nd;
+	int64_t shape[KL_MAX_DIMS];
+	kl_dtype dt;
+	double *ref = kltest_reference(ctx, what, apply, in, p, &nd, shape, &dt);
+	double *got = kltest_read(t);
+	assert_non_null(ref);
+	assert_non_null(got);
+	assert_int_equal(kl_numel(t), kl__numel(nd, shape));
+	assert_true(kltest_compare(what, dt, nd, shape, got, ref, 4));
+	free(ref);
+	free(got);
+}
+
+static int call_scoped(kl_ctx *ctx, kl_tensor *const *in, scoped_body *b, char **explain)
+{
+	kl_fn *f = kl_compile(ctx, body_scoped, b, 3, 1, NULL);
+	kl_tensor *out = NULL;
+	assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+	int kernels = kl_fn_last_kernels(f);
+	/* the item saw mean(y), the result is what the body says */
+	kl_tensor *m = kl_scalar(ctx, KL_F64, b->total);
+	check_values(ctx, m, apply_mean_y, in, b, "the mean kl_item read");
+	kl_release(m);
+	check_values(ctx, out, apply_after, in, b, "the result after the break");
+	kl_release(out);
+	*explain = explain_str(f);
+	kl_fn_free(f);
+	return kernels;
+}
+
+static void test_scopes_across_a_break(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	int64_t shape[2] = {64, 96};
+	kl_tensor *in[3];
+	for (int i = 0; i < 3; i++)
+		in[i] = kltest_rand(ctx, KL_F32, 2, shape, KLTEST_NORMAL, KLTEST_CONTIG, 90 + (uint64_t)i);
+	char *ex;
+	/* whether or where fn opens a scope, the plan is the same: graph 0 one
+	 * kernel (relu(a*b+c) and its mean, nothing else written), graph 1 one */
+	const int hows[3] = {NO_SCOPE, SCOPE_ACROSS_BREAK, SCOPE_BEFORE_BREAK};
+	for (int h = 0; h < 3; h++) {
+		scoped_body b = {.how = hows[h]};
+		int kernels = call_scoped(ctx, in, &b, &ex);
+		if (kernels != 2)
+			fail_msg("scopes case %d: %d kernels, want 2:\n%s", h, kernels, ex);
+		assert_non_null(strstr(ex, "graph 0: 4 ops, ended by a graph break: kl_item"));
+		assert_non_null(strstr(ex, "outputs 4 B)")); /* graph 0 writes only the mean */
+		free(ex);
+	}
+	/* y used after the break: graph 0 still writes only the mean; graph 1
+	 * computes y again from a, b, c, fused into its use */
+	scoped_body b = {.how = USE_AFTER};
+	assert_int_equal(call_scoped(ctx, in, &b, &ex), 2);
+	assert_non_null(strstr(ex, "outputs 4 B)"));
+	free(ex);
+	/* a value fn keeps past the call (a reference of its own) is computed */
+	b = (scoped_body){.how = KEEP};
+	call_scoped(ctx, in, &b, &ex);
+	free(ex);
+	assert_non_null(b.kept);
+	assert_non_null(b.kept->st);
+	check_values(ctx, b.kept, apply_exp_y, in, &b, "a tensor kept past the call");
+	kl_release(b.kept);
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+	kl_ctx_free(ctx);
+}
+
+/* a matrix product alive at the break is written out, not computed twice */
+static kl_status body_product(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	double *total = user;
+	kl_tensor *h = kl_matmul(in[0], in[1]);
+	kl_status st = kl_item(kl_sum(h, 0, NULL, false), total);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_relu(h);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static kl_tensor *apply_product(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_relu(kl_matmul(in[0], in[1]));
+}
+
+static void test_product_across_a_break(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = new_ctx();
+	kl_tensor *in[2] = {
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){32, 48}, KLTEST_NORMAL, KLTEST_CONTIG, 7),
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){48, 16}, KLTEST_NORMAL, KLTEST_CONTIG, 8)};
+	double total = 0;
+	kl_fn *f = kl_compile(ctx, body_product, &total, 2, 1, NULL);
+	kl_tensor *out = NULL;
+	assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+	check_values(ctx, out, apply_product, in, NULL, "relu of the product after the break");
+	kl_release(out);
+	char *ex = explain_str(f);
+	const char *g1 = strstr(ex, "graph 1: ");
+	assert_non_null(g1);
+	assert_non_null(strstr(g1, "0 library calls")); /* no second product */
+	free(ex);
+	kl_fn_free(f);
+	kl_release(in[0]);
+	kl_release(in[1]);
+	kl_ctx_free(ctx);
+}
+
 /* ---- kl_explain after a failed first call ------------------------------------ */
 
 typedef struct flaky {
@@ -506,6 +688,8 @@ int main(void)
 	        cmocka_unit_test(test_shared_weight),
 	        cmocka_unit_test(test_copy),
 	        cmocka_unit_test(test_copy_inside_compiled),
+	        cmocka_unit_test(test_scopes_across_a_break),
+	        cmocka_unit_test(test_product_across_a_break),
 	        cmocka_unit_test(test_explain_after_failure),
 	        cmocka_unit_test(test_synchronize),
 	        cmocka_unit_test(test_cache_dir_open_to_others),

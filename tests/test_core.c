@@ -1007,8 +1007,10 @@ static void test_trace_nodes_and_hash(void **state)
 }
 
 static int hook_calls;
-static kl_status refuse_hook(kl_ctx *ctx, const char *op)
+static kl_status refuse_hook(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts)
 {
+	(void)n;
+	(void)ts;
 	hook_calls++;
 	return kl__err(ctx, KL_ESTATE, "%s: refused by the test hook", op);
 }
@@ -1110,9 +1112,11 @@ static void test_trace_rules(void **state)
 }
 
 /* a graph break with nothing to run: end the trace, start the next */
-static kl_status break_hook(kl_ctx *ctx, const char *op)
+static kl_status break_hook(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts)
 {
 	(void)op;
+	(void)n;
+	(void)ts;
 	hook_calls++;
 	kl__trace_free(kl__trace_end(ctx, 0, NULL));
 	return kl__trace_begin(ctx);

@@ -17,7 +17,7 @@ static kl_status sync_point(kl_ctx *ctx, const char *op, int n, kl_tensor *const
 	if (ctx->trace) {
 		if (!ctx->sync_hook)
 			return kl__err(ctx, KL_ESTATE, "%s: sync point inside a trace", op);
-		kl_status st = ctx->sync_hook(ctx, op);
+		kl_status st = ctx->sync_hook(ctx, op, n, ts);
 		if (st != KL_OK)
 			return st;
 	}

@@ -580,7 +580,8 @@ static kl_status record_seg(call *cs, kl_gentry *e, const char *reason, int nops
 
 /* End the active trace with lazy[] as its outputs, compile and run it, and
  * give every lazy[i] its value. reason: the sync op (a break), or NULL. */
-static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason)
+static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason,
+                             kl_trace **keep)
 {
 	kl_fn *f = cs->f;
 	kl_ctx *ctx = f->ctx;
@@ -614,7 +615,9 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		if (st == KL_OK) {
 			cs->launches += e->c->last_launches;
 			for (int i = 0; i < n && st == KL_OK; i++)
-				st = transplant(ctx, lazy[i], outs[i]);
+				if ((st = transplant(ctx, lazy[i], outs[i])) == KL_OK && keep &&
+				    kl__trace_materialized(tr, i, lazy[i]) != KL_OK)
+					st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 			if (st == KL_OK && reason && e->c->dynamic)
 				remember_dyn(cs, e->c, lazy, n);
 		}
@@ -627,12 +630,36 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	if (st == KL_OK && record_seg(cs, e, reason, nops, last_op, last_node) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
-	kl__trace_free(tr);
+	if (keep && st == KL_OK)
+		*keep = tr;
+	else
+		kl__trace_free(tr);
 	return st;
 }
 
+/* Whether a lazy tensor alive at a graph break is computed by the graph that
+ * ends there. A tensor that only the open scopes hold (the autoreleased
+ * temporaries of fn, which kl_fn_call's own scope holds too) is not: if fn
+ * uses it after the break, the next graph computes it again from what it
+ * reads, so values fn never touches again cost nothing. Computed are the
+ * tensors the sync op reads, those the program holds a reference to beyond
+ * the scopes (kl_retain: kept for later), and the results of matrix
+ * products and attention (computing those again would cost more than the
+ * write). */
+static bool computed_at_break(const kl_ctx *ctx, const kl_tensor *t, int nreq,
+                              kl_tensor *const *req)
+{
+	for (int i = 0; i < nreq; i++)
+		if (req[i] == t)
+			return true;
+	if (t->refs > t->scoped)
+		return true;
+	int op = ctx->trace->g.nodes[t->node].op;
+	return op == KL_OP_MATMUL || op == KL_OP_ATTENTION;
+}
+
 /* The sync hook: a graph break, or (fullgraph) a refusal. */
-static kl_status capture_sync(kl_ctx *ctx, const char *op)
+static kl_status capture_sync(kl_ctx *ctx, const char *op, int nreq, kl_tensor *const *req)
 {
 	call *cs = ctx->sync_user;
 	kl_fn *f = cs->f;
@@ -650,11 +677,17 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 	}
 	if (cs->err != KL_OK)
 		return kl__err(ctx, cs->err, "%s", cs->errmsg);
+	/* what the op reads, if an earlier graph left it uncomputed, is
+	 * computed by this one */
+	for (int i = 0; i < nreq; i++)
+		if (!req[i]->st && kl__trace_node_of(ctx, req[i]) < 0)
+			return kl_last_status(ctx);
 	uint64_t id = ctx->trace->id;
 	int n = 0;
 	for (kl_tensor *t = ctx->live; t; t = t->next)
-		n += !t->st && t->trace_id == id;
+		n += !t->st && t->trace_id == id && computed_at_break(ctx, t, nreq, req);
 	kl_tensor **lazy = malloc(sizeof *lazy * (size_t)(n ? n : 1));
+	kl_trace *ended = NULL;
 	kl_status st;
 	if (!lazy) {
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
@@ -663,9 +696,9 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 		/* the live list runs newest first: fill from the back for trace order */
 		int k = n;
 		for (kl_tensor *t = ctx->live; t; t = t->next)
-			if (!t->st && t->trace_id == id)
+			if (!t->st && t->trace_id == id && computed_at_break(ctx, t, nreq, req))
 				lazy[--k] = t;
-		st = run_segment(cs, lazy, n, op);
+		st = run_segment(cs, lazy, n, op, &ended);
 	}
 	free(lazy);
 	if (st == KL_OK) {
@@ -680,8 +713,10 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 		call_fail(cs, st);
 	}
 	cs->seg++;
-	/* fn goes on recording either way; a failure fails the call at its end */
-	kl_status bst = kl__trace_begin(ctx);
+	/* fn goes on recording either way; a failure fails the call at its end.
+	 * The new trace continues the ended one: what that left uncomputed is
+	 * computed where fn uses it. */
+	kl_status bst = ended ? kl__trace_continue(ctx, ended) : kl__trace_begin(ctx);
 	if (st == KL_OK && bst != KL_OK) {
 		call_fail(cs, bst);
 		st = bst;
@@ -744,7 +779,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	kl_status st = kl__trace_begin(ctx);
 	if (st != KL_OK)
 		return st;
-	kl_status (*prev_hook)(kl_ctx *, const char *) = ctx->sync_hook;
+	kl_status (*prev_hook)(kl_ctx *, const char *, int, kl_tensor *const *) = ctx->sync_hook;
 	void *prev_user = ctx->sync_user;
 	ctx->sync_hook = capture_sync;
 	ctx->sync_user = &cs;
@@ -767,11 +802,16 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			kl_tensor *t = out[k];
 			if (t->st)
 				continue;
-			if (t->trace_id != ctx->trace->id) {
+			if (!kl__trace_holds(ctx, t)) {
 				st = kl__err(ctx, KL_ESTATE,
 				             "kl_fn_call: %s: out[%d] is a lazy tensor of a "
 				             "finished trace",
 				             f->name, k);
+				break;
+			}
+			/* one an earlier graph left uncomputed: the last graph computes it */
+			if (t->trace_id != ctx->trace->id && kl__trace_node_of(ctx, t) < 0) {
+				st = kl_last_status(ctx);
 				break;
 			}
 			int j = 0;
@@ -781,7 +821,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 				lazy[nl++] = t;
 		}
 		if (st == KL_OK)
-			st = run_segment(&cs, lazy, nl, NULL);
+			st = run_segment(&cs, lazy, nl, NULL, NULL);
 	}
 	if (ctx->trace)
 		kl__trace_free(kl__trace_end(ctx, 0, NULL));
@@ -910,7 +950,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			               "kl_fn_call: %s: input %d belongs to another "
 			               "context",
 			               f->name, i);
-		if (!t->st && (!ctx->trace || t->trace_id != ctx->trace->id))
+		if (!kl__trace_holds(ctx, t))
 			return kl__err(ctx, KL_ESTATE,
 			               "kl_fn_call: %s: input %d is a lazy tensor of a "
 			               "finished trace",

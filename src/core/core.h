@@ -54,6 +54,7 @@ struct kl_tensor {
 	 * was reached through user state): refs - capture_refs is what the
 	 * program itself holds, 0 once it let the tensor go */
 	int32_t capture_refs;
+	int32_t scoped; /* entries of open scopes that hold this tensor's references */
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
 
@@ -104,12 +105,13 @@ struct kl_ctx {
 	int nscopes, cap_scopes;
 	struct kl_trace *trace; /* the active capture, or NULL (eager) */
 	uint64_t next_trace_id;
-	/* Called at a sync point (kl_item, kl_to_host, kl_print, kl_host_call)
-	 * while a trace is active: the capture layer compiles and runs the graph
-	 * so far, materializes every live lazy tensor of it and starts a new
-	 * trace (a graph break), or refuses (fullgraph). NULL: sync points
-	 * inside a trace are an error. */
-	kl_status (*sync_hook)(kl_ctx *ctx, const char *op);
+	/* Called at a sync point (kl_item, kl_to_host, kl_print, kl_host_call,
+	 * kl_ctx_synchronize) while a trace is active, with the n tensors the
+	 * op reads: the capture layer compiles and runs the graph so far,
+	 * materializes those tensors (and the live ones the program may still
+	 * use, see capture.c) and continues in a new trace (a graph break), or
+	 * refuses (fullgraph). NULL: sync points inside a trace are an error. */
+	kl_status (*sync_hook)(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts);
 	void *sync_user;
 	unsigned logs; /* KL_LOG_* bits, from KILN_LOGS at kl_ctx_new */
 	void *backend_state; /* per-backend data (CUDA context, streams, ...) */
@@ -207,17 +209,40 @@ typedef struct kl_trace {
 	/* the materialized tensor behind each INPUT node (one reference held) */
 	kl_tensor **in_tensors;
 	int nin_tensors, cap_in_tensors;
+	/* Ended traces of the same capture that this one continues (newest
+	 * first, owned). A lazy tensor of one of them that was not materialized
+	 * at its break is still usable: its node and what it reads are copied
+	 * into this trace when it is used (computed again, in the new graph). */
+	struct kl_trace *prev;
+	/* Set on a trace once ended: per node, the tensor that received its
+	 * value (one reference held), else NULL; and, per node, its copy in the
+	 * trace with id imported_for (-1: none yet). */
+	kl_tensor **mat;
+	int32_t *imported;
+	uint64_t imported_for;
 } kl_trace;
 
 /* Start recording: ops on ctx append nodes instead of running. */
 kl_status kl__trace_begin(kl_ctx *ctx);
+/* kl__trace_begin, continuing prev (ended, its values handed to tensors
+ * through kl__trace_materialized): lazy tensors of prev and of the traces it
+ * continues stay usable. Takes prev (freed with the new trace, or at once on
+ * failure). */
+kl_status kl__trace_continue(kl_ctx *ctx, kl_trace *prev);
+/* Record that output i of ended trace tr now lives in tensor t. */
+kl_status kl__trace_materialized(kl_trace *tr, int i, kl_tensor *t);
+/* Whether t can be used by an op now: materialized, or lazy in the active
+ * trace or in one it continues. */
+bool kl__trace_holds(const kl_ctx *ctx, const kl_tensor *t);
 /* Stop recording; returns the trace (caller frees with kl__trace_free).
  * outputs[] are lazy tensors of this trace: they become the graph's
  * outputs in order. */
 kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs);
 void kl__trace_free(kl_trace *tr);
 /* The node a tensor is in the active trace, adding an INPUT node for a
- * materialized tensor; -1 on error. */
+ * materialized tensor, or copying a lazy tensor of a trace the active one
+ * continues (with what it reads) into it, the tensor then naming the copy;
+ * -1 on error. */
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t);
 
 #endif /* KILN_CORE_H */
