@@ -189,7 +189,7 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * cast to dst's dtype, into dst's memory (which dst's views share). dst may
  * be strided but must not repeat an element (a stride-0 dim); src may
  * overlap it. Every write bumps the version counter of dst's memory, which
- * compiled functions that captured dst guard (see kl_compile). Refused
+ * compiled functions that captured dst guard (see kl_fn_body). Refused
  * inside a compiled function (a graph records no writes). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
@@ -335,7 +335,9 @@ typedef enum kl_mode {
  * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
  * fn reads now, with no compile; otherwise the graph is recompiled, which
  * counts toward recompile_limit. KILN_LOGS=recompiles logs each with its
- * reason. Two things no guard can see: a tensor replaced while the program
+ * reason. (A loop that writes a weight in place before every call therefore
+ * runs fn on every call, as without .fullgraph, but compiles nothing.)
+ * Two things no guard can see: a tensor replaced while the program
  * keeps the old one alive elsewhere, and a plain C value changed in user;
  * without .fullgraph both are seen, since fn runs on every call. */
 typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
@@ -363,21 +365,34 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 /* Call the compiled function: out[] receives nout new references. */
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
 /* The graphs, breaks (reason and op), guards of each variant, kernels with
- * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory. */
+ * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory.
+ * The graphs of a call are numbered from 0 (graph 0 ends at the first break),
+ * as in kl_profile and the logs. Calls that failed are counted as such: a
+ * variant whose first call failed is not kept, nor counted as a compile. */
 kl_status kl_explain(kl_fn *f, FILE *out);
 /* Call f on in once, then time each step of each compiled graph of the
  * call alone (on the GPU: device events over about 2 ms of plain launches,
  * no CUDA graph; on the CPU: the host clock over at least 3 runs and 2 ms)
- * and write a table per graph to out: each step's time, share, bytes moved
+ * and write a table per graph ("graph 0", "graph 1", ... as kl_explain
+ * numbers them) to out: each step's time, share, bytes moved
  * and FLOPs computed per second, kernel and what it computes. The call's
  * outputs are released; its compile, if any, happens as in kl_fn_call. */
 kl_status kl_profile(kl_fn *f, kl_tensor *const *in, FILE *out);
 void kl_fn_free(kl_fn *f);
-/* How many kernels (and library calls) the last kl_fn_call launched. */
+/* How many kernels (and library calls) the last kl_fn_call that succeeded
+ * launched; -1 before one has. */
 int kl_fn_last_kernels(const kl_fn *f);
 
 /* Register a host callback that is a sync point: inside a compiled function
- * it is a graph break (the tensors it receives are materialized). */
+ * it is a graph break (the tensors it receives are materialized).
+ *
+ * At a graph break the graph so far computes the tensors the sync op reads,
+ * those the program holds a reference to beyond the open scopes (kl_retain,
+ * e.g. to keep one past the call) and any live matrix product or attention
+ * result. Other live tensors (fn's temporaries, which the scope kl_fn_call
+ * opens holds) are not written out: kl_scope_begin/end inside fn change
+ * nothing, and a temporary fn uses after the break is computed again from
+ * what it reads, in the graph that uses it. */
 typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
 
