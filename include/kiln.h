@@ -87,6 +87,13 @@ typedef struct kl_ctx_opts {
 kl_ctx *kl_ctx_new(const kl_ctx_opts *opts);
 void kl_ctx_free(kl_ctx *ctx);
 kl_device kl_ctx_device(const kl_ctx *ctx);
+/* Wait until every op and compiled call issued on ctx so far has finished on
+ * its device (torch.cuda.synchronize): on CUDA a wait on the context's
+ * stream, on the CPU nothing (ops have finished when they return). Calls on
+ * CUDA return once their work is queued, so time them between two
+ * synchronizes. Inside a compiled function it is a sync point: a graph break
+ * (with .fullgraph, an error). */
+kl_status kl_ctx_synchronize(kl_ctx *ctx);
 
 /* The message of the last failed call on ctx ("" if none). With ctx NULL:
  * the last failure of kl_ctx_new on this thread. */
@@ -172,8 +179,19 @@ kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape
 kl_status kl_to_host(kl_tensor *t, void *dst, size_t nbytes);
 /* The value of a one-element tensor, as a double. */
 kl_status kl_item(kl_tensor *t, double *out);
-/* Print shape, dtype and (up to a limit) values. */
+/* Print values (torch's layout: above 1000 elements only the edges of each
+ * dim), shape and dtype, e.g. "tensor([[1., 2.]], size=[1,2], dtype=f32)". */
 kl_status kl_print(kl_tensor *t, FILE *f);
+
+/* ---- writing in place ---------------------------------------------------- */
+
+/* torch's dst.copy_(src): write src's values, broadcast to dst's shape and
+ * cast to dst's dtype, into dst's memory (which dst's views share). dst may
+ * be strided but must not repeat an element (a stride-0 dim); src may
+ * overlap it. Every write bumps the version counter of dst's memory, which
+ * compiled functions that captured dst guard (see kl_fn_body). Refused
+ * inside a compiled function (a graph records no writes). */
+kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) --------- */
 
@@ -278,7 +296,12 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
 /* Scaled dot-product attention, one fused op: softmax(q k^T * scale) v over
  * q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] with equal batch dims and
  * one float dtype (mixed ones promote). causal: query i sees key j iff
- * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv]. */
+ * j <= i + (Tk - Tq) (a row that sees no key is NaN). Result [..., Tq, Dv].
+ * scale: KL_SDPA_DEFAULT_SCALE (0) means torch's scale=None, 1/sqrt(D); any
+ * other finite value (negative included) is used as given; NaN and infinities
+ * are an error. (A scale of exactly 0 would make every row a plain mean of v,
+ * so 0 is the "not set" value, as 0 is elsewhere in kiln's options.) */
+#define KL_SDPA_DEFAULT_SCALE 0.0
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
 
 /* ---- compilation (kl_compile) -------------------------------------------- */
@@ -294,8 +317,29 @@ typedef enum kl_mode {
 
 /* The function kl_compile captures: reads nin tensors, writes nout new
  * tensors to out[] (references the caller of kl_fn_call then owns).
- * It must compute only through kl_ ops on its inputs and on tensors it
- * creates; state it reads through user is baked into the graph. */
+ * It must compute only through kl_ ops on its inputs, on tensors it creates
+ * and on tensors it reaches through user.
+ *
+ * State reached through user. Plain C values fn reads there (a double passed
+ * to kl_mul_scalar, a flag deciding which ops run) are baked into the graph.
+ * Tensors fn reads there are captured: the compiled plan reads their memory
+ * at every call, never a copy. Without .fullgraph fn runs on every call, so
+ * it always reads the tensors user holds now. With .fullgraph a call replays
+ * the plan without running fn, so each captured tensor is guarded:
+ *  - identity: the program must still hold the tensor (a reference other
+ *    than the compiled function's). Replacing it (kl_release the old one,
+ *    store a new one in user) fails the guard;
+ *  - version: the counter of its memory, bumped by every write in place
+ *    (kl_copy). A write fails the guard.
+ * A failed guard makes that call run fn again: when the graph it traces is
+ * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
+ * fn reads now, with no compile; otherwise the graph is recompiled, which
+ * counts toward recompile_limit. KILN_LOGS=recompiles logs each with its
+ * reason. (A loop that writes a weight in place before every call therefore
+ * runs fn on every call, as without .fullgraph, but compiles nothing.)
+ * Two things no guard can see: a tensor replaced while the program
+ * keeps the old one alive elsewhere, and a plain C value changed in user;
+ * without .fullgraph both are seen, since fn runs on every call. */
 typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
                                 int nout, void *user);
 
@@ -303,7 +347,8 @@ typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_t
 
 typedef struct kl_compile_opts {
 	kl_mode mode;
-	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn */
+	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn
+	                      * while its guards (inputs, captured tensors) hold */
 	bool disable;        /* run fn eagerly (the kill switch) */
 	int recompile_limit; /* variants before falling back to eager; 0 = 8 */
 	/* dynamic dims: dynamic == KL_DYNAMIC_ALL marks every input dim dynamic;
@@ -320,21 +365,34 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 /* Call the compiled function: out[] receives nout new references. */
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
 /* The graphs, breaks (reason and op), guards of each variant, kernels with
- * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory. */
+ * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory.
+ * The graphs of a call are numbered from 0 (graph 0 ends at the first break),
+ * as in kl_profile and the logs. Calls that failed are counted as such: a
+ * variant whose first call failed is not kept, nor counted as a compile. */
 kl_status kl_explain(kl_fn *f, FILE *out);
 /* Call f on in once, then time each step of each compiled graph of the
  * call alone (on the GPU: device events over about 2 ms of plain launches,
  * no CUDA graph; on the CPU: the host clock over at least 3 runs and 2 ms)
- * and write a table per graph to out: each step's time, share, bytes moved
+ * and write a table per graph ("graph 0", "graph 1", ... as kl_explain
+ * numbers them) to out: each step's time, share, bytes moved
  * and FLOPs computed per second, kernel and what it computes. The call's
  * outputs are released; its compile, if any, happens as in kl_fn_call. */
 kl_status kl_profile(kl_fn *f, kl_tensor *const *in, FILE *out);
 void kl_fn_free(kl_fn *f);
-/* How many kernels (and library calls) the last kl_fn_call launched. */
+/* How many kernels (and library calls) the last kl_fn_call that succeeded
+ * launched; -1 before one has. */
 int kl_fn_last_kernels(const kl_fn *f);
 
 /* Register a host callback that is a sync point: inside a compiled function
- * it is a graph break (the tensors it receives are materialized). */
+ * it is a graph break (the tensors it receives are materialized).
+ *
+ * At a graph break the graph so far computes the tensors the sync op reads,
+ * those the program holds a reference to beyond the open scopes (kl_retain,
+ * e.g. to keep one past the call) and any live matrix product or attention
+ * result. Other live tensors (fn's temporaries, which the scope kl_fn_call
+ * opens holds) are not written out: kl_scope_begin/end inside fn change
+ * nothing, and a temporary fn uses after the break is computed again from
+ * what it reads, in the graph that uses it. */
 typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
 

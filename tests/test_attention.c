@@ -183,6 +183,68 @@ static void test_sdpa_errors(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* softmax(q k^T / sqrt(D)) v written out by hand: an oracle for the default
+ * scale that does not go through kl_sdpa's own choice of it */
+static kl_tensor *apply_attention_by_hand(kl_tensor *const *in, const void *param)
+{
+	(void)param;
+	double d = (double)kl_dim(in[0], -1);
+	kl_tensor *s = kl_mul_scalar(kl_matmul(in[0], kl_transpose(in[1], -2, -1)), 1 / sqrt(d));
+	return kl_matmul(kl_softmax(s, -1), in[2]);
+}
+
+static kl_status body_sdpa_default(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                   int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	out[0] = kl_sdpa(in[0], in[1], in[2], false, KL_SDPA_DEFAULT_SCALE);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+/* KL_SDPA_DEFAULT_SCALE is torch's scale=None: 1/sqrt(head_dim), eagerly and
+ * compiled, for head dims 8 and 64 (a scale of 0 used as given would make
+ * every row the plain mean of v) */
+static void test_sdpa_default_scale(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	const int64_t dims[2] = {8, 64};
+	for (int c = 0; c < 2; c++) {
+		int64_t sq[4] = {2, 3, 5, dims[c]}, sk[4] = {2, 3, 7, dims[c]}, sv[4] = {2, 3, 7, 6};
+		kl_tensor *in[3] = {kltest_rand(ctx, KL_F32, 4, sq, KLTEST_NORMAL, KLTEST_CONTIG, 10 + c),
+		                    kltest_rand(ctx, KL_F32, 4, sk, KLTEST_NORMAL, KLTEST_CONTIG, 20 + c),
+		                    kltest_rand(ctx, KL_F32, 4, sv, KLTEST_NORMAL, KLTEST_CONTIG, 30 + c)};
+		int nd = 0;
+		int64_t shape[KL_MAX_DIMS];
+		kl_dtype dt;
+		double *ref = kltest_reference(ctx, "attention by hand", apply_attention_by_hand, in,
+		                               NULL, &nd, shape, &dt);
+		assert_non_null(ref);
+		kl_tensor *eager = kl_sdpa(in[0], in[1], in[2], false, KL_SDPA_DEFAULT_SCALE);
+		assert_non_null(eager);
+		double *got = kltest_read(eager);
+		assert_true(kltest_compare("kl_sdpa default scale, eager", dt, nd, shape, got, ref, 4));
+		free(got);
+		kl_fn *f = kl_compile(ctx, body_sdpa_default, NULL, 3, 1, NULL);
+		kl_tensor *out = NULL;
+		assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+		got = kltest_read(out);
+		assert_true(kltest_compare("kl_sdpa default scale, compiled", dt, nd, shape, got, ref,
+		                           4));
+		free(got);
+		kl_release(out);
+		kl_fn_free(f);
+		kl_release(eager);
+		free(ref);
+		for (int i = 0; i < 3; i++)
+			kl_release(in[i]);
+	}
+	kl_ctx_free(ctx);
+}
+
 /* ---- compiled ------------------------------------------------------------------ */
 
 typedef int (*build_fn)(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **out, const void *p);
@@ -938,6 +1000,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 	        cmocka_unit_test(test_sdpa_eager_cpu),     cmocka_unit_test(test_sdpa_errors),
+	        cmocka_unit_test(test_sdpa_default_scale),
 	        cmocka_unit_test(test_sdpa_compiled_cpu),  cmocka_unit_test(test_pattern_fused),
 	        cmocka_unit_test(test_pattern_refused),    cmocka_unit_test(test_program_io),
 	        cmocka_unit_test(test_cuda_kernels_compile), cmocka_unit_test(test_cuda_sdpa),

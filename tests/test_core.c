@@ -748,29 +748,29 @@ static void test_printer(void **state)
 	kl_scope_begin(ctx);
 	int64_t s22[2] = {2, 2};
 	kl_tensor *a = from_f32(ctx, 2, s22, (float[]){1, -2.5f, 3, 4});
-	expect_print(a, "tensor([[ 1.0000, -2.5000],\n        [ 3.0000,  4.0000]], dtype=f32)\n");
+	expect_print(a, "tensor([[ 1.0000, -2.5000],\n        [ 3.0000,  4.0000]], size=[2,2], dtype=f32)\n");
 	/* a transposed view prints in its logical order */
 	expect_print(kl_transpose(a, 0, 1),
-	             "tensor([[ 1.0000,  3.0000],\n        [-2.5000,  4.0000]], dtype=f32)\n");
-	expect_print(kl_arange(ctx, KL_I32, -1, 3, 1), "tensor([-1,  0,  1,  2], dtype=i32)\n");
-	expect_print(kl_arange(ctx, KL_F32, 1, 3, 1), "tensor([1., 2.], dtype=f32)\n");
+	             "tensor([[ 1.0000,  3.0000],\n        [-2.5000,  4.0000]], size=[2,2], dtype=f32)\n");
+	expect_print(kl_arange(ctx, KL_I32, -1, 3, 1), "tensor([-1,  0,  1,  2], size=[4], dtype=i32)\n");
+	expect_print(kl_arange(ctx, KL_F32, 1, 3, 1), "tensor([1., 2.], size=[2], dtype=f32)\n");
 	uint8_t bv[2] = {1, 0};
 	expect_print(kl_from_host(ctx, KL_BOOL, 1, (int64_t[]){2}, bv),
-	             "tensor([ true, false], dtype=bool)\n");
-	expect_print(kl_scalar(ctx, KL_F64, 3.5), "tensor(3.5000, dtype=f64)\n");
+	             "tensor([ true, false], size=[2], dtype=bool)\n");
+	expect_print(kl_scalar(ctx, KL_F64, 3.5), "tensor(3.5000, size=[], dtype=f64)\n");
 	expect_print(kl_zeros(ctx, KL_F32, 2, (int64_t[]){0, 3}),
 	             "tensor([], size=[0,3], dtype=f32)\n");
 	expect_print(from_f32(ctx, 1, (int64_t[]){2}, (float[]){1e-5f, 1}),
-	             "tensor([1.0000e-05, 1.0000e+00], dtype=f32)\n");
+	             "tensor([1.0000e-05, 1.0000e+00], size=[2], dtype=f32)\n");
 	expect_print(from_f32(ctx, 1, (int64_t[]){3}, (float[]){NAN, INFINITY, 0.5f}),
-	             "tensor([   nan,    inf, 0.5000], dtype=f32)\n");
+	             "tensor([   nan,    inf, 0.5000], size=[3], dtype=f32)\n");
 	/* 2x2x2: blank line between the outer blocks */
 	expect_print(kl_reshape(kl_arange(ctx, KL_I64, 0, 8, 1), 3, (int64_t[]){2, 2, 2}),
 	             "tensor([[[0, 1],\n         [2, 3]],\n\n        [[4, 5],\n         [6, 7]]], "
-	             "dtype=i64)\n");
+	             "size=[2,2,2], dtype=i64)\n");
 	/* over 1000 elements: 3 edge items per dim */
 	expect_print(kl_arange(ctx, KL_I32, 0, 2000, 1),
-	             "tensor([   0,    1,    2,  ..., 1997, 1998, 1999], dtype=i32)\n");
+	             "tensor([   0,    1,    2,  ..., 1997, 1998, 1999], size=[2000], dtype=i32)\n");
 	expect_print(kl_reshape(kl_arange(ctx, KL_I32, 0, 1100, 1), 2, (int64_t[]){100, 11}),
 	             "tensor([[   0,    1,    2,  ...,    8,    9,   10],\n"
 	             "        [  11,   12,   13,  ...,   19,   20,   21],\n"
@@ -778,7 +778,7 @@ static void test_printer(void **state)
 	             "        ...,\n"
 	             "        [1067, 1068, 1069,  ..., 1075, 1076, 1077],\n"
 	             "        [1078, 1079, 1080,  ..., 1086, 1087, 1088],\n"
-	             "        [1089, 1090, 1091,  ..., 1097, 1098, 1099]], dtype=i32)\n");
+	             "        [1089, 1090, 1091,  ..., 1097, 1098, 1099]], size=[100,11], dtype=i32)\n");
 	/* long rows wrap at 80 columns */
 	char *w = print_to_string(kl_arange(ctx, KL_I32, 0, 40, 1));
 	size_t first_line = strcspn(w, "\n");
@@ -1008,8 +1008,10 @@ static void test_trace_nodes_and_hash(void **state)
 }
 
 static int hook_calls;
-static kl_status refuse_hook(kl_ctx *ctx, const char *op)
+static kl_status refuse_hook(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts)
 {
+	(void)n;
+	(void)ts;
 	hook_calls++;
 	return kl__err(ctx, KL_ESTATE, "%s: refused by the test hook", op);
 }
@@ -1111,9 +1113,11 @@ static void test_trace_rules(void **state)
 }
 
 /* a graph break with nothing to run: end the trace, start the next */
-static kl_status break_hook(kl_ctx *ctx, const char *op)
+static kl_status break_hook(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts)
 {
 	(void)op;
+	(void)n;
+	(void)ts;
 	hook_calls++;
 	kl__trace_free(kl__trace_end(ctx, 0, NULL));
 	return kl__trace_begin(ctx);
@@ -1158,7 +1162,7 @@ static void test_sync_points(void **state)
 	assert_int_equal(seen, 1);
 	assert_int_equal(hook_calls, 2);
 	char *p = print_to_string(row);
-	assert_string_equal(p, "tensor([[0., 3.]], dtype=f32)\n");
+	assert_string_equal(p, "tensor([[0., 3.]], size=[1,2], dtype=f32)\n");
 	free(p);
 	assert_int_equal(hook_calls, 3);
 	/* a lazy tensor the hook did not materialize is refused */

@@ -1843,10 +1843,10 @@ static void test_gpu_profile(void **state)
 				fail_msg("kl_profile: %s", kl_last_error(ctx));
 			fclose(m);
 			print_message("%s", buf);
-			const char *t = strstr(buf, "kiln profile: graph 1: ");
+			const char *t = strstr(buf, "kiln profile: graph 0: ");
 			int nsteps = 0, rows = 0;
 			assert_non_null(t);
-			assert_int_equal(sscanf(t, "kiln profile: graph 1: %d steps", &nsteps), 1);
+			assert_int_equal(sscanf(t, "kiln profile: graph 0: %d steps", &nsteps), 1);
 			assert_non_null(strstr(t, "device events"));
 			for (const char *l = strchr(t, '\n'); l && l[1]; l = strchr(l + 1, '\n')) {
 				int idx;

@@ -37,10 +37,12 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "capture/trace.h"
 #include "graph/reference.h"
 #include "kltest.h"
 #include "lower/lower.h"
 #include "runtime/compiled.h"
+#include "runtime/runtime_int.h"
 
 static kl_ctx *ctx;
 enum { MAX_IO = 64 }; /* inputs and outputs of one compiled body */

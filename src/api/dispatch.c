@@ -125,7 +125,7 @@ kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
 			        in[i] ? "from another context" : "NULL");
 			return NULL;
 		}
-		if (!in[i]->st && (!ctx->trace || in[i]->trace_id != ctx->trace->id)) {
+		if (!kl__trace_holds(ctx, in[i])) {
 			kl__err(ctx, KL_ESTATE,
 			        "kl_%s: input %d is a lazy tensor of a finished trace", name, i);
 			return NULL;

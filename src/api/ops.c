@@ -1081,7 +1081,10 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
 		return NULL;
 	}
 	if (!isfinite(scale)) {
-		kl__err(ctx, KL_EINVAL, "kl_sdpa: scale %g must be finite", scale);
+		kl__err(ctx, KL_EINVAL,
+		        "kl_sdpa: scale %g must be finite (KL_SDPA_DEFAULT_SCALE, 0, asks for "
+		        "1/sqrt(head_dim))",
+		        scale);
 		return NULL;
 	}
 	int nd = q->ndim;
@@ -1117,6 +1120,9 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
 	shape[nd - 1] = v->shape[nd - 1];
 	kl_node n;
 	node_init(&n, KL_OP_ATTENTION, dt, nd, shape, 3);
+	/* torch's scale=None: the node always holds the scale it applies */
+	if (scale == KL_SDPA_DEFAULT_SCALE)
+		scale = q->shape[nd - 1] > 0 ? 1.0 / sqrt((double)q->shape[nd - 1]) : 1.0;
 	n.a.s[0] = scale;
 	n.a.flags = causal ? KL_F_CAUSAL : 0;
 	r = kl__dispatch(ctx, &n, args);

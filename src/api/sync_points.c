@@ -17,7 +17,7 @@ static kl_status sync_point(kl_ctx *ctx, const char *op, int n, kl_tensor *const
 	if (ctx->trace) {
 		if (!ctx->sync_hook)
 			return kl__err(ctx, KL_ESTATE, "%s: sync point inside a trace", op);
-		kl_status st = ctx->sync_hook(ctx, op);
+		kl_status st = ctx->sync_hook(ctx, op, n, ts);
 		if (st != KL_OK)
 			return st;
 	}
@@ -86,6 +86,18 @@ kl_status kl_item(kl_tensor *t, double *out)
 		return st;
 	*out = kl__load(v, t->dtype, 0);
 	return KL_OK;
+}
+
+kl_status kl_ctx_synchronize(kl_ctx *ctx)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_ctx_synchronize: ctx is NULL");
+	/* inside a compiled function the graph so far must run before there is
+	 * anything to wait for: a sync point like kl_item */
+	kl_status st = sync_point(ctx, "kl_ctx_synchronize", 0, NULL);
+	if (st != KL_OK)
+		return st;
+	return ctx->be->synchronize ? ctx->be->synchronize(ctx) : KL_OK;
 }
 
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user)
@@ -294,10 +306,10 @@ kl_status kl_print(kl_tensor *t, FILE *f)
 	if (st != KL_OK)
 		return st;
 	int64_t numel = kl_numel(t);
+	char shape[192];
+	kl__shape_str(shape, sizeof shape, t->ndim, t->shape);
 	if (numel == 0) {
-		char b[192];
-		fprintf(f, "tensor([], size=%s, dtype=%s)\n",
-		        kl__shape_str(b, sizeof b, t->ndim, t->shape), kl_dtype_name(t->dtype));
+		fprintf(f, "tensor([], size=%s, dtype=%s)\n", shape, kl_dtype_name(t->dtype));
 		return KL_OK;
 	}
 	size_t nbytes = (size_t)numel * kl_dtype_size(t->dtype);
@@ -318,7 +330,7 @@ kl_status kl_print(kl_tensor *t, FILE *f)
 	kl__contig_strides(t->ndim, t->shape, p.strides);
 	fputs("tensor(", f);
 	print_values(&p);
-	fprintf(f, ", dtype=%s)\n", kl_dtype_name(t->dtype));
+	fprintf(f, ", size=%s, dtype=%s)\n", shape, kl_dtype_name(t->dtype));
 	free(host);
 	return KL_OK;
 }

@@ -104,15 +104,29 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	return f;
 }
 
+/* Forget how a fullgraph variant replays (its captured tensors go back). */
+static void replay_reset(kl_variant *v)
+{
+	for (int i = 0; i < v->ncaptured; i++) {
+		v->captured[i]->capture_refs--;
+		kl_release(v->captured[i]);
+	}
+	free(v->captured);
+	free(v->cap_version);
+	free(v->in_src);
+	free(v->out_src);
+	v->captured = NULL;
+	v->cap_version = NULL;
+	v->in_src = v->out_src = NULL;
+	v->ncaptured = 0;
+	v->replay = false;
+}
+
 static void variant_free(kl_variant *v)
 {
 	if (!v)
 		return;
-	for (int i = 0; i < v->ncaptured; i++)
-		kl_release(v->captured[i]);
-	free(v->captured);
-	free(v->in_src);
-	free(v->out_src);
+	replay_reset(v);
 	free(v->segs);
 	free(v->g);
 	free(v);
@@ -266,6 +280,19 @@ static kl_variant *new_variant(kl_fn *f, kl_tensor *const *in)
 	v->id = f->nvars;
 	f->vars[f->nvars++] = v;
 	return v;
+}
+
+/* A variant whose first call failed compiled nothing that a later call can
+ * use as it is: it goes, and is not counted as a compile. */
+static void drop_variant(kl_fn *f, kl_variant *v)
+{
+	if (f->nvars == 0 || f->vars[f->nvars - 1] != v)
+		return;
+	f->nvars--;
+	f->compiles--;
+	if (f->last == v)
+		f->last = NULL;
+	variant_free(v);
 }
 
 /* ---- one call under a trace -------------------------------------------------- */
@@ -455,6 +482,53 @@ static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
 	}
 }
 
+/* Capture t (a tensor fn reached through user state) for replays: its index
+ * in v->captured, or -1 when out of memory. */
+static int capture(kl_variant *v, kl_tensor *t)
+{
+	for (int i = 0; i < v->ncaptured; i++)
+		if (v->captured[i] == t)
+			return i;
+	kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
+	if (!p)
+		return -1;
+	v->captured = p;
+	uint64_t *q = realloc(v->cap_version, (size_t)(v->ncaptured + 1) * sizeof *q);
+	if (!q)
+		return -1;
+	v->cap_version = q;
+	v->captured[v->ncaptured] = kl_retain(t);
+	t->capture_refs++;
+	v->cap_version[v->ncaptured] = t->st->version;
+	return v->ncaptured++;
+}
+
+/* Why a replay of v would compute with tensors the program no longer means
+ * (the guards on captured tensors, see kl_fn_body in kiln.h); NULL if none. */
+static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
+{
+	for (int i = 0; i < v->ncaptured; i++) {
+		const kl_tensor *t = v->captured[i];
+		char sh[128];
+		kl__shape_str(sh, sizeof sh, t->ndim, t->shape);
+		if (t->refs <= t->capture_refs) {
+			snprintf(why, cap,
+			         "captured tensor %d (%s %s, reached through user state) is no longer "
+			         "held by the program",
+			         i, kl_dtype_name(t->dtype), sh);
+			return why;
+		}
+		if (t->st->version != v->cap_version[i]) {
+			snprintf(why, cap,
+			         "captured tensor %d (%s %s, reached through user state) was written "
+			         "in place (version %" PRIu64 " -> %" PRIu64 ")",
+			         i, kl_dtype_name(t->dtype), sh, v->cap_version[i], t->st->version);
+			return why;
+		}
+	}
+	return NULL;
+}
+
 static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 {
 	kl_variant *v = cs->v;
@@ -473,12 +547,10 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 			continue;
 		}
 		/* a tensor fn reached through user state: bound as traced */
-		kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
-		if (!p)
+		int k = capture(v, t);
+		if (k < 0)
 			return KL_ENOMEM;
-		v->captured = p;
-		v->captured[v->ncaptured] = kl_retain(t);
-		v->in_src[i] = -1 - v->ncaptured++;
+		v->in_src[i] = -1 - k;
 	}
 	return KL_OK;
 }
@@ -508,7 +580,8 @@ static kl_status record_seg(call *cs, kl_gentry *e, const char *reason, int nops
 
 /* End the active trace with lazy[] as its outputs, compile and run it, and
  * give every lazy[i] its value. reason: the sync op (a break), or NULL. */
-static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason)
+static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason,
+                             kl_trace **keep)
 {
 	kl_fn *f = cs->f;
 	kl_ctx *ctx = f->ctx;
@@ -535,13 +608,16 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
 			refine_guards(cs, tr, e->c);
+		ctx->profile_graph = cs->seg;
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
 		cs->run_ms += kl__now_ms() - t1;
 		if (st == KL_OK) {
 			cs->launches += e->c->last_launches;
 			for (int i = 0; i < n && st == KL_OK; i++)
-				st = transplant(ctx, lazy[i], outs[i]);
+				if ((st = transplant(ctx, lazy[i], outs[i])) == KL_OK && keep &&
+				    kl__trace_materialized(tr, i, lazy[i]) != KL_OK)
+					st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 			if (st == KL_OK && reason && e->c->dynamic)
 				remember_dyn(cs, e->c, lazy, n);
 		}
@@ -554,12 +630,36 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	if (st == KL_OK && record_seg(cs, e, reason, nops, last_op, last_node) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
-	kl__trace_free(tr);
+	if (keep && st == KL_OK)
+		*keep = tr;
+	else
+		kl__trace_free(tr);
 	return st;
 }
 
+/* Whether a lazy tensor alive at a graph break is computed by the graph that
+ * ends there. A tensor that only the open scopes hold (the autoreleased
+ * temporaries of fn, which kl_fn_call's own scope holds too) is not: if fn
+ * uses it after the break, the next graph computes it again from what it
+ * reads, so values fn never touches again cost nothing. Computed are the
+ * tensors the sync op reads, those the program holds a reference to beyond
+ * the scopes (kl_retain: kept for later), and the results of matrix
+ * products and attention (computing those again would cost more than the
+ * write). */
+static bool computed_at_break(const kl_ctx *ctx, const kl_tensor *t, int nreq,
+                              kl_tensor *const *req)
+{
+	for (int i = 0; i < nreq; i++)
+		if (req[i] == t)
+			return true;
+	if (t->refs > t->scoped)
+		return true;
+	int op = ctx->trace->g.nodes[t->node].op;
+	return op == KL_OP_MATMUL || op == KL_OP_ATTENTION;
+}
+
 /* The sync hook: a graph break, or (fullgraph) a refusal. */
-static kl_status capture_sync(kl_ctx *ctx, const char *op)
+static kl_status capture_sync(kl_ctx *ctx, const char *op, int nreq, kl_tensor *const *req)
 {
 	call *cs = ctx->sync_user;
 	kl_fn *f = cs->f;
@@ -577,11 +677,17 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 	}
 	if (cs->err != KL_OK)
 		return kl__err(ctx, cs->err, "%s", cs->errmsg);
+	/* what the op reads, if an earlier graph left it uncomputed, is
+	 * computed by this one */
+	for (int i = 0; i < nreq; i++)
+		if (!req[i]->st && kl__trace_node_of(ctx, req[i]) < 0)
+			return kl_last_status(ctx);
 	uint64_t id = ctx->trace->id;
 	int n = 0;
 	for (kl_tensor *t = ctx->live; t; t = t->next)
-		n += !t->st && t->trace_id == id;
+		n += !t->st && t->trace_id == id && computed_at_break(ctx, t, nreq, req);
 	kl_tensor **lazy = malloc(sizeof *lazy * (size_t)(n ? n : 1));
+	kl_trace *ended = NULL;
 	kl_status st;
 	if (!lazy) {
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
@@ -590,9 +696,9 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 		/* the live list runs newest first: fill from the back for trace order */
 		int k = n;
 		for (kl_tensor *t = ctx->live; t; t = t->next)
-			if (!t->st && t->trace_id == id)
+			if (!t->st && t->trace_id == id && computed_at_break(ctx, t, nreq, req))
 				lazy[--k] = t;
-		st = run_segment(cs, lazy, n, op);
+		st = run_segment(cs, lazy, n, op, &ended);
 	}
 	free(lazy);
 	if (st == KL_OK) {
@@ -607,8 +713,10 @@ static kl_status capture_sync(kl_ctx *ctx, const char *op)
 		call_fail(cs, st);
 	}
 	cs->seg++;
-	/* fn goes on recording either way; a failure fails the call at its end */
-	kl_status bst = kl__trace_begin(ctx);
+	/* fn goes on recording either way; a failure fails the call at its end.
+	 * The new trace continues the ended one: what that left uncomputed is
+	 * computed where fn uses it. */
+	kl_status bst = ended ? kl__trace_continue(ctx, ended) : kl__trace_begin(ctx);
 	if (st == KL_OK && bst != KL_OK) {
 		call_fail(cs, bst);
 		st = bst;
@@ -651,13 +759,10 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 		for (j = 0; j < f->nin && in[j] != out[k]; j++)
 			;
 		if (j == f->nin) {
-			kl_tensor **p =
-			        realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
-			if (!p)
+			int c = capture(v, out[k]);
+			if (c < 0)
 				return KL_ENOMEM;
-			v->captured = p;
-			v->captured[v->ncaptured] = kl_retain(out[k]);
-			j = f->nin + v->ncaptured++;
+			j = f->nin + c;
 		}
 		v->out_src[k] = -1 - j;
 	}
@@ -674,7 +779,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	kl_status st = kl__trace_begin(ctx);
 	if (st != KL_OK)
 		return st;
-	kl_status (*prev_hook)(kl_ctx *, const char *) = ctx->sync_hook;
+	kl_status (*prev_hook)(kl_ctx *, const char *, int, kl_tensor *const *) = ctx->sync_hook;
 	void *prev_user = ctx->sync_user;
 	ctx->sync_hook = capture_sync;
 	ctx->sync_user = &cs;
@@ -697,11 +802,16 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			kl_tensor *t = out[k];
 			if (t->st)
 				continue;
-			if (t->trace_id != ctx->trace->id) {
+			if (!kl__trace_holds(ctx, t)) {
 				st = kl__err(ctx, KL_ESTATE,
 				             "kl_fn_call: %s: out[%d] is a lazy tensor of a "
 				             "finished trace",
 				             f->name, k);
+				break;
+			}
+			/* one an earlier graph left uncomputed: the last graph computes it */
+			if (t->trace_id != ctx->trace->id && kl__trace_node_of(ctx, t) < 0) {
+				st = kl_last_status(ctx);
 				break;
 			}
 			int j = 0;
@@ -711,7 +821,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 				lazy[nl++] = t;
 		}
 		if (st == KL_OK)
-			st = run_segment(&cs, lazy, nl, NULL);
+			st = run_segment(&cs, lazy, nl, NULL, NULL);
 	}
 	if (ctx->trace)
 		kl__trace_free(kl__trace_end(ctx, 0, NULL));
@@ -755,6 +865,7 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 		for (int i = 0; st == KL_OK && i < e->c->nin; i++)
 			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
 			                           : v->captured[-1 - v->in_src[i]];
+		ctx->profile_graph = 0;
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, gin, gout);
 	}
@@ -776,6 +887,20 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 	free(gin);
 	free(gout);
 	return st;
+}
+
+/* Check v's captured-tensor guards before a replay; when one fails, log it
+ * and drop the replay state (the call traces fn again). */
+static bool stale_replay(kl_fn *f, kl_variant *v)
+{
+	char why[256];
+	if (!captured_stale(v, why, sizeof why))
+		return false;
+	tally(f, "captured tensor", why);
+	kl__log(f->ctx, KL_LOG_RECOMPILES, "%s: variant %d: %s: tracing fn again", f->name, v->id,
+	        why);
+	replay_reset(v);
+	return true;
 }
 
 static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, bool count)
@@ -825,7 +950,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			               "kl_fn_call: %s: input %d belongs to another "
 			               "context",
 			               f->name, i);
-		if (!t->st && (!ctx->trace || t->trace_id != ctx->trace->id))
+		if (!kl__trace_holds(ctx, t))
 			return kl__err(ctx, KL_ESTATE,
 			               "kl_fn_call: %s: input %d is a lazy tensor of a "
 			               "finished trace",
@@ -858,7 +983,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			    !(pin[i] = kl_contiguous(in[i])))
 				st = kl_last_status(ctx);
 		kl_variant *v = st == KL_OK ? find_variant(f, pin) : NULL;
-		bool fresh = false;
+		bool fresh = false, stale = false;
 		if (st == KL_OK && !v) {
 			char why[160], name[48];
 			explain_miss(f, pin, why, sizeof why, name, sizeof name);
@@ -881,14 +1006,29 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 		} else if (!v) {
 			f->eager_calls++;
 			st = eager_call(f, pin, out, true);
-		} else if (v->replay) {
+		} else if (v->replay && !(stale = stale_replay(f, v))) {
 			/* replay hands out references of its own, not the scope's */
 			st = replay(f, v, pin, out);
 			owned = true;
+		} else if (stale) {
+			/* a captured tensor changed: fn runs again to read the program's
+			 * tensors; the same graph is only re-bound, another recompiles */
+			int before = f->compiles;
+			st = traced_call(f, v, false, pin, out);
+			if (st == KL_OK)
+				kl__log(ctx, KL_LOG_RECOMPILES, "%s: variant %d traced again: %s", f->name,
+				        v->id,
+				        f->compiles == before ? "the same graph, its plan re-bound to the "
+				                                "tensors fn reads now (no compile)"
+				                              : "its graph changed and was recompiled");
 		} else {
 			st = traced_call(f, v, fresh, pin, out);
+			if (st != KL_OK && fresh)
+				drop_variant(f, v);
 		}
 	}
+	f->failed_calls += st != KL_OK;
+	f->last_failed = st != KL_OK;
 	if (st == KL_OK && !owned)
 		for (int k = 0; k < f->nout; k++)
 			kl_retain(out[k]);

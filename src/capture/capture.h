@@ -45,7 +45,8 @@ typedef struct kl_variant {
 	 * -1 - j: fn input j (j < nin) or captured[j - nin]. */
 	bool replay;
 	int32_t *in_src, *out_src;
-	kl_tensor **captured;
+	kl_tensor **captured; /* each holds one capture reference (capture_refs) */
+	uint64_t *cap_version; /* captured[i]'s storage version when captured */
 	int ncaptured;
 } kl_variant;
 
@@ -73,8 +74,9 @@ struct kl_fn {
 	bool eager;   /* over the recompile limit: fn runs eagerly */
 	kl_guard_tally tally[8];
 	char last_fail[256];
-	long calls, eager_calls, replays;
-	int last_kernels;
+	long calls, eager_calls, replays, failed_calls;
+	bool last_failed; /* the latest kl_fn_call returned an error */
+	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };
 
 /* explain.c */

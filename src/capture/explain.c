@@ -149,9 +149,18 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 	if (f->o.disable)
 		fputs("  disabled: fn runs eagerly on every call (one kernel per op)\n", out);
 	fprintf(out,
-	        "  calls: %ld (%ld replayed without calling fn, %ld eager); compiles: %d; "
-	        "variants: %d; last call launched %d kernels\n",
-	        f->calls, f->replays, f->eager_calls, f->compiles, f->nvars, f->last_kernels);
+	        "  calls: %ld (%ld replayed without calling fn, %ld eager, %ld failed); compiles: "
+	        "%d; variants: %d; ",
+	        f->calls, f->replays, f->eager_calls, f->failed_calls, f->compiles, f->nvars);
+	if (f->last_kernels < 0)
+		fputs(f->last_failed ? "the last call failed; none has succeeded yet\n"
+		                     : "not called yet\n",
+		      out);
+	else if (f->last_failed)
+		fprintf(out, "the last call failed; the last that succeeded launched %d kernels\n",
+		        f->last_kernels);
+	else
+		fprintf(out, "last call launched %d kernels\n", f->last_kernels);
 	if (f->eager) {
 		int best = 0;
 		for (int i = 1; i < 8; i++)

@@ -21,15 +21,56 @@ kl_status kl__trace_begin(kl_ctx *ctx)
 	return KL_OK;
 }
 
+kl_status kl__trace_continue(kl_ctx *ctx, kl_trace *prev)
+{
+	kl_status st = kl__trace_begin(ctx);
+	if (st != KL_OK) {
+		kl__trace_free(prev);
+		return st;
+	}
+	ctx->trace->prev = prev;
+	return KL_OK;
+}
+
+kl_status kl__trace_materialized(kl_trace *tr, int i, kl_tensor *t)
+{
+	if (!tr->mat && !(tr->mat = calloc((size_t)(tr->g.n ? tr->g.n : 1), sizeof *tr->mat)))
+		return KL_ENOMEM;
+	int32_t node = tr->g.outputs[i];
+	if (!tr->mat[node])
+		tr->mat[node] = kl_retain(t);
+	return KL_OK;
+}
+
+/* the ended trace (the active one or one it continues) t is lazy in */
+static kl_trace *owner_of(const kl_ctx *ctx, const kl_tensor *t)
+{
+	for (kl_trace *tr = ctx->trace; tr; tr = tr->prev)
+		if (tr->id == t->trace_id)
+			return tr;
+	return NULL;
+}
+
+bool kl__trace_holds(const kl_ctx *ctx, const kl_tensor *t)
+{
+	return t->st || owner_of(ctx, t) != NULL;
+}
+
 void kl__trace_free(kl_trace *tr)
 {
-	if (!tr)
-		return;
-	for (int i = 0; i < tr->nin_tensors; i++)
-		kl_release(tr->in_tensors[i]);
-	free(tr->in_tensors);
-	kl__graph_free(&tr->g);
-	free(tr);
+	while (tr) {
+		kl_trace *prev = tr->prev;
+		for (int i = 0; i < tr->nin_tensors; i++)
+			kl_release(tr->in_tensors[i]);
+		for (int32_t i = 0; tr->mat && i < tr->g.n; i++)
+			kl_release(tr->mat[i]);
+		free(tr->mat);
+		free(tr->imported);
+		free(tr->in_tensors);
+		kl__graph_free(&tr->g);
+		free(tr);
+		tr = prev;
+	}
 }
 
 /* The trace is ended even when an output is bad (the caller cannot resume
@@ -67,6 +108,8 @@ kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs)
 	return tr;
 }
 
+static int32_t import_node(kl_ctx *ctx, kl_trace *old, int32_t k);
+
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 {
 	kl_trace *tr = ctx->trace;
@@ -75,12 +118,21 @@ int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 		return -1;
 	}
 	if (!t->st) {
-		if (t->trace_id != tr->id || t->node < 0 || t->node >= tr->g.n) {
+		kl_trace *own = owner_of(ctx, t);
+		if (!own || t->node < 0 || t->node >= own->g.n) {
 			kl__err(ctx, KL_ESTATE,
 			        "kl_trace: a lazy tensor of a finished trace was used");
 			return -1;
 		}
-		return t->node;
+		if (own == tr)
+			return t->node;
+		/* a value an earlier graph left uncomputed: computed in this one */
+		int32_t idx = import_node(ctx, own, t->node);
+		if (idx >= 0) {
+			t->trace_id = tr->id;
+			t->node = idx;
+		}
+		return idx;
 	}
 	/* a graph rarely has more than a few dozen inputs: a scan is cheapest */
 	for (int i = 0; i < tr->nin_tensors; i++)
@@ -115,4 +167,71 @@ int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 	/* in_tensors[i] pairs with g.inputs[i] */
 	tr->in_tensors[tr->nin_tensors++] = kl_retain(t);
 	return idx;
+}
+
+/* Copy node k of ended trace old, and the nodes it reads that old did not
+ * hand to a tensor, into the active trace; returns the copy of k. Nodes are
+ * in topological order, so marking what k needs and copying it in index
+ * order rewires every input to an existing copy. */
+static int32_t import_node(kl_ctx *ctx, kl_trace *old, int32_t k)
+{
+	kl_trace *tr = ctx->trace;
+	const kl_graph *g = &old->g;
+	if (!old->imported && !(old->imported = malloc(sizeof *old->imported * (size_t)g->n)))
+		goto nomem;
+	if (old->imported_for != tr->id) {
+		for (int32_t i = 0; i < g->n; i++)
+			old->imported[i] = -1;
+		old->imported_for = tr->id;
+	}
+	if (old->imported[k] >= 0)
+		return old->imported[k];
+	uint8_t *need = calloc((size_t)k + 1, 1);
+	int32_t *stack = malloc(sizeof *stack * ((size_t)k + 1));
+	if (!need || !stack) {
+		free(need);
+		free(stack);
+		goto nomem;
+	}
+	int32_t top = 0;
+	stack[top++] = k;
+	need[k] = 1;
+	while (top > 0) {
+		int32_t j = stack[--top];
+		const kl_node *n = &g->nodes[j];
+		if (old->imported[j] >= 0 || (old->mat && old->mat[j]) || n->op == KL_OP_INPUT)
+			continue; /* a leaf: already here, or a materialized tensor */
+		for (int q = 0; q < n->nin; q++)
+			if (!need[n->in[q]]) {
+				need[n->in[q]] = 1;
+				stack[top++] = n->in[q];
+			}
+	}
+	free(stack);
+	int32_t idx = 0;
+	for (int32_t j = 0; j <= k && idx >= 0; j++) {
+		if (!need[j] || old->imported[j] >= 0)
+			continue;
+		const kl_node *n = &g->nodes[j];
+		if (old->mat && old->mat[j]) {
+			idx = kl__trace_node_of(ctx, old->mat[j]);
+		} else if (n->op == KL_OP_INPUT) {
+			int32_t i = 0;
+			while (i < g->ninputs && g->inputs[i] != j)
+				i++;
+			idx = kl__trace_node_of(ctx, old->in_tensors[i]);
+		} else {
+			kl_node c = *n;
+			for (int q = 0; q < c.nin; q++)
+				c.in[q] = old->imported[c.in[q]];
+			if ((idx = kl__graph_add(&tr->g, &c)) < 0)
+				kl__err(ctx, KL_ENOMEM, "kl_trace: out of memory");
+		}
+		old->imported[j] = idx;
+	}
+	free(need);
+	return idx < 0 ? -1 : old->imported[k];
+nomem:
+	kl__err(ctx, KL_ENOMEM, "kl_trace: out of memory");
+	return -1;
 }

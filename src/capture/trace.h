@@ -13,17 +13,40 @@ typedef struct kl_trace {
 	/* the materialized tensor behind each INPUT node (one reference held) */
 	kl_tensor **in_tensors;
 	int nin_tensors, cap_in_tensors;
+	/* Ended traces of the same capture that this one continues (newest
+	 * first, owned). A lazy tensor of one of them that was not materialized
+	 * at its break is still usable: its node and what it reads are copied
+	 * into this trace when it is used (computed again, in the new graph). */
+	struct kl_trace *prev;
+	/* Set on a trace once ended: per node, the tensor that received its
+	 * value (one reference held), else NULL; and, per node, its copy in the
+	 * trace with id imported_for (-1: none yet). */
+	kl_tensor **mat;
+	int32_t *imported;
+	uint64_t imported_for;
 } kl_trace;
 
 /* Start recording: ops on ctx append nodes instead of running. */
 kl_status kl__trace_begin(kl_ctx *ctx);
+/* kl__trace_begin, continuing prev (ended, its values handed to tensors
+ * through kl__trace_materialized): lazy tensors of prev and of the traces it
+ * continues stay usable. Takes prev (freed with the new trace, or at once on
+ * failure). */
+kl_status kl__trace_continue(kl_ctx *ctx, kl_trace *prev);
+/* Record that output i of ended trace tr now lives in tensor t. */
+kl_status kl__trace_materialized(kl_trace *tr, int i, kl_tensor *t);
+/* Whether t can be used by an op now: materialized, or lazy in the active
+ * trace or in one it continues. */
+bool kl__trace_holds(const kl_ctx *ctx, const kl_tensor *t);
 /* Stop recording; returns the trace (caller frees with kl__trace_free).
  * outputs[] are lazy tensors of this trace: they become the graph's
  * outputs in order. */
 kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs);
 void kl__trace_free(kl_trace *tr);
 /* The node a tensor is in the active trace, adding an INPUT node for a
- * materialized tensor; -1 on error. */
+ * materialized tensor, or copying a lazy tensor of a trace the active one
+ * continues (with what it reads) into it, the tensor then naming the copy;
+ * -1 on error. */
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t);
 
 #endif /* KILN_TRACE_H */

@@ -27,6 +27,10 @@ typedef struct kl_storage {
 	kl_device device;
 	void *data;   /* host pointer on the CPU, device pointer on CUDA */
 	size_t nbytes;
+	/* Bumped by every write into this memory after it was first filled
+	 * (kl__storage_written): the version counter compiled functions guard
+	 * the tensors they captured with. Views share it with their base. */
+	uint64_t version;
 } kl_storage;
 
 struct kl_trace; /* capture/trace.h */
@@ -46,6 +50,11 @@ struct kl_tensor {
 	 * was never materialized is an error to use. */
 	uint64_t trace_id;
 	int32_t node;
+	/* references held by compiled functions that captured this tensor (it
+	 * was reached through user state): refs - capture_refs is what the
+	 * program itself holds, 0 once it let the tensor go */
+	int32_t capture_refs;
+	int32_t scoped; /* entries of open scopes that hold this tensor's references */
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
 
@@ -67,6 +76,10 @@ typedef struct kl_backend {
 	/* kl_memory_stats: what the allocator holds for ctx; with reset_peak,
 	 * the peak restarts from in_use first. */
 	void (*memory)(kl_ctx *ctx, kl_memory_usage *out, bool reset_peak);
+	/* kl_ctx_synchronize: wait until the work queued on ctx's device has
+	 * finished. NULL: the backend runs every op to completion before it
+	 * returns (the CPU), so there is nothing to wait for. */
+	kl_status (*synchronize)(kl_ctx *ctx);
 } kl_backend;
 
 /* ---- the context ---------------------------------------------------------- */
@@ -90,12 +103,13 @@ struct kl_ctx {
 	int nscopes, cap_scopes;
 	struct kl_trace *trace; /* the active capture, or NULL (eager) */
 	uint64_t next_trace_id;
-	/* Called at a sync point (kl_item, kl_to_host, kl_print, kl_host_call)
-	 * while a trace is active: the capture layer compiles and runs the graph
-	 * so far, materializes every live lazy tensor of it and starts a new
-	 * trace (a graph break), or refuses (fullgraph). NULL: sync points
-	 * inside a trace are an error. */
-	kl_status (*sync_hook)(kl_ctx *ctx, const char *op);
+	/* Called at a sync point (kl_item, kl_to_host, kl_print, kl_host_call,
+	 * kl_ctx_synchronize) while a trace is active, with the n tensors the
+	 * op reads: the capture layer compiles and runs the graph so far,
+	 * materializes those tensors (and the live ones the program may still
+	 * use, see capture.c) and continues in a new trace (a graph break), or
+	 * refuses (fullgraph). NULL: sync points inside a trace are an error. */
+	kl_status (*sync_hook)(kl_ctx *ctx, const char *op, int n, kl_tensor *const *ts);
 	void *sync_user;
 	unsigned logs; /* KL_LOG_* bits, from KILN_LOGS at kl_ctx_new */
 	void *backend_state; /* per-backend data (CUDA context, streams, ...) */
@@ -103,6 +117,8 @@ struct kl_ctx {
 	FILE *profile;    /* kl_profile's stream while it runs (each compiled graph's
 	                   * steps are timed and reported there), else NULL */
 	int profile_segs; /* graphs reported so far by the running kl_profile */
+	int profile_graph; /* the graph about to run, numbered from 0 in the call as
+	                    * kl_explain numbers them (the capture layer sets it) */
 };
 
 /* kl_ctx_free's part in core (api/context.c calls it): every tensor still
@@ -161,6 +177,12 @@ static inline void *kl__tensor_data(const kl_tensor *t)
 	return (char *)t->st->data + t->offset * (int64_t)kl_dtype_size(t->dtype);
 }
 bool kl__strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* Every path that writes into an existing tensor's memory (rather than
+ * filling fresh storage) calls this after the write. */
+static inline void kl__storage_written(kl_storage *st)
+{
+	st->version++;
+}
 /* Drop a tensor made inside the library that is not handed out (a temporary,
  * or the output of a failed op): it also leaves the open scope, where a plain
  * kl_release would leave a dangling entry. */

@@ -170,7 +170,9 @@ void kl_scope_end(kl_ctx *ctx)
 	kl_scope s = ctx->scopes[--ctx->nscopes];
 	/* newest first, so views go before their bases (not required, since
 	 * storage is counted separately, but it frees memory soonest) */
-	for (int i = s.n - 1; i >= 0; i--)
+	for (int i = s.n - 1; i >= 0; i--) {
+		s.items[i]->scoped--;
 		kl_release(s.items[i]);
+	}
 	free(s.items);
 }

@@ -19,6 +19,7 @@ static int scope_push(kl_ctx *ctx, kl_tensor *t)
 		s->cap = nc;
 	}
 	s->items[s->n++] = t;
+	t->scoped++;
 	return 0;
 }
 
@@ -120,6 +121,7 @@ void kl__tensor_discard(kl_tensor *t)
 				memmove(s->items + i, s->items + i + 1,
 				        (size_t)(s->n - 1 - i) * sizeof *s->items);
 				s->n--;
+				t->scoped--;
 				break;
 			}
 	}

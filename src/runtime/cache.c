@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,10 +101,20 @@ bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap)
 		return false;
 	}
 	if (st.st_uid != geteuid() || (st.st_mode & 022)) {
-		kl__log(ctx, KL_LOG_CACHE,
-		        "%s is not private to this user (owner %ld, mode %03o): "
-		        "not caching on disk",
-		        buf, (long)st.st_uid, (unsigned)(st.st_mode & 0777));
+		/* Said once a process on stderr, whatever KILN_LOGS says: a cache
+		 * that silently never fills costs every run its compiles. */
+		static atomic_flag warned = ATOMIC_FLAG_INIT;
+		const char *why = st.st_uid != geteuid() ? "is owned by another user"
+		                  : (st.st_mode & 002)   ? "is writable by others"
+		                                         : "is writable by its group";
+		if (!atomic_flag_test_and_set(&warned))
+			fprintf(stderr,
+			        "kiln: warning: not caching compiled code on disk: %s %s (owner "
+			        "%ld, mode %03o), and kiln loads code from it; make it private "
+			        "(chmod go-w) or set KILN_CACHE_DIR to a directory of your own\n",
+			        buf, why, (long)st.st_uid, (unsigned)(st.st_mode & 0777));
+		kl__log(ctx, KL_LOG_CACHE, "%s %s (owner %ld, mode %03o): not caching on disk",
+		        buf, why, (long)st.st_uid, (unsigned)(st.st_mode & 0777));
 		return false;
 	}
 	return true;

@@ -195,8 +195,9 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 		for (int32_t s = 0; s < p->nsteps; s++)
 			total += us[s];
 		fprintf(f, "kiln profile: graph %d: %d steps, each timed alone (%s): %.1f us in all\n",
-		        ++ctx->profile_segs, (int)p->nsteps,
+		        ctx->profile_graph, (int)p->nsteps,
 		        c->cuda ? "device events, plain launches" : "host clock", total);
+		ctx->profile_segs++;
 		fprintf(f, "  %-6s %12s %7s %12s %15s  %s\n", "step", "time", "share", "moved",
 		        "computed", "what");
 		for (int32_t s = 0; s < p->nsteps; s++) {

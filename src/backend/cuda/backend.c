@@ -144,6 +144,11 @@ static kl_status cuda_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, 
 	return exec_generated(ctx, n, in, out);
 }
 
+static kl_status cuda_synchronize(kl_ctx *ctx)
+{
+	return kl__cuda_sync(ctx, kl__cuda_dev_of(ctx));
+}
+
 const kl_backend kl__cuda_backend = {
         .name = "cuda",
         .alloc = cuda_alloc,
@@ -152,6 +157,7 @@ const kl_backend kl__cuda_backend = {
         .to_host = cuda_to_host,
         .from_host = cuda_from_host,
         .memory = cuda_memory,
+        .synchronize = cuda_synchronize,
 };
 
 /* A library kiln needs for any real work, made ready at device open so
