@@ -63,7 +63,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	const char *seeds = kf_seed_dir();
 	if (seeds) {
 		write_seeds(seeds);
-		exit(0);
+		kf_seeds_done(*argc);
 	}
 	return 0;
 }

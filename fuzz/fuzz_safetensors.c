@@ -67,7 +67,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	const char *dir = kf_seed_dir();
 	if (dir) {
 		write_seeds(dir);
-		exit(0);
+		kf_seeds_done(*argc);
 	}
 	fd = memfd_create("kiln-fuzz-safetensors", 0);
 	if (fd < 0)

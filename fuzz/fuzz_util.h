@@ -2,9 +2,12 @@
  * CPU context, the small graphs whose cache entries the cache targets mutate,
  * and the invariants every failed call must keep (a status and a message).
  *
- * Every target writes its own seeds when KILN_FUZZ_SEEDS names a directory
- * (LLVMFuzzerInitialize writes them and exits), so that fuzz/run.sh can start
- * each run from seeds this build made as well as from the committed corpus.
+ * Every target writes its own seeds when KILN_FUZZ_SEEDS names a directory:
+ * LLVMFuzzerInitialize writes them there before libFuzzer reads its corpus
+ * directories, so fuzz/run.sh starts each run from seeds this build made (they
+ * follow the current plan format) as well as from the committed corpus. Run
+ * without arguments, a target only writes its seeds and exits (that is how
+ * fuzz/corpus/ was made).
  */
 #ifndef KILN_FUZZ_UTIL_H
 #define KILN_FUZZ_UTIL_H
@@ -20,6 +23,8 @@ _Noreturn void kf_die(const char *fmt, ...) __attribute__((format(printf, 1, 2))
 /* KILN_FUZZ_SEEDS, or NULL when the target should fuzz. */
 const char *kf_seed_dir(void);
 void kf_write_seed(const char *dir, const char *name, const void *data, size_t len);
+/* After writing seeds: exit when the target was run without arguments. */
+void kf_seeds_done(int argc);
 
 /* A one-thread CPU context (the fuzz machines are small); dies on failure. */
 kl_ctx *kf_ctx(void);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh BIN CORPUS WORK SECONDS [libFuzzer flags...] - one fuzz target for
 # SECONDS over its committed corpus (CORPUS, read only), the seeds it writes
-# itself (WORK/seeds, remade each run: they follow the build's formats) and
+# itself as it starts (WORK/seeds, remade each run: they follow the build's
+# formats) and
 # what earlier runs found (WORK/new, where new inputs go). A crash, leak or
 # hang is kept in WORK/artifacts/ and fails the run. ctest and scripts/fuzz.sh
 # both run targets through here.
@@ -12,16 +13,12 @@ if (($# < 4)); then
 fi
 bin=$1 corpus=$2 work=$3 secs=$4
 shift 4
-mkdir -p "$work/new" "$work/artifacts"
 rm -rf "$work/seeds"
-KILN_FUZZ_SEEDS="$work/seeds" "$bin" >"$work/seeds.log" 2>&1 || {
-	cat "$work/seeds.log" >&2
-	echo "run.sh: $bin could not write its seeds" >&2
-	exit 1
-}
+mkdir -p "$work/new" "$work/artifacts" "$work/seeds"
 dirs=("$work/new" "$work/seeds")
 [[ -d $corpus ]] && dirs+=("$corpus")
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export KILN_FUZZ_SEEDS=$work/seeds
 exec "$bin" -max_total_time="$secs" -timeout=30 -rss_limit_mb=2560 -print_final_stats=1 \
 	-artifact_prefix="$work/artifacts/" "$@" "${dirs[@]}"
