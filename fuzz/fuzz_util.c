@@ -78,8 +78,9 @@ const char *kf_scratch(void)
 {
 	if (scratch[0])
 		return scratch;
-	const char *tmp = getenv("TMPDIR");
-	const char *bases[] = {"/dev/shm", tmp && tmp[0] == '/' ? tmp : "/tmp", "/tmp"};
+	const char *tmp = getenv("TMPDIR"), *run = getenv("KILN_FUZZ_SCRATCH");
+	const char *bases[] = {run && run[0] == '/' ? run : "/dev/shm", "/dev/shm",
+	                       tmp && tmp[0] == '/' ? tmp : "/tmp", "/tmp"};
 	for (size_t i = 0; i < sizeof bases / sizeof bases[0]; i++) {
 		snprintf(scratch, sizeof scratch, "%s/kiln-fuzz-XXXXXX", bases[i]);
 		if (mkdtemp(scratch)) {

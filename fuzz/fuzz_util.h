@@ -29,8 +29,10 @@ void kf_seeds_done(int argc);
 /* A one-thread CPU context (the fuzz machines are small); dies on failure. */
 kl_ctx *kf_ctx(void);
 
-/* A private scratch directory (under /dev/shm when it is writable, so that
- * per-input files cost no disk I/O), made once per process. */
+/* A private scratch directory, made once per process and removed at exit:
+ * under $KILN_FUZZ_SCRATCH (fuzz/run.sh makes one per run and removes it,
+ * crash or not), else /dev/shm (so that per-input files cost no disk I/O),
+ * else $TMPDIR. */
 const char *kf_scratch(void);
 
 /* After a failed call: the status must not be KL_OK and the message must be

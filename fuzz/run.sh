@@ -17,8 +17,17 @@ rm -rf "$work/seeds"
 mkdir -p "$work/new" "$work/artifacts" "$work/seeds"
 dirs=("$work/new" "$work/seeds")
 [[ -d $corpus ]] && dirs+=("$corpus")
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_string_checks=1}
+# allocator_may_return_null: an impossible allocation fails as it would
+# without ASan (kiln must answer KL_ENOMEM); one that succeeds beyond
+# -malloc_limit_mb (= -rss_limit_mb) is still reported by libFuzzer.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_string_checks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export KILN_FUZZ_SEEDS=$work/seeds
-exec "$bin" -max_total_time="$secs" -timeout=30 -rss_limit_mb=2560 -print_final_stats=1 \
+# the targets' scratch files (fuzz_util.h), removed here even after a crash
+base=/dev/shm
+[[ -d $base && -w $base ]] || base=${TMPDIR:-/tmp}
+KILN_FUZZ_SCRATCH=$(mktemp -d "$base/kiln-fuzz-run.XXXXXX")
+export KILN_FUZZ_SCRATCH
+trap 'rm -rf "$KILN_FUZZ_SCRATCH"' EXIT
+"$bin" -max_total_time="$secs" -timeout=30 -rss_limit_mb=2560 -print_final_stats=1 \
 	-artifact_prefix="$work/artifacts/" "$@" "${dirs[@]}"

@@ -31,13 +31,15 @@ cmake --build build-fuzz -j "$(nproc 2>/dev/null || echo 2)" --target "fuzz_$tar
 work=build-fuzz/fuzz/work-$target
 log=$work/last.log
 mkdir -p "$work"
-rc=0
+set +e
 bash fuzz/run.sh "build-fuzz/fuzz/fuzz_$target" "fuzz/corpus/$target" "$work" "$secs" "$@" \
-	2>&1 | tee "$log" | grep --line-buffered -E '^#[0-9]+.*(INITED|pulse|DONE)|ERROR|SUMMARY|fuzz target:' || true
+	2>&1 | tee "$log" | grep --line-buffered -E '^#[0-9]+.*(INITED|pulse|DONE)|ERROR|SUMMARY|fuzz target:|fuzz_'
 rc=${PIPESTATUS[0]}
+set -e
 # the last status line: "#N DONE cov: C ft: F corp: U/S ..."
 last=$(grep -E '^#[0-9]+.*cov: ' "$log" | tail -n 1 || true)
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+[[ -n $execs ]] || execs=$(sed -n 's/^#\([0-9]*\).*/\1/p' <<<"$last") # -fork=N prints no stats
 rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)
 cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
 ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
