@@ -56,8 +56,9 @@ static void make_cc_gate(void)
 	char path[4300];
 	snprintf(path, sizeof path, "%s/cc", kf_scratch());
 	FILE *f = fopen(path, "w");
-	if (!f || fprintf(f, "#!/bin/sh\n[ -n \"$KILN_FUZZ_NO_CC\" ] && exit 1\nexec %s \"$@\"\n",
-	                  KILN_FUZZ_CC) < 0 ||
+	if (!f ||
+	    fprintf(f, "#!/bin/sh\n[ -n \"$KILN_FUZZ_NO_CC\" ] && exit 1\nexec %s \"$@\"\n",
+	            KILN_FUZZ_CC) < 0 ||
 	    fclose(f) != 0 || chmod(path, 0700) != 0)
 		kf_die("cannot write %s", path);
 	setenv("CC", path, 1);
@@ -122,7 +123,8 @@ static int call(int g, bool *same, bool keep)
 		kf_check_failure(ctx, "kl_");
 	} else {
 		for (int i = 0; i < G->nout; i++) {
-			int64_t nb = kl_numel(out[i]) * (int64_t)kl_dtype_size(kl_tensor_dtype(out[i]));
+			int64_t nb =
+			        kl_numel(out[i]) * (int64_t)kl_dtype_size(kl_tensor_dtype(out[i]));
 			uint8_t *host = malloc((size_t)(nb ? nb : 1));
 			if (!host || kl_to_host(out[i], host, (size_t)nb) != KL_OK)
 				kf_die("%s: output %d cannot be read: %s", G->name, i,
@@ -177,13 +179,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	for (int g = 0; g < kf_ngraphs; g++) {
 		for (int i = 0; i < kf_graphs[g].nin; i++)
 			if (!(wants[g].in[i] = kf_graphs[g].make_input(ctx, i)))
-				kf_die("%s: input %d: %s", kf_graphs[g].name, i, kl_last_error(ctx));
+				kf_die("%s: input %d: %s", kf_graphs[g].name, i,
+				       kl_last_error(ctx));
 		long hits = kl__rt_cache_hits();
 		bool same;
 		plant(g, plans[g].payload + 16, plans[g].len - 16);
 		if (!call(g, &same, true) || kl__rt_cache_hits() != hits + 1)
-			kf_die("%s: the true plan did not load from the cache: %s", kf_graphs[g].name,
-			       kl_last_error(ctx));
+			kf_die("%s: the true plan did not load from the cache: %s",
+			       kf_graphs[g].name, kl_last_error(ctx));
 	}
 	atexit(report);
 	return 0;

@@ -4,8 +4,8 @@
  * products with epilogues, attention) over views, broadcasts and several
  * dtypes. Sizes are tiny: the targets run each plan once per input. */
 #include <dirent.h>
-#include <inttypes.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,8 +17,8 @@
 #define DONE(ctx, ok) ((ok) ? KL_OK : kl_last_status(ctx))
 
 /* pointwise with broadcasting, a cast and a bool result */
-static kl_status g_pointwise(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
-                             int nout, void *user)
+static kl_status g_pointwise(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                             void *user)
 {
 	kl_tensor *y = kl_add(kl_mul(in[0], in[1]), kl_sigmoid(in[0]));
 	bool ok = OUT(0, kl_relu(y)) && OUT(1, kl_cast(kl_gt(y, in[1]), KL_F32)) &&
@@ -48,8 +48,8 @@ static kl_status g_matmul(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor 
 }
 
 /* attention, causal, with a scale */
-static kl_status g_attention(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
-                             int nout, void *user)
+static kl_status g_attention(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                             void *user)
 {
 	bool ok = OUT(0, kl_sdpa(in[0], in[1], in[2], true, 0.35)) &&
 	          OUT(1, kl_sdpa(in[0], in[1], in[2], false, 0.2));
@@ -66,8 +66,8 @@ static kl_status g_norms(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor *
 }
 
 /* movement: permute, slice, concat, reshape, expand, gather */
-static kl_status g_movement(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
-                            int nout, void *user)
+static kl_status g_movement(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                            void *user)
 {
 	static const int perm[] = {1, 0};
 	static const int64_t flat[] = {4, 5}, wide[] = {2, 4, 6};
@@ -100,10 +100,14 @@ static kl_tensor *in_rows(kl_ctx *ctx, int i)
 static kl_tensor *in_matmul(kl_ctx *ctx, int i)
 {
 	switch (i) {
-	case 0: return randn(ctx, 2, SHAPE(3, 5), 31);
-	case 1: return randn(ctx, 2, SHAPE(3, 5), 32);
-	case 2: return randn(ctx, 1, SHAPE(3), 33);
-	default: return randn(ctx, 3, SHAPE(2, 3, 5), 34);
+	case 0:
+		return randn(ctx, 2, SHAPE(3, 5), 31);
+	case 1:
+		return randn(ctx, 2, SHAPE(3, 5), 32);
+	case 2:
+		return randn(ctx, 1, SHAPE(3), 33);
+	default:
+		return randn(ctx, 3, SHAPE(2, 3, 5), 34);
 	}
 }
 
@@ -115,7 +119,8 @@ static kl_tensor *in_attention(kl_ctx *ctx, int i)
 
 static kl_tensor *in_norms(kl_ctx *ctx, int i)
 {
-	return i == 0 ? randn(ctx, 2, SHAPE(3, 16), 51) : randn(ctx, 1, SHAPE(16), 52 + (uint64_t)i);
+	return i == 0 ? randn(ctx, 2, SHAPE(3, 16), 51)
+	              : randn(ctx, 1, SHAPE(16), 52 + (uint64_t)i);
 }
 
 static kl_tensor *in_movement(kl_ctx *ctx, int i)
@@ -126,9 +131,12 @@ static kl_tensor *in_movement(kl_ctx *ctx, int i)
 }
 
 const kf_graph kf_graphs[] = {
-	{"pointwise", g_pointwise, 2, 3, in_pointwise}, {"rows", g_rows, 1, 4, in_rows},
-	{"matmul", g_matmul, 4, 2, in_matmul},          {"attention", g_attention, 3, 2, in_attention},
-	{"norms", g_norms, 3, 2, in_norms},             {"movement", g_movement, 2, 3, in_movement},
+        {"pointwise", g_pointwise, 2, 3, in_pointwise},
+        {"rows", g_rows, 1, 4, in_rows},
+        {"matmul", g_matmul, 4, 2, in_matmul},
+        {"attention", g_attention, 3, 2, in_attention},
+        {"norms", g_norms, 3, 2, in_norms},
+        {"movement", g_movement, 2, 3, in_movement},
 };
 const int kf_ngraphs = (int)(sizeof kf_graphs / sizeof kf_graphs[0]);
 

@@ -39,17 +39,17 @@ static void walk(const kl__jval *v, int depth)
 }
 
 static const char *const seeds[] = {
-	"{}",
-	"[]",
-	"{\"a\":1,\"b\":[1,2,-3],\"c\":\"x\"}",
-	("{\"__metadata__\":{\"format\":\"pt\"},\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],"
-	 "\"data_offsets\":[0,24]}}"),
-	"{\"s\":\"tab\\t nl\\n quote\\\" back\\\\ slash\\/ u\\u00e9 pair\\ud83d\\ude00\"}",
-	"[[[[[[[1]]]]]]]",
-	"{\"n\":-9223372036854775808,\"m\":9223372036854775807,\"z\":0}",
-	" \t\r\n{ \"k\" : [ ] , \"l\" : { } } \n",
-	"{\"\\u0000\":1}",
-	"{\"caf\xc3\xa9\":\"\xe2\x82\xac\"}",
+        "{}",
+        "[]",
+        "{\"a\":1,\"b\":[1,2,-3],\"c\":\"x\"}",
+        ("{\"__metadata__\":{\"format\":\"pt\"},\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],"
+         "\"data_offsets\":[0,24]}}"),
+        "{\"s\":\"tab\\t nl\\n quote\\\" back\\\\ slash\\/ u\\u00e9 pair\\ud83d\\ude00\"}",
+        "[[[[[[[1]]]]]]]",
+        "{\"n\":-9223372036854775808,\"m\":9223372036854775807,\"z\":0}",
+        " \t\r\n{ \"k\" : [ ] , \"l\" : { } } \n",
+        "{\"\\u0000\":1}",
+        "{\"caf\xc3\xa9\":\"\xe2\x82\xac\"}",
 };
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);

@@ -22,10 +22,13 @@ static void write_seeds(const char *dir)
 	static const int64_t s23[] = {2, 3}, s0[] = {0, 4}, s1[] = {5};
 	kl_scope_begin(ctx); /* the tensors and their intermediates */
 	kl_tensor *ts[] = {
-		kl_randn(ctx, KL_F32, 2, s23, 1), kl_cast(kl_randn(ctx, KL_F32, 1, s1, 2), KL_BF16),
-		kl_cast(kl_randn(ctx, KL_F32, 1, s1, 3), KL_F16), kl_scalar(ctx, KL_F64, 2.5),
-		kl_full(ctx, KL_I64, 1, s1, -7), kl_full(ctx, KL_I32, 2, s0, 1),
-		kl_gt_scalar(kl_randn(ctx, KL_F32, 2, s23, 4), 0.0),
+	        kl_randn(ctx, KL_F32, 2, s23, 1),
+	        kl_cast(kl_randn(ctx, KL_F32, 1, s1, 2), KL_BF16),
+	        kl_cast(kl_randn(ctx, KL_F32, 1, s1, 3), KL_F16),
+	        kl_scalar(ctx, KL_F64, 2.5),
+	        kl_full(ctx, KL_I64, 1, s1, -7),
+	        kl_full(ctx, KL_I32, 2, s0, 1),
+	        kl_gt_scalar(kl_randn(ctx, KL_F32, 2, s23, 4), 0.0),
 	};
 	const char *names[] = {"w", "b.bf16", "h.f16", "scalar", "ids", "empty", "mask"};
 	const int n = (int)(sizeof ts / sizeof ts[0]);

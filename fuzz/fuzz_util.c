@@ -68,7 +68,8 @@ static void remove_scratch(void)
 		while ((e = readdir(d)))
 			if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
 			    snprintf(p, sizeof p, "%s/%s", scratch, e->d_name) < (int)sizeof p)
-				kl__rmtree_flat(p); /* a directory; a plain file is unlinked below */
+				kl__rmtree_flat(
+				        p); /* a directory; a plain file is unlinked below */
 		closedir(d);
 	}
 	kl__rmtree_flat(scratch);
