@@ -6,8 +6,10 @@ set -euo pipefail
 
 # gcc brings libgomp and the ASan/UBSan runtimes; libc6-dev the headers the
 # CPU JIT's generated C needs; binutils nm/readelf the install test's checks;
-# python3 the bench comparison (bench/compare.py) and its test.
-pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3)
+# python3 the bench comparison (bench/compare.py) and its test; clang the
+# libFuzzer targets (fuzz/), with its compiler-rt (libFuzzer, sanitizers) and
+# OpenMP runtime, named after its version below.
+pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang)
 
 installed() {
 	[[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
@@ -30,10 +32,26 @@ if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
 	exit 0
 fi
 
-missing=()
-for p in "${pkgs[@]}"; do
-	installed "$p" || missing+=("$p")
-done
+# clang's runtimes are packaged per version (Debian 12: libclang-rt-14-dev,
+# libomp-14-dev): the version of the clang that is, or will be, installed.
+clang_pkgs() {
+	local v
+	v=$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$/\1/p' | head -n 1)
+	[[ -n $v ]] || return 0
+	for p in "libclang-rt-$v-dev" "libomp-$v-dev"; do
+		apt-cache show "$p" >/dev/null 2>&1 && echo "$p"
+	done
+	return 0
+}
+
+missing_of() {
+	local p
+	for p in "$@"; do
+		installed "$p" || echo "$p"
+	done
+}
+
+mapfile -t missing < <(missing_of "${pkgs[@]}" $(clang_pkgs))
 ((${#missing[@]})) || exit 0
 
 if [[ $(id -u) -eq 0 ]]; then
@@ -49,3 +67,10 @@ echo "deps.sh: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${as_root[@]}" apt-get update -q
 "${as_root[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+# On a fresh system clang's version is known only now that the package
+# lists are: its runtimes may still be missing.
+mapfile -t missing < <(missing_of $(clang_pkgs))
+if ((${#missing[@]})); then
+	echo "deps.sh: installing ${missing[*]}"
+	"${as_root[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi

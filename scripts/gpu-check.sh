@@ -11,8 +11,17 @@
 # build/gpu-check/); each stage writes its own log as it runs, so a run cut
 # short still leaves what it did.
 #
+# After the tests, the sanitizer stage: the CUDA tests again under NVIDIA's
+# compute-sanitizer (memcheck over test_cuda, the eager and compiled kernels
+# of test_cuda_gen and test_attention's CUDA cases; racecheck over the kernels
+# that use shared memory: attention, and the row reductions of softmax and
+# the norms), each a stage of the table (exit 99: the tool
+# found errors, which fails the run), skipped with a message where
+# compute-sanitizer is not found. It runs before the benchmarks and takes up
+# to 275 s of the budget: GPU_CHECK_SKIP=sanitize gives them that time back.
+#
 # Environment: GPU_CHECK_QUICK=1 (peers at small sizes), GPU_CHECK_SKIP=
-# bench,cold,peer,jax (stages to leave out), GPU_CHECK_JOBS (default 16),
+# bench,cold,peer,jax,sanitize (stages to leave out), GPU_CHECK_JOBS (default 16),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 460), GPU_CHECK_CMAKE_ARGS
 # (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit),
 # GPU_CHECK_PROBES=1 (also build and run each bench/probes/*.cu with nvcc,
@@ -147,7 +156,10 @@ tail -25 "$logs/test_cuda.log"
 # the CUDA op tables are NVRTC-bound (a compile per op signature): spread them.
 # The benchmarks need about 200 s: the suite gets what is left beyond that
 # (at least 120 s, at most 300 s).
-ctest_cap=$((deadline - SECONDS - 200))
+# The sanitizer stage gets up to 275 s of its own out of the rest.
+san_reserve=275
+[[ $skip == *,sanitize,* ]] && san_reserve=0
+ctest_cap=$((deadline - SECONDS - 200 - san_reserve))
 ((ctest_cap > 300)) && ctest_cap=300
 ((ctest_cap < 120)) && ctest_cap=120
 ctest_sel=()
@@ -155,6 +167,54 @@ ctest_sel=()
 stage ctest "$ctest_cap" ctest --test-dir "$build" --output-on-failure -j 14 "${ctest_sel[@]}" ||
 	status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\*\*\*" "$logs/ctest.log" | head -40
+
+# ---- compute-sanitizer over the CUDA tests ---------------------------------------------
+# Each run reuses its ctest entry's disk cache (the NVRTC builds are done),
+# so the time goes to the checked kernels. API errors are not counted: the
+# tests provoke some on purpose (test_gpu_oom's failed cuMemAlloc).
+find_sanitizer() {
+	local c d
+	c=$(command -v compute-sanitizer 2>/dev/null) && { echo "$c"; return; }
+	for d in "${CUDA_HOME:-}" "${cuda_inc%/include}" /usr/local/cuda; do
+		[[ -n $d && -x $d/bin/compute-sanitizer ]] && { echo "$d/bin/compute-sanitizer"; return; }
+	done
+	while read -r d; do # the pip wheel: nvidia/cuda_sanitizer_api/compute-sanitizer/
+		c=${d%/*}/compute-sanitizer/compute-sanitizer
+		[[ -n $d && -x $c ]] && { echo "$c"; return; }
+	done <<<"$nv_dirs"
+}
+san_stage() { # san_stage TOOL NAME SECONDS CACHE-NAME [VAR=VALUE...] -- TEST-BINARY
+	local tool=$1 name=$2 secs=$3 cache=$4 rc errs
+	shift 4
+	local envs=()
+	while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+	shift
+	stage "$name" "$secs" env KILN_CACHE_DIR="$build/tests/$cache" "${envs[@]}" \
+		"$sanitizer" --tool "$tool" --error-exitcode 99 --report-api-errors no "$@"
+	rc=$?
+	errs=$(grep -E "ERROR SUMMARY: [0-9]+" "$logs/$name.log" | tail -n 1 | sed 's/.*ERROR SUMMARY: //')
+	say "$name: compute-sanitizer $tool: ${errs:-no summary (cut short?)}, exit $rc"
+	((rc == 99)) && status=1
+	return 0
+}
+if [[ $skip == *,sanitize,* ]]; then
+	say "sanitize: skipped (GPU_CHECK_SKIP)"
+elif ! sanitizer=$(find_sanitizer) || [[ -z $sanitizer ]]; then
+	say "sanitize: SKIPPED, compute-sanitizer not found (PATH, \$CUDA_HOME/bin, the toolkit, the nvidia wheels)"
+else
+	say "sanitize: $sanitizer ($("$sanitizer" --version 2>/dev/null | grep -Eo 'Version [0-9.]+' | head -1))"
+	t=$build/tests
+	san_stage memcheck san_memcheck_cuda 60 cache-test_cuda -- "$t/test_cuda"
+	san_stage memcheck san_memcheck_gen 45 cache-test_cuda_gen_gpu_eager \
+		KILN_TEST_FILTER=test_gpu_eager -- "$t/test_cuda_gen"
+	san_stage memcheck san_memcheck_attn 45 cache-test_attention -- "$t/test_attention"
+	san_stage racecheck san_racecheck_attn 45 cache-test_attention -- "$t/test_attention"
+	# (KILN_TEST_FILTER is one cmocka pattern: a run per table)
+	san_stage racecheck san_racecheck_softmax 40 cache-test_ops_cuda \
+		KILN_TEST_DEVICE=cuda KILN_TEST_FILTER=test_softmax -- "$t/test_ops"
+	san_stage racecheck san_racecheck_norms 40 cache-test_ops_cuda \
+		KILN_TEST_DEVICE=cuda KILN_TEST_FILTER=test_norms -- "$t/test_ops"
+fi
 
 # ---- benchmarks: reported, never fatal ---------------------------------------------------
 # Each writes JSON lines to its .jsonl (flushed row by row, so a stage cut

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test.sh - the test suite as CI runs it: dependencies, then a plain build
-# (build/) and an ASan+UBSan build (build-asan/), each with every ctest.
-# Warnings are errors in both. Any failure fails the script.
+# (build/) and an ASan+UBSan build (build-asan/), each with every ctest, then
+# the libFuzzer targets (build-fuzz/, clang), each fuzzed briefly over its
+# corpus. Warnings are errors in all three. Any failure fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,4 +33,28 @@ cmake --build build-asan -j "$jobs"
 	export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 	ctest --output-on-failure -j "$jobs"
 )
-echo "test.sh: all tests passed (build/ and build-asan/)"
+
+# Fuzz: every target of fuzz/ for KILN_FUZZ_TEST_SECONDS (5) over its corpus
+# (scripts/fuzz.sh runs one for longer). It needs clang with libFuzzer: CI
+# must have it (deps.sh installs it), so there its absence fails the run;
+# elsewhere this stage is skipped with a message.
+fuzz_probe=$(mktemp -d)
+if command -v clang >/dev/null &&
+	echo 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { return 0; }' |
+	clang -fsanitize=fuzzer,address,undefined -x c - -o "$fuzz_probe/probe" 2>/dev/null; then
+	rm -rf "$fuzz_probe"
+	cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
+		-DCMAKE_C_FLAGS_DEBUG="-g -O1" -DKILN_WERROR=ON -DKILN_FUZZ=ON -DKILN_BUILD_TESTS=OFF
+	cmake --build build-fuzz -j "$jobs" --target kiln_fuzz
+	(cd build-fuzz && ctest --output-on-failure -j "$jobs")
+	echo "test.sh: all tests passed (build/, build-asan/ and build-fuzz/)"
+else
+	rm -rf "$fuzz_probe"
+	if [[ ${CI:-} == true ]]; then
+		echo "test.sh: clang with libFuzzer (-fsanitize=fuzzer) is missing: the fuzz" \
+			"targets cannot run, and CI must run them (scripts/deps.sh installs clang)" >&2
+		exit 1
+	fi
+	echo "test.sh: clang with libFuzzer not found: SKIPPED the fuzz targets (build-fuzz/)"
+	echo "test.sh: all tests passed (build/ and build-asan/; fuzz targets skipped)"
+fi

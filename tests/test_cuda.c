@@ -1868,6 +1868,58 @@ static void test_gpu_profile(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* Asking for more than the device holds is KL_ENOMEM naming the call made,
+ * never a crash: kl_empty of 1.5 times the device's memory, and kl_add whose
+ * broadcast output ([r,1] + [1,r]) is that big while its inputs are small.
+ * The context stays usable and holds no more than before. */
+static void test_gpu_oom(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = KL_CUDA});
+	assert_non_null(ctx);
+	assert_true(gdev->total_mem > 0);
+	int64_t n = (int64_t)(gdev->total_mem / 4 / 2 * 3); /* f32 elements */
+	int64_t r = (int64_t)sqrt((double)n) + 1;           /* r * r >= n */
+	kl_memory_usage before, after;
+	assert_int_equal(kl_memory_stats(ctx, &before), KL_OK);
+
+	assert_null(kl_empty(ctx, KL_F32, 1, &n));
+	print_message("test_cuda: kl_empty of %lld f32: %s\n", (long long)n, kl_last_error(ctx));
+	assert_int_equal(kl_last_status(ctx), KL_ENOMEM);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_empty"));
+	assert_non_null(strstr(kl_last_error(ctx), "out of"));
+	kl_clear_error(ctx);
+
+	kl_tensor *a = kl_full(ctx, KL_F32, 2, (const int64_t[]){r, 1}, 1.0);
+	kl_tensor *b = kl_full(ctx, KL_F32, 2, (const int64_t[]){1, r}, 2.0);
+	assert_non_null(a);
+	assert_non_null(b);
+	assert_null(kl_add(a, b));
+	print_message("test_cuda: kl_add of [%lld,1] and [1,%lld]: %s\n", (long long)r,
+	              (long long)r, kl_last_error(ctx));
+	assert_int_equal(kl_last_status(ctx), KL_ENOMEM);
+	assert_non_null(strstr(kl_last_error(ctx), "kl_add"));
+	kl_clear_error(ctx);
+
+	/* still usable: a small broadcast add of slices of the same inputs */
+	kl_tensor *sa = kl_slice(a, 0, 0, 3, 1), *sb = kl_slice(b, 1, 0, 2, 1);
+	kl_tensor *c = kl_add(sa, sb);
+	assert_non_null(c);
+	float host[6];
+	assert_int_equal(kl_to_host(c, host, sizeof host), KL_OK);
+	for (int i = 0; i < 6; i++)
+		assert_true(host[i] == 3.0f);
+	kl_release(c);
+	kl_release(sa);
+	kl_release(sb);
+	kl_release(a);
+	kl_release(b);
+	assert_int_equal(kl_memory_stats(ctx, &after), KL_OK);
+	assert_int_equal(after.in_use, before.in_use);
+	kl_ctx_free(ctx);
+}
+
 int main(void)
 {
 	const struct CMUnitTest host[] = {
@@ -1888,6 +1940,7 @@ int main(void)
 	        cmocka_unit_test(test_gpu_graph_kernels_moving),
 	        cmocka_unit_test(test_gpu_autotune),
 	        cmocka_unit_test(test_gpu_profile),
+	        cmocka_unit_test(test_gpu_oom),
 	};
 	int fails = cmocka_run_group_tests_name("cuda_host", host, NULL, NULL);
 	fails += cmocka_run_group_tests_name("cuda_gpu", gpu, gpu_setup, gpu_teardown);

@@ -4,6 +4,7 @@
  * start in a fresh process, corrupt entries, two processes racing.
  */
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -467,6 +468,91 @@ static void test_compile_error(void **state)
 	assert_non_null(strstr(kl_last_error(ctx), "k0 is missing"));
 	prog_release(&p);
 	kl__graph_free(&g);
+	kl_release(x);
+	kl_ctx_free(ctx);
+}
+
+static kl_status body_square_add(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                 int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	out[0] = kl_relu(kl_add(kl_mul(in[0], in[0]), kl_mul_scalar(in[0], -3.0)));
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+/* Whether some so-*.so in dir carries ASan's checks. */
+static bool cache_has_asan_kernels(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	bool found = false;
+	while (d && !found && (e = readdir(d))) {
+		if (strncmp(e->d_name, "so-", 3))
+			continue;
+		char path[PATH_MAX + 300];
+		snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+		FILE *f = fopen(path, "rb");
+		static char buf[1 << 20];
+		size_t n = f ? fread(buf, 1, sizeof buf, f) : 0;
+		if (f)
+			fclose(f);
+		for (size_t i = 0; i + 13 <= n && !found; i++)
+			found = !memcmp(buf + i, "__asan_report", 13);
+	}
+	if (d)
+		closedir(d);
+	return found;
+}
+
+/* KILN_JIT_SANITIZE: a value outside its list is kl_compile's error naming the
+ * knob; a sanitizer whose runtime the process lacks is refused, never loaded
+ * (an ASan object dlopen'ed into a plain process aborts it); in a sanitized
+ * process (the ASan test build) the kernels carry the checks and compute
+ * what the plain kernels do. */
+static void test_jit_sanitize(void **state)
+{
+	(void)state;
+	char dir[PATH_MAX];
+	use_cache_dir("jit-sanitize", dir, sizeof dir);
+	kl_ctx *ctx = new_ctx();
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 1, (int64_t[]){37}, KLTEST_NORMAL, KLTEST_CONTIG, 5);
+	kl_tensor *out[1], *want[1];
+	kl_fn *f = kl_compile(ctx, body_square_add, NULL, 1, 1, NULL);
+	assert_int_equal(kl_fn_call(f, &x, want), KL_OK);
+	kl_fn_free(f);
+
+	setenv("KILN_JIT_SANITIZE", "adress", 1);
+	f = kl_compile(ctx, body_square_add, NULL, 1, 1, NULL);
+	assert_int_equal(kl_fn_call(f, &x, out), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(ctx), "KILN_JIT_SANITIZE must be address"));
+	kl_fn_free(f);
+	kl_clear_error(ctx);
+
+	void *self = dlopen(NULL, RTLD_NOW);
+	assert_non_null(self);
+	bool runtimes = dlsym(self, "__asan_init") && dlsym(self, "__ubsan_handle_add_overflow");
+	dlclose(self);
+	setenv("KILN_JIT_SANITIZE", "address,undefined", 1);
+	f = kl_compile(ctx, body_square_add, NULL, 1, 1, NULL);
+	kl_status st = kl_fn_call(f, &x, out);
+	if (!runtimes) {
+		assert_int_equal(st, KL_EINVAL);
+		assert_non_null(strstr(kl_last_error(ctx), "needs a process built with"));
+		assert_false(cache_has_asan_kernels(dir));
+	} else {
+		assert_int_equal(st, KL_OK);
+		assert_true(cache_has_asan_kernels(dir));
+		float a[37], b[37];
+		assert_int_equal(kl_to_host(out[0], a, sizeof a), KL_OK);
+		assert_int_equal(kl_to_host(want[0], b, sizeof b), KL_OK);
+		assert_memory_equal(a, b, sizeof a);
+		kl_release(out[0]);
+	}
+	kl_fn_free(f);
+	unsetenv("KILN_JIT_SANITIZE");
+	kl_release(want[0]);
 	kl_release(x);
 	kl_ctx_free(ctx);
 }
@@ -1070,6 +1156,7 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_kernels_and_strides),
 	        cmocka_unit_test(test_chain_with_temps),
 	        cmocka_unit_test(test_compile_error),
+	        cmocka_unit_test(test_jit_sanitize),
 	        cmocka_unit_test(test_matmul_dtypes_layouts),
 	        cmocka_unit_test(test_view_outputs),
 	        cmocka_unit_test(test_symbolic_program),

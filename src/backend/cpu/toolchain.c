@@ -38,6 +38,48 @@ static const char *const cc_flags[] = {"-O3",    "-march=native",   "-fopenmp", 
                                        "-fno-trapping-math", "-shared", "-fPIC",    "-std=c11"};
 #define NFLAGS ((int)(sizeof cc_flags / sizeof cc_flags[0]))
 
+/* KILN_JIT_SANITIZE: build the generated kernels with AddressSanitizer
+ * ("address"), UndefinedBehaviorSanitizer ("undefined") or both
+ * ("address,undefined"), so that a kernel's stray access is reported where it
+ * happens (the fuzz targets and sanitized test runs use it). The kernels then
+ * call the sanitizer's runtime, which must already be in the process: kiln
+ * built with -DKILN_SANITIZE=ON (or a fuzz target) by the compiler the JIT
+ * runs. Only these fixed lists reach the compiler; any other value is an
+ * error of kl_compile. The flags are part of the JIT's identity (cache key). */
+#define MAX_SAN_FLAGS 3
+typedef struct san_mode {
+	const char *value;
+	const char *probe[2]; /* runtime symbols the process must carry */
+	const char *flags[MAX_SAN_FLAGS + 1];
+} san_mode;
+static const san_mode san_modes[] = {
+	{"address", {"__asan_init", NULL}, {"-fsanitize=address", "-fno-omit-frame-pointer", NULL}},
+	{"undefined",
+	 {"__ubsan_handle_add_overflow", NULL},
+	 {"-fsanitize=undefined", "-fno-sanitize-recover=undefined", NULL}},
+	{"address,undefined",
+	 {"__asan_init", "__ubsan_handle_add_overflow"},
+	 {"-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+	  "-fno-omit-frame-pointer", NULL}},
+};
+
+/* The mode KILN_JIT_SANITIZE asks for: NULL when unset or empty; *bad when
+ * its value is none of the above. */
+static const san_mode *jit_sanitize(bool *bad)
+{
+	const char *e = getenv("KILN_JIT_SANITIZE");
+	*bad = false;
+	if (!e || !*e)
+		return NULL;
+	if (!strcmp(e, "undefined,address"))
+		e = "address,undefined";
+	for (size_t i = 0; i < sizeof san_modes / sizeof san_modes[0]; i++)
+		if (!strcmp(e, san_modes[i].value))
+			return &san_modes[i];
+	*bad = true;
+	return NULL;
+}
+
 static atomic_long jit_compiles;
 
 long kl__jit_compiles(void)
@@ -129,9 +171,13 @@ uint64_t kl__jit_cc_identity(void)
 {
 	/* resolving walks PATH; do it again only when CC or PATH changed */
 	const char *cc = getenv("CC"), *path = getenv("PATH");
+	bool bad;
+	const san_mode *san = jit_sanitize(&bad);
 	uint64_t env = KL_HASH_SEED;
 	env = kl__hash_bytes(env, cc ? cc : "", cc ? strlen(cc) + 1 : 1);
 	env = kl__hash_bytes(env, path ? path : "", path ? strlen(path) + 1 : 1);
+	const char *sv = getenv("KILN_JIT_SANITIZE");
+	env = kl__hash_bytes(env, sv ? sv : "", sv ? strlen(sv) + 1 : 1);
 	pthread_mutex_lock(&ident_mu);
 	if (ident_ok && ident_env == env) {
 		uint64_t v = ident_val;
@@ -151,6 +197,10 @@ uint64_t kl__jit_cc_identity(void)
 	}
 	for (int i = 0; i < NFLAGS; i++)
 		h = kl__hash_bytes(h, cc_flags[i], strlen(cc_flags[i]) + 1);
+	for (int i = 0; san && san->flags[i]; i++)
+		h = kl__hash_bytes(h, san->flags[i], strlen(san->flags[i]) + 1);
+	if (bad) /* a key no entry has: the build, which reports the value, runs */
+		h = kl__hash_bytes(h, "bad KILN_JIT_SANITIZE", 22);
 	h = cpu_identity(h);
 	ident_env = env;
 	ident_val = h;
@@ -224,15 +274,38 @@ kl_status kl__jit_cc_build(kl_ctx *ctx, const char *source, const char *workdir,
 	    snprintf(so_path, cap, "%s/k.so", workdir) >= (int)cap)
 		return kl__err(ctx, KL_EINVAL,
 		               "kl_compile: build directory path too long or invalid");
+	bool bad;
+	const san_mode *san = jit_sanitize(&bad);
+	if (bad)
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_compile: KILN_JIT_SANITIZE must be address, undefined or "
+		               "address,undefined");
+	if (san) {
+		/* without the runtime in the process the kernels would not load
+		 * (or, for ASan, would abort the process as they load) */
+		void *self = dlopen(NULL, RTLD_NOW);
+		for (int i = 0; i < 2 && san->probe[i]; i++)
+			if (!self || !dlsym(self, san->probe[i])) {
+				if (self)
+					dlclose(self);
+				return kl__err(ctx, KL_EINVAL,
+				               "kl_compile: KILN_JIT_SANITIZE=%s needs a process "
+				               "built with that sanitizer (%s is missing)",
+				               san->value, san->probe[i]);
+			}
+		dlclose(self);
+	}
 	kl_status s = write_file(ctx, src, source);
 	if (s != KL_OK)
 		return s;
 
-	const char *argv[NFLAGS + 8];
+	const char *argv[NFLAGS + MAX_SAN_FLAGS + 8];
 	int argc = 0;
 	argv[argc++] = exe;
 	for (int i = 0; i < NFLAGS; i++)
 		argv[argc++] = cc_flags[i];
+	for (int i = 0; san && san->flags[i]; i++)
+		argv[argc++] = san->flags[i];
 	argv[argc++] = "-o";
 	argv[argc++] = so_path;
 	argv[argc++] = src;
