@@ -125,9 +125,8 @@ static kl_tensor *in_norms(kl_ctx *ctx, int i)
 
 static kl_tensor *in_movement(kl_ctx *ctx, int i)
 {
-	static const int64_t idx[] = {3, 0, 3, 1};
-	return i == 0 ? randn(ctx, 2, SHAPE(4, 6), 61)
-	              : kl_from_host(ctx, KL_I64, 1, SHAPE(4), idx);
+	/* the indices 3, 2, 1, 0 */
+	return i == 0 ? randn(ctx, 2, SHAPE(4, 6), 61) : kl_arange(ctx, KL_I64, 3, -1, -1);
 }
 
 const kf_graph kf_graphs[] = {

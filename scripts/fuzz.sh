@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if (($# < 2)); then
 	echo "usage: scripts/fuzz.sh TARGET SECONDS [libFuzzer flags...]" >&2
-	echo "targets: $(cd fuzz && ls fuzz_*.c | grep -v fuzz_util | sed 's/^fuzz_//; s/\.c$//' | tr '\n' ' ')" >&2
+	echo "targets: $(cd fuzz && ls fuzz_*.c | grep -Ev "fuzz_(util|graphs)" | sed 's/^fuzz_//; s/\.c$//' | tr '\n' ' ')" >&2
 	exit 2
 fi
 target=$1 secs=$2

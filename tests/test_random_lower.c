@@ -512,11 +512,13 @@ static rg_val movement(uint64_t *s, rg_val a)
 	kl_tensor *x = a.t;
 	int nd = kl_ndim(x);
 	const int64_t *sh = kl_shape(x);
-	int64_t ns[5];
+	int64_t ns[KL_MAX_DIMS + 1];
 	switch (rnd(s, 6)) {
 	case 0:
 		if (nd >= 2) {
-			int perm[4] = {0, 1, 2, 3};
+			int perm[KL_MAX_DIMS]; /* a gather of a 4-d table by a 2-d index is 5-d */
+			for (int i = 0; i < nd; i++)
+				perm[i] = i;
 			for (int i = nd - 1; i > 0; i--) {
 				int j = (int)rnd(s, (uint64_t)i + 1), t = perm[i];
 				perm[i] = perm[j];
@@ -976,6 +978,9 @@ static const uint64_t regress_seeds[] = {
          * (so stored): the permuted operand's view chain passed through that
          * stored view, and lowering failed with "matmul operand layout" */
         1001598,
+        /* the generator's own: a permute of a 5-d value (a gather of a 4-d
+         * table by a 2-d index) drew from a 4-entry permutation */
+        1046506,
 };
 
 static void test_regress_seeds(void **state)

@@ -507,24 +507,22 @@ static int capture(kl_variant *v, kl_tensor *t)
  * (the guards on captured tensors, see kl_fn_body in kiln.h); NULL if none. */
 static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
 {
+	/* on every replay: two compares a tensor, words only on a failure */
 	for (int i = 0; i < v->ncaptured; i++) {
 		const kl_tensor *t = v->captured[i];
-		char sh[128];
-		kl__shape_str(sh, sizeof sh, t->ndim, t->shape);
-		if (t->refs <= t->capture_refs) {
-			snprintf(why, cap,
-			         "captured tensor %d (%s %s, reached through user state) is no longer "
-			         "held by the program",
-			         i, kl_dtype_name(t->dtype), sh);
-			return why;
-		}
-		if (t->st->version != v->cap_version[i]) {
-			snprintf(why, cap,
-			         "captured tensor %d (%s %s, reached through user state) was written "
-			         "in place (version %" PRIu64 " -> %" PRIu64 ")",
-			         i, kl_dtype_name(t->dtype), sh, v->cap_version[i], t->st->version);
-			return why;
-		}
+		bool gone = t->refs <= t->capture_refs;
+		if (!gone && t->st->version == v->cap_version[i])
+			continue;
+		char sh[128], what[96];
+		if (gone)
+			snprintf(what, sizeof what, "is no longer held by the program");
+		else
+			snprintf(what, sizeof what, "was written in place (version %" PRIu64
+			         " -> %" PRIu64 ")", v->cap_version[i], t->st->version);
+		snprintf(why, cap, "captured tensor %d (%s %s, reached through user state) %s", i,
+		         kl_dtype_name(t->dtype), kl__shape_str(sh, sizeof sh, t->ndim, t->shape),
+		         what);
+		return why;
 	}
 	return NULL;
 }

@@ -513,6 +513,7 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 		} else {
 			st = kernel_step(L, P, G, sp, &out->kernels[P->nkernels],
 			                 P->nsteps > 1 ? early : NULL);
+			out->nkernels = P->nkernels;
 		}
 	}
 	P->nsyms = L->nsyms;
@@ -523,7 +524,7 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 
 void kl__lowered_free(kl_lowered *lw)
 {
-	for (int32_t i = 0; lw->kernels && i < lw->prog.nkernels; i++)
+	for (int32_t i = 0; lw->kernels && i < lw->nkernels; i++)
 		kl__kir_free(&lw->kernels[i]);
 	free(lw->kernels);
 	free(lw->early);

@@ -27,6 +27,7 @@ typedef struct kl_lower_opts {
 typedef struct kl_lowered {
 	kl_program prog;
 	kir_kernel *kernels;
+	int32_t nkernels; /* kernels held (prog.nkernels until prog is moved out) */
 	uint8_t *early; /* CUDA: what kir_kernel.early points to (owned here) */
 } kl_lowered;
 /* On failure out is empty and err says why. */
