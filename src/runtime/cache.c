@@ -170,6 +170,37 @@ static bool write_all(int fd, const void *buf, size_t n)
 	return true;
 }
 
+/* Open a file from outside for reading without ever blocking: O_NONBLOCK so
+ * that a FIFO (or a device) planted at the name cannot hang open(), then
+ * fstat, and only a regular file is kept (O_NONBLOCK is cleared again).
+ * -1 with errno set and *why saying what was refused. */
+static int open_regular(const char *path, const char **why)
+{
+	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	struct stat st;
+	if (fd < 0) {
+		*why = strerror(errno);
+		return -1;
+	}
+	int fl = fcntl(fd, F_GETFL);
+	if (fstat(fd, &st) != 0 || fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+		int e = errno;
+		*why = strerror(e);
+		close(fd);
+		errno = e;
+		return -1;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		*why = S_ISFIFO(st.st_mode)  ? "a FIFO, not a regular file"
+		       : S_ISDIR(st.st_mode) ? "a directory, not a regular file"
+		                             : "not a regular file";
+		close(fd);
+		errno = EINVAL;
+		return -1;
+	}
+	return fd;
+}
+
 kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
                         void **payload, size_t *len)
 {
@@ -178,20 +209,20 @@ kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, ui
 	*len = 0;
 	if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
 		return KL_EIO;
-	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	const char *why = NULL;
+	int fd = open_regular(path, &why);
 	if (fd < 0) {
 		if (errno != ENOENT)
-			kl__log(ctx, KL_LOG_CACHE, "entry %s unreadable (%s): rebuilding", name,
-			        strerror(errno));
+			kl__log(ctx, KL_LOG_CACHE, "entry %s unreadable (%s): rebuilding", name, why);
 		return KL_EIO;
 	}
-	const char *why = NULL;
+	why = NULL;
 	uint8_t h[ENTRY_HEADER];
 	struct stat st;
 	uint8_t *data = NULL;
 	uint64_t plen = 0;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-		why = "not a regular file";
+	if (fstat(fd, &st) != 0)
+		why = "cannot stat";
 	else if ((uint64_t)st.st_size < ENTRY_HEADER || !read_all(fd, h, ENTRY_HEADER))
 		why = "truncated header";
 	else if (memcmp(h, ENTRY_MAGIC, 8) != 0)
@@ -236,7 +267,7 @@ static void fsync_dir(const char *path)
 		dir[1] = '\0';
 	else
 		*slash = '\0';
-	int fd = open(dir, O_RDONLY);
+	int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
 	if (fd >= 0) {
 		fsync(fd);
 		close(fd);
@@ -294,7 +325,8 @@ kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final
 
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size)
 {
-	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	const char *why;
+	int fd = open_regular(path, &why);
 	if (fd < 0)
 		return KL_EIO;
 	uint64_t h = KL_HASH_SEED, n = 0;

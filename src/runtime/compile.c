@@ -223,12 +223,15 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		so_size = get_u64((uint8_t *)payload + 8);
 		st = kl__program_deserialize((uint8_t *)payload + 16, len - 16, &c->prog, err,
 		                             sizeof err);
-		if (st == KL_OK)
-			st = kl__program_validate(&c->prog, c->nin, c->nout, err, sizeof err);
 	}
 	free(payload);
+	bool parsed = st == KL_OK;
+	/* before its binary is loaded or anything is allocated by its sizes */
+	if (parsed)
+		st = kl__plan_check(&c->prog, &c->g, err, sizeof err);
 	if (st != KL_OK) {
-		kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", plan,
+		kl__log(ctx, KL_LOG_CACHE, "entry %s %s (%s): rebuilding", plan,
+		        parsed ? "rejected, not a plan of this graph" : "corrupt",
 		        err[0] ? err : "short payload");
 		kl__program_free(&c->prog);
 		memset(&c->prog, 0, sizeof c->prog);
@@ -249,7 +252,7 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		const char *why = NULL;
 		if (snprintf(path, sizeof path, "%s/%s", dir, so) >= (int)sizeof path ||
 		    kl__file_digest(path, &h, &n) != KL_OK)
-			why = "missing";
+			why = "missing or not a regular file";
 		else if (n != so_size)
 			why = "size mismatch";
 		else if (h != so_hash)
@@ -377,46 +380,6 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 	return KL_OK;
 }
 
-static int64_t buf_numel(const kl_buf *bf)
-{
-	int64_t n = 1;
-	for (int d = 0; d < bf->ndim; d++)
-		n *= bf->shape[d].v;
-	return n;
-}
-
-/* Products read inputs through their traced strides: the farthest element
- * they address must lie inside the input as traced. */
-static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
-{
-	for (int32_t s = 0; s < c->prog.nsteps; s++) {
-		const kl_step *sp = &c->prog.steps[s];
-		if (sp->kind != KL_STEP_MATMUL)
-			continue;
-		/* a, b, the residual, the bias (kl__mm_extent's 0, 1, 3, 4) */
-		int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
-		bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
-		for (int w = 0; w < 4; w++) {
-			if (!has[w])
-				continue;
-			const kl_buf *bf = &c->prog.bufs[ids[w]];
-			if (bf->role != KL_BUF_INPUT)
-				continue;
-			int64_t reach = 0, ext = kl__mm_extent(&sp->mm, w < 2 ? w : w + 1);
-			for (int d = 0; d < bf->ndim; d++)
-				reach += (bf->shape[d].v - 1) * c->in_strides[bf->index][d];
-			if (buf_numel(bf) == 0 ? ext >= 0 : ext > reach)
-				return kl__err(
-				        ctx, KL_EFORMAT,
-				        "kl_compile: step %d: matmul operand %c "
-				        "reaches element %lld of input %d, which ends at %lld",
-				        (int)s, "abrv"[w], (long long)ext, (int)bf -> index,
-				        (long long)reach);
-		}
-	}
-	return KL_OK;
-}
-
 kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg)
 {
 	if (ctx->device != KL_CPU && ctx->device != KL_CUDA) {
@@ -476,29 +439,14 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		        c->key, t1 - t0, t2 - t1, c->cuda ? "NVRTC, module load" : "cc, dlopen",
 		        kl__now_ms() - t2);
 	}
-	for (int32_t s = 0; s < c->prog.nsteps; s++)
-		for (int i = 0; i < c->prog.steps[s].nnodes; i++)
-			if (c->prog.steps[s].nodes[i] >= g->n) {
-				kl__err(ctx, KL_EFORMAT,
-				        "kl_compile: step %d names node %d of a %d-node "
-				        "graph",
-				        (int)s, (int)c->prog.steps[s].nodes[i], (int)g->n);
-				goto fail;
-			}
-	for (int32_t b = 0; b < c->prog.nbufs; b++)
-		if (c->prog.bufs[b].role == KL_BUF_INPUT) {
-			const kl_buf *bf = &c->prog.bufs[b];
-			const kl_node *n = &g->nodes[g->inputs[bf->index]];
-			if (bf->dtype != n->dtype || bf->ndim != n->ndim) {
-				kl__err(ctx, KL_EFORMAT,
-				        "kl_compile: input buffer %d does not match graph "
-				        "input %d",
-				        (int)b, (int)bf->index);
-				goto fail;
-			}
+	if (!c->from_cache) { /* a loaded plan was checked before its binary was loaded */
+		char err[256] = "";
+		if (kl__plan_check(&c->prog, g, err, sizeof err) != KL_OK) {
+			kl__err(ctx, KL_EFORMAT, "kl_compile: the program does not match its graph: %s",
+			        err);
+			goto fail;
 		}
-	if (check_input_reach(ctx, c) != KL_OK)
-		goto fail;
+	}
 	c->dynamic = c->prog.nsyms > 0;
 	for (int32_t k = 0; k < c->prog.nsyms; k++) {
 		const kl_node *n = &g->nodes[g->inputs[c->prog.sym_input[k]]];

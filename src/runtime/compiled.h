@@ -129,6 +129,14 @@ void kl__cuda_rt_free(kl_compiled *c);
  * [a-z0-9_], inputs/outputs complete. ninputs/noutputs < 0: not checked. */
 kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
                                size_t errcap);
+/* A plan against the graph it claims to implement (kl__program_validate
+ * first): inputs and outputs the graph's dtypes and shapes at the traced
+ * sizes, views inside their bases, temps no larger than any value lowering
+ * makes of g, steps naming g's nodes, row grids inside their buffers, library
+ * calls reaching only into inputs as traced. Run on every plan read from
+ * outside (disk cache, packages) before anything is allocated or loaded for
+ * it; KL_EFORMAT with the reason in err. */
+kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size_t errcap);
 /* Serialize everything but the source (malloc'd buffer). */
 kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
 /* Parse and validate; out's source is NULL. */

@@ -55,6 +55,8 @@ kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size);
 /* program_io.c: the largest element index operand which (0 a, 1 b, 2 c) of a
  * product reaches; -1 when empty, -2 when it overflows. */
 int64_t kl__mm_extent(const kl_matmul_step *mm, int which);
+/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o). */
+int64_t kl__attn_extent(const kl_attn_step *a, int which);
 
 /* ---- memplan.c: TEMP buffers into arena slots by liveness ------------------ */
 
