@@ -1186,6 +1186,93 @@ static void test_cache_fifo(void **state)
 	kl_ctx_free(ctx);
 }
 
+static int count_entries(const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	assert_non_null(d);
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(d)))
+		if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
+		    !strncmp(e->d_name, prefix, strlen(prefix)))
+			n++;
+	closedir(d);
+	return n;
+}
+
+/* Compile and run the chain twice with the cache at dir: both right, built
+ * fresh, the warning (containing want) once, the temp dir left empty. */
+static void expect_uncached(kl_ctx *ctx, const char *dir, const char *tmpdir, const char *want)
+{
+	setenv("KILN_CACHE_DIR", dir, 1);
+	for (int round = 0; round < 2; round++) {
+		kl_compiled *c;
+		char *log = with_stderr(run_chain, ctx, &c);
+		if (!c)
+			fail_msg("cache %s: kl__compile failed: %s", dir, kl_last_error(ctx));
+		assert_false(c->from_cache);
+		const char *w = strstr(log, "kiln: warning: the cache directory");
+		if (round == 0 && (!w || !strstr(w, want) || strstr(w + 1, "kiln: warning")))
+			fail_msg("cache %s: want one warning with '%s'; stderr:\n%s", dir, want, log);
+		if (round == 1 && w)
+			fail_msg("cache %s: warned a second time:\n%s", dir, log);
+		assert_int_equal(count_entries(tmpdir, ""), 0); /* the build dir is gone */
+		free(log);
+		kl__compiled_free(c);
+	}
+}
+
+/* A cache directory that cannot be written (read-only, not creatable, full)
+ * costs the cache, not the compile: built in a private temp dir, run
+ * uncached, one warning with the reason. */
+static void test_cache_unwritable(void **state)
+{
+	(void)state;
+	char dir[PATH_MAX], tmpdir[PATH_MAX], file[PATH_MAX + 16], under[PATH_MAX + 32];
+	use_cache_dir("unwritable-tmp", tmpdir, sizeof tmpdir);
+	use_cache_dir("unwritable", dir, sizeof dir);
+	char *old_tmp = getenv("TMPDIR") ? strdup(getenv("TMPDIR")) : NULL;
+	setenv("TMPDIR", tmpdir, 1);
+	kl_ctx *ctx = new_ctx();
+	/* ours, mode 0500, a directory, and unwritable even by root */
+	expect_uncached(ctx, "/proc/self/fd", tmpdir, "not writable (cannot create a file: ");
+
+	/* a read-only directory: chmod does not stop root (CAP_DAC_OVERRIDE),
+	 * so only where a probe file cannot be made */
+	assert_int_equal(chmod(dir, 0500), 0);
+	snprintf(file, sizeof file, "%s/probe", dir);
+	int fd = open(file, O_WRONLY | O_CREAT | O_EXCL, 0600);
+	if (fd >= 0) {
+		close(fd);
+		unlink(file);
+		fprintf(stderr, "(privileged: chmod 0500 does not stop writes; /proc/self/fd "
+		                "stood in for the read-only directory)\n");
+	} else
+		expect_uncached(ctx, dir, tmpdir, "Permission denied");
+	assert_int_equal(chmod(dir, 0700), 0);
+
+	/* a cache path under a regular file cannot be created */
+	snprintf(file, sizeof file, "%s/plain", dir);
+	assert_true((fd = open(file, O_WRONLY | O_CREAT, 0600)) >= 0);
+	close(fd);
+	snprintf(under, sizeof under, "%s/kiln", file);
+	expect_uncached(ctx, under, tmpdir, "(cannot create it: Not a directory)");
+	unlink(file);
+
+	/* a full disk: every write into the cache fails with ENOSPC */
+	kl__cache_fail_writes = ENOSPC;
+	expect_uncached(ctx, dir, tmpdir, "No space left on device");
+	kl__cache_fail_writes = 0;
+	assert_int_equal(count_entries(dir, ""), 0); /* no entry, no temp file */
+
+	if (old_tmp)
+		setenv("TMPDIR", old_tmp, 1);
+	else
+		unsetenv("TMPDIR");
+	free(old_tmp);
+	kl_ctx_free(ctx);
+}
+
 static void test_cache_race(void **state)
 {
 	(void)state;
@@ -1243,6 +1330,7 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_cache_race),
 	        cmocka_unit_test(test_cache_forged_plan),
 	        cmocka_unit_test(test_cache_fifo),
+	        cmocka_unit_test(test_cache_unwritable),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

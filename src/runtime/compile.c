@@ -328,7 +328,8 @@ static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
 	return KL_OK;
 }
 
-/* JIT-build the program's source; publish binary and plan when dir is set. */
+/* JIT-build the program's source in a private temp dir; store binary and
+ * plan when dir is set and can take them (else the variant runs uncached). */
 static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 {
 	char work[PATH_MAX], so_tmp[PATH_MAX], plan[96], so[96], final[PATH_MAX];
@@ -349,11 +350,10 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		if (st == KL_OK && dir) {
 			entry_names(c->key, so_hash, plan, so, sizeof so);
 			if (snprintf(final, sizeof final, "%s/%s", dir, so) < (int)sizeof final &&
-			    kl__cache_publish(ctx, so_tmp, final) == KL_OK) {
+			    kl__cache_put_file(ctx, dir, so, so_tmp, so_size) == KL_OK)
 				load_from = final;
-				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%" PRIu64 " bytes)", so,
-				        so_size);
-			}
+			else
+				dir = NULL; /* no plan without its binary */
 		}
 		if (st == KL_OK)
 			st = load_kernels(ctx, c, load_from);
