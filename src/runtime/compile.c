@@ -202,6 +202,26 @@ static kl_status load_kernels(kl_ctx *ctx, kl_compiled *c, const char *so_path)
 	return kl__jit_load(ctx, so_path, c->prog.kernel_names, c->prog.nkernels, &c->dl, c->fns);
 }
 
+/* The plan a CPU binary is built for, as a digest of its serialized bytes:
+ * the generated source ends with kl_plan_digest() returning it, so that a
+ * plan read back can be bound to the binary it is loaded with. */
+static bool plan_digest(const kl_program *p, uint64_t *d)
+{
+	uint8_t *bytes = NULL;
+	size_t len = 0;
+	if (kl__program_serialize(p, &bytes, &len) != KL_OK)
+		return false;
+	*d = kl__hash_bytes(KL_HASH_SEED, bytes, len);
+	free(bytes);
+	return true;
+}
+
+static bool plan_matches_binary(const kl_compiled *c)
+{
+	uint64_t want, have;
+	return plan_digest(&c->prog, &want) && kl__jit_plan_digest(c->dl, &have) && have == want;
+}
+
 /* KL_OK when the plan and its binary came from the cache and are loaded. */
 static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 {
@@ -264,6 +284,17 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 			kl__log(ctx, KL_LOG_CACHE, "entry %s unusable (%s): rebuilding", so,
 			        kl_last_error(ctx));
 			kl_clear_error(ctx);
+		} else if (!plan_matches_binary(c)) {
+			/* a plan edited (checksums and all) beside its binary: the
+			 * kernels would index buffers as the plan they were built
+			 * with sized them */
+			kl__log(ctx, KL_LOG_CACHE,
+			        "entry %s rejected (its binary was built for another plan): "
+			        "rebuilding",
+			        plan);
+			kl__jit_unload(c->dl);
+			c->dl = NULL;
+			st = KL_EFORMAT;
 		}
 		if (st != KL_OK) {
 			free(c->fns);
@@ -343,7 +374,20 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		st = kl__cache_workdir(ctx, dir, work, sizeof work);
 		if (st != KL_OK)
 			return st;
-		st = kl__jit_cc_build(ctx, c->prog.source, work, so_tmp, sizeof so_tmp);
+		uint64_t pd = 0;
+		size_t cap = strlen(c->prog.source) + 160;
+		char *src = malloc(cap);
+		if (!src || !plan_digest(&c->prog, &pd))
+			st = kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		else {
+			snprintf(src, cap,
+			         "%s\nunsigned long long kl_plan_digest(void);\n"
+			         "unsigned long long kl_plan_digest(void)\n{\n"
+			         "\treturn 0x%016" PRIx64 "ULL;\n}\n",
+			         c->prog.source, pd);
+			st = kl__jit_cc_build(ctx, src, work, so_tmp, sizeof so_tmp);
+		}
+		free(src);
 		if (st == KL_OK && kl__file_digest(so_tmp, &so_hash, &so_size) != KL_OK)
 			st = kl__err(ctx, KL_EIO, "kl_compile: cannot read back %s", so_tmp);
 		const char *load_from = so_tmp;
