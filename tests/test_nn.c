@@ -5,6 +5,7 @@
  */
 #include <dirent.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -563,6 +564,49 @@ static void test_save_failures_keep_old_file(void **state)
 	kl_ctx_free(ctx);
 }
 
+static void on_alarm(int sig)
+{
+	(void)sig;
+	static const char msg[] = "test_nn: timed out: kl_safetensors_open blocked\n";
+	if (write(2, msg, sizeof msg - 1) < 0)
+		_exit(3);
+	_exit(3);
+}
+
+/* A FIFO, a directory and a device are refused with a reason at once; a
+ * FIFO used to block in fopen until a writer came (the alarm turns a hang
+ * back into a failure). */
+static void test_open_not_a_file(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	const char *fifo = path_in_dir("pipe.safetensors");
+	assert_int_equal(mkfifo(fifo, 0600), 0);
+	static const struct {
+		const char *path, *want;
+	} cases[] = {
+	        {NULL, "a FIFO, not a regular file"},
+	        {".", "a directory, not a regular file"},
+	        {"/dev/null", "a device or socket, not a regular file"},
+	};
+	signal(SIGALRM, on_alarm);
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		const char *path = cases[i].path ? cases[i].path : fifo;
+		alarm(20);
+		kl_safetensors *st = kl_safetensors_open(ctx, path);
+		alarm(0);
+		assert_null(st);
+		assert_int_equal(kl_last_status(ctx), KL_EIO);
+		const char *msg = kl_last_error(ctx);
+		if (!strstr(msg, cases[i].want) || !strstr(msg, "kl_safetensors_open"))
+			fail_msg("case %zu: %s", i, msg);
+	}
+	signal(SIGALRM, SIG_DFL);
+	unlink(fifo);
+	kl_ctx_free(ctx);
+}
+
 int main(void)
 {
 	if (!mkdtemp(g_dir)) {
@@ -576,6 +620,7 @@ int main(void)
 	        cmocka_unit_test(test_malformed_table),
 	        cmocka_unit_test(test_mutations_never_crash),
 	        cmocka_unit_test(test_save_failures_keep_old_file),
+	        cmocka_unit_test(test_open_not_a_file),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	rmdir(g_dir);

@@ -1476,6 +1476,161 @@ static kl_tensor *ap_make(kl_tensor *const *in, const void *p)
 	}
 }
 
+/* ---- norms of rows whose squares overflow -------------------------------------- */
+
+/* The same norm written out from primitives, as a user would. */
+static kl_tensor *ap_norm_prim(kl_tensor *const *in, const void *p)
+{
+	const nrm *n = p;
+	int ax = -1;
+	kl_tensor *x = in[0], *z = x;
+	if (!n->rms)
+		z = kl_sub(x, kl_mean(x, 1, &ax, true));
+	kl_tensor *y = kl_mul(z, kl_rsqrt(kl_add_scalar(kl_mean(kl_mul(z, z), 1, &ax, true), n->eps)));
+	y = n->w ? kl_mul(y, in[1]) : y;
+	return n->b ? kl_add(y, in[2]) : y;
+}
+
+typedef struct nrm_run {
+	const nrm *p;
+	bool prim;
+} nrm_run;
+
+static kl_status body_norm(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin;
+	(void)nout;
+	const nrm_run *r = user;
+	out[0] = (r->prim ? ap_norm_prim : ap_norm)(in, r->p);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* run the norm eagerly (compiled false) or through kl_compile; the values */
+static double *run_norm(const nrm *p, bool prim, bool compiled, kl_tensor **in)
+{
+	nrm_run r = {p, prim};
+	kl_tensor *out = NULL;
+	kl_fn *fn = NULL;
+	if (compiled) {
+		fn = kl_compile(ctx, body_norm, &r, 3, 1, NULL);
+		if (fn && kl_fn_call(fn, in, &out) != KL_OK)
+			out = NULL;
+	} else {
+		kl_scope_begin(ctx);
+		out = (prim ? ap_norm_prim : ap_norm)(in, p);
+		if (out)
+			kl_retain(out);
+		kl_scope_end(ctx);
+	}
+	double *v = out ? kltest_read(out) : NULL;
+	if (!v)
+		fprintf(stderr, "FAIL norm run: %s\n", kl_last_error(ctx));
+	kl_release(out);
+	kl_fn_free(fn);
+	return v;
+}
+
+/* Rows of huge finite values (+-3e38 in f32 and bf16, +-1e300 in f64: their
+ * squares overflow), a constant huge row, huge mixed with tiny values, and an
+ * ordinary row, at several widths: kl_layer_norm and kl_rms_norm, eager and
+ * compiled, against a float64 model (compiled used to give 0). Ordinary rows
+ * come out bit for bit as the primitive formula gives them; the norm written
+ * from primitives keeps PyTorch's semantics (x * x overflows), compiled as
+ * eager. */
+static void test_norms_overflow(void **state)
+{
+	(void)state;
+	static const int64_t widths[] = {1, 8, 7, 33, 1000, 4096};
+	static const kl_dtype dts[] = {KL_F32, KL_BF16, KL_F64};
+	char w[160];
+	for (int cfg = 0; cfg < 3; cfg++) {
+		nrm p = {cfg == 2, true, cfg == 1, 1e-5};
+		for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++)
+			for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
+				kl_dtype dt = dts[t];
+				int64_t D = widths[wi], R = 4;
+				double big = dt == KL_F64 ? 1e300 : 3e38;
+				double *x = malloc(sizeof(double) * (size_t)(R * D));
+				assert_non_null(x);
+				/* signs alternate, so that no row's sum passes the largest
+				 * finite value (a mean of huge values is another matter) */
+				for (int64_t j = 0; j < D; j++) {
+					double sg = j % 2 ? -1.0 : 1.0;
+					x[j] = sg * big * (double)(4 + j * 7 % 7) / 10.0;  /* +-big */
+					x[D + j] = sg * big * (j % 4 < 2 ? 1.0 : 0.5);
+					x[2 * D + j] = j % 3 == 0   ? sg * big /* huge and tiny */
+					               : j % 3 == 1 ? sg * 1e-30
+					                            : 2.5e-38;
+					x[3 * D + j] = sin((double)j * 0.7 + 0.3) * 1.7; /* ordinary */
+				}
+				int64_t sh[2] = {R, D};
+				kl_tensor *in[3] = {
+				        kltest_from_values(ctx, dt, 2, sh, x, KLTEST_CONTIG),
+				        mk(dt, (shp){1, {D}}, KLTEST_NORMAL, KLTEST_CONTIG),
+				        mk(dt, (shp){1, {D}}, KLTEST_NORMAL, KLTEST_CONTIG)};
+				double *xv = kltest_read(in[0]), *wv = kltest_read(in[1]);
+				double *bv = kltest_read(in[2]);
+				double *want = malloc(sizeof(double) * (size_t)(R * D));
+				assert_true(xv && wv && bv && want);
+				for (int64_t r = 0; r < R; r++) {
+					const double *xr = xv + r * D;
+					double mean = 0, ms = 0, sc = 0;
+					for (int64_t j = 0; j < D; j++) /* scaled: no overflow in f64 */
+						sc = fmax(sc, fabs(xr[j]));
+					sc = sc > 0 ? sc : 1;
+					for (int64_t j = 0; j < D && !p.rms; j++)
+						mean += xr[j] / sc;
+					mean /= (double)D;
+					for (int64_t j = 0; j < D; j++)
+						ms += (xr[j] / sc - mean) * (xr[j] / sc - mean) / (double)D;
+					for (int64_t j = 0; j < D; j++) {
+						/* eps / sc^2 may underflow: a deviation of 0 is 0 */
+						double dv = xr[j] / sc - mean, den = ms + p.eps / sc / sc;
+						double y = dv == 0 ? 0 : dv / sqrt(den);
+						y = y * wv[j] + (p.b ? bv[j] : 0);
+						want[r * D + j] = kl__round_to(dt, y);
+					}
+				}
+				for (int compiled = 0; compiled < 2; compiled++) {
+					double *got = run_norm(&p, false, compiled, in);
+					snprintf(w, sizeof w, "kl_%s %s width %lld, huge rows, %s",
+					         p.rms ? "rms_norm" : "layer_norm", kl_dtype_name(dt),
+					         (long long)D, compiled ? "compiled" : "eager");
+					if (!got || !kltest_compare(w, dt, 2, sh, got, want, 4))
+						fails++;
+					/* the ordinary row as the primitive formula gives it */
+					double *prim = run_norm(&p, true, compiled, in);
+					snprintf(w, sizeof w, "kl_%s %s width %lld, ordinary row, %s, "
+					         "against primitives",
+					         p.rms ? "rms_norm" : "layer_norm", kl_dtype_name(dt),
+					         (long long)D, compiled ? "compiled" : "eager");
+					if (got && prim && dt == KL_F32 && compiled &&
+					    !kltest_compare(w, dt, 1, &D, got + 3 * D, prim + 3 * D, 0))
+						fails++;
+					free(got);
+					free(prim);
+				}
+				/* primitives: compiled as eager, overflow and all */
+				double *pe = run_norm(&p, true, false, in), *pc = run_norm(&p, true, true, in);
+				snprintf(w, sizeof w, "%s from primitives %s width %lld, compiled as eager",
+				         p.rms ? "rms_norm" : "layer_norm", kl_dtype_name(dt), (long long)D);
+				if (!pe || !pc || !kltest_compare(w, dt, 2, sh, pc, pe, 4))
+					fails++;
+				free(pe);
+				free(pc);
+				free(x);
+				free(xv);
+				free(wv);
+				free(bv);
+				free(want);
+				for (int i = 0; i < 3; i++)
+					kl_release(in[i]);
+			}
+	}
+	done();
+}
+
 static void test_creation(void **state)
 {
 	(void)state;
@@ -1734,6 +1889,7 @@ int main(void)
 		cmocka_unit_test_setup(test_linear, reset),
 		cmocka_unit_test_setup(test_softmax, reset),
 		cmocka_unit_test_setup(test_norms, reset),
+		cmocka_unit_test_setup(test_norms_overflow, reset),
 		cmocka_unit_test_setup(test_creation, reset),
 		cmocka_unit_test_setup(test_dtype_rules, reset),
 		cmocka_unit_test_setup(test_errors, reset),

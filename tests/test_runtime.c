@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <math.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -1110,6 +1111,263 @@ static void test_cache_corrupt(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* ---- plans that do not match their graph; files that are not files ------------ */
+
+typedef void (*plan_edit)(kl_program *p);
+
+/* Rewrite the plan entry under key with edit applied to its program, the
+ * checksums fixed up (kl__cache_put writes a fresh header), so that only a
+ * check of the plan against its graph can tell. */
+static void forge_plan(kl_ctx *ctx, const char *dir, uint64_t key, plan_edit edit)
+{
+	char name[64], err[256] = "";
+	snprintf(name, sizeof name, "plan-%016" PRIx64 ".klc", key);
+	void *payload;
+	size_t len;
+	assert_int_equal(kl__cache_get(ctx, dir, name, key, &payload, &len), KL_OK);
+	kl_program p;
+	assert_int_equal(kl__program_deserialize((uint8_t *)payload + 16, len - 16, &p, err,
+	                                         sizeof err),
+	                 KL_OK);
+	edit(&p);
+	uint8_t *bytes, *out;
+	size_t n;
+	assert_int_equal(kl__program_serialize(&p, &bytes, &n), KL_OK);
+	assert_non_null(out = malloc(n + 16));
+	memcpy(out, payload, 16); /* the binary's digest and size */
+	memcpy(out + 16, bytes, n);
+	assert_int_equal(kl__cache_put(ctx, dir, name, key, out, n + 16), KL_OK);
+	free(out);
+	free(bytes);
+	free(payload);
+	kl__program_free(&p);
+}
+
+static kl_buf *buf_of(kl_program *p, kl_buf_role role)
+{
+	for (int32_t b = 0; b < p->nbufs; b++)
+		if (p->bufs[b].role == role)
+			return &p->bufs[b];
+	fail_msg("no buffer of role %d", (int)role);
+	return NULL;
+}
+
+static void edit_out_narrow(kl_program *p)
+{
+	buf_of(p, KL_BUF_OUTPUT)->shape[1].v = 1; /* [4, 5] -> [4, 1]: 16 of 80 bytes */
+}
+
+static void edit_out_huge(kl_program *p)
+{
+	kl_buf *b = buf_of(p, KL_BUF_OUTPUT);
+	b->shape[0].v = (int64_t)1 << 20; /* 4 TiB if it were allocated */
+	b->shape[1].v = (int64_t)1 << 20;
+}
+
+static void edit_out_dtype(kl_program *p)
+{
+	buf_of(p, KL_BUF_OUTPUT)->dtype = KL_F64;
+}
+
+static void edit_temp_huge(kl_program *p)
+{
+	buf_of(p, KL_BUF_TEMP)->shape[0].v = (int64_t)1 << 40;
+}
+
+static void edit_swap_kernels(kl_program *p)
+{
+	p->steps[0].kernel = 1; /* each step runs the other's kernel */
+	p->steps[2].kernel = 0;
+}
+
+static void edit_step_node(kl_program *p)
+{
+	p->steps[0].nodes[0] = 1000;
+}
+
+static void test_cache_forged_plan(void **state)
+{
+	(void)state;
+	char dir[PATH_MAX];
+	use_cache_dir("forged", dir, sizeof dir);
+	kl_ctx *ctx = new_ctx();
+	ctx->logs |= KL_LOG_CACHE;
+	kl_compiled *c = run_chain(ctx);
+	assert_non_null(c);
+	uint64_t key = c->key;
+	kl__compiled_free(c);
+	struct {
+		plan_edit edit;
+		const char *expect;
+	} cases[] = {
+	        {edit_out_narrow, "output 0 is f32 [4,1] in the plan, f32 [4,5] in the graph"},
+	        {edit_out_huge, "output 0 is f32 [1048576,1048576] in the plan"},
+	        {edit_out_dtype, "output 0 is f64 [4,5] in the plan, f32 [4,5]"},
+	        {edit_temp_huge, "no value of this graph holds more than 120"},
+	        {edit_step_node, "step 0 names node 1000 of a 5-node graph"},
+	        /* consistent with the graph, but not with the kernels */
+	        {edit_swap_kernels, "its binary was built for another plan"},
+	};
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		forge_plan(ctx, dir, key, cases[i].edit);
+		char *log = with_stderr(run_chain, ctx, &c); /* run_chain checks the result */
+		assert_non_null(c);
+		if (!strstr(log, cases[i].expect) || !strstr(log, "rejected"))
+			fprintf(stderr, "case %zu log:\n%s\n", i, log);
+		assert_non_null(strstr(log, "rejected"));
+		assert_non_null(strstr(log, cases[i].expect));
+		assert_false(c->from_cache); /* compiled fresh, and rewritten */
+		free(log);
+		kl__compiled_free(c);
+		c = run_chain(ctx);
+		assert_true(c->from_cache);
+		kl__compiled_free(c);
+	}
+	kl_ctx_free(ctx);
+}
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	static const char msg[] = "test_runtime: timed out: an open() blocked on a FIFO\n";
+	if (write(2, msg, sizeof msg - 1) < 0)
+		_exit(3);
+	_exit(3);
+}
+
+/* A FIFO planted at the plan's and at the binary's name: kl_compile neither
+ * blocks in open() (the alarm turns a hang into a failure) nor trusts it. */
+static void test_cache_fifo(void **state)
+{
+	(void)state;
+	char dir[PATH_MAX], path[PATH_MAX];
+	use_cache_dir("fifo", dir, sizeof dir);
+	kl_ctx *ctx = new_ctx();
+	ctx->logs |= KL_LOG_CACHE;
+	kl_compiled *c = run_chain(ctx);
+	assert_non_null(c);
+	kl__compiled_free(c);
+	signal(SIGALRM, on_alarm);
+	const char *prefixes[] = {"so-", "plan-"};
+	const char *expect[] = {"corrupt (missing or not a regular file)",
+	                        "unreadable (a FIFO, not a regular file)"};
+	for (int i = 0; i < 2; i++) {
+		DIR *d = opendir(dir);
+		assert_non_null(d);
+		struct dirent *e;
+		int n = 0;
+		while ((e = readdir(d)))
+			if (!strncmp(e->d_name, prefixes[i], strlen(prefixes[i]))) {
+				assert_true(snprintf(path, sizeof path, "%s/%s", dir, e->d_name) <
+				            (int)sizeof path);
+				assert_int_equal(unlink(path), 0);
+				assert_int_equal(mkfifo(path, 0600), 0);
+				n++;
+			}
+		closedir(d);
+		assert_int_equal(n, 1);
+		alarm(20);
+		char *log = with_stderr(run_chain, ctx, &c);
+		alarm(0);
+		assert_non_null(c);
+		assert_false(c->from_cache);
+		if (!strstr(log, expect[i]))
+			fprintf(stderr, "case %d log:\n%s\n", i, log);
+		assert_non_null(strstr(log, expect[i]));
+		free(log);
+		kl__compiled_free(c);
+	}
+	signal(SIGALRM, SIG_DFL);
+	kl_ctx_free(ctx);
+}
+
+static int count_entries(const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	assert_non_null(d);
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(d)))
+		if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
+		    !strncmp(e->d_name, prefix, strlen(prefix)))
+			n++;
+	closedir(d);
+	return n;
+}
+
+/* Compile and run the chain twice with the cache at dir: both right, built
+ * fresh, the warning (containing want) once, the temp dir left empty. */
+static void expect_uncached(kl_ctx *ctx, const char *dir, const char *tmpdir, const char *want)
+{
+	setenv("KILN_CACHE_DIR", dir, 1);
+	for (int round = 0; round < 2; round++) {
+		kl_compiled *c;
+		char *log = with_stderr(run_chain, ctx, &c);
+		if (!c)
+			fail_msg("cache %s: kl__compile failed: %s", dir, kl_last_error(ctx));
+		assert_false(c->from_cache);
+		const char *w = strstr(log, "kiln: warning: the cache directory");
+		if (round == 0 && (!w || !strstr(w, want) || strstr(w + 1, "kiln: warning")))
+			fail_msg("cache %s: want one warning with '%s'; stderr:\n%s", dir, want, log);
+		if (round == 1 && w)
+			fail_msg("cache %s: warned a second time:\n%s", dir, log);
+		assert_int_equal(count_entries(tmpdir, ""), 0); /* the build dir is gone */
+		free(log);
+		kl__compiled_free(c);
+	}
+}
+
+/* A cache directory that cannot be written (read-only, not creatable, full)
+ * costs the cache, not the compile: built in a private temp dir, run
+ * uncached, one warning with the reason. */
+static void test_cache_unwritable(void **state)
+{
+	(void)state;
+	char dir[PATH_MAX], tmpdir[PATH_MAX], file[PATH_MAX + 16], under[PATH_MAX + 32];
+	use_cache_dir("unwritable-tmp", tmpdir, sizeof tmpdir);
+	use_cache_dir("unwritable", dir, sizeof dir);
+	char *old_tmp = getenv("TMPDIR") ? strdup(getenv("TMPDIR")) : NULL;
+	setenv("TMPDIR", tmpdir, 1);
+	kl_ctx *ctx = new_ctx();
+	/* ours, mode 0500, a directory, and unwritable even by root */
+	expect_uncached(ctx, "/proc/self/fd", tmpdir, "not writable (cannot create a file: ");
+
+	/* a read-only directory: chmod does not stop root (CAP_DAC_OVERRIDE),
+	 * so only where a probe file cannot be made */
+	assert_int_equal(chmod(dir, 0500), 0);
+	snprintf(file, sizeof file, "%s/probe", dir);
+	int fd = open(file, O_WRONLY | O_CREAT | O_EXCL, 0600);
+	if (fd >= 0) {
+		close(fd);
+		unlink(file);
+		fprintf(stderr, "(privileged: chmod 0500 does not stop writes; /proc/self/fd "
+		                "stood in for the read-only directory)\n");
+	} else
+		expect_uncached(ctx, dir, tmpdir, "Permission denied");
+	assert_int_equal(chmod(dir, 0700), 0);
+
+	/* a cache path under a regular file cannot be created */
+	snprintf(file, sizeof file, "%s/plain", dir);
+	assert_true((fd = open(file, O_WRONLY | O_CREAT, 0600)) >= 0);
+	close(fd);
+	snprintf(under, sizeof under, "%s/kiln", file);
+	expect_uncached(ctx, under, tmpdir, "(cannot create it: Not a directory)");
+	unlink(file);
+
+	/* a full disk: every write into the cache fails with ENOSPC */
+	kl__cache_fail_writes = ENOSPC;
+	expect_uncached(ctx, dir, tmpdir, "No space left on device");
+	kl__cache_fail_writes = 0;
+	assert_int_equal(count_entries(dir, ""), 0); /* no entry, no temp file */
+
+	if (old_tmp)
+		setenv("TMPDIR", old_tmp, 1);
+	else
+		unsetenv("TMPDIR");
+	free(old_tmp);
+	kl_ctx_free(ctx);
+}
+
 static void test_cache_race(void **state)
 {
 	(void)state;
@@ -1166,6 +1424,9 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_cache_warm_process),
 	        cmocka_unit_test(test_cache_corrupt),
 	        cmocka_unit_test(test_cache_race),
+	        cmocka_unit_test(test_cache_forged_plan),
+	        cmocka_unit_test(test_cache_fifo),
+	        cmocka_unit_test(test_cache_unwritable),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

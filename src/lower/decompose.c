@@ -148,6 +148,33 @@ static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
 	return bin_s(d, KL_OP_MUL, s, 1.0 / count(nd(d, x), axes));
 }
 
+/* The built-in norms' rows scaled so that their statistics cannot overflow:
+ * *sc = min(1, T / max|x|) per row (keepdim), x * sc returned. A row whose
+ * magnitudes stay within T (2^40 in f32, 2^480 in f64) has sc exactly 1, so
+ * its values are those of the unscaled formula; above T, (x - mean)^2
+ * summed over the row would overflow the compute type (3e38 in f32 squares
+ * to inf, and the norm came out 0), while x * sc stays within T and the
+ * norm, invariant under scaling (eps scaled by sc^2), is right. A cap at
+ * the largest finite value keeps an inf in the row from making sc 0 (the
+ * row then gives what the unscaled formula gives); a NaN stays a NaN. The
+ * cost is one max reduction per row, fused into the row kernel. Norms
+ * written out from primitives are left alone: x * x overflows in them as it
+ * does in PyTorch. */
+static int32_t norm_scaled(dctx *d, int32_t x, uint32_t ax, int32_t *sc)
+{
+	bool f64 = x >= 0 && nd(d, x)->dtype == KL_F64;
+	int32_t m = red(d, KL_OP_MAX, un(d, KL_OP_ABS, x), ax, true);
+	m = bin_s(d, KL_OP_MINIMUM, m, f64 ? 0x1.fffffffffffffp+1023 : 0x1.fffffep+127);
+	if (m < 0) {
+		*sc = -1;
+		return -1;
+	}
+	kl_node t = mk(KL_OP_FULL, (kl_dtype)nd(d, m)->dtype, nd(d, m)->ndim, nd(d, m)->shape, 0);
+	t.a.s[0] = f64 ? 0x1p480 : 0x1p40;
+	*sc = bin_s(d, KL_OP_MINIMUM, bin(d, KL_OP_DIV, add(d, &t), m), 1.0);
+	return bin(d, KL_OP_MUL, x, *sc);
+}
+
 /* a product with a dynamic dim: BLAS steps have static shapes, so it becomes
  * sum(a[..., m, 1, k] * b^T[..., 1, n, k], -1), a generated kernel */
 static bool sym_product(dctx *d, const kl_node *s)
@@ -419,16 +446,23 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 			b = s->nin > 2 ? in[2] : -1;
 		}
 		uint32_t ax = 1u << (s->ndim - 1);
-		int32_t x = cast(d, in[0], C), y;
+		int32_t x = cast(d, in[0], C), y, sc;
+		double eps = s->a.s[0];
+		x = norm_scaled(d, x, ax, &sc);
+		/* eps * s^2, plus (1 - s) * 2^-60 so that a constant row of huge
+		 * values (s < 1, its deviations 0, eps * s^2 underflowed) gives 0,
+		 * not 0 * rsqrt(0); both exactly eps where s == 1 */
+		int32_t e = bin(d, KL_OP_ADD, bin_s(d, KL_OP_MUL, bin(d, KL_OP_MUL, sc, sc), eps),
+		                bin_s(d, KL_OP_ADD, bin_s(d, KL_OP_MUL, sc, -0x1p-60), 0x1p-60));
 		if (s->op == KL_OP_LAYER_NORM) {
 			int32_t mu = mean(d, x, ax, true);
 			int32_t z = bin(d, KL_OP_SUB, x, mu);
 			int32_t var = mean(d, bin(d, KL_OP_MUL, z, z), ax, true);
-			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, var, s->a.s[0]));
+			int32_t r = un(d, KL_OP_RSQRT, bin(d, KL_OP_ADD, var, e));
 			y = bin(d, KL_OP_MUL, z, r);
 		} else {
 			int32_t ms = mean(d, bin(d, KL_OP_MUL, x, x), ax, true);
-			int32_t r = un(d, KL_OP_RSQRT, bin_s(d, KL_OP_ADD, ms, s->a.s[0]));
+			int32_t r = un(d, KL_OP_RSQRT, bin(d, KL_OP_ADD, ms, e));
 			y = bin(d, KL_OP_MUL, x, r);
 		}
 		if (w >= 0)

@@ -260,9 +260,27 @@ kl_safetensors *kl_safetensors_open(kl_ctx *ctx, const char *path)
 		return NULL;
 	}
 	st->ctx = ctx;
-	st->f = fopen(path, "rb");
-	if (!st->f) {
+	/* O_NONBLOCK: open() of a FIFO would wait for a writer forever; only a
+	 * regular file is read (then the flag is cleared again) */
+	struct stat sb;
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC), fl = -1;
+	if (fd < 0 || fstat(fd, &sb) != 0 || (fl = fcntl(fd, F_GETFL)) < 0) {
 		kl_set_error(ctx, KL_EIO, "%s: %s: cannot open: %s", P, path, strerror(errno));
+		if (fd >= 0)
+			close(fd);
+		goto fail;
+	}
+	if (!S_ISREG(sb.st_mode)) {
+		kl_set_error(ctx, KL_EIO, "%s: %s: cannot open: %s, not a regular file", P, path,
+		             S_ISFIFO(sb.st_mode)  ? "a FIFO"
+		             : S_ISDIR(sb.st_mode) ? "a directory"
+		                                   : "a device or socket");
+		close(fd);
+		goto fail;
+	}
+	if (fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 || !(st->f = fdopen(fd, "rb"))) {
+		kl_set_error(ctx, KL_EIO, "%s: %s: cannot open: %s", P, path, strerror(errno));
+		close(fd);
 		goto fail;
 	}
 	if (fseeko(st->f, 0, SEEK_END)) {

@@ -121,6 +121,23 @@ int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
 	}
 }
 
+int64_t kl__attn_extent(const kl_attn_step *a, int which)
+{
+	switch (which) {
+	case 0:
+		return operand_extent(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d,
+		                      a->q_cs);
+	case 1:
+		return operand_extent(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d,
+		                      a->k_cs);
+	case 2:
+		return operand_extent(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
+		                      a->v_cs);
+	default:
+		return operand_extent(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1);
+	}
+}
+
 static bool in_ids(const int32_t *ids, int32_t n, int32_t b)
 {
 	for (int32_t i = 0; i < n; i++)
@@ -226,16 +243,11 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 	for (int i = 0; i < a->nbatch; i++)
 		if (a->batch[i] < 0)
 			return fail(err, cap, "step %d: attention batch out of range", s);
-	int64_t ext[4] = {
-	        operand_extent(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d, a->q_cs),
-	        operand_extent(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d, a->k_cs),
-	        operand_extent(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv, a->v_cs),
-	        operand_extent(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1)};
 	for (int i = 0; i < 4; i++) {
-		int64_t n = buf_numel(&p->bufs[ids[i]]);
-		if (ext[i] == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext[i] >= n))
+		int64_t n = buf_numel(&p->bufs[ids[i]]), ext = kl__attn_extent(a, i);
+		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
 			return fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
-			            s, "qkvo"[i], (long long)ext[i], (long long)n);
+			            s, "qkvo"[i], (long long)ext, (long long)n);
 	}
 	return KL_OK;
 }

@@ -4,6 +4,7 @@
  * see a whole entry or none; a damaged entry is reported and rebuilt.
  */
 #include <dirent.h>
+#include <pthread.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -66,6 +67,28 @@ static bool make_dirs(char *path)
 	return true;
 }
 
+int kl__cache_fail_writes;
+
+/* The first time writing into a cache directory fails, say so on stderr:
+ * compiling goes on without the cache (slower starts), which a user should
+ * know about. Once per directory and process. */
+static void warn_unwritable(const char *dir, const char *what, int err)
+{
+	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+	static char last[PATH_MAX];
+	pthread_mutex_lock(&mu);
+	bool fresh = strcmp(last, dir) != 0;
+	if (fresh) {
+		snprintf(last, sizeof last, "%s", dir);
+		fprintf(stderr,
+		        "kiln: warning: the cache directory %s is not writable (%s: %s); "
+		        "compiling without the disk cache\n",
+		        dir, what, strerror(err));
+		fflush(stderr);
+	}
+	pthread_mutex_unlock(&mu);
+}
+
 bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap)
 {
 	const char *env = getenv("KILN_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME");
@@ -90,8 +113,10 @@ bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap)
 	while (n > 1 && buf[n - 1] == '/')
 		buf[--n] = '\0';
 	if (!make_dirs(buf)) {
+		int e = errno;
 		kl__log(ctx, KL_LOG_CACHE, "cannot create %s: %s: not caching on disk", buf,
-		        strerror(errno));
+		        strerror(e));
+		warn_unwritable(buf, "cannot create it", e);
 		return false;
 	}
 	/* We dlopen code from here: it must be ours and closed to others. */
@@ -123,17 +148,18 @@ bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap)
 kl_status kl__cache_workdir(kl_ctx *ctx, const char *cachedir, char *buf, size_t cap)
 {
 	const char *tmp = getenv("TMPDIR");
-	int n;
-	if (cachedir)
+	int n = snprintf(buf, cap, "%s/kiln-build-XXXXXX", tmp && tmp[0] == '/' ? tmp : "/tmp");
+	if (n > 0 && (size_t)n < cap && mkdtemp(buf))
+		return KL_OK;
+	int e = n > 0 && (size_t)n < cap ? errno : ENAMETOOLONG;
+	/* no room in the temp dir: the cache directory is private too */
+	if (cachedir) {
 		n = snprintf(buf, cap, "%s/.build-XXXXXX", cachedir);
-	else
-		n = snprintf(buf, cap, "%s/kiln-build-XXXXXX", tmp && tmp[0] == '/' ? tmp : "/tmp");
-	if (n <= 0 || (size_t)n >= cap)
-		return kl__err(ctx, KL_EIO, "kl_compile: build directory path too long");
-	if (!mkdtemp(buf))
-		return kl__err(ctx, KL_EIO, "kl_compile: cannot create a build directory in %s: %s",
-		               cachedir ? cachedir : "the temp dir", strerror(errno));
-	return KL_OK;
+		if (n > 0 && (size_t)n < cap && mkdtemp(buf))
+			return KL_OK;
+	}
+	return kl__err(ctx, KL_EIO, "kl_compile: cannot create a build directory in %s: %s",
+	               tmp && tmp[0] == '/' ? tmp : "/tmp", strerror(e));
 }
 
 void kl__rmtree_flat(const char *dir)
@@ -181,6 +207,37 @@ static bool write_all(int fd, const void *buf, size_t n)
 	return true;
 }
 
+/* Open a file from outside for reading without ever blocking: O_NONBLOCK so
+ * that a FIFO (or a device) planted at the name cannot hang open(), then
+ * fstat, and only a regular file is kept (O_NONBLOCK is cleared again).
+ * -1 with errno set and *why saying what was refused. */
+static int open_regular(const char *path, const char **why)
+{
+	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	struct stat st;
+	if (fd < 0) {
+		*why = strerror(errno);
+		return -1;
+	}
+	int fl = fcntl(fd, F_GETFL);
+	if (fstat(fd, &st) != 0 || fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+		int e = errno;
+		*why = strerror(e);
+		close(fd);
+		errno = e;
+		return -1;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		*why = S_ISFIFO(st.st_mode)  ? "a FIFO, not a regular file"
+		       : S_ISDIR(st.st_mode) ? "a directory, not a regular file"
+		                             : "not a regular file";
+		close(fd);
+		errno = EINVAL;
+		return -1;
+	}
+	return fd;
+}
+
 kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
                         void **payload, size_t *len)
 {
@@ -189,20 +246,20 @@ kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, ui
 	*len = 0;
 	if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
 		return KL_EIO;
-	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	const char *why = NULL;
+	int fd = open_regular(path, &why);
 	if (fd < 0) {
 		if (errno != ENOENT)
-			kl__log(ctx, KL_LOG_CACHE, "entry %s unreadable (%s): rebuilding", name,
-			        strerror(errno));
+			kl__log(ctx, KL_LOG_CACHE, "entry %s unreadable (%s): rebuilding", name, why);
 		return KL_EIO;
 	}
-	const char *why = NULL;
+	why = NULL;
 	uint8_t h[ENTRY_HEADER];
 	struct stat st;
 	uint8_t *data = NULL;
 	uint64_t plen = 0;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-		why = "not a regular file";
+	if (fstat(fd, &st) != 0)
+		why = "cannot stat";
 	else if ((uint64_t)st.st_size < ENTRY_HEADER || !read_all(fd, h, ENTRY_HEADER))
 		why = "truncated header";
 	else if (memcmp(h, ENTRY_MAGIC, 8) != 0)
@@ -247,20 +304,51 @@ static void fsync_dir(const char *path)
 		dir[1] = '\0';
 	else
 		*slash = '\0';
-	int fd = open(dir, O_RDONLY);
+	int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
 	if (fd >= 0) {
 		fsync(fd);
 		close(fd);
 	}
 }
 
-kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
-                        const void *payload, size_t len)
+/* dir/name made of a then b, atomically: a unique temp file, fsync, rename. */
+static kl_status write_atomic(kl_ctx *ctx, const char *dir, const char *name, const void *a,
+                              size_t an, const void *b, size_t bn)
 {
 	char tmp[PATH_MAX], path[PATH_MAX];
 	if (snprintf(tmp, sizeof tmp, "%s/.tmp-XXXXXX", dir) >= (int)sizeof tmp ||
 	    snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
 		return KL_EIO;
+	const char *what = "cannot create a file";
+	int fd = -1, e = kl__cache_fail_writes;
+	if (!e && (fd = mkstemp(tmp)) < 0)
+		e = errno;
+	if (fd >= 0) {
+		what = "cannot write a file";
+		if (!write_all(fd, a, an) || !write_all(fd, b, bn) || fsync(fd) != 0)
+			e = errno ? errno : EIO;
+		if (close(fd) != 0 && !e)
+			e = errno;
+		if (!e && rename(tmp, path) != 0) {
+			what = "cannot rename a file";
+			e = errno;
+		}
+		if (e)
+			unlink(tmp);
+	}
+	if (e) {
+		kl__log(ctx, KL_LOG_CACHE, "cannot write entry %s: %s", name, strerror(e));
+		warn_unwritable(dir, what, e);
+		return KL_EIO;
+	}
+	fsync_dir(path);
+	kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", name, an + bn);
+	return KL_OK;
+}
+
+kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
+                        const void *payload, size_t len)
+{
 	uint8_t h[ENTRY_HEADER];
 	memcpy(h, ENTRY_MAGIC, 8);
 	put_u32(h + 8, ENTRY_FORMAT);
@@ -269,43 +357,28 @@ kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t
 	put_u64(h + 24, (uint64_t)len);
 	put_u64(h + 32, kl__hash_bytes(KL_HASH_SEED, payload, len));
 	put_u64(h + 40, kl__hash_bytes(KL_HASH_SEED, h, 40));
-	int fd = mkstemp(tmp);
-	if (fd < 0) {
-		kl__log(ctx, KL_LOG_CACHE, "cannot write entry %s: %s", name, strerror(errno));
-		return KL_EIO;
-	}
-	bool ok = write_all(fd, h, sizeof h) && write_all(fd, payload, len) && fsync(fd) == 0;
-	ok = close(fd) == 0 && ok;
-	if (!ok || rename(tmp, path) != 0) {
-		int e = errno;
-		unlink(tmp);
-		kl__log(ctx, KL_LOG_CACHE, "cannot write entry %s: %s", name, strerror(e));
-		return KL_EIO;
-	}
-	fsync_dir(path);
-	kl__log(ctx, KL_LOG_CACHE, "wrote %s (%zu bytes)", name, len + ENTRY_HEADER);
-	return KL_OK;
+	return write_atomic(ctx, dir, name, h, sizeof h, payload, len);
 }
 
-kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final_path)
+kl_status kl__cache_put_file(kl_ctx *ctx, const char *dir, const char *name, const char *src,
+                             uint64_t size)
 {
-	int fd = open(tmp_path, O_RDONLY);
-	if (fd >= 0) {
-		fsync(fd);
-		close(fd);
-	}
-	if (rename(tmp_path, final_path) != 0) {
-		kl__log(ctx, KL_LOG_CACHE, "cannot move %s into place: %s", final_path,
-		        strerror(errno));
+	const char *why;
+	int fd = open_regular(src, &why);
+	if (fd < 0)
 		return KL_EIO;
-	}
-	fsync_dir(final_path);
-	return KL_OK;
+	uint8_t *bytes = size <= SIZE_MAX ? malloc(size ? (size_t)size : 1) : NULL;
+	bool ok = bytes && read_all(fd, bytes, (size_t)size);
+	close(fd);
+	kl_status st = ok ? write_atomic(ctx, dir, name, bytes, (size_t)size, NULL, 0) : KL_EIO;
+	free(bytes);
+	return st;
 }
 
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size)
 {
-	int fd = open(path, O_RDONLY | O_NOFOLLOW);
+	const char *why;
+	int fd = open_regular(path, &why);
 	if (fd < 0)
 		return KL_EIO;
 	uint64_t h = KL_HASH_SEED, n = 0;

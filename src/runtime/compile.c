@@ -202,6 +202,26 @@ static kl_status load_kernels(kl_ctx *ctx, kl_compiled *c, const char *so_path)
 	return kl__jit_load(ctx, so_path, c->prog.kernel_names, c->prog.nkernels, &c->dl, c->fns);
 }
 
+/* The plan a CPU binary is built for, as a digest of its serialized bytes:
+ * the generated source ends with kl_plan_digest() returning it, so that a
+ * plan read back can be bound to the binary it is loaded with. */
+static bool plan_digest(const kl_program *p, uint64_t *d)
+{
+	uint8_t *bytes = NULL;
+	size_t len = 0;
+	if (kl__program_serialize(p, &bytes, &len) != KL_OK)
+		return false;
+	*d = kl__hash_bytes(KL_HASH_SEED, bytes, len);
+	free(bytes);
+	return true;
+}
+
+static bool plan_matches_binary(const kl_compiled *c)
+{
+	uint64_t want, have;
+	return plan_digest(&c->prog, &want) && kl__jit_plan_digest(c->dl, &have) && have == want;
+}
+
 /* KL_OK when the plan and its binary came from the cache and are loaded. */
 static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 {
@@ -223,12 +243,15 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		so_size = get_u64((uint8_t *)payload + 8);
 		st = kl__program_deserialize((uint8_t *)payload + 16, len - 16, &c->prog, err,
 		                             sizeof err);
-		if (st == KL_OK)
-			st = kl__program_validate(&c->prog, c->nin, c->nout, err, sizeof err);
 	}
 	free(payload);
+	bool parsed = st == KL_OK;
+	/* before its binary is loaded or anything is allocated by its sizes */
+	if (parsed)
+		st = kl__plan_check(&c->prog, &c->g, err, sizeof err);
 	if (st != KL_OK) {
-		kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", plan,
+		kl__log(ctx, KL_LOG_CACHE, "entry %s %s (%s): rebuilding", plan,
+		        parsed ? "rejected, not a plan of this graph" : "corrupt",
 		        err[0] ? err : "short payload");
 		kl__program_free(&c->prog);
 		memset(&c->prog, 0, sizeof c->prog);
@@ -249,7 +272,7 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		const char *why = NULL;
 		if (snprintf(path, sizeof path, "%s/%s", dir, so) >= (int)sizeof path ||
 		    kl__file_digest(path, &h, &n) != KL_OK)
-			why = "missing";
+			why = "missing or not a regular file";
 		else if (n != so_size)
 			why = "size mismatch";
 		else if (h != so_hash)
@@ -261,6 +284,17 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 			kl__log(ctx, KL_LOG_CACHE, "entry %s unusable (%s): rebuilding", so,
 			        kl_last_error(ctx));
 			kl_clear_error(ctx);
+		} else if (!plan_matches_binary(c)) {
+			/* a plan edited (checksums and all) beside its binary: the
+			 * kernels would index buffers as the plan they were built
+			 * with sized them */
+			kl__log(ctx, KL_LOG_CACHE,
+			        "entry %s rejected (its binary was built for another plan): "
+			        "rebuilding",
+			        plan);
+			kl__jit_unload(c->dl);
+			c->dl = NULL;
+			st = KL_EFORMAT;
 		}
 		if (st != KL_OK) {
 			free(c->fns);
@@ -325,7 +359,8 @@ static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
 	return KL_OK;
 }
 
-/* JIT-build the program's source; publish binary and plan when dir is set. */
+/* JIT-build the program's source in a private temp dir; store binary and
+ * plan when dir is set and can take them (else the variant runs uncached). */
 static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 {
 	char work[PATH_MAX], so_tmp[PATH_MAX], plan[96], so[96], final[PATH_MAX];
@@ -339,18 +374,30 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		st = kl__cache_workdir(ctx, dir, work, sizeof work);
 		if (st != KL_OK)
 			return st;
-		st = kl__jit_cc_build(ctx, c->prog.source, work, so_tmp, sizeof so_tmp);
+		uint64_t pd = 0;
+		size_t cap = strlen(c->prog.source) + 160;
+		char *src = malloc(cap);
+		if (!src || !plan_digest(&c->prog, &pd))
+			st = kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+		else {
+			snprintf(src, cap,
+			         "%s\nunsigned long long kl_plan_digest(void);\n"
+			         "unsigned long long kl_plan_digest(void)\n{\n"
+			         "\treturn 0x%016" PRIx64 "ULL;\n}\n",
+			         c->prog.source, pd);
+			st = kl__jit_cc_build(ctx, src, work, so_tmp, sizeof so_tmp);
+		}
+		free(src);
 		if (st == KL_OK && kl__file_digest(so_tmp, &so_hash, &so_size) != KL_OK)
 			st = kl__err(ctx, KL_EIO, "kl_compile: cannot read back %s", so_tmp);
 		const char *load_from = so_tmp;
 		if (st == KL_OK && dir) {
 			entry_names(c->key, so_hash, plan, so, sizeof so);
 			if (snprintf(final, sizeof final, "%s/%s", dir, so) < (int)sizeof final &&
-			    kl__cache_publish(ctx, so_tmp, final) == KL_OK) {
+			    kl__cache_put_file(ctx, dir, so, so_tmp, so_size) == KL_OK)
 				load_from = final;
-				kl__log(ctx, KL_LOG_CACHE, "wrote %s (%" PRIu64 " bytes)", so,
-				        so_size);
-			}
+			else
+				dir = NULL; /* no plan without its binary */
 		}
 		if (st == KL_OK)
 			st = load_kernels(ctx, c, load_from);
@@ -373,46 +420,6 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		}
 		free(payload);
 		free(bytes);
-	}
-	return KL_OK;
-}
-
-static int64_t buf_numel(const kl_buf *bf)
-{
-	int64_t n = 1;
-	for (int d = 0; d < bf->ndim; d++)
-		n *= bf->shape[d].v;
-	return n;
-}
-
-/* Products read inputs through their traced strides: the farthest element
- * they address must lie inside the input as traced. */
-static kl_status check_input_reach(kl_ctx *ctx, const kl_compiled *c)
-{
-	for (int32_t s = 0; s < c->prog.nsteps; s++) {
-		const kl_step *sp = &c->prog.steps[s];
-		if (sp->kind != KL_STEP_MATMUL)
-			continue;
-		/* a, b, the residual, the bias (kl__mm_extent's 0, 1, 3, 4) */
-		int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
-		bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
-		for (int w = 0; w < 4; w++) {
-			if (!has[w])
-				continue;
-			const kl_buf *bf = &c->prog.bufs[ids[w]];
-			if (bf->role != KL_BUF_INPUT)
-				continue;
-			int64_t reach = 0, ext = kl__mm_extent(&sp->mm, w < 2 ? w : w + 1);
-			for (int d = 0; d < bf->ndim; d++)
-				reach += (bf->shape[d].v - 1) * c->in_strides[bf->index][d];
-			if (buf_numel(bf) == 0 ? ext >= 0 : ext > reach)
-				return kl__err(
-				        ctx, KL_EFORMAT,
-				        "kl_compile: step %d: matmul operand %c "
-				        "reaches element %lld of input %d, which ends at %lld",
-				        (int)s, "abrv"[w], (long long)ext, (int)bf -> index,
-				        (long long)reach);
-		}
 	}
 	return KL_OK;
 }
@@ -476,29 +483,14 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		        c->key, t1 - t0, t2 - t1, c->cuda ? "NVRTC, module load" : "cc, dlopen",
 		        kl__now_ms() - t2);
 	}
-	for (int32_t s = 0; s < c->prog.nsteps; s++)
-		for (int i = 0; i < c->prog.steps[s].nnodes; i++)
-			if (c->prog.steps[s].nodes[i] >= g->n) {
-				kl__err(ctx, KL_EFORMAT,
-				        "kl_compile: step %d names node %d of a %d-node "
-				        "graph",
-				        (int)s, (int)c->prog.steps[s].nodes[i], (int)g->n);
-				goto fail;
-			}
-	for (int32_t b = 0; b < c->prog.nbufs; b++)
-		if (c->prog.bufs[b].role == KL_BUF_INPUT) {
-			const kl_buf *bf = &c->prog.bufs[b];
-			const kl_node *n = &g->nodes[g->inputs[bf->index]];
-			if (bf->dtype != n->dtype || bf->ndim != n->ndim) {
-				kl__err(ctx, KL_EFORMAT,
-				        "kl_compile: input buffer %d does not match graph "
-				        "input %d",
-				        (int)b, (int)bf->index);
-				goto fail;
-			}
+	if (!c->from_cache) { /* a loaded plan was checked before its binary was loaded */
+		char err[256] = "";
+		if (kl__plan_check(&c->prog, g, err, sizeof err) != KL_OK) {
+			kl__err(ctx, KL_EFORMAT, "kl_compile: the program does not match its graph: %s",
+			        err);
+			goto fail;
 		}
-	if (check_input_reach(ctx, c) != KL_OK)
-		goto fail;
+	}
 	c->dynamic = c->prog.nsyms > 0;
 	for (int32_t k = 0; k < c->prog.nsyms; k++) {
 		const kl_node *n = &g->nodes[g->inputs[c->prog.sym_input[k]]];

@@ -127,4 +127,13 @@ void kl__cuda_rt_free(kl_compiled *c);
  * the compiler (runtime/cuda/eager_cuda.c; exec_no_cuda.c: all NULL). */
 extern const kl_cuda_hooks kl__cuda_rt_hooks;
 
+/* A plan against the graph it claims to implement (kl__program_validate
+ * first): inputs and outputs the graph's dtypes and shapes at the traced
+ * sizes, views inside their bases, temps no larger than any value lowering
+ * makes of g, steps naming g's nodes, row grids inside their buffers, library
+ * calls reaching only into inputs as traced. Run on every plan read from
+ * outside (disk cache, packages) before anything is allocated or loaded for
+ * it; KL_EFORMAT with the reason in err. */
+kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size_t errcap);
+
 #endif /* KILN_COMPILED_H */

@@ -20,8 +20,10 @@
  * trust (not ours, writable by others, not creatable): then nothing is read
  * from or written to disk. */
 bool kl__cache_dir(const kl_ctx *ctx, char *buf, size_t cap);
-/* A fresh private directory for building (inside the cache dir when there is
- * one, else under $TMPDIR); remove it with kl__rmtree_flat. */
+/* A fresh private directory for building under $TMPDIR (mkdtemp; inside the
+ * cache dir only when the temp dir has no room); remove it with
+ * kl__rmtree_flat. Building never writes into the cache directory: a
+ * read-only or full cache only loses the entries (kl__cache_put). */
 kl_status kl__cache_workdir(kl_ctx *ctx, const char *cachedir, char *buf, size_t cap);
 /* Remove a directory and the plain files directly inside it. */
 void kl__rmtree_flat(const char *dir);
@@ -30,11 +32,19 @@ void kl__rmtree_flat(const char *dir);
  * corrupt (logged under KILN_LOGS=cache; the caller rebuilds it). */
 kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
                         void **payload, size_t *len);
-/* Write entry `name` atomically (unique temp file, fsync, rename). */
+/* Write entry `name` atomically (unique temp file, fsync, rename). KL_EIO
+ * when the directory cannot take it (read-only, full): logged, and the first
+ * such failure per directory is a warning on stderr; the caller goes on
+ * uncached. */
 kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t key,
                         const void *payload, size_t len);
-/* Move a finished file into place atomically (fsync, rename, fsync dir). */
-kl_status kl__cache_publish(kl_ctx *ctx, const char *tmp_path, const char *final_path);
+/* Copy the size bytes of file src into the cache as `name`, the same way
+ * (a binary: its digest is checked by whoever loads it). */
+kl_status kl__cache_put_file(kl_ctx *ctx, const char *dir, const char *name, const char *src,
+                             uint64_t size);
+/* Tests only: nonzero makes every write into a cache directory fail with
+ * this errno (ENOSPC: a full disk). */
+extern int kl__cache_fail_writes;
 /* Checksum and size of a whole file. KL_EIO when it cannot be read. */
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size);
 

@@ -206,6 +206,9 @@ kl_status kl__jit_cc_build(kl_ctx *ctx, const char *source, const char *workdir,
 kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int32_t n, void **dl,
                        kl_kernel_fn *fns);
 void kl__jit_unload(void *dl);
+/* The digest of the plan a loaded binary was built for (compile.c appends
+ * kl_plan_digest() to every CPU source); false when it has none. */
+bool kl__jit_plan_digest(void *dl, uint64_t *out);
 /* Compiler invocations so far in this process (a warm process shows none). */
 long kl__jit_compiles(void);
 

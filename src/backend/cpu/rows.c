@@ -41,9 +41,44 @@ static void row_offsets(const rw_plan *p, int64_t r, int64_t *xoff, int64_t *yof
 	}
 }
 
+/* A norm row whose mean square (double) reached SAFE, where the T path
+ * would overflow x - mean or lose inv to a subnormal (f32 rows of +-3e38,
+ * f64 rows of +-1e300 whose squares are inf even in double): the row
+ * scaled by its largest magnitude m, eps by 1/m^2, all in double. False
+ * (nothing written) for a row holding an inf, which the plain path already
+ * gives as the reference does. */
+#define NORM_SCALED_FN(NAME, T)                                                               \
+	static bool norm_scaled_##NAME(const rw_plan *p, const T *x, T *y)                     \
+	{                                                                                      \
+		int64_t L = p->L;                                                              \
+		const T *w = p->w, *b = p->b;                                                  \
+		double m = 0, mu = 0, q = 0;                                                   \
+		for (int64_t i = 0; i < L; i++)                                                \
+			m = fmax(m, fabs((double)x[i]));                                       \
+		if (!(m > 0) || isinf(m))                                                      \
+			return false;                                                          \
+		for (int64_t i = 0; i < L && p->op == KL_OP_LAYER_NORM; i++)                   \
+			mu += (double)x[i] / m;                                                \
+		mu /= (double)L;                                                               \
+		for (int64_t i = 0; i < L; i++)                                                \
+			q += ((double)x[i] / m - mu) * ((double)x[i] / m - mu);                \
+		double den = q / (double)L + p->eps / m / m;                                   \
+		double inv = den > 0 ? 1.0 / sqrt(den) : 0.0; /* every deviation is 0 */       \
+		for (int64_t i = 0; i < L; i++) {                                              \
+			T v = (T)(((double)x[i] / m - mu) * inv);                              \
+			v = w ? v * w[i] : v;                                                  \
+			y[i] = b ? v + b[i] : v;                                               \
+		}                                                                              \
+		return true;                                                                   \
+	}
+
+NORM_SCALED_FN(row_f32, float)
+NORM_SCALED_FN(row_f64, double)
+
 /* One row function per compute type: T is float or double. Sums run in
- * double either way. */
-#define ROW_FN(NAME, T, NATIVE, EXPF, LOADF, STOREF)                                         \
+ * double either way. SAFE: the mean square below which the T path is
+ * exact (inv a normal T, x - mean finite). */
+#define ROW_FN(NAME, T, NATIVE, EXPF, LOADF, STOREF, SAFE)                                   \
 	static void NAME(const rw_plan *p, int64_t r, T *xbuf, T *ybuf)                        \
 	{                                                                                      \
 		int64_t xoff, yoff, L = p->L;                                                  \
@@ -102,7 +137,9 @@ static void row_offsets(const rw_plan *p, int64_t r, int64_t *xoff, int64_t *yof
 			T inv = (T)(1.0 / sqrt(ss / (double)L + p->eps));                      \
 			T mu = (T)mean;                                                        \
 			const T *w = p->w, *b = p->b;                                          \
-			if (w && b) {                                                          \
+			if (!(ss / (double)L < SAFE) && norm_scaled_##NAME(p, x, y)) {         \
+				/* written, scaled by the row's largest magnitude */           \
+			} else if (w && b) {                                                   \
 				KL_SIMD                                                        \
 				for (int64_t i = 0; i < L; i++)                                \
 					y[i] = (x[i] - mu) * inv * w[i] + b[i];                \
@@ -124,8 +161,8 @@ static void row_offsets(const rw_plan *p, int64_t r, int64_t *xoff, int64_t *yof
 			STOREF(yp, p->odt, p->ys, y, L);                                       \
 	}
 
-ROW_FN(row_f32, float, KL_F32, kl__cpu_expf, kl__cpu_load_f32, kl__cpu_store_f32)
-ROW_FN(row_f64, double, KL_F64, exp, kl__cpu_load_f64, kl__cpu_store_f64)
+ROW_FN(row_f32, float, KL_F32, kl__cpu_expf, kl__cpu_load_f32, kl__cpu_store_f32, 0x1p120)
+ROW_FN(row_f64, double, KL_F64, exp, kl__cpu_load_f64, kl__cpu_store_f64, 0x1p1000)
 
 /* rows [lo, hi) with scratch for two rows of the compute type */
 static void run_rows(const rw_plan *p, int64_t lo, int64_t hi, void *scratch)

@@ -369,6 +369,17 @@ kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int
 	return KL_OK;
 }
 
+bool kl__jit_plan_digest(void *dl, uint64_t *out)
+{
+	void *sym = dl ? dlsym(dl, "kl_plan_digest") : NULL;
+	if (!sym)
+		return false;
+	unsigned long long (*fn)(void);
+	memcpy(&fn, &sym, sizeof sym); /* as kl__jit_load does */
+	*out = (uint64_t)fn();
+	return true;
+}
+
 void kl__jit_unload(void *dl)
 {
 	if (dl)
