@@ -114,8 +114,28 @@ void kl__blas_hold(void);
 void kl__blas_release(void);
 
 /* Set the context's error; returns status for `return kl__err(...)`.
- * ctx may be NULL (thread-local message, see kl_last_error). */
+ * ctx may be NULL (thread-local message, see kl_last_error).
+ * While a public call is in progress (KL_API below) the message is reported
+ * under that call's name: a leading "kl_<name>: " is replaced by it (the
+ * op kl_zeros is built on says kl_full, the dispatcher says the node's op,
+ * the allocator says kl_tensor), and a message without one gets it in front. */
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);
+
+/* KL_API("kl_zeros") at the top of a public function marks it as the call in
+ * progress on this thread for the rest of its body (a cleanup handler ends
+ * it on every return). Nested public calls (kl_zeros calling kl_full,
+ * kl_linear calling kl_matmul) leave the outermost name in place. Only
+ * functions that never run user code (callbacks, compiled bodies) may use
+ * it: the ops a user's callback calls are calls of their own. */
+const char *kl__api_enter(const char *name);
+void kl__api_leave(const char *const *frame);
+#if defined(__GNUC__)
+#define KL_API(name)                                                             \
+	const char *const kl__api_frame __attribute__((cleanup(kl__api_leave))) = \
+	        kl__api_enter(name)
+#else
+#define KL_API(name) ((void)0) /* messages then keep the inner names */
+#endif
 
 /* ---- logging (KILN_LOGS=graph_breaks,recompiles,fusion,output_code,cache,...) */
 

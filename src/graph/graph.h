@@ -8,6 +8,7 @@
 #ifndef KILN_GRAPH_H
 #define KILN_GRAPH_H
 
+#include "core/shape.h"
 #include "kiln.h"
 
 typedef enum kl_op {
@@ -105,16 +106,9 @@ void kl__graph_print(const kl_graph *g, FILE *f);
 
 /* ---- shape helpers shared by the front end, lowering and the reference -- */
 
-int64_t kl__numel(int ndim, const int64_t *shape);
-void kl__contig_strides(int ndim, const int64_t *shape, int64_t *strides);
+/* numel, strides, broadcasting: core/shape.h (overflow-checked) */
 /* "[4,3]" into buf */
 const char *kl__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
-/* numpy broadcasting of two shapes; false if they do not broadcast */
-bool kl__broadcast(int na, const int64_t *sa, int nb, const int64_t *sb, int *nout, int64_t *out);
-/* Strides that read a tensor of (ndim, shape, strides) as the broadcast
- * shape (ondim, oshape): 0 along broadcast dims. */
-void kl__broadcast_strides(int ndim, const int64_t *shape, const int64_t *strides, int ondim,
-                           const int64_t *oshape, int64_t *ostrides);
 
 /* FNV-1a style 64-bit hash used for every content key in kiln */
 uint64_t kl__hash_bytes(uint64_t h, const void *p, size_t n);
