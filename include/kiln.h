@@ -51,7 +51,9 @@ extern "C" {
  * as 1 is at most KL_MAX_NUMEL. So numel, contiguous strides and the byte size
  * (at most 2^62) always fit an int64_t. Anything else is KL_EINVAL naming
  * the call and the shape, e.g.
- *     kl_reshape: cannot reshape [4,6] (24 elements) to [1099511627776,...]
+ *     kl_reshape: cannot reshape [4,6] (24 elements) to [1099511627776,
+ *     1099511627776]: its dims multiply past 2^59 (KL_MAX_NUMEL; a zero dim
+ *     counts as 1)
  * Empty shapes are held to the same bound: {0, 2^62, 2^62} is refused (so does
  * PyTorch: its contiguous strides overflow int64), and so is {2^62, 0}, which
  * PyTorch accepts but which would make loops over rows of an empty tensor
@@ -95,8 +97,8 @@ typedef struct kl_ctx_opts {
 } kl_ctx_opts;
 
 /* The most CPU worker threads a context takes (kl_ctx_opts.nthreads); more is
- * KL_EINVAL from kl_ctx_new (each OpenMP thread has its own stack, and tens
- * of thousands exhaust memory inside the OpenMP runtime). */
+ * KL_EINVAL from kl_ctx_new. 1024 is far above any core count kiln runs on;
+ * a team of 65536 overflowed the stack inside libgomp at the first op. */
 #define KL_MAX_THREADS 1024
 
 /* opts may be NULL for a CPU context. On failure returns NULL and

@@ -400,6 +400,9 @@ kl_tensor *kl_safetensors_get(kl_safetensors *st, const char *name)
 	}
 	kl_tensor *t = kl_from_host(st->ctx, e->dt, e->ndim, e->shape, buf, nb);
 	free(buf);
+	if (!t) /* the call made was this one: say so, keeping the reason */
+		kl_set_error(st->ctx, kl_last_status(st->ctx), "%s: %s: tensor '%s': %s", P,
+		             st->path, name, kl_last_error(st->ctx));
 	return t;
 }
 

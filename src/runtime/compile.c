@@ -379,10 +379,10 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 
 static int64_t buf_numel(const kl_buf *bf)
 {
-	int64_t n = 1;
+	int64_t dims[KL_MAX_DIMS];
 	for (int d = 0; d < bf->ndim; d++)
-		n *= bf->shape[d].v;
-	return n;
+		dims[d] = bf->shape[d].v;
+	return kl__numel(bf->ndim, dims); /* checked by kl__program_validate */
 }
 
 /* Products read inputs through their traced strides: the farthest element
