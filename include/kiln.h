@@ -7,6 +7,9 @@
  * KL_OK and leaves a message in kl_last_error(ctx) naming the op, the shapes,
  * the dtypes and the offending value, e.g.
  *     kl_add: shapes [4,3] and [5] do not broadcast
+ * The message names the call the caller made, even when it failed inside
+ * another op it is built on (kl_zeros, not kl_full; kl_embedding, not
+ * kl_gather; "kl_add: out of memory allocating ... bytes for f32 [...]").
  * The library never exits or aborts on bad input, and a failed call writes no
  * partial output. Ops accept NULL inputs and fail cleanly, so a chain such as
  * kl_relu(kl_add(kl_mul(a, b), c)) reports the first failure and returns NULL.
@@ -43,6 +46,20 @@ extern "C" {
 
 #define KL_MAX_DIMS 8
 
+/* Shapes. Every shape kiln accepts, from the caller or computed by an op, has
+ * at most KL_MAX_DIMS dims, each >= 0, whose product with a zero dim counted
+ * as 1 is at most KL_MAX_NUMEL. So numel, contiguous strides and the byte size
+ * (at most 2^62) always fit an int64_t. Anything else is KL_EINVAL naming
+ * the call and the shape, e.g.
+ *     kl_reshape: cannot reshape [4,6] (24 elements) to [1099511627776,
+ *     1099511627776]: its dims multiply past 2^59 (KL_MAX_NUMEL; a zero dim
+ *     counts as 1)
+ * Empty shapes are held to the same bound: {0, 2^62, 2^62} is refused (so does
+ * PyTorch: its contiguous strides overflow int64), and so is {2^62, 0}, which
+ * PyTorch accepts but which would make loops over rows of an empty tensor
+ * run 2^62 times. */
+#define KL_MAX_NUMEL (INT64_C(1) << 59)
+
 typedef struct kl_ctx kl_ctx;
 typedef struct kl_tensor kl_tensor;
 
@@ -76,8 +93,13 @@ typedef enum kl_device { KL_CPU = 0, KL_CUDA = 1 } kl_device;
 typedef struct kl_ctx_opts {
 	kl_device device; /* KL_CPU (default) or KL_CUDA */
 	int index;        /* device index */
-	int nthreads;     /* CPU worker threads; 0 = all cores */
+	int nthreads;     /* CPU worker threads; 0 = all cores; at most KL_MAX_THREADS */
 } kl_ctx_opts;
+
+/* The most CPU worker threads a context takes (kl_ctx_opts.nthreads); more is
+ * KL_EINVAL from kl_ctx_new. 1024 is far above any core count kiln runs on;
+ * a team of 65536 overflowed the stack inside libgomp at the first op. */
+#define KL_MAX_THREADS 1024
 
 /* opts may be NULL for a CPU context. On failure returns NULL and
  * kl_last_error(NULL) says why (for this thread). While any context is
@@ -168,9 +190,16 @@ kl_tensor *kl_arange(kl_ctx *ctx, kl_dtype dt, double start, double stop, double
 kl_tensor *kl_rand(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
 kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
 /* A new tensor holding a copy of host data (dense, row-major, dtype dt;
- * f16 and bf16 as their 16-bit patterns, bool as one byte 0/1). */
+ * f16 and bf16 as their 16-bit patterns, bool as one byte 0/1). nbytes is the
+ * size of the buffer at data and must equal the shape's byte size (numel *
+ * kl_dtype_size(dt), see kl_shape_nbytes), as kl_to_host's does: a shorter
+ * or longer buffer is KL_EINVAL, never read past its end. */
 kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape,
-                        const void *data);
+                        const void *data, size_t nbytes);
+/* The byte size of a dense tensor of dtype dt and this shape, into *nbytes.
+ * KL_EINVAL for an unknown dtype or a shape kiln refuses (see KL_MAX_NUMEL),
+ * with the reason in kl_last_error(NULL). */
+kl_status kl_shape_nbytes(kl_dtype dt, int ndim, const int64_t *shape, size_t *nbytes);
 
 /* ---- host access (sync points: inside a compiled function, a graph break) */
 

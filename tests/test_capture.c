@@ -1017,7 +1017,7 @@ static void test_conversion_edges(void **state)
 	(void)state;
 	kl_ctx *ctx = new_ctx();
 	double xv[3] = {1 + 0x1p-11 + 0x1p-40, -(1 + 0x1p-11 + 0x1p-40), 1 + 0x1p-8 + 0x1p-45};
-	kl_tensor *x = kl_from_host(ctx, KL_F64, 1, (int64_t[]){3}, xv);
+	kl_tensor *x = kl_from_host(ctx, KL_F64, 1, (int64_t[]){3}, xv, sizeof xv);
 	kl_tensor *z = kl_zeros(ctx, KL_F64, 1, (int64_t[]){3});
 	kl_tensor *in[2] = {x, z};
 	kl_tensor *eager[4], *comp[4];

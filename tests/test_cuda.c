@@ -1240,8 +1240,8 @@ static void test_gpu_eager_matmul(void **state)
 		fa[i] = (float)va[i];
 	for (int i = 0; i < 21; i++)
 		fb[i] = (float)vb[i];
-	kl_tensor *ga = kl_from_host(gpu, KL_F32, 3, sa, fa),
-	          *gb = kl_from_host(gpu, KL_F32, 2, sb, fb);
+	kl_tensor *ga = kl_from_host(gpu, KL_F32, 3, sa, fa, sizeof fa),
+	          *gb = kl_from_host(gpu, KL_F32, 2, sb, fb, sizeof fb);
 	assert_non_null(ga);
 	assert_non_null(gb);
 	kl_tensor *gc = kl_matmul(ga, gb);

@@ -1024,7 +1024,7 @@ static void test_gather(void **state)
 	kl_tensor *e0 = mk(KL_F32, (shp){2, {0, 3}}, KLTEST_NORMAL, KLTEST_CONTIG);
 	if (kl_ctx_device(ctx) == KL_CPU) {
 		EXPECT_ERROR(kl_gather(wt, bad), "kl_gather", "index 10", "10 rows");
-		EXPECT_ERROR(kl_embedding(neg, wt), "kl_gather", "index -1");
+		EXPECT_ERROR(kl_embedding(neg, wt), "kl_embedding", "index -1");
 	} else {
 		/* device indices are not seen by the host: the kernel clamps them */
 		double cl[8];

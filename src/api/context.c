@@ -21,9 +21,13 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 		kl__err(NULL, KL_EINVAL, "kl_ctx_new: unknown device %d", (int)o.device);
 		return NULL;
 	}
-	if (o.nthreads < 0 || o.index < 0) {
-		kl__err(NULL, KL_EINVAL, "kl_ctx_new: nthreads %d and index %d must be >= 0",
-		        o.nthreads, o.index);
+	if (o.nthreads < 0 || o.nthreads > KL_MAX_THREADS) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: nthreads %d is outside [0,%d] (0: all cores)",
+		        o.nthreads, KL_MAX_THREADS);
+		return NULL;
+	}
+	if (o.index < 0) {
+		kl__err(NULL, KL_EINVAL, "kl_ctx_new: device index %d must be >= 0", o.index);
 		return NULL;
 	}
 	kl_ctx *ctx = calloc(1, sizeof *ctx);

@@ -95,11 +95,20 @@ static kl_tensor *eager_view(kl_ctx *ctx, kl_node *n, kl_tensor *a)
 	case KL_OP_EXPAND:
 		kl__broadcast_strides(a->ndim, a->shape, a->strides, n->ndim, n->shape, strides);
 		break;
-	case KL_OP_SLICE:
+	case KL_OP_SLICE: {
+		int ax = n->a.axis;
 		memcpy(strides, a->strides, sizeof strides);
-		offset += n->a.v[0] * a->strides[n->a.axis];
-		strides[n->a.axis] *= n->a.v[2];
+		/* start < size along ax when the slice is not empty, so the offset
+		 * stays inside the base; an empty slice starts where the base does */
+		if (n->shape[ax] > 0)
+			offset += n->a.v[0] * a->strides[ax];
+		if (!kl__slice_stride(a->strides[ax], n->a.v[2], n->shape[ax], &strides[ax])) {
+			kl__err(ctx, KL_EINVAL, "kl_slice: step %lld overflows stride %lld",
+			        (long long)n->a.v[2], (long long)a->strides[ax]);
+			return NULL;
+		}
 		break;
+	}
 	default: /* RESHAPE */
 		if (!view_strides(a->ndim, a->shape, a->strides, n->ndim, n->shape, strides)) {
 			kl_tensor *d = kl__eager_contiguous(ctx, a);
@@ -130,6 +139,17 @@ kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
 			        "kl_%s: input %d is a lazy tensor of a finished trace", name, i);
 			return NULL;
 		}
+	}
+	/* every node's shape, whatever op computed it (a broadcast, an expand,
+	 * a concat, a product), is held to kiln's shape rule here, once */
+	int bad;
+	kl_shape_err e = kl__shape_check(n->ndim, n->shape, &bad);
+	if (e != KL_SHAPE_OK) {
+		char b[192], why[128];
+		kl__err(ctx, KL_EINVAL, "kl_%s: result shape %s: %s", name,
+		        kl__shape_str(b, sizeof b, n->ndim, n->shape),
+		        kl__shape_why(why, sizeof why, e, n->ndim, n->shape, bad));
+		return NULL;
 	}
 	for (int d = n->ndim; d < KL_MAX_DIMS; d++)
 		n->shape[d] = 0;

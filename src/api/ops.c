@@ -90,8 +90,6 @@ static kl_status bad_axis(kl_ctx *ctx, const char *op, int axis, const kl_tensor
 
 /* ---- creation ---------------------------------------------------------------- */
 
-#define KL_MAX_NUMEL (INT64_C(1) << 59)
-
 static kl_tensor *source(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int64_t *shape,
                          const kl_attrs *a)
 {
@@ -113,20 +111,14 @@ static kl_tensor *source(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int
 		kl__err(ctx, KL_EINVAL, "kl_%s: shape is NULL for ndim %d", name, ndim);
 		return NULL;
 	}
-	int64_t n = 1;
-	for (int i = 0; i < ndim; i++) {
-		char b[SB];
-		if (shape[i] < 0) {
-			kl__err(ctx, KL_EINVAL, "kl_%s: negative dim %d in shape %s", name, i,
-			        kl__shape_str(b, SB, ndim, shape));
-			return NULL;
-		}
-		if (shape[i] > 0 && n > KL_MAX_NUMEL / shape[i]) {
-			kl__err(ctx, KL_EINVAL, "kl_%s: shape %s is too large", name,
-			        kl__shape_str(b, SB, ndim, shape));
-			return NULL;
-		}
-		n *= shape[i];
+	int bad;
+	kl_shape_err e = kl__shape_check(ndim, shape, &bad);
+	if (e != KL_SHAPE_OK) {
+		char b[SB], why[128];
+		kl__err(ctx, KL_EINVAL, "kl_%s: shape %s: %s", name,
+		        kl__shape_str(b, SB, ndim, shape),
+		        kl__shape_why(why, sizeof why, e, ndim, shape, bad));
+		return NULL;
 	}
 	if ((op == KL_OP_RAND || op == KL_OP_RANDN) && !kl_dtype_is_float(dt)) {
 		not_float(ctx, name, dt);
@@ -140,22 +132,26 @@ static kl_tensor *source(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int
 
 kl_tensor *kl_full(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, double value)
 {
+	KL_API("kl_full");
 	kl_attrs a = {.s = {value}};
 	return source(ctx, KL_OP_FULL, dt, ndim, shape, &a);
 }
 
 kl_tensor *kl_zeros(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)
 {
+	KL_API("kl_zeros");
 	return kl_full(ctx, dt, ndim, shape, 0.0);
 }
 
 kl_tensor *kl_scalar(kl_ctx *ctx, kl_dtype dt, double value)
 {
+	KL_API("kl_scalar");
 	return kl_full(ctx, dt, 0, NULL, value);
 }
 
 kl_tensor *kl_arange(kl_ctx *ctx, kl_dtype dt, double start, double stop, double step)
 {
+	KL_API("kl_arange");
 	if (!ctx) {
 		kl__err(NULL, KL_EINVAL, "kl_arange: ctx is NULL");
 		return NULL;
@@ -185,12 +181,14 @@ kl_tensor *kl_arange(kl_ctx *ctx, kl_dtype dt, double start, double stop, double
 
 kl_tensor *kl_rand(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed)
 {
+	KL_API("kl_rand");
 	kl_attrs a = {.seed = seed};
 	return source(ctx, KL_OP_RAND, dt, ndim, shape, &a);
 }
 
 kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, uint64_t seed)
 {
+	KL_API("kl_randn");
 	kl_attrs a = {.seed = seed};
 	return source(ctx, KL_OP_RANDN, dt, ndim, shape, &a);
 }
@@ -260,10 +258,12 @@ static kl_tensor *binary_scalar(kl_op op, kl_tensor *a, double s)
 #define BINARY(fn, OP)                                      \
 	kl_tensor *kl_##fn(kl_tensor *a, kl_tensor *b)      \
 	{                                                   \
+		KL_API("kl_" #fn);                          \
 		return binary(KL_OP_##OP, a, b);            \
 	}                                                   \
 	kl_tensor *kl_##fn##_scalar(kl_tensor *a, double s) \
 	{                                                   \
+		KL_API("kl_" #fn "_scalar");                \
 		return binary_scalar(KL_OP_##OP, a, s);     \
 	}
 BINARY(add, ADD)
@@ -305,6 +305,7 @@ static kl_tensor *unary(kl_op op, kl_tensor *a)
 #define UNARY(fn, OP)                        \
 	kl_tensor *kl_##fn(kl_tensor *a)     \
 	{                                    \
+		KL_API("kl_" #fn);           \
 		return unary(KL_OP_##OP, a); \
 	}
 UNARY(neg, NEG)
@@ -325,6 +326,7 @@ UNARY(silu, SILU)
 
 kl_tensor *kl_where(kl_tensor *cond, kl_tensor *a, kl_tensor *b)
 {
+	KL_API("kl_where");
 	kl_tensor *in[3] = {cond, a, b};
 	kl_ctx *ctx = ctx_of("where", 3, in);
 	if (!ctx)
@@ -345,6 +347,7 @@ kl_tensor *kl_where(kl_tensor *cond, kl_tensor *a, kl_tensor *b)
 
 kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
 {
+	KL_API("kl_cast");
 	kl_ctx *ctx = ctx_of("cast", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -366,6 +369,7 @@ kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
  * refused. Infinite bounds leave that side open. */
 kl_tensor *kl_clamp(kl_tensor *a, double lo, double hi)
 {
+	KL_API("kl_clamp");
 	kl_ctx *ctx = ctx_of("clamp", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -471,26 +475,31 @@ static kl_tensor *reduce(kl_op op, kl_tensor *a, int naxes, const int *axes, boo
 
 kl_tensor *kl_sum(kl_tensor *a, int naxes, const int *axes, bool keepdim)
 {
+	KL_API("kl_sum");
 	return reduce(KL_OP_SUM, a, naxes, axes, keepdim, 0);
 }
 
 kl_tensor *kl_mean(kl_tensor *a, int naxes, const int *axes, bool keepdim)
 {
+	KL_API("kl_mean");
 	return reduce(KL_OP_MEAN, a, naxes, axes, keepdim, 0);
 }
 
 kl_tensor *kl_max(kl_tensor *a, int naxes, const int *axes, bool keepdim)
 {
+	KL_API("kl_max");
 	return reduce(KL_OP_MAX, a, naxes, axes, keepdim, 0);
 }
 
 kl_tensor *kl_min(kl_tensor *a, int naxes, const int *axes, bool keepdim)
 {
+	KL_API("kl_min");
 	return reduce(KL_OP_MIN, a, naxes, axes, keepdim, 0);
 }
 
 kl_tensor *kl_var(kl_tensor *a, int naxes, const int *axes, int correction, bool keepdim)
 {
+	KL_API("kl_var");
 	if (a && correction < 0) {
 		kl__err(a->ctx, KL_EINVAL, "kl_var: correction %d must be >= 0", correction);
 		return NULL;
@@ -500,6 +509,7 @@ kl_tensor *kl_var(kl_tensor *a, int naxes, const int *axes, int correction, bool
 
 kl_tensor *kl_argmax(kl_tensor *a, int axis, bool keepdim)
 {
+	KL_API("kl_argmax");
 	return reduce(KL_OP_ARGMAX, a, 1, &axis, keepdim, 0);
 }
 
@@ -507,6 +517,7 @@ kl_tensor *kl_argmax(kl_tensor *a, int axis, bool keepdim)
 
 kl_tensor *kl_reshape(kl_tensor *a, int ndim, const int64_t *shape)
 {
+	KL_API("kl_reshape");
 	kl_ctx *ctx = ctx_of("reshape", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -516,38 +527,14 @@ kl_tensor *kl_reshape(kl_tensor *a, int ndim, const int64_t *shape)
 		return NULL;
 	}
 	int64_t out[KL_MAX_DIMS];
-	int infer = -1;
-	int64_t known = 1;
-	for (int i = 0; i < ndim; i++) {
-		out[i] = shape[i];
-		if (shape[i] == -1 && infer < 0) {
-			infer = i;
-			continue;
-		}
-		if (shape[i] < 0) {
-			kl__err(ctx, KL_EINVAL, "kl_reshape: bad target shape %s for %s",
-			        kl__shape_str(b1, SB, ndim, shape), shp(b0, a));
-			return NULL;
-		}
-		known *= shape[i];
-	}
+	int bad;
 	int64_t numel = kl_numel(a);
-	if (infer >= 0) {
-		if (known == 0 || numel % known) {
-			kl__err(ctx, KL_EINVAL,
-			        "kl_reshape: cannot infer -1 in %s for %s (%lld elements)",
-			        kl__shape_str(b1, SB, ndim, shape), shp(b0, a), (long long)numel);
-			return NULL;
-		}
-		out[infer] = numel / known;
-		known = numel;
-	}
-	if (known != numel) {
-		kl__err(ctx, KL_EINVAL,
-		        "kl_reshape: cannot reshape %s (%lld elements) to %s (%lld "
-		        "elements)",
+	kl_shape_err e = kl__reshape_shape(numel, ndim, shape, out, &bad);
+	if (e != KL_SHAPE_OK) {
+		char why[128];
+		kl__err(ctx, KL_EINVAL, "kl_reshape: cannot reshape %s (%lld elements) to %s: %s",
 		        shp(b0, a), (long long)numel, kl__shape_str(b1, SB, ndim, shape),
-		        (long long)known);
+		        kl__shape_why(why, sizeof why, e, ndim, shape, bad));
 		return NULL;
 	}
 	kl_node n;
@@ -557,6 +544,7 @@ kl_tensor *kl_reshape(kl_tensor *a, int ndim, const int64_t *shape)
 
 kl_tensor *kl_permute(kl_tensor *a, const int *perm)
 {
+	KL_API("kl_permute");
 	kl_ctx *ctx = ctx_of("permute", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -586,6 +574,7 @@ kl_tensor *kl_permute(kl_tensor *a, const int *perm)
 
 kl_tensor *kl_transpose(kl_tensor *a, int d0, int d1)
 {
+	KL_API("kl_transpose");
 	kl_ctx *ctx = ctx_of("transpose", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -604,6 +593,7 @@ kl_tensor *kl_transpose(kl_tensor *a, int d0, int d1)
 
 kl_tensor *kl_expand(kl_tensor *a, int ndim, const int64_t *shape)
 {
+	KL_API("kl_expand");
 	kl_ctx *ctx = ctx_of("expand", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -638,10 +628,12 @@ kl_tensor *kl_expand(kl_tensor *a, int ndim, const int64_t *shape)
 }
 
 /* Python slicing: negative bounds count from the end, out-of-range bounds
- * clamp, an empty range gives size 0. attrs.v = normalized start, clamped
- * stop (>= start), step. */
+ * clamp, an empty range gives size 0 (kl__slice_len). attrs.v = normalized
+ * start, clamped stop (>= start), step ([start, start + len) by 1 when at most
+ * one element is taken). */
 kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t step)
 {
+	KL_API("kl_slice");
 	kl_ctx *ctx = ctx_of("slice", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -654,21 +646,19 @@ kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t
 		kl__err(ctx, KL_EINVAL, "kl_slice: step %lld must be >= 1", (long long)step);
 		return NULL;
 	}
-	int64_t size = a->shape[ax];
-	if (start < 0)
-		start = start < -size ? 0 : start + size;
-	if (stop < 0)
-		stop = stop < -size ? 0 : stop + size;
-	if (start > size)
-		start = size;
-	if (stop > size)
-		stop = size;
-	if (stop < start)
-		stop = start;
+	int64_t len;
+	kl__slice_len(a->shape[ax], &start, &stop, step, &len); /* step >= 1 checked */
 	kl_node n;
 	node_init(&n, KL_OP_SLICE, a->dtype, a->ndim, a->shape, 1);
-	n.shape[ax] = (stop - start + step - 1) / step;
+	n.shape[ax] = len;
 	n.a.axis = ax;
+	/* a slice that takes at most one element never steps: as [start,
+	 * start + len) with step 1 it keeps the view's stride (and every index
+	 * built from it) free of step * stride */
+	if (len < 2) {
+		stop = start + len;
+		step = 1;
+	}
 	n.a.v[0] = start;
 	n.a.v[1] = stop;
 	n.a.v[2] = step;
@@ -677,6 +667,7 @@ kl_tensor *kl_slice(kl_tensor *a, int axis, int64_t start, int64_t stop, int64_t
 
 kl_tensor *kl_contiguous(kl_tensor *a)
 {
+	KL_API("kl_contiguous");
 	kl_ctx *ctx = ctx_of("contiguous", 1, &a);
 	if (!ctx)
 		return NULL;
@@ -692,6 +683,7 @@ kl_tensor *kl_contiguous(kl_tensor *a)
  * the CPU backend; a generated kernel clamps an index to [0, rows - 1]. */
 kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
 {
+	KL_API("kl_gather");
 	kl_tensor *in[2] = {table, idx};
 	kl_ctx *ctx = ctx_of("gather", 2, in);
 	if (!ctx)
@@ -744,6 +736,7 @@ kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
 
 kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight)
 {
+	KL_API("kl_embedding");
 	return kl_gather(weight, idx);
 }
 
@@ -752,6 +745,7 @@ kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight)
  * and up to KL_NODE_MAX_IN - 1 more). */
 kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis)
 {
+	KL_API("kl_concat");
 	if (n < 1 || !ts) {
 		kl__err(NULL, KL_EINVAL, "kl_concat: needs at least one tensor (n = %d)", n);
 		return NULL;
@@ -833,6 +827,7 @@ kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis)
  * are expanded to the common batch shape so that the node's inputs agree. */
 kl_tensor *kl_matmul(kl_tensor *a, kl_tensor *b)
 {
+	KL_API("kl_matmul");
 	kl_tensor *in[2] = {a, b};
 	kl_ctx *ctx = ctx_of("matmul", 2, in);
 	if (!ctx)
@@ -934,6 +929,7 @@ fail:
 
 kl_tensor *kl_linear(kl_tensor *x, kl_tensor *w, kl_tensor *bias)
 {
+	KL_API("kl_linear");
 	kl_tensor *in[2] = {x, w};
 	kl_ctx *ctx = ctx_of("linear", 2, in);
 	if (!ctx)
@@ -993,11 +989,13 @@ static kl_tensor *softmax_like(kl_op op, kl_tensor *a, int axis)
 
 kl_tensor *kl_softmax(kl_tensor *a, int axis)
 {
+	KL_API("kl_softmax");
 	return softmax_like(KL_OP_SOFTMAX, a, axis);
 }
 
 kl_tensor *kl_log_softmax(kl_tensor *a, int axis)
 {
+	KL_API("kl_log_softmax");
 	return softmax_like(KL_OP_LOG_SOFTMAX, a, axis);
 }
 
@@ -1060,16 +1058,19 @@ static kl_tensor *norm(kl_op op, kl_tensor *x, kl_tensor *w, kl_tensor *bias, do
 
 kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps)
 {
+	KL_API("kl_layer_norm");
 	return norm(KL_OP_LAYER_NORM, x, weight, bias, eps);
 }
 
 kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
 {
+	KL_API("kl_rms_norm");
 	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
 }
 
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
 {
+	KL_API("kl_sdpa");
 	kl_tensor *in[3] = {q, k, v};
 	kl_ctx *ctx = ctx_of("sdpa", 3, in);
 	if (!ctx)

@@ -11,6 +11,7 @@
 
 #include "core/half.h"
 #include "kiln.h"
+#include "core/shape.h"
 
 #if defined(__GNUC__)
 #define KL_PRINTF(f, a) __attribute__((format(printf, f, a)))
@@ -126,7 +127,11 @@ struct kl_ctx {
 void kl__ctx_free_tensors(kl_ctx *ctx);
 
 /* Set the context's error; returns status for `return kl__err(...)`.
- * ctx may be NULL (thread-local message, see kl_last_error). */
+ * ctx may be NULL (thread-local message, see kl_last_error).
+ * While a public call is in progress (KL_API below) the message is reported
+ * under that call's name: a leading "kl_<name>: " is replaced by it (the
+ * op kl_zeros is built on says kl_full, the dispatcher says the node's op,
+ * the allocator says kl_tensor), and a message without one gets it in front. */
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);
 
 /* ---- a growable string (strbuf.c) ----------------------------------------- */
@@ -142,6 +147,22 @@ void kl__sb_puts(kl_sb *sb, const char *s);
 void kl__sb_free(kl_sb *sb);
 /* the text (never NULL), owned by sb */
 const char *kl__sb_str(const kl_sb *sb);
+
+/* KL_API("kl_zeros") at the top of a public function marks it as the call in
+ * progress on this thread for the rest of its body (a cleanup handler ends
+ * it on every return). Nested public calls (kl_zeros calling kl_full,
+ * kl_linear calling kl_matmul) leave the outermost name in place. Only
+ * functions that never run user code (callbacks, compiled bodies) may use
+ * it: the ops a user's callback calls are calls of their own. */
+const char *kl__api_enter(const char *name);
+void kl__api_leave(const char *const *frame);
+#if defined(__GNUC__)
+#define KL_API(name)                                                             \
+	const char *const kl__api_frame __attribute__((cleanup(kl__api_leave))) = \
+	        kl__api_enter(name)
+#else
+#define KL_API(name) ((void)0) /* messages then keep the inner names */
+#endif
 
 /* ---- logging (KILN_LOGS=graph_breaks,recompiles,fusion,output_code,cache,...) */
 
@@ -188,19 +209,10 @@ static inline void kl__storage_written(kl_storage *st)
  * kl_release would leave a dangling entry. */
 void kl__tensor_discard(kl_tensor *t);
 
-/* ---- shape helpers (shape.c) shared by tensors, the front end, lowering and
- * the reference ------------------------------------------------------------ */
+/* ---- shape helpers: the overflow-checked arithmetic is core/shape.h ------- */
 
-int64_t kl__numel(int ndim, const int64_t *shape);
-void kl__contig_strides(int ndim, const int64_t *shape, int64_t *strides);
 /* "[4,3]" into buf */
 const char *kl__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
-/* numpy broadcasting of two shapes; false if they do not broadcast */
-bool kl__broadcast(int na, const int64_t *sa, int nb, const int64_t *sb, int *nout, int64_t *out);
-/* Strides that read a tensor of (ndim, shape, strides) as the broadcast
- * shape (ondim, oshape): 0 along broadcast dims. */
-void kl__broadcast_strides(int ndim, const int64_t *shape, const int64_t *strides, int ondim,
-                           const int64_t *oshape, int64_t *ostrides);
 
 /* ---- scalars, dtype conversion -------------------------------------------- */
 

@@ -14,6 +14,50 @@
 static _Thread_local char tl_err[KL_ERR_CAP];
 static _Thread_local kl_status tl_status;
 
+/* The public call in progress on this thread (KL_API), or NULL. */
+static _Thread_local const char *tl_api;
+
+const char *kl__api_enter(const char *name)
+{
+	if (tl_api)
+		return NULL; /* nested: the outer call keeps its name */
+	tl_api = name;
+	return name;
+}
+
+void kl__api_leave(const char *const *frame)
+{
+	if (*frame)
+		tl_api = NULL;
+}
+
+/* msg under the name of the call in progress: its leading "kl_<ident>: " (an
+ * inner op's, the allocator's) replaced, or the name put in front. */
+static void name_by_api(char *msg, size_t cap)
+{
+	size_t skip = 0;
+	if (strncmp(msg, "kl_", 3) == 0) {
+		size_t k = 3;
+		while ((msg[k] >= 'a' && msg[k] <= 'z') || (msg[k] >= 'A' && msg[k] <= 'Z') ||
+		       (msg[k] >= '0' && msg[k] <= '9') || msg[k] == '_')
+			k++;
+		if (msg[k] == ':' && msg[k + 1] == ' ')
+			skip = k + 2;
+	}
+	char out[KL_ERR_CAP];
+	size_t an = strlen(tl_api), rest = strlen(msg + skip);
+	if (an > sizeof out / 2)
+		an = sizeof out / 2;
+	memcpy(out, tl_api, an);
+	memcpy(out + an, ": ", 2);
+	if (rest > sizeof out - an - 3)
+		rest = sizeof out - an - 3; /* truncated, as vsnprintf would */
+	memcpy(out + an + 2, msg + skip, rest);
+	out[an + 2 + rest] = '\0';
+	memcpy(msg, out, an + 3 + rest < cap ? an + 3 + rest : cap);
+	msg[cap - 1] = '\0';
+}
+
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 {
 	/* format apart first: callers may pass ctx->err itself as an argument
@@ -23,6 +67,8 @@ kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof msg, fmt, ap);
 	va_end(ap);
+	if (tl_api)
+		name_by_api(msg, sizeof msg);
 	if (ctx) {
 		memcpy(ctx->err, msg, sizeof msg);
 		ctx->status = status;

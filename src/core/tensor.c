@@ -68,7 +68,17 @@ static void tensor_destroy(kl_tensor *t)
 
 kl_tensor *kl__tensor_alloc(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)
 {
-	size_t nbytes = (size_t)kl__numel(ndim, shape) * kl_dtype_size(dt);
+	size_t nbytes;
+	kl_shape_err e = kl__shape_check(ndim, shape, NULL);
+	if (e != KL_SHAPE_OK || !kl__shape_nbytes(ndim, shape, kl_dtype_size(dt), &nbytes)) {
+		/* callers check shapes first; this is the backstop for any that
+		 * did not (a plan's output shape, say) */
+		char b[192], why[128];
+		kl__err(ctx, KL_EINVAL, "kl_tensor: cannot allocate %s %s: %s", kl_dtype_name(dt),
+		        kl__shape_str(b, sizeof b, ndim, shape),
+		        kl__shape_why(why, sizeof why, e, ndim, shape, -1));
+		return NULL;
+	}
 	kl_storage *st = calloc(1, sizeof *st);
 	/* a 1-byte block for empty tensors keeps data non-NULL everywhere */
 	void *data = st ? ctx->be->alloc(ctx, nbytes ? nbytes : 1) : NULL;
@@ -210,9 +220,7 @@ bool kl_is_contiguous(const kl_tensor *t)
 
 /* ---- creation that materializes at once ------------------------------------ */
 
-/* 2^62 bytes is far beyond any memory, and keeps numel * 8 from overflowing */
-#define KL_MAX_NUMEL (INT64_C(1) << 59)
-
+/* dtype and shape of a tensor made from nothing (kl_empty, kl_from_host) */
 static kl_status check_new(kl_ctx *ctx, const char *op, kl_dtype dt, int ndim, const int64_t *shape)
 {
 	if ((unsigned)dt >= KL_NDTYPES)
@@ -222,25 +230,33 @@ static kl_status check_new(kl_ctx *ctx, const char *op, kl_dtype dt, int ndim, c
 		               KL_MAX_DIMS);
 	if (ndim > 0 && !shape)
 		return kl__err(ctx, KL_EINVAL, "%s: shape is NULL for ndim %d", op, ndim);
-	int64_t n = 1;
-	for (int i = 0; i < ndim; i++) {
-		if (shape[i] < 0) {
-			char b[192];
-			return kl__err(ctx, KL_EINVAL, "%s: negative dim %d in shape %s", op, i,
-			               kl__shape_str(b, sizeof b, ndim, shape));
-		}
-		if (shape[i] > 0 && n > KL_MAX_NUMEL / shape[i]) {
-			char b[192];
-			return kl__err(ctx, KL_EINVAL, "%s: shape %s is too large", op,
-			               kl__shape_str(b, sizeof b, ndim, shape));
-		}
-		n *= shape[i];
+	int bad;
+	kl_shape_err e = kl__shape_check(ndim, shape, &bad);
+	if (e != KL_SHAPE_OK) {
+		char b[192], why[128];
+		return kl__err(ctx, KL_EINVAL, "%s: shape %s: %s", op,
+		               kl__shape_str(b, sizeof b, ndim, shape),
+		               kl__shape_why(why, sizeof why, e, ndim, shape, bad));
 	}
+	return KL_OK;
+}
+
+kl_status kl_shape_nbytes(kl_dtype dt, int ndim, const int64_t *shape, size_t *nbytes)
+{
+	KL_API("kl_shape_nbytes");
+	if (!nbytes)
+		return kl__err(NULL, KL_EINVAL, "kl_shape_nbytes: nbytes is NULL");
+	kl_status s = check_new(NULL, "kl_shape_nbytes", dt, ndim, shape);
+	if (s != KL_OK)
+		return s;
+	/* a checked shape's numel * 8 is at most 2^62: this cannot fail */
+	kl__shape_nbytes(ndim, shape, kl_dtype_size(dt), nbytes);
 	return KL_OK;
 }
 
 kl_tensor *kl_empty(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)
 {
+	KL_API("kl_empty");
 	if (!ctx) {
 		kl__err(NULL, KL_EINVAL, "kl_empty: ctx is NULL");
 		return NULL;
@@ -250,15 +266,25 @@ kl_tensor *kl_empty(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)
 	return kl__tensor_alloc(ctx, dt, ndim, shape);
 }
 
-kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, const void *data)
+kl_tensor *kl_from_host(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, const void *data,
+                        size_t data_bytes)
 {
+	KL_API("kl_from_host");
 	if (!ctx) {
 		kl__err(NULL, KL_EINVAL, "kl_from_host: ctx is NULL");
 		return NULL;
 	}
 	if (check_new(ctx, "kl_from_host", dt, ndim, shape))
 		return NULL;
-	size_t nbytes = (size_t)kl__numel(ndim, shape) * kl_dtype_size(dt);
+	size_t nbytes;
+	kl__shape_nbytes(ndim, shape, kl_dtype_size(dt), &nbytes); /* checked above */
+	if (data_bytes != nbytes) {
+		char b[192];
+		kl__err(ctx, KL_EINVAL,
+		        "kl_from_host: the buffer holds %zu bytes but %s %s needs %zu", data_bytes,
+		        kl_dtype_name(dt), kl__shape_str(b, sizeof b, ndim, shape), nbytes);
+		return NULL;
+	}
 	if (!data && nbytes) {
 		kl__err(ctx, KL_EINVAL, "kl_from_host: data is NULL");
 		return NULL;

@@ -643,21 +643,28 @@ static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
 	}
 	case KL_OP_SLICE: {
 		int ax = n->a.axis;
-		int64_t start = n->a.v[0], step = n->a.v[2];
-		bool ok = x->ndim == n->ndim && ax >= 0 && ax < n->ndim && step >= 1 && start >= 0;
+		int64_t start = n->a.v[0], stop = n->a.v[1], step = n->a.v[2], len = -1;
+		bool ok = x->ndim == n->ndim && ax >= 0 && ax < n->ndim && start >= 0 &&
+		          stop >= start;
 		for (int d = 0; ok && d < n->ndim; d++)
 			ok = d == ax || x->shape[d] == n->shape[d];
-		/* the last element read must lie inside the input */
-		if (ok && n->shape[ax] > 0)
-			ok = start + (n->shape[ax] - 1) * step < x->shape[ax];
+		/* the bounds are normalized already: slicing again must keep them
+		 * and give the node's length, so every element read is inside */
+		int64_t s0 = start, s1 = stop;
+		if (ok)
+			ok = kl__slice_len(x->shape[ax], &s0, &s1, step, &len) && s0 == start &&
+			     s1 == stop && len == n->shape[ax];
+		if (ok)
+			ok = kl__slice_stride(xs[ax], step, len, &w.str[0][ax]);
 		if (!ok)
 			return ref_fail(st, KL_EINVAL,
 			                "slice %lld:%lld:%lld on axis %d of %s to %s",
-			                (long long)start, (long long)n->a.v[1], (long long)step, ax,
+			                (long long)start, (long long)stop, (long long)step, ax,
 			                shp(b1, sizeof b1, x), shp(b2, sizeof b2, n));
-		memcpy(w.str[0], xs, sizeof xs);
-		w.str[0][ax] = xs[ax] * step;
-		w.off[0] = start * xs[ax];
+		for (int d = 0; d < n->ndim; d++)
+			if (d != ax)
+				w.str[0][d] = xs[d];
+		w.off[0] = len > 0 ? start * xs[ax] : 0;
 		break;
 	}
 	default: return ref_fail(st, KL_EINVAL, "not a movement op");
@@ -903,9 +910,13 @@ static kl_status check_node(ref_state *st, int32_t i)
 		return ref_fail(st, KL_EINVAL, "dtype %d out of range", (int)n->dtype);
 	if (n->ndim > KL_MAX_DIMS || n->nin > KL_NODE_MAX_IN)
 		return ref_fail(st, KL_EINVAL, "%d dims, %d inputs", n->ndim, n->nin);
-	for (int d = 0; d < n->ndim; d++)
-		if (n->shape[d] < 0)
-			return ref_fail(st, KL_EINVAL, "negative dim %lld", (long long)n->shape[d]);
+	int bad;
+	kl_shape_err e = kl__shape_check(n->ndim, n->shape, &bad);
+	if (e != KL_SHAPE_OK) {
+		char b[192], why[128];
+		return ref_fail(st, KL_EINVAL, "shape %s: %s", shp(b, sizeof b, n),
+		                kl__shape_why(why, sizeof why, e, n->ndim, n->shape, bad));
+	}
 	if (node_numel(n) > ((int64_t)1 << 40))
 		return ref_fail(st, KL_EINVAL, "too many elements (%lld)",
 		                (long long)node_numel(n));

@@ -123,23 +123,20 @@ static int parse_entry(kl_safetensors *st, const char *name, const kl__jval *v, 
 	if (sh->n > KL_MAX_DIMS)
 		return bad(st, name, "shape has %d dims (kiln allows %d)", sh->n, KL_MAX_DIMS);
 	e->ndim = sh->n;
-	/* numel * size is kept below INT64_MAX, so the offset arithmetic below is safe */
-	int64_t bytes = (int64_t)kl_dtype_size(e->dt);
-	int zero = 0;
 	for (int i = 0; i < sh->n; i++) {
 		const kl__jval *d = &sh->items[i];
 		if (d->kind != KL__JINT || d->num < 0)
 			return bad(st, name, "shape[%d] is not an integer >= 0", i);
 		e->shape[i] = d->num;
-		if (d->num == 0)
-			zero = 1;
-		else if (!zero && bytes > INT64_MAX / d->num)
-			return bad(st, name, "shape's byte size overflows");
-		else if (!zero)
-			bytes *= d->num;
 	}
-	if (zero)
-		bytes = 0;
+	/* kiln's one shape rule (kl_shape_nbytes): a shape it accepts has a byte
+	 * size of at most 2^62, so the offset arithmetic below is safe */
+	size_t nbytes;
+	if (kl_shape_nbytes(e->dt, e->ndim, e->shape, &nbytes) != KL_OK) {
+		const char *why = kl_last_error(NULL), *p = "kl_shape_nbytes: ";
+		return bad(st, name, "%s", strncmp(why, p, strlen(p)) ? why : why + strlen(p));
+	}
+	int64_t bytes = (int64_t)nbytes;
 	if (off->kind != KL__JARR || off->n != 2 || off->items[0].kind != KL__JINT ||
 	    off->items[1].kind != KL__JINT)
 		return bad(st, name, "data_offsets is not [begin, end]");
@@ -410,8 +407,11 @@ kl_tensor *kl_safetensors_get(kl_safetensors *st, const char *name)
 			}
 		}
 	}
-	kl_tensor *t = kl_from_host(st->ctx, e->dt, e->ndim, e->shape, buf);
+	kl_tensor *t = kl_from_host(st->ctx, e->dt, e->ndim, e->shape, buf, nb);
 	free(buf);
+	if (!t) /* the call made was this one: say so, keeping the reason */
+		kl_set_error(st->ctx, kl_last_status(st->ctx), "%s: %s: tensor '%s': %s", P,
+		             st->path, name, kl_last_error(st->ctx));
 	return t;
 }
 
@@ -547,8 +547,10 @@ kl_status kl_safetensors_save(kl_ctx *ctx, const char *path, int n, const char *
 	sb_str(&h, "{");
 	for (int i = 0; i < n; i++) {
 		kl_dtype dt = kl_tensor_dtype(ts[i]);
-		int64_t bytes = kl_numel(ts[i]) * (int64_t)kl_dtype_size(dt);
 		const int64_t *sh = kl_shape(ts[i]);
+		size_t nbytes = 0; /* a live tensor's shape always passes */
+		kl_shape_nbytes(dt, kl_ndim(ts[i]), sh, &nbytes);
+		int64_t bytes = (int64_t)nbytes;
 		if (i)
 			sb_str(&h, ",");
 		sb_quoted(&h, names[i]);
@@ -608,7 +610,8 @@ kl_status kl_safetensors_save(kl_ctx *ctx, const char *path, int n, const char *
 	if (write_all(fd, lenb, 8) || write_all(fd, h.s, h.n))
 		s = kl_set_error(ctx, KL_EIO, "%s: %s: write failed: %s", P, tmp, strerror(errno));
 	for (int i = 0; i < n && s == KL_OK; i++) {
-		size_t nb = (size_t)kl_numel(ts[i]) * kl_dtype_size(kl_tensor_dtype(ts[i]));
+		size_t nb = 0;
+		kl_shape_nbytes(kl_tensor_dtype(ts[i]), kl_ndim(ts[i]), kl_shape(ts[i]), &nb);
 		void *buf = malloc(nb ? nb : 1);
 		if (!buf) {
 			s = kl_set_error(ctx, KL_ENOMEM,

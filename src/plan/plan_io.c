@@ -70,13 +70,18 @@ static bool text_ok(const char *s, size_t max)
 	return false;
 }
 
+static void buf_dims(const kl_buf *b, int64_t *dims)
+{
+	for (int d = 0; d < b->ndim; d++)
+		dims[d] = b->shape[d].v;
+}
+
+/* numel of a buffer that kl__program_validate has checked (core/shape.h) */
 static int64_t buf_numel(const kl_buf *b)
 {
-	int64_t n = 1;
-	for (int d = 0; d < b->ndim; d++)
-		if (__builtin_mul_overflow(n, b->shape[d].v, &n))
-			return -1;
-	return n;
+	int64_t dims[KL_MAX_DIMS];
+	buf_dims(b, dims);
+	return kl__numel(b->ndim, dims);
 }
 
 /* The largest element index an operand addresses, or -1 when the operand is
@@ -271,8 +276,14 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			if (bf->shape[d].v < 0 || bf->shape[d].sym < 0 ||
 			    bf->shape[d].sym > p->nsyms)
 				return fail(err, cap, "buffer %d: dim %d out of range", b, d);
-		if (buf_numel(bf) < 0)
-			return fail(err, cap, "buffer %d: size overflows", b);
+		int64_t dims[KL_MAX_DIMS];
+		buf_dims(bf, dims);
+		kl_shape_err se = kl__shape_check(bf->ndim, dims, NULL);
+		if (se != KL_SHAPE_OK) {
+			char why[128];
+			return fail(err, cap, "buffer %d: %s", b,
+			            kl__shape_why(why, sizeof why, se, bf->ndim, dims, -1));
+		}
 		if (bf->role == KL_BUF_INPUT) {
 			if (bf->index < 0 || (ninputs >= 0 && bf->index >= ninputs))
 				return fail(err, cap, "buffer %d: input index %d out of range", b,

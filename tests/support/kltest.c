@@ -145,7 +145,7 @@ kl_tensor *kltest_from_values(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t 
 			idx[d] = 0;
 		}
 	}
-	kl_tensor *base = kl_from_host(ctx, dt, ndim, bshape, buf);
+	kl_tensor *base = kl_from_host(ctx, dt, ndim, bshape, buf, es * (size_t)bn);
 	free(buf);
 	if (!base) {
 		fprintf(stderr, "kltest_from_values: kl_from_host failed: %s\n",
