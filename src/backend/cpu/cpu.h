@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/sat.h"
 #include "lower/program.h"
 
 /* Below this many elements a parallel region costs more than it saves. */
@@ -63,30 +64,6 @@ static inline float kl__cpu_expf(float x)
 	float s1 = kl__bits_f32((uint32_t)(n1 + 127) << 23);
 	float s2 = kl__bits_f32((uint32_t)(n2 + 127) << 23);
 	return p * s1 * s2;
-}
-
-/* Float to integer the way kl__store does it: toward zero, saturating, NaN
- * to 0 (a plain C cast would be undefined out of range). */
-static inline int64_t kl__cpu_sat_i64(double v)
-{
-	if (!(v == v))
-		return 0;
-	if (v >= 9223372036854775807.0)
-		return INT64_MAX;
-	if (v <= -9223372036854775808.0)
-		return INT64_MIN;
-	return (int64_t)v;
-}
-
-static inline int32_t kl__cpu_sat_i32(double v)
-{
-	if (!(v == v))
-		return 0;
-	if (v >= 2147483647.0)
-		return INT32_MAX;
-	if (v <= -2147483648.0)
-		return INT32_MIN;
-	return (int32_t)v;
 }
 
 /* Integers narrow by wrapping (two's complement), as torch does. */
