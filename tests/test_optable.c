@@ -32,6 +32,7 @@
 
 #include <cmocka.h>
 
+#include "backend/cpu/cpu.h"
 #include "core/core.h"
 #include "graph/optable.h"
 #include "kltest.h"
@@ -609,19 +610,54 @@ typedef struct refval {
 	kl_dtype dt;
 } refval;
 
+/* The cases [0, n) (inputs in[], first[i] the first of case i) compiled as
+ * one function and called once, each result held to ref[i]. */
+static void run_compiled(kcase *cs, int n, kl_tensor **in, int total, int *first,
+                         const refval *ref)
+{
+	char w[256];
+	/* compiled: one function for the whole batch */
+	batch b = {cs, n, first};
+	snprintf(w, sizeof w, "compiled batch kl_%s..kl_%s (%d cases)", kl__ops[cs[0].op].name,
+	         kl__ops[cs[n - 1].op].name, n);
+	kl_fn *f = kl_compile(ctx, batch_body, &b, total, n, NULL);
+	kl_tensor **outs = calloc((size_t)n, sizeof *outs);
+	assert_non_null(outs);
+	kl_status st = f ? kl_fn_call(f, in, outs) : kl_last_status(ctx);
+	if (st != KL_OK) {
+		fprintf(stderr, "FAIL %s: %s\n", w, kl_last_error(ctx));
+		fails++;
+	} else {
+		for (int i = 0; i < n; i++) {
+			char wi[256];
+			describe(wi, sizeof wi, &cs[i], "compiled");
+			if (ref[i].v && !same(wi, outs[i], ref[i].v, ref[i].dt, ref[i].nd, ref[i].shape,
+			                      walk[cs[i].op].factor))
+				fails++;
+			else if (!ref[i].v)
+				kl_release(outs[i]);
+		}
+		if (!fences_ok(w))
+			fails++;
+	}
+	kl_fn_free(f);
+	free(outs);
+}
+
 /* Runs the cases [0, n) eagerly (each against its reference, guards checked
  * after each) and then compiled, all in one function. */
-static void run_batch(kcase *cs, int n, uint64_t *seed)
+static void run_batch(kcase *cs, int n, uint64_t *seed, bool compile)
 {
-	if (n == 0)
+	if (n <= 0)
 		return;
 	char w[256];
 	int total = 0;
 	for (int i = 0; i < n; i++)
 		total += cs[i].nin;
 	kl_tensor **in = calloc((size_t)(total > 0 ? total : 1), sizeof *in);
-	int *first = calloc((size_t)n, sizeof *first);
-	refval *ref = calloc((size_t)n, sizeof *ref);
+	size_t nc = (size_t)(unsigned)n;
+	int *first = calloc(nc, sizeof *first);
+	refval *ref = calloc(nc, sizeof *ref);
 	assert_true(in && first && ref);
 	int at = 0;
 	for (int i = 0; i < n; i++) {
@@ -655,32 +691,8 @@ static void run_batch(kcase *cs, int n, uint64_t *seed)
 		if (!fences_ok(w))
 			fails++;
 	}
-	/* compiled: one function for the whole batch */
-	batch b = {cs, n, first};
-	snprintf(w, sizeof w, "compiled batch kl_%s..kl_%s (%d cases)", kl__ops[cs[0].op].name,
-	         kl__ops[cs[n - 1].op].name, n);
-	kl_fn *f = kl_compile(ctx, batch_body, &b, total, n, NULL);
-	kl_tensor **outs = calloc((size_t)n, sizeof *outs);
-	assert_non_null(outs);
-	kl_status st = f ? kl_fn_call(f, in, outs) : kl_last_status(ctx);
-	if (st != KL_OK) {
-		fprintf(stderr, "FAIL %s: %s\n", w, kl_last_error(ctx));
-		fails++;
-	} else {
-		for (int i = 0; i < n; i++) {
-			char wi[256];
-			describe(wi, sizeof wi, &cs[i], "compiled");
-			if (ref[i].v && !same(wi, outs[i], ref[i].v, ref[i].dt, ref[i].nd, ref[i].shape,
-			                      walk[cs[i].op].factor))
-				fails++;
-			else if (!ref[i].v)
-				kl_release(outs[i]);
-		}
-		if (!fences_ok(w))
-			fails++;
-	}
-	kl_fn_free(f);
-	free(outs);
+	if (compile)
+		run_compiled(cs, n, in, total, first, ref);
 	for (int i = 0; i < total; i++)
 		kl_release(in[i]);
 	for (int i = 0; i < n; i++)
@@ -817,13 +829,38 @@ static void test_walk(void **state)
 				n += cases_of((kl_op)op, (kl_dtype)dt, cs + n);
 		if (op + 1 < KL_NOPS && kl__ops[op + 1].cat == kl__ops[op].cat && !only)
 			continue;
-		run_batch(cs, n, &seed);
+		run_batch(cs, n, &seed, true);
 		if (getenv("KILN_OPTABLE_TIMES"))
 			fprintf(stderr, "up to kl_%s: %d cases, %.0f ms\n", kl__ops[op].name, n,
 			        kl__now_ms() - t0);
 		n = 0;
 		t0 = kl__now_ms();
 	}
+	free(cs);
+	assert_int_equal(fails, 0);
+}
+
+/* The CPU's eager pointwise engine for an op it has no loop for: the op
+ * table's math. Every pointwise op's cases again with that path forced. */
+static void test_walk_generic_eager(void **state)
+{
+	(void)state;
+	if (kl_ctx_device(ctx) != KL_CPU)
+		skip();
+	uint64_t seed = 7;
+	kcase *cs = calloc((size_t)16 * KL_NDTYPES, sizeof *cs);
+	assert_non_null(cs);
+	kl__cpu_pw_generic_only = true;
+	for (int op = 0; op < KL_NOPS; op++) {
+		if (!kl__op_pointwise((kl_op)op))
+			continue;
+		int n = 0;
+		for (int dt = 0; dt < KL_NDTYPES; dt++)
+			if (walk[op].dts & DT(dt))
+				n += cases_of((kl_op)op, (kl_dtype)dt, cs + n);
+		run_batch(cs, n, &seed, false);
+	}
+	kl__cpu_pw_generic_only = false;
 	free(cs);
 	assert_int_equal(fails, 0);
 }
@@ -953,6 +990,7 @@ int main(void)
 		cmocka_unit_test_setup(test_table_complete, reset),
 		cmocka_unit_test_setup(test_result_type, reset),
 		cmocka_unit_test_setup(test_walk, reset),
+		cmocka_unit_test_setup(test_walk_generic_eager, reset),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

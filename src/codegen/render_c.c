@@ -309,7 +309,8 @@ static void c_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, cons
 		else
 			kl__sb_printf(sb, "if (%s > %s) { %s = %s; %s = %s; }", v, a, a, v, n, pos);
 		return;
-	default:
+	default: /* not a reduction the renderers know: fail to compile, never skip it */
+		kl__sb_printf(sb, "kl_no_accumulator_for_op_%d;", (int)op);
 		return;
 	}
 }

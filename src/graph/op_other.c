@@ -105,3 +105,8 @@ const kl_opdesc *const kl__opdesc[KL_NOPS] = {
 #include "graph/ops.def"
 #undef KL_OP
 };
+
+/* ggml-style: a new op changes this count, and whoever changes it adds the
+ * op's descriptor (op_*.c) and its entry in tests/test_optable.c's walk. */
+_Static_assert(KL_NOPS == 54, "new op: give it a descriptor and a walk entry, then update");
+_Static_assert(sizeof kl__opdesc / sizeof kl__opdesc[0] == KL_NOPS, "one descriptor per op");

@@ -127,6 +127,10 @@ int kl__cpu_coalesce(int ndim, int64_t *shape, int nops, int64_t (*st)[KL_MAX_DI
 /* ---- kernel families ---------------------------------------------------- */
 
 kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* Tests only: every pointwise op through the op table's math (the path an
+ * op without a hand-written loop takes), so that path is held to the
+ * reference too. */
+extern bool kl__cpu_pw_generic_only;
 /* attention.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,

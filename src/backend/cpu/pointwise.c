@@ -398,6 +398,8 @@ static void where_run(kl_cpu_ct ct, pw_val C, pw_val A, pw_val B, void *O, int64
 
 /* ---- the engine --------------------------------------------------------------- */
 
+bool kl__cpu_pw_generic_only;
+
 /* An op the loops above do not spell: the op table's float64 math, element
  * by element, as the reference defines it (slower, never silently wrong). */
 static void pw_generic(const pw_plan *w, const int64_t *off, const int64_t *inner, int64_t n,
@@ -418,6 +420,10 @@ static void pw_generic(const pw_plan *w, const int64_t *off, const int64_t *inne
 static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *inner, int64_t n,
                           char *o, pw_buf *bufs)
 {
+	if (kl__cpu_pw_generic_only) {
+		pw_generic(w, off, inner, n, o);
+		return KL_OK;
+	}
 	kl_cpu_ct ct = w->ct;
 	kl_cat cat = kl__ops[w->op].cat;
 	bool direct = w->odt == kl__cpu_ct_dtype(ct);
