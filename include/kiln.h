@@ -222,7 +222,13 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * inside a compiled function (a graph records no writes). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
-/* ---- pointwise ops (numpy/torch broadcasting and type promotion) --------- */
+/* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
+ * The result dtype is torch.result_type's: categories bool < int < float;
+ * dimensioned tensors decide within their category; a 0-dim tensor counts
+ * only when its category is above theirs (f16 tensor + f32 0-dim: f16;
+ * i32 tensor + f64 0-dim: f64), and is then converted to the result dtype
+ * like every operand; a number (the _scalar forms, clamp's bounds) counts
+ * only across categories, as i64 if integral, else f32. */
 
 kl_tensor *kl_add(kl_tensor *a, kl_tensor *b);
 kl_tensor *kl_sub(kl_tensor *a, kl_tensor *b);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "api/dispatch.h"
+#include "graph/optable.h"
 
 #define SB 192 /* room for one "[d0,...,d7]" */
 
@@ -58,16 +59,6 @@ static void node_init(kl_node *n, kl_op op, kl_dtype dt, int ndim, const int64_t
 	n->nin = (uint8_t)nin;
 	if (ndim > 0)
 		memcpy(n->shape, shape, (size_t)ndim * sizeof *shape);
-}
-
-static bool is_int(kl_dtype dt)
-{
-	return dt == KL_I32 || dt == KL_I64;
-}
-
-static bool integral(double s)
-{
-	return isfinite(s) && s == trunc(s);
 }
 
 static int norm_axis(int axis, int ndim)
@@ -195,6 +186,69 @@ kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, ui
 
 /* ---- pointwise --------------------------------------------------------------- */
 
+/* The op table's dtype rule for the tensors ts[0..n) and numbers sc[0..ns);
+ * KL_NDTYPES after setting the error. */
+static kl_dtype rule_dtype(kl_ctx *ctx, kl_op op, int n, kl_tensor *const *ts, int ns,
+                           const double *sc)
+{
+	kl_operands in = {.n = n, .nscalar = ns};
+	for (int i = 0; i < n; i++) {
+		in.dt[i] = ts[i]->dtype;
+		in.ndim[i] = ts[i]->ndim;
+	}
+	for (int i = 0; i < ns; i++)
+		in.scalar[i] = sc[i];
+	char why[160];
+	kl_dtype dt = kl__opdesc[op]->dtype(op, &in, why, sizeof why);
+	if (dt == KL_NDTYPES)
+		kl__err(ctx, KL_EINVAL, "kl_%s: %s", kl__ops[op].name, why);
+	return dt;
+}
+
+/* A 0-dim operand that torch's rule did not let promote the result (f32
+ * 0-dim with an f16 tensor: f16) is cast to the type the op computes in, as
+ * torch casts every operand to the common dtype: the backends and the
+ * reference then see the operand the op means. Only such narrowing casts
+ * are added; a wider result type reads narrower operands as before.
+ * tmp[i] receives the cast (to discard), or NULL. */
+static bool cast_zero_dim(int n, kl_tensor **ts, kl_tensor **tmp, kl_dtype common)
+{
+	for (int i = 0; i < n; i++) {
+		tmp[i] = NULL;
+		if (ts[i]->ndim != 0 || ts[i]->dtype == common ||
+		    kl_promote_types(ts[i]->dtype, common) == common)
+			continue;
+		tmp[i] = kl_cast(ts[i], common);
+		if (!tmp[i])
+			return false;
+		ts[i] = tmp[i];
+	}
+	return true;
+}
+
+static void discard_all(int n, kl_tensor **tmp)
+{
+	for (int i = 0; i < n; i++)
+		if (tmp[i])
+			kl__tensor_discard(tmp[i]);
+}
+
+/* Elementwise over the broadcast of in[0..nin), result dtype dt, operands
+ * first brought to the common dtype where torch's rule asks for it. */
+static kl_tensor *pointwise_node(kl_ctx *ctx, kl_op op, kl_dtype dt, kl_dtype common, int nin,
+                                 kl_tensor **in, int nd, const int64_t *shape)
+{
+	kl_tensor *tmp[3];
+	kl_tensor *r = NULL;
+	if (cast_zero_dim(nin, in, tmp, common)) {
+		kl_node n;
+		node_init(&n, op, dt, nd, shape, nin);
+		r = kl__dispatch(ctx, &n, in);
+	}
+	discard_all(nin, tmp);
+	return r;
+}
+
 static kl_tensor *binary(kl_op op, kl_tensor *a, kl_tensor *b)
 {
 	const char *name = kl__ops[op].name;
@@ -210,21 +264,15 @@ static kl_tensor *binary(kl_op op, kl_tensor *a, kl_tensor *b)
 		        shp(b0, a), shp(b1, b));
 		return NULL;
 	}
-	kl_dtype dt = kl_promote_types(a->dtype, b->dtype);
-	if (op == KL_OP_SUB && dt == KL_BOOL) {
-		/* torch refuses too: use kl_ne (xor) or kl_cast first */
-		kl__err(ctx, KL_EINVAL, "kl_sub: dtypes bool and bool are not supported");
+	kl_dtype dt = rule_dtype(ctx, op, 2, in, 0, NULL);
+	if (dt == KL_NDTYPES)
 		return NULL;
-	}
-	if (op == KL_OP_DIV && !kl_dtype_is_float(dt))
-		dt = KL_F32; /* true division */
-	/* comparisons run in the promoted type (the backend's business) and
-	 * give bool */
-	if (kl__ops[op].cat == KL_CAT_COMPARE)
-		dt = KL_BOOL;
-	kl_node n;
-	node_init(&n, op, dt, nd, shape, 2);
-	return kl__dispatch(ctx, &n, in);
+	/* arithmetic computes in its result dtype (true division: a float one);
+	 * a comparison in the operands' common dtype (the backend's business),
+	 * giving bool */
+	kl_operands ops = {.n = 2, .dt = {a->dtype, b->dtype}, .ndim = {a->ndim, b->ndim}};
+	kl_dtype common = kl__ops[op].cat == KL_CAT_COMPARE ? kl__result_type(&ops) : dt;
+	return pointwise_node(ctx, op, dt, common, 2, in, nd, shape);
 }
 
 /* A scalar acts like a Python number: it raises the result's dtype only
@@ -237,17 +285,9 @@ static kl_tensor *binary_scalar(kl_op op, kl_tensor *a, double s)
 	kl_ctx *ctx = ctx_of(name, 1, &a);
 	if (!ctx)
 		return NULL;
-	kl_dtype dt = a->dtype;
-	if (!kl_dtype_is_float(dt)) {
-		if (!integral(s))
-			dt = KL_F32;
-		else if (dt == KL_BOOL)
-			dt = KL_I64;
-	}
-	if (op == KL_OP_DIV && !kl_dtype_is_float(dt))
-		dt = KL_F32;
-	if (kl__ops[op].cat == KL_CAT_COMPARE)
-		dt = KL_BOOL;
+	kl_dtype dt = rule_dtype(ctx, op, 1, &a, 1, &s);
+	if (dt == KL_NDTYPES)
+		return NULL;
 	kl_node n;
 	node_init(&n, op, dt, a->ndim, a->shape, 1);
 	n.a.scalar_rhs = 1;
@@ -289,14 +329,9 @@ static kl_tensor *unary(kl_op op, kl_tensor *a)
 	kl_ctx *ctx = ctx_of(name, 1, &a);
 	if (!ctx)
 		return NULL;
-	kl_dtype dt = a->dtype;
-	if (kl__ops[op].cat == KL_CAT_UNARY_FLOAT) {
-		if (!kl_dtype_is_float(dt))
-			dt = KL_F32;
-	} else if (dt == KL_BOOL) {
-		kl__err(ctx, KL_EINVAL, "kl_%s: dtype bool is not supported", name);
+	kl_dtype dt = rule_dtype(ctx, op, 1, &a, 0, NULL);
+	if (dt == KL_NDTYPES)
 		return NULL;
-	}
 	kl_node n;
 	node_init(&n, op, dt, a->ndim, a->shape, 1);
 	return kl__dispatch(ctx, &n, &a);
@@ -340,9 +375,10 @@ kl_tensor *kl_where(kl_tensor *cond, kl_tensor *a, kl_tensor *b)
 		        shp(b0, cond), shp(b1, a), shp(b2, b));
 		return NULL;
 	}
-	kl_node n;
-	node_init(&n, KL_OP_WHERE, kl_promote_types(a->dtype, b->dtype), n2, s2, 3);
-	return kl__dispatch(ctx, &n, in);
+	kl_dtype dt = rule_dtype(ctx, KL_OP_WHERE, 3, in, 0, NULL);
+	if (dt == KL_NDTYPES)
+		return NULL;
+	return pointwise_node(ctx, KL_OP_WHERE, dt, dt, 3, in, n2, s2);
 }
 
 kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
@@ -373,17 +409,13 @@ kl_tensor *kl_clamp(kl_tensor *a, double lo, double hi)
 	kl_ctx *ctx = ctx_of("clamp", 1, &a);
 	if (!ctx)
 		return NULL;
-	kl_dtype dt = a->dtype;
-	if (dt == KL_BOOL) {
-		kl__err(ctx, KL_EINVAL, "kl_clamp: dtype bool is not supported");
+	kl_dtype dt = rule_dtype(ctx, KL_OP_CLAMP, 1, &a, 2, (const double[]){lo, hi});
+	if (dt == KL_NDTYPES)
 		return NULL;
-	}
 	if (isnan(lo) || isnan(hi)) {
 		kl__err(ctx, KL_EINVAL, "kl_clamp: bounds %g and %g must not be NaN", lo, hi);
 		return NULL;
 	}
-	if (is_int(dt) && ((isfinite(lo) && !integral(lo)) || (isfinite(hi) && !integral(hi))))
-		dt = KL_F32;
 	kl_node n;
 	node_init(&n, KL_OP_CLAMP, dt, a->ndim, a->shape, 1);
 	n.a.s[0] = lo;
@@ -427,26 +459,10 @@ static kl_tensor *reduce(kl_op op, kl_tensor *a, int naxes, const int *axes, boo
 	}
 	if (naxes == 0)
 		mask = a->ndim ? (1u << a->ndim) - 1 : 0;
-	kl_dtype dt = a->dtype;
-	switch (op) {
-	case KL_OP_SUM:
-		if (!kl_dtype_is_float(dt))
-			dt = KL_I64;
-		break;
-	case KL_OP_MEAN:
-	case KL_OP_VAR:
-		if (!kl_dtype_is_float(dt)) {
-			not_float(ctx, name, dt);
-			return NULL;
-		}
-		break;
-	case KL_OP_ARGMAX:
-		dt = KL_I64;
-		break;
-	default:
-		break;
-	}
-	if (op == KL_OP_MAX || op == KL_OP_MIN || op == KL_OP_ARGMAX) {
+	kl_dtype dt = rule_dtype(ctx, op, 1, &a, 0, NULL);
+	if (dt == KL_NDTYPES)
+		return NULL;
+	if (kl__opdesc[op]->no_identity) {
 		for (int d = 0; d < a->ndim; d++)
 			if ((mask & (1u << d)) && a->shape[d] == 0) {
 				kl__err(ctx, KL_EINVAL,

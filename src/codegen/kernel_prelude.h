@@ -6,6 +6,8 @@
 #ifndef KILN_CODEGEN_HELPERS_H
 #define KILN_CODEGEN_HELPERS_H
 
+#include "core/sat.h" /* KL_SATCONV_TEXT: kl_f2i32, kl_f2i64, kl_sati32 */
+
 #define KL_RENDER_HELPERS \
 	"KL_FN float kl_h2f(uint16_t h)\n" \
 	"{\n" \
@@ -88,27 +90,7 @@
 	"{\n" \
 	"\treturn x * kl_sigmoidd(1.5957691216057307118 * (x + 0.044715 * x * x * x));\n" \
 	"}\n" \
-	"KL_FN int32_t kl_f2i32(double v)\n" \
-	"{\n" \
-	"\tif (v != v)\n" \
-	"\t\treturn 0;\n" \
-	"\tif (v >= 2147483647.0)\n" \
-	"\t\treturn INT32_MAX;\n" \
-	"\tif (v <= -2147483648.0)\n" \
-	"\t\treturn INT32_MIN;\n" \
-	"\treturn (int32_t)v;\n" \
-	"}\n" \
-	"KL_FN int32_t kl_sati32(int64_t v) { return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v; }\n" \
-	"KL_FN int64_t kl_f2i64(double v)\n" \
-	"{\n" \
-	"\tif (v != v)\n" \
-	"\t\treturn 0;\n" \
-	"\tif (v >= 9223372036854775807.0)\n" \
-	"\t\treturn INT64_MAX;\n" \
-	"\tif (v <= -9223372036854775808.0)\n" \
-	"\t\treturn INT64_MIN;\n" \
-	"\treturn (int64_t)v;\n" \
-	"}\n" \
+	KL_SATCONV_TEXT \
 	"KL_FN int64_t kl_powi(int64_t a, int64_t b)\n" \
 	"{\n" \
 	"\tif (b < 0)\n" \

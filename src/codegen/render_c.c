@@ -12,6 +12,7 @@
 
 #include "codegen/kernel_prelude.h"
 #include "codegen/render.h"
+#include "graph/optable.h"
 
 static const char prelude[] =
 	"#include <math.h>\n"
@@ -108,15 +109,7 @@ static void c_constant(kl_sb *sb, kl_dtype dt, double k)
 		kl__sb_puts(sb, k != 0 ? "1" : "0");
 		return;
 	default: {
-		int64_t v;
-		if (isnan(k))
-			v = 0;
-		else if (k >= 9223372036854775807.0)
-			v = INT64_MAX;
-		else if (k <= -9223372036854775808.0)
-			v = INT64_MIN;
-		else
-			v = (int64_t)k;
+		int64_t v = kl__f2i64(k);
 		if (dt == KL_I32) {
 			/* saturate like every float -> int conversion (kl__store) */
 			if (v <= INT32_MIN)
@@ -188,144 +181,52 @@ static void c_cast(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a)
 	}
 }
 
-static void c_unary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a)
+/* An op's expression from the op table, for compute type dt, with the
+ * operands a and b: the one spelling of each op for the C and CUDA targets.
+ * An op without an expression for dt gets a name that does not exist, so
+ * the kernel fails to compile instead of computing something else (the op
+ * table test rejects such a table first). */
+static void c_expr(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b)
 {
-	bool d = dt == KL_F64;
-	const char *f = d ? "" : "f";
-	const char *fn = NULL;
-	if (!is_f(dt) && !d) {
-		const char *u = dt == KL_I64 ? "uint64_t" : "uint32_t";
-		const char *s = dt == KL_I64 ? "int64_t" : "int32_t";
-		switch (op) {
-		case KL_OP_NEG:
-			kl__sb_printf(sb, "(%s)((%s)0 - (%s)(%s))", s, u, u, a);
-			return;
-		case KL_OP_ABS:
-			kl__sb_printf(sb, "kl_absi%s(%s)", dt == KL_I64 ? "64" : "32", a);
-			return;
-		case KL_OP_RELU:
-			kl__sb_printf(sb, "(%s < 0 ? (%s)0 : %s)", a, s, a);
-			return;
-		default:
-			kl__sb_puts(sb, a);
+	const kl_opdesc *d = op < KL_NOPS ? kl__opdesc[op] : NULL;
+	bool dbl = dt == KL_F64, fl = is_f(dt) || dbl;
+	const char *e = !d ? NULL : dbl ? d->expr_d : fl ? d->expr_f : d->expr_i;
+	if (!e) {
+		kl__sb_printf(sb, "kl_no_expression_for_op_%d_dtype_%d", (int)op, (int)dt);
+		return;
+	}
+	while (*e) {
+		const char *p = strchr(e, '$');
+		if (!p || !p[1]) {
+			kl__sb_puts(sb, e);
 			return;
 		}
+		if (p > e)
+			kl__sb_printf(sb, "%.*s", (int)(p - e), e);
+		e = p + 2;
+		switch (p[1]) {
+		case 'a': kl__sb_puts(sb, a); break;
+		case 'b': kl__sb_puts(sb, b); break;
+		case 'f': kl__sb_puts(sb, dbl ? "" : "f"); break;
+		case 't': kl__sb_puts(sb, dbl ? "d" : "f"); break;
+		case 's':
+			kl__sb_puts(sb, dt == KL_I64 ? "int64_t" : dt == KL_I32 ? "int32_t" : "int");
+			break;
+		case 'u': kl__sb_puts(sb, dt == KL_I64 ? "uint64_t" : "uint32_t"); break;
+		case 'w': kl__sb_puts(sb, dt == KL_I64 ? "64" : "32"); break;
+		default: kl__sb_printf(sb, "$%c", p[1]); break;
+		}
 	}
-	switch (op) {
-	case KL_OP_NEG:
-		kl__sb_printf(sb, "(-%s)", a);
-		return;
-	case KL_OP_ABS:
-		fn = "fabs";
-		break;
-	case KL_OP_EXP:
-		fn = "exp";
-		break;
-	case KL_OP_LOG:
-		fn = "log";
-		break;
-	case KL_OP_SQRT:
-		fn = "sqrt";
-		break;
-	case KL_OP_RSQRT:
-		kl__sb_printf(sb, "(1.0%s / sqrt%s(%s))", f, f, a);
-		return;
-	case KL_OP_SIN:
-		fn = "sin";
-		break;
-	case KL_OP_COS:
-		fn = "cos";
-		break;
-	case KL_OP_TANH:
-		fn = "tanh";
-		break;
-	case KL_OP_SIGMOID:
-		kl__sb_printf(sb, "kl_sigmoid%s(%s)", d ? "d" : "f", a);
-		return;
-	case KL_OP_RELU:
-		kl__sb_printf(sb, "(%s < 0 ? 0 : %s)", a, a);
-		return;
-	case KL_OP_GELU:
-		kl__sb_printf(sb, "kl_gelu%s(%s)", d ? "d" : "f", a);
-		return;
-	case KL_OP_GELU_TANH:
-		kl__sb_printf(sb, "kl_gelu_tanh%s(%s)", d ? "d" : "f", a);
-		return;
-	case KL_OP_SILU:
-		kl__sb_printf(sb, "kl_silu%s(%s)", d ? "d" : "f", a);
-		return;
-	default:
-		kl__sb_puts(sb, a);
-		return;
-	}
-	kl__sb_printf(sb, "%s%s(%s)", fn, f, a);
+}
+
+static void c_unary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a)
+{
+	c_expr(sb, op, dt, a, "");
 }
 
 static void c_binary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b)
 {
-	static const char *cmp[] = {"==", "!=", "<", "<=", ">", ">="};
-	if (op >= KL_OP_EQ && op <= KL_OP_GE) {
-		kl__sb_printf(sb, "(%s %s %s)", a, cmp[op - KL_OP_EQ], b);
-		return;
-	}
-	bool fl = is_f(dt) || dt == KL_F64;
-	const char *sfx = dt == KL_F64 ? "d" : "f";
-	if (fl) {
-		switch (op) {
-		case KL_OP_ADD:
-			kl__sb_printf(sb, "(%s + %s)", a, b);
-			return;
-		case KL_OP_SUB:
-			kl__sb_printf(sb, "(%s - %s)", a, b);
-			return;
-		case KL_OP_MUL:
-			kl__sb_printf(sb, "(%s * %s)", a, b);
-			return;
-		case KL_OP_DIV:
-			kl__sb_printf(sb, "(%s / %s)", a, b);
-			return;
-		case KL_OP_POW:
-			kl__sb_printf(sb, "pow%s(%s, %s)", dt == KL_F64 ? "" : "f", a, b);
-			return;
-		case KL_OP_MAXIMUM:
-			kl__sb_printf(sb, "kl_max%s(%s, %s)", sfx, a, b);
-			return;
-		case KL_OP_MINIMUM:
-			kl__sb_printf(sb, "kl_min%s(%s, %s)", sfx, a, b);
-			return;
-		default:
-			kl__sb_puts(sb, a);
-			return;
-		}
-	}
-	const char *s = dt == KL_I64 ? "int64_t" : dt == KL_I32 ? "int32_t" : "int";
-	const char *u = dt == KL_I64 ? "uint64_t" : "uint32_t";
-	switch (op) {
-	case KL_OP_ADD:
-		kl__sb_printf(sb, "(%s)((%s)%s + (%s)%s)", s, u, a, u, b);
-		return;
-	case KL_OP_SUB:
-		kl__sb_printf(sb, "(%s)((%s)%s - (%s)%s)", s, u, a, u, b);
-		return;
-	case KL_OP_MUL:
-		kl__sb_printf(sb, "(%s)((%s)%s * (%s)%s)", s, u, a, u, b);
-		return;
-	case KL_OP_DIV:
-		kl__sb_printf(sb, "(%s)kl_divi(%s, %s)", s, a, b);
-		return;
-	case KL_OP_POW:
-		kl__sb_printf(sb, "(%s)kl_powi(%s, %s)", s, a, b);
-		return;
-	case KL_OP_MAXIMUM:
-		kl__sb_printf(sb, "(%s > %s ? %s : %s)", a, b, a, b);
-		return;
-	case KL_OP_MINIMUM:
-		kl__sb_printf(sb, "(%s < %s ? %s : %s)", a, b, a, b);
-		return;
-	default:
-		kl__sb_puts(sb, a);
-		return;
-	}
+	c_expr(sb, op, dt, a, b);
 }
 
 static void c_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *index)
@@ -408,7 +309,8 @@ static void c_acc_update(kl_sb *sb, kl_op op, kl_dtype in, const char *acc, cons
 		else
 			kl__sb_printf(sb, "if (%s > %s) { %s = %s; %s = %s; }", v, a, a, v, n, pos);
 		return;
-	default:
+	default: /* not a reduction the renderers know: fail to compile, never skip it */
+		kl__sb_printf(sb, "kl_no_accumulator_for_op_%d;", (int)op);
 		return;
 	}
 }

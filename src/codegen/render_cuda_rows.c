@@ -244,7 +244,8 @@ static void combine(cctx *c, int p)
 		/* one variable each: float max/min fold NaN in (cu_acc_vars) */
 		const char *f = op == KL_OP_SUM   ? "kl_add_op"
 		                : op == KL_OP_MAX ? "kl_max_op"
-		                                  : "kl_min_op";
+		                : op == KL_OP_MIN ? "kl_min_op"
+		                                  : "kl_no_group_reduction_for_this_op";
 		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh, kl_ph);", a, c->G, a, f);
 	}
 	c->greduced = 0;

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/sat.h"
 
 static const char *const dtype_names[KL_NDTYPES] = {"f32", "f64", "f16", "bf16",
                                                     "i32", "i64", "bool"};
@@ -43,30 +44,6 @@ kl_dtype kl_promote_types(kl_dtype a, kl_dtype b)
 	if (a == KL_F64 || b == KL_F64)
 		return KL_F64;
 	return KL_F32; /* f32 with a 16-bit float, or f16 with bf16 */
-}
-
-/* float -> integer conversion that C leaves undefined out of range:
- * saturate, and NaN becomes 0, the way the backends are told to */
-static int32_t sat_i32(double v)
-{
-	if (isnan(v))
-		return 0;
-	if (v >= 2147483647.0)
-		return INT32_MAX;
-	if (v <= -2147483648.0)
-		return INT32_MIN;
-	return (int32_t)v;
-}
-
-static int64_t sat_i64(double v)
-{
-	if (isnan(v))
-		return 0;
-	if (v >= 9223372036854775808.0)
-		return INT64_MAX;
-	if (v <= -9223372036854775808.0)
-		return INT64_MIN;
-	return (int64_t)v;
 }
 
 double kl__load(const void *p, kl_dtype dt, int64_t i)
@@ -107,10 +84,10 @@ void kl__store(void *p, kl_dtype dt, int64_t i, double v)
 		((uint16_t *)p)[i] = kl__f64_to_bf16(v);
 		break;
 	case KL_I32:
-		((int32_t *)p)[i] = sat_i32(v);
+		((int32_t *)p)[i] = kl__f2i32(v);
 		break;
 	case KL_I64:
-		((int64_t *)p)[i] = sat_i64(v);
+		((int64_t *)p)[i] = kl__f2i64(v);
 		break;
 	case KL_BOOL:
 		((uint8_t *)p)[i] = v != 0; /* NaN is true, as bool(nan) in torch */
@@ -132,9 +109,9 @@ double kl__round_to(kl_dtype dt, double v)
 	case KL_BF16:
 		return kl__bf16_to_f32(kl__f64_to_bf16(v));
 	case KL_I32:
-		return sat_i32(v);
+		return kl__f2i32(v);
 	case KL_I64:
-		return (double)sat_i64(v);
+		return (double)kl__f2i64(v);
 	case KL_BOOL:
 		return v != 0 ? 1.0 : 0.0;
 	default:

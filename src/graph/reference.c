@@ -4,20 +4,24 @@
  */
 #include "graph/reference.h"
 
+#include "graph/optable.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "core/core.h"
+#include "core/sat.h"
 
 /* Everything one evaluation needs to report an error and find values. */
-typedef struct ref_state {
+typedef struct kl_refstate {
 	const kl_graph *g;
 	double **val; /* per node: its values (dense, row-major), or NULL */
 	bool *owned;  /* val[i] was allocated here (inputs are borrowed) */
 	char *err;
 	size_t errcap;
 	int32_t cur; /* the node being evaluated, for messages */
-} ref_state;
+} kl_refstate;
+typedef kl_refstate ref_state;
 
 static kl_status ref_fail(ref_state *st, kl_status s, const char *fmt, ...) KL_PRINTF(3, 4);
 
@@ -52,20 +56,8 @@ static bool is_int(kl_dtype dt)
 	return dt == KL_I32 || dt == KL_I64;
 }
 
-/* double -> int64 truncating toward zero, saturating, NaN -> 0 (no UB) */
-static int64_t to_i64(double v)
-{
-	if (v != v)
-		return 0;
-	if (v >= 9223372036854775807.0)
-		return INT64_MAX;
-	if (v <= -9223372036854775808.0)
-		return INT64_MIN;
-	return (int64_t)v;
-}
-
 /* The two's-complement value of the low bits of u at dt's width. */
-static double wrap_to(kl_dtype dt, uint64_t u)
+double kl__wrap_to(kl_dtype dt, uint64_t u)
 {
 	if (dt == KL_I32) {
 		uint32_t w = (uint32_t)u;
@@ -74,25 +66,6 @@ static double wrap_to(kl_dtype dt, uint64_t u)
 	}
 	int64_t s = u >= 0x8000000000000000ull ? -(int64_t)(~u) - 1 : (int64_t)u;
 	return (double)s;
-}
-
-static uint64_t ipow(int64_t base, int64_t e)
-{
-	if (e < 0) {
-		if (base == 1)
-			return 1;
-		if (base == -1)
-			return (e & 1) ? (uint64_t)-1 : 1;
-		return 0;
-	}
-	uint64_t r = 1, b = (uint64_t)base;
-	while (e) {
-		if (e & 1)
-			r *= b;
-		b *= b;
-		e >>= 1;
-	}
-	return r;
 }
 
 /* ---- shapes and index walking ------------------------------------------- */
@@ -168,176 +141,28 @@ static int64_t node_numel(const kl_node *n)
 
 /* ---- pointwise ------------------------------------------------------------ */
 
-static double binary_float(kl_op op, double a, double b)
-{
-	switch (op) {
-	case KL_OP_ADD: return a + b;
-	case KL_OP_SUB: return a - b;
-	case KL_OP_MUL: return a * b;
-	case KL_OP_DIV: return a / b;
-	case KL_OP_POW: return pow(a, b);
-	case KL_OP_MAXIMUM:
-		if (isnan(a) || isnan(b))
-			return NAN;
-		return a > b ? a : b;
-	case KL_OP_MINIMUM:
-		if (isnan(a) || isnan(b))
-			return NAN;
-		return a < b ? a : b;
-	default: return NAN;
-	}
-}
-
-static double binary_int(kl_op op, kl_dtype dt, int64_t a, int64_t b)
-{
-	uint64_t ua = (uint64_t)a, ub = (uint64_t)b;
-	switch (op) {
-	case KL_OP_ADD: return wrap_to(dt, ua + ub);
-	case KL_OP_SUB: return wrap_to(dt, ua - ub);
-	case KL_OP_MUL: return wrap_to(dt, ua * ub);
-	case KL_OP_POW: return wrap_to(dt, ipow(a, b));
-	case KL_OP_MAXIMUM: return (double)(a > b ? a : b);
-	case KL_OP_MINIMUM: return (double)(a < b ? a : b);
-	default: return binary_float(op, (double)a, (double)b); /* DIV: true division */
-	}
-}
-
-static double compare(kl_op op, double a, double b)
-{
-	switch (op) {
-	case KL_OP_EQ: return a == b;
-	case KL_OP_NE: return a != b;
-	case KL_OP_LT: return a < b;
-	case KL_OP_LE: return a <= b;
-	case KL_OP_GT: return a > b;
-	case KL_OP_GE: return a >= b;
-	default: return NAN;
-	}
-}
-
-/* 1 + erf(z) and 1 + tanh(u) cancel to nothing for negative x; erfc and
- * the logistic form are the same functions without that loss, and the
- * oracle must be accurate in the tails too. */
-static double gelu(double x)
-{
-	return 0.5 * x * erfc(-x / sqrt(2.0));
-}
-
-static double gelu_tanh(double x)
-{
-	const double k = sqrt(2.0 / 3.14159265358979323846);
-	/* 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) */
-	return x / (1.0 + exp(-2.0 * k * (x + 0.044715 * x * x * x)));
-}
-
-static double sigmoid(double x)
-{
-	return 1.0 / (1.0 + exp(-x));
-}
-
-static double unary(const kl_node *n, double x)
-{
-	kl_dtype dt = (kl_dtype)n->dtype;
-	kl_op op = (kl_op)n->op;
-	if (op == KL_OP_CAST)
-		return kl__round_to(dt, x);
-	if (op == KL_OP_CLAMP) {
-		if (isnan(x))
-			return x;
-		double r = x < n->a.s[0] ? n->a.s[0] : x;
-		return r > n->a.s[1] ? n->a.s[1] : r;
-	}
-	/* the op computes in its result type: an integer input of exp is
-	 * converted to the float result first */
-	x = kl__round_to(dt, x);
-	if (is_int(dt)) {
-		int64_t v = to_i64(x);
-		switch (op) {
-		case KL_OP_NEG: return wrap_to(dt, 0 - (uint64_t)v);
-		case KL_OP_ABS: return v < 0 ? wrap_to(dt, 0 - (uint64_t)v) : (double)v;
-		case KL_OP_RELU: return v > 0 ? (double)v : 0.0;
-		default: break;
-		}
-	}
-	switch (op) {
-	case KL_OP_NEG: return -x;
-	case KL_OP_ABS: return fabs(x);
-	case KL_OP_EXP: return exp(x);
-	case KL_OP_LOG: return log(x);
-	case KL_OP_SQRT: return sqrt(x);
-	case KL_OP_RSQRT: return 1.0 / sqrt(x);
-	case KL_OP_SIN: return sin(x);
-	case KL_OP_COS: return cos(x);
-	case KL_OP_TANH: return tanh(x);
-	case KL_OP_SIGMOID: return sigmoid(x);
-	case KL_OP_RELU: return isnan(x) ? x : (x > 0 ? x : 0.0);
-	case KL_OP_GELU: return gelu(x);
-	case KL_OP_GELU_TANH: return gelu_tanh(x);
-	case KL_OP_SILU: return x * sigmoid(x);
-	default: return NAN;
-	}
-}
-
 /* Pointwise ops read their inputs broadcast (numpy rules) to the node's
- * shape, whether or not the front end made the broadcast explicit. */
-static kl_status eval_pointwise(ref_state *st, const kl_node *n, double *out)
+ * shape, whether or not the front end made the broadcast explicit; each
+ * element is the op table's definition (kl__op_eval). */
+kl_status kl__ref_pointwise(ref_state *st, const kl_node *n, double *out)
 {
 	kl_cat cat = kl__ops[n->op].cat;
-	int want = kl__ops[n->op].arity;
 	bool scal = (cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) && n->a.scalar_rhs;
-	if (scal)
-		want = 1;
-	if (n->nin != want)
-		return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, want);
-
-	char b1[96], b2[96];
-	int bnd = st->g->nodes[n->in[0]].ndim;
-	int64_t bsh[KL_MAX_DIMS];
-	memcpy(bsh, st->g->nodes[n->in[0]].shape, sizeof bsh);
-	for (int i = 1; i < n->nin; i++) {
-		const kl_node *x = &st->g->nodes[n->in[i]];
-		int64_t t[KL_MAX_DIMS];
-		int tn;
-		if (!kl__broadcast(bnd, bsh, x->ndim, x->shape, &tn, t))
-			return ref_fail(st, KL_EINVAL, "input shapes %s and %s do not broadcast",
-			                kl__shape_str(b1, sizeof b1, bnd, bsh),
-			                shp(b2, sizeof b2, x));
-		bnd = tn;
-		memcpy(bsh, t, sizeof t);
-	}
-	if (!shape_eq(bnd, bsh, n->ndim, n->shape))
-		return ref_fail(st, KL_EINVAL, "inputs broadcast to %s, node shape is %s",
-		                kl__shape_str(b1, sizeof b1, bnd, bsh), shp(b2, sizeof b2, n));
-
 	walk w;
 	walk_init(&w, n->ndim, n->shape, n->nin);
-	const double *src[3];
+	const double *src[3] = {0};
 	for (int i = 0; i < n->nin; i++) {
 		bcast_strides(&st->g->nodes[n->in[i]], n->ndim, n->shape, w.str[i]);
 		src[i] = st->val[n->in[i]];
 	}
-	kl_dtype dt = (kl_dtype)n->dtype;
-	kl_op op = (kl_op)n->op;
 	int64_t total = node_numel(n);
 	for (int64_t i = 0; i < total; i++, walk_next(&w)) {
-		double a = src[0][w.off[0]];
-		double b = scal ? n->a.s[0] : (n->nin > 1 ? src[1][w.off[1]] : 0.0);
-		double r;
-		switch (cat) {
-		case KL_CAT_BINARY:
-			/* arithmetic happens in the result dtype */
-			a = kl__round_to(dt, a);
-			b = kl__round_to(dt, b);
-			if (is_int(dt))
-				r = binary_int(op, dt, to_i64(a), to_i64(b));
-			else
-				r = binary_float(op, a, b);
-			break;
-		case KL_CAT_COMPARE: r = compare(op, a, b); break;
-		case KL_CAT_WHERE: r = a != 0 ? b : src[2][w.off[2]]; break;
-		default: r = unary(n, a); break;
-		}
-		out[i] = r;
+		double v[3] = {0, 0, 0};
+		for (int k = 0; k < n->nin; k++)
+			v[k] = src[k][w.off[k]];
+		if (scal)
+			v[1] = n->a.s[0];
+		out[i] = kl__op_eval((kl_op)n->op, &n->a, (kl_dtype)n->dtype, v[0], v[1], v[2]);
 	}
 	return KL_OK;
 }
@@ -384,7 +209,7 @@ static kl_status rows_init(ref_state *st, rows *r, int nd, const int64_t *shape,
 }
 
 /* Sum with Neumaier compensation: the oracle should be the most exact party. */
-static double sum_exact(const double *x, int64_t n)
+double kl__ref_sum(const double *x, int64_t n)
 {
 	double s = 0, c = 0;
 	for (int64_t i = 0; i < n; i++) {
@@ -400,7 +225,7 @@ static double sum_exact(const double *x, int64_t n)
 	return isfinite(s) ? s + c : s;
 }
 
-/* sum of x[i] * y[i], compensated like sum_exact */
+/* sum of x[i] * y[i], compensated like kl__ref_sum */
 static double sum_exact_dot(const double *x, const double *y, int64_t n)
 {
 	double acc = 0, c = 0;
@@ -412,97 +237,16 @@ static double sum_exact_dot(const double *x, const double *y, int64_t n)
 	return acc + c;
 }
 
-static double reduce_row(const kl_node *n, const double *x, int64_t len)
+kl_status kl__ref_reduce(ref_state *st, const kl_node *n, double *out)
 {
-	kl_dtype dt = (kl_dtype)n->dtype;
-	switch ((kl_op)n->op) {
-	case KL_OP_SUM:
-		if (is_int(dt) || dt == KL_BOOL) {
-			uint64_t u = 0;
-			for (int64_t i = 0; i < len; i++)
-				u += (uint64_t)to_i64(x[i]);
-			return dt == KL_BOOL ? (double)(u != 0) : wrap_to(dt, u);
-		}
-		return sum_exact(x, len);
-	case KL_OP_MEAN: return sum_exact(x, len) / (double)len;
-	case KL_OP_MAX:
-	case KL_OP_MIN: {
-		bool mx = n->op == KL_OP_MAX;
-		double m = x[0];
-		for (int64_t i = 0; i < len; i++) {
-			if (isnan(x[i]))
-				return x[i];
-			if (mx ? x[i] > m : x[i] < m)
-				m = x[i];
-		}
-		return m;
-	}
-	case KL_OP_VAR: {
-		if (len == 0)
-			return NAN;
-		double mean = sum_exact(x, len) / (double)len;
-		double ss = 0;
-		for (int64_t i = 0; i < len; i++)
-			ss += (x[i] - mean) * (x[i] - mean);
-		/* torch's divisor max(0, n - correction): too few elements give
-		 * inf (or NaN when all are equal), never a negative variance */
-		int64_t div = len - n->a.correction;
-		return ss / (double)(div > 0 ? div : 0);
-	}
-	case KL_OP_ARGMAX: {
-		int64_t best = 0;
-		for (int64_t i = 0; i < len; i++) {
-			if (isnan(x[i]))
-				return (double)i;
-			if (x[i] > x[best])
-				best = i;
-		}
-		return (double)best;
-	}
-	default: return NAN;
-	}
-}
-
-static kl_status eval_reduce(ref_state *st, const kl_node *n, double *out)
-{
-	if (n->nin != 1)
-		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
 	const kl_node *x = &st->g->nodes[n->in[0]];
-	uint32_t mask;
-	if (n->op == KL_OP_ARGMAX) {
-		if (x->ndim > 0 && (n->a.axis < 0 || n->a.axis >= x->ndim))
-			return ref_fail(st, KL_EINVAL, "axis %d out of range for %d dims",
-			                n->a.axis, x->ndim);
-		mask = x->ndim > 0 ? 1u << n->a.axis : 0;
-	} else {
-		mask = n->a.axes;
-		/* reducing no dim of a non-scalar is not an op the front end makes;
-		 * 0 can only mean "all" */
-		if (mask == 0)
-			mask = (uint32_t)((1ull << x->ndim) - 1);
-		if (mask >> x->ndim)
-			return ref_fail(st, KL_EINVAL, "axes mask 0x%x out of range for %d dims",
-			                (unsigned)mask, x->ndim);
-	}
-	int64_t want[KL_MAX_DIMS];
-	int wn = 0;
-	for (int d = 0; d < x->ndim; d++) {
-		if (!(mask >> d & 1))
-			want[wn++] = x->shape[d];
-		else if (n->a.keepdim)
-			want[wn++] = 1;
-	}
-	char b1[96], b2[96], b3[96];
-	if (!shape_eq(wn, want, n->ndim, n->shape))
-		return ref_fail(st, KL_EINVAL, "reducing %s gives %s, node shape is %s",
-		                shp(b1, sizeof b1, x), kl__shape_str(b2, sizeof b2, wn, want),
-		                shp(b3, sizeof b3, n));
+	uint32_t mask = kl__reduce_mask(n, x->ndim);
+	char b1[96];
 	rows r;
 	kl_status s = rows_init(st, &r, x->ndim, x->shape, mask);
 	if (s)
 		return s;
-	if (r.rowlen == 0 && r.nrows > 0 &&
-	    (n->op == KL_OP_MAX || n->op == KL_OP_MIN || n->op == KL_OP_ARGMAX)) {
+	if (r.rowlen == 0 && r.nrows > 0 && kl__opdesc[n->op]->no_identity) {
 		free(r.inner);
 		return ref_fail(st, KL_EINVAL, "reduction of %s over zero elements",
 		                shp(b1, sizeof b1, x));
@@ -516,7 +260,7 @@ static kl_status eval_reduce(ref_state *st, const kl_node *n, double *out)
 	for (int64_t o = 0; o < r.nrows; o++, walk_next(&r.outer)) {
 		for (int64_t j = 0; j < r.rowlen; j++)
 			row[j] = src[r.outer.off[0] + r.inner[j]];
-		out[o] = reduce_row(n, row, r.rowlen);
+		out[o] = kl__opdesc[n->op]->row(n, row, r.rowlen);
 	}
 	free(row);
 	free(r.inner);
@@ -555,7 +299,7 @@ static kl_status eval_gather(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
-static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_movement(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96];
 	int64_t total = node_numel(n);
@@ -676,23 +420,10 @@ static kl_status eval_movement(ref_state *st, const kl_node *n, double *out)
 
 /* ---- matmul and composites ------------------------------------------------- */
 
-static kl_status eval_matmul(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_matmul(ref_state *st, const kl_node *n, double *out)
 {
-	char b1[96], b2[96], b3[96];
-	if (n->nin != 2)
-		return ref_fail(st, KL_EINVAL, "%d inputs, expected 2", n->nin);
-	const kl_node *a = &st->g->nodes[n->in[0]], *b = &st->g->nodes[n->in[1]];
+	const kl_node *a = &st->g->nodes[n->in[0]];
 	int nd = n->ndim;
-	bool ok = nd >= 2 && a->ndim == nd && b->ndim == nd;
-	for (int d = 0; ok && d < nd - 2; d++)
-		ok = a->shape[d] == n->shape[d] && b->shape[d] == n->shape[d];
-	if (ok)
-		ok = a->shape[nd - 2] == n->shape[nd - 2] && b->shape[nd - 1] == n->shape[nd - 1] &&
-		     a->shape[nd - 1] == b->shape[nd - 2];
-	if (!ok)
-		return ref_fail(st, KL_EINVAL, "operands %s and %s do not give %s",
-		                shp(b1, sizeof b1, a), shp(b2, sizeof b2, b),
-		                shp(b3, sizeof b3, n));
 	int64_t M = n->shape[nd - 2], N = n->shape[nd - 1], K = a->shape[nd - 1];
 	int64_t batch = kl__numel(nd - 2, n->shape);
 	const double *A = st->val[n->in[0]], *B = st->val[n->in[1]];
@@ -705,9 +436,9 @@ static kl_status eval_matmul(ref_state *st, const kl_node *n, double *out)
 				if (is_int(dt)) {
 					uint64_t acc = 0;
 					for (int64_t k = 0; k < K; k++)
-						acc += (uint64_t)to_i64(Ab[i * K + k]) *
-						       (uint64_t)to_i64(Bb[k * N + j]);
-					C[i * N + j] = wrap_to(dt, acc);
+						acc += (uint64_t)kl__f2i64(Ab[i * K + k]) *
+						       (uint64_t)kl__f2i64(Bb[k * N + j]);
+					C[i * N + j] = kl__wrap_to(dt, acc);
 				} else {
 					double acc = 0, c = 0;
 					for (int64_t k = 0; k < K; k++) {
@@ -727,7 +458,7 @@ static kl_status eval_matmul(ref_state *st, const kl_node *n, double *out)
 
 /* softmax(q k^T * scale [+ causal mask]) v, in double; a query row with no
  * allowed key is NaN, as the same math written out gives (0 / 0) */
-static kl_status eval_attention(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_attention(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96], b3[96];
 	if (n->nin != 3)
@@ -770,7 +501,7 @@ static kl_status eval_attention(ref_state *st, const kl_node *n, double *out)
 			}
 			for (int64_t j = 0; j <= last; j++)
 				p[j] = exp(p[j] - m);
-			double l = last >= 0 ? sum_exact(p, last + 1) : 0;
+			double l = last >= 0 ? kl__ref_sum(p, last + 1) : 0;
 			for (int64_t c = 0; c < Dv; c++) {
 				double acc = 0, cc = 0;
 				for (int64_t j = 0; j <= last; j++) {
@@ -786,7 +517,7 @@ static kl_status eval_attention(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
-static kl_status eval_softmax(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_softmax(ref_state *st, const kl_node *n, double *out)
 {
 	if (n->nin != 1)
 		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
@@ -819,7 +550,7 @@ static kl_status eval_softmax(ref_state *st, const kl_node *n, double *out)
 		}
 		for (int64_t j = 0; j < r.rowlen; j++)
 			e[j] = exp(kl__round_to(dt, src[base + r.inner[j]]) - m);
-		double sum = sum_exact(e, r.rowlen);
+		double sum = kl__ref_sum(e, r.rowlen);
 		for (int64_t j = 0; j < r.rowlen; j++) {
 			double v = kl__round_to(dt, src[base + r.inner[j]]);
 			out[base + r.inner[j]] =
@@ -831,7 +562,7 @@ static kl_status eval_softmax(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
-static kl_status eval_norm(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_norm(ref_state *st, const kl_node *n, double *out)
 {
 	bool ln = n->op == KL_OP_LAYER_NORM;
 	bool hw = n->a.flags & KL_F_HAS_WEIGHT, hb = ln && (n->a.flags & KL_F_HAS_BIAS);
@@ -862,7 +593,7 @@ static kl_status eval_norm(ref_state *st, const kl_node *n, double *out)
 		double *yr = out + r * D;
 		double mean = 0, ms = 0;
 		if (ln) {
-			mean = sum_exact(xr, D) / (double)D;
+			mean = kl__ref_sum(xr, D) / (double)D;
 			for (int64_t j = 0; j < D; j++)
 				ms += (xr[j] - mean) * (xr[j] - mean);
 		} else {
@@ -882,7 +613,7 @@ static kl_status eval_norm(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
-static kl_status eval_source(ref_state *st, const kl_node *n, double *out)
+kl_status kl__ref_source(ref_state *st, const kl_node *n, double *out)
 {
 	int64_t total = node_numel(n);
 	for (int64_t i = 0; i < total; i++) {
@@ -941,25 +672,31 @@ static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs
 		st->owned[i] = false;
 		return KL_OK;
 	}
+	const kl_opdesc *d = kl__opdesc[n->op];
+	if (d->shape) { /* the op table's arity and shape rule */
+		kl_cat cat = kl__ops[n->op].cat;
+		int want = kl__ops[n->op].arity;
+		if ((cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) && n->a.scalar_rhs)
+			want = 1;
+		if (n->nin != want)
+			return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, want);
+		int nds[KL_NODE_MAX_IN];
+		const int64_t *shs[KL_NODE_MAX_IN];
+		for (int k = 0; k < n->nin; k++) {
+			nds[k] = st->g->nodes[n->in[k]].ndim;
+			shs[k] = st->g->nodes[n->in[k]].shape;
+		}
+		char why[320];
+		if (!d->shape(n, nds, shs, why, sizeof why))
+			return ref_fail(st, KL_EINVAL, "%s", why);
+	}
 	int64_t total = node_numel(n);
 	double *out = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1));
 	if (!out)
 		return ref_fail(st, KL_ENOMEM, "out of memory for %lld values", (long long)total);
 	st->val[i] = out;
 	st->owned[i] = true;
-	switch (kl__ops[n->op].cat) {
-	case KL_CAT_SOURCE: s = eval_source(st, n, out); break;
-	case KL_CAT_REDUCE: s = eval_reduce(st, n, out); break;
-	case KL_CAT_MOVEMENT: s = eval_movement(st, n, out); break;
-	case KL_CAT_CONTRACT: s = eval_matmul(st, n, out); break;
-	case KL_CAT_COMPOSITE:
-		s = n->op == KL_OP_ATTENTION ? eval_attention(st, n, out)
-		    : (n->op == KL_OP_SOFTMAX || n->op == KL_OP_LOG_SOFTMAX)
-		            ? eval_softmax(st, n, out)
-		            : eval_norm(st, n, out);
-		break;
-	default: s = eval_pointwise(st, n, out); break;
-	}
+	s = d->ref(st, n, out);
 	if (s)
 		return s;
 	for (int64_t k = 0; k < total; k++)

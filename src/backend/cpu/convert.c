@@ -98,8 +98,8 @@ void kl__cpu_load_f64(double *dst, const void *src, kl_dtype dt, int64_t stride,
 }
 
 /* floats reach int64 only through casts and odd mixes: saturate like kl__store */
-#define KL_TO_I64(v) (_Generic((v), float: kl__cpu_sat_i64((double)(v)), \
-	double: kl__cpu_sat_i64((double)(v)), default: (int64_t)(v)))
+#define KL_TO_I64(v) (_Generic((v), float: kl__f2i64((double)(v)), \
+	double: kl__f2i64((double)(v)), default: (int64_t)(v)))
 
 void kl__cpu_load_i64(int64_t *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n)
 {
@@ -148,12 +148,12 @@ void kl__cpu_load_ct(kl_cpu_ct ct, void *dst, const void *src, kl_dtype dt, int6
 
 void kl__cpu_store_f32(void *dst, kl_dtype dt, int64_t stride, const float *src, int64_t n)
 {
-	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__f32_to_f16, kl__f32_to_bf16);
+	KL_STORE_CASES(kl__f2i64, kl__f2i32, kl__f32_to_f16, kl__f32_to_bf16);
 }
 
 void kl__cpu_store_f64(void *dst, kl_dtype dt, int64_t stride, const double *src, int64_t n)
 {
-	KL_STORE_CASES(kl__cpu_sat_i64, kl__cpu_sat_i32, kl__f64_to_f16, kl__f64_to_bf16);
+	KL_STORE_CASES(kl__f2i64, kl__f2i32, kl__f64_to_f16, kl__f64_to_bf16);
 }
 
 #define KL_ID_I64(v) (v)

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/sat.h"
 #include "graph/graph.h"
 #include "plan/plan.h"
 
@@ -74,30 +75,6 @@ static inline float kl__cpu_expf(float x)
 	return p * s1 * s2;
 }
 
-/* Float to integer the way kl__store does it: toward zero, saturating, NaN
- * to 0 (a plain C cast would be undefined out of range). */
-static inline int64_t kl__cpu_sat_i64(double v)
-{
-	if (!(v == v))
-		return 0;
-	if (v >= 9223372036854775807.0)
-		return INT64_MAX;
-	if (v <= -9223372036854775808.0)
-		return INT64_MIN;
-	return (int64_t)v;
-}
-
-static inline int32_t kl__cpu_sat_i32(double v)
-{
-	if (!(v == v))
-		return 0;
-	if (v >= 2147483647.0)
-		return INT32_MAX;
-	if (v <= -2147483648.0)
-		return INT32_MIN;
-	return (int32_t)v;
-}
-
 /* Integers narrow by wrapping (two's complement), as torch does. */
 static inline int32_t kl__cpu_wrap_i32(int64_t v)
 {
@@ -159,6 +136,10 @@ int kl__cpu_coalesce(int ndim, int64_t *shape, int nops, int64_t (*st)[KL_MAX_DI
 /* ---- kernel families ---------------------------------------------------- */
 
 kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* Tests only: every pointwise op through the op table's math (the path an
+ * op without a hand-written loop takes), so that path is held to the
+ * reference too. */
+extern bool kl__cpu_pw_generic_only;
 /* attention_cpu.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,

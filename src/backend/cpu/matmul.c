@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
+#include "graph/optable.h"
 
 /* Up to this many multiply-adds OpenBLAS runs a gemm on one thread anyway
  * (its GEMM_MULTITHREAD_THRESHOLD); such batches run in parallel, one gemm
@@ -158,13 +159,7 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 		               "inputs");
 	const kl_tensor *a = in[0], *b = in[1];
 	int nd = n->ndim;
-	bool ok = nd >= 2 && a->ndim == nd && b->ndim == nd;
-	for (int d = 0; ok && d < nd - 2; d++)
-		ok = a->shape[d] == n->shape[d] && b->shape[d] == n->shape[d];
-	if (ok)
-		ok = a->shape[nd - 2] == n->shape[nd - 2] && b->shape[nd - 1] == n->shape[nd - 1] &&
-		     a->shape[nd - 1] == b->shape[nd - 2];
-	if (!ok)
+	if (!kl__matmul_shapes_ok(nd, n->shape, a->ndim, a->shape, b->ndim, b->shape))
 		return kl__err(ctx, KL_EINVAL, "kl_matmul: operands %s and %s do not give %s",
 		               kl__shape_str(b1, sizeof b1, a->ndim, a->shape),
 		               kl__shape_str(b2, sizeof b2, b->ndim, b->shape),

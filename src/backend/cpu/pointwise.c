@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include "backend/cpu/cpu.h"
+#include "graph/optable.h"
 
 #define CHUNK KL_CPU_CHUNK
 
@@ -32,6 +33,8 @@ typedef struct pw_plan {
 	kl_dtype odt;
 	size_t oes;
 	bool rhs_scalar; /* binary/compare with attrs.s[0] as rhs */
+	const kl_attrs *at;
+	kl_attrs at0; /* zero attributes, for the epilogue entry points */
 	float sf[2];     /* attrs scalars in each compute type */
 	double sd[2];
 	int64_t si[2];
@@ -142,7 +145,7 @@ static pw_val pw_fetch_mask(const pw_plan *w, int64_t off, int64_t stride, int64
 #define KL_FMAX(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
 #define KL_FMIN(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
 
-static void bin_f32(kl_op op, pw_val A, pw_val B, float *restrict O, int64_t n)
+static bool bin_f32(kl_op op, pw_val A, pw_val B, float *restrict O, int64_t n)
 {
 	switch (op) {
 	case KL_OP_ADD: BIN_LOOP(float, float, a + b); break;
@@ -152,11 +155,12 @@ static void bin_f32(kl_op op, pw_val A, pw_val B, float *restrict O, int64_t n)
 	case KL_OP_POW: BIN_LOOP(float, float, powf(a, b)); break;
 	case KL_OP_MAXIMUM: BIN_LOOP(float, float, KL_FMAX(a, b)); break;
 	case KL_OP_MINIMUM: BIN_LOOP(float, float, KL_FMIN(a, b)); break;
-	default: break;
+	default: return false;
 	}
+	return true;
 }
 
-static void bin_f64(kl_op op, pw_val A, pw_val B, double *restrict O, int64_t n)
+static bool bin_f64(kl_op op, pw_val A, pw_val B, double *restrict O, int64_t n)
 {
 	switch (op) {
 	case KL_OP_ADD: BIN_LOOP(double, double, a + b); break;
@@ -166,8 +170,9 @@ static void bin_f64(kl_op op, pw_val A, pw_val B, double *restrict O, int64_t n)
 	case KL_OP_POW: BIN_LOOP(double, double, pow(a, b)); break;
 	case KL_OP_MAXIMUM: BIN_LOOP(double, double, KL_FMAX(a, b)); break;
 	case KL_OP_MINIMUM: BIN_LOOP(double, double, KL_FMIN(a, b)); break;
-	default: break;
+	default: return false;
 	}
+	return true;
 }
 
 /* Integer power by squaring, wrapping like the rest of integer arithmetic.
@@ -219,10 +224,10 @@ static kl_status bin_i64(kl_op op, pw_val A, pw_val B, int64_t *restrict O, int6
 	case KL_OP_LE: BIN_LOOP(T, uint8_t, a <= b); break;                                    \
 	case KL_OP_GT: BIN_LOOP(T, uint8_t, a > b); break;                                     \
 	case KL_OP_GE: BIN_LOOP(T, uint8_t, a >= b); break;                                    \
-	default: break;                                                                        \
+	default: return false;                                                                 \
 	}
 
-static void cmp_run(kl_op op, kl_cpu_ct ct, pw_val A, pw_val B, uint8_t *restrict O, int64_t n)
+static bool cmp_run(kl_op op, kl_cpu_ct ct, pw_val A, pw_val B, uint8_t *restrict O, int64_t n)
 {
 	if (ct == KL_CT_F32) {
 		CMP_CASES(float)
@@ -231,6 +236,7 @@ static void cmp_run(kl_op op, kl_cpu_ct ct, pw_val A, pw_val B, uint8_t *restric
 	} else {
 		CMP_CASES(int64_t)
 	}
+	return true;
 }
 
 /* ---- unary ------------------------------------------------------------------
@@ -267,7 +273,7 @@ static inline double sigmoid_(double a)
 	return a >= 0 ? r : e * r;
 }
 
-static void un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t n)
+static bool un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t n)
 {
 	const float c1 = (float)kl_sqrt1_2, c2 = (float)kl_sqrt2_pi;
 	float lo = w->sf[0], hi = w->sf[1];
@@ -290,11 +296,12 @@ static void un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t 
 	case KL_OP_SILU: UN_LOOP(float, a * sigmoidf_(a)); break;
 	case KL_OP_CAST: UN_LOOP(float, a); break;
 	case KL_OP_CLAMP: UN_LOOP(float, KL_CLAMP(a, lo, hi)); break;
-	default: break;
+	default: return false;
 	}
+	return true;
 }
 
-static void un_f64(const pw_plan *w, const double *A, double *restrict O, int64_t n)
+static bool un_f64(const pw_plan *w, const double *A, double *restrict O, int64_t n)
 {
 	double lo = w->sd[0], hi = w->sd[1];
 	switch (w->op) {
@@ -316,8 +323,9 @@ static void un_f64(const pw_plan *w, const double *A, double *restrict O, int64_
 	case KL_OP_SILU: UN_LOOP(double, a * sigmoid_(a)); break;
 	case KL_OP_CAST: UN_LOOP(double, a); break;
 	case KL_OP_CLAMP: UN_LOOP(double, KL_CLAMP(a, lo, hi)); break;
-	default: break;
+	default: return false;
 	}
+	return true;
 }
 
 static kl_status un_i64(const pw_plan *w, const int64_t *A, int64_t *restrict O, int64_t n)
@@ -339,7 +347,9 @@ void kl__cpu_unary_f32(kl_op op, const float *a, float *restrict o, int64_t n)
 	pw_plan w;
 	memset(&w, 0, sizeof w);
 	w.op = op;
-	un_f32(&w, a, o, n);
+	if (!un_f32(&w, a, o, n))
+		for (int64_t i = 0; i < n; i++)
+			o[i] = (float)kl__op_eval(op, &w.at0, KL_F32, a[i], 0, 0);
 }
 
 void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n)
@@ -347,7 +357,9 @@ void kl__cpu_unary_f64(kl_op op, const double *a, double *restrict o, int64_t n)
 	pw_plan w;
 	memset(&w, 0, sizeof w);
 	w.op = op;
-	un_f64(&w, a, o, n);
+	if (!un_f64(&w, a, o, n))
+		for (int64_t i = 0; i < n; i++)
+			o[i] = kl__op_eval(op, &w.at0, KL_F64, a[i], 0, 0);
 }
 
 /* ---- where ------------------------------------------------------------------ */
@@ -386,11 +398,32 @@ static void where_run(kl_cpu_ct ct, pw_val C, pw_val A, pw_val B, void *O, int64
 
 /* ---- the engine --------------------------------------------------------------- */
 
+bool kl__cpu_pw_generic_only;
+
+/* An op the loops above do not spell: the op table's float64 math, element
+ * by element, as the reference defines it (slower, never silently wrong). */
+static void pw_generic(const pw_plan *w, const int64_t *off, const int64_t *inner, int64_t n,
+                       char *o)
+{
+	double v[3][CHUNK] = {{0}}, r[CHUNK];
+	for (int k = 0; k < w->nin; k++)
+		kl__cpu_load_f64(v[k], w->base[k] + off[k] * (int64_t)w->es[k], w->dt[k], inner[k],
+		                 n);
+	for (int64_t i = 0; i < n; i++)
+		r[i] = kl__op_eval(w->op, w->at, w->odt, v[0][i],
+		                   w->rhs_scalar ? w->at->s[0] : v[1][i], v[2][i]);
+	kl__cpu_store_f64(o, w->odt, 1, r, n);
+}
+
 /* One chunk: n output elements from operand offsets off[] (elements) with
  * innermost strides inner[]. */
 static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *inner, int64_t n,
                           char *o, pw_buf *bufs)
 {
+	if (kl__cpu_pw_generic_only) {
+		pw_generic(w, off, inner, n, o);
+		return KL_OK;
+	}
 	kl_cpu_ct ct = w->ct;
 	kl_cat cat = kl__ops[w->op].cat;
 	bool direct = w->odt == kl__cpu_ct_dtype(ct);
@@ -407,7 +440,8 @@ static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *i
 			             true};
 		else
 			B = pw_fetch(w, 1, w->in_ct, off[1], inner[1], n, &bufs[1]);
-		cmp_run(w->op, w->in_ct, A, B, (uint8_t *)o, n);
+		if (!cmp_run(w->op, w->in_ct, A, B, (uint8_t *)o, n))
+			pw_generic(w, off, inner, n, o);
 		return KL_OK;
 	}
 	if (cat == KL_CAT_BINARY) {
@@ -420,12 +454,13 @@ static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *i
 			             true};
 		else
 			B = pw_fetch(w, 1, ct, off[1], inner[1], n, &bufs[1]);
-		if (ct == KL_CT_F32)
-			bin_f32(w->op, A, B, res, n);
-		else if (ct == KL_CT_F64)
-			bin_f64(w->op, A, B, res, n);
-		else
-			st = bin_i64(w->op, A, B, res, n);
+		bool fast = ct == KL_CT_F32   ? bin_f32(w->op, A, B, res, n)
+		            : ct == KL_CT_F64 ? bin_f64(w->op, A, B, res, n)
+		                              : bin_i64(w->op, A, B, res, n) == KL_OK;
+		if (!fast) {
+			pw_generic(w, off, inner, n, o);
+			return KL_OK;
+		}
 	} else if (cat == KL_CAT_WHERE) {
 		pw_val C = pw_fetch_mask(w, off[0], inner[0], n, &bufs[0]);
 		pw_val A = pw_fetch(w, 1, ct, off[1], inner[1], n, &bufs[1]);
@@ -442,12 +477,8 @@ static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *i
 			/* a cast narrows integers by saturating, like kl__store */
 			const int64_t *a = A.p;
 			int32_t *d = (int32_t *)(void *)o;
-			for (int64_t i = 0; i < n; i++) {
-				int64_t v = a[A.scalar ? 0 : i];
-				d[i] = v > INT32_MAX   ? INT32_MAX
-				       : v < INT32_MIN ? INT32_MIN
-				                       : (int32_t)v;
-			}
+			for (int64_t i = 0; i < n; i++)
+				d[i] = kl__sati32(a[A.scalar ? 0 : i]);
 			return KL_OK;
 		}
 		if (w->op == KL_OP_CAST && !A.scalar) {
@@ -455,12 +486,13 @@ static kl_status pw_chunk(const pw_plan *w, const int64_t *off, const int64_t *i
 			return KL_OK;
 		}
 		int64_t m = A.scalar ? 1 : n; /* a broadcast operand: compute once */
-		if (ct == KL_CT_F32)
-			un_f32(w, A.p, res, m);
-		else if (ct == KL_CT_F64)
-			un_f64(w, A.p, res, m);
-		else
-			st = un_i64(w, A.p, res, m);
+		bool fast = ct == KL_CT_F32   ? un_f32(w, A.p, res, m)
+		            : ct == KL_CT_F64 ? un_f64(w, A.p, res, m)
+		                              : un_i64(w, A.p, res, m) == KL_OK;
+		if (!fast) {
+			pw_generic(w, off, inner, n, o);
+			return KL_OK;
+		}
 		if (A.scalar && m < n) {
 			size_t cs = kl__cpu_ct_size(ct);
 			for (int64_t i = 1; i < n; i++)
@@ -530,6 +562,7 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	w.oes = kl_dtype_size(w.odt);
 	w.out = kl__tensor_data(out);
 	w.rhs_scalar = (cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) && n->a.scalar_rhs;
+	w.at = &n->a;
 
 	int want = cat == KL_CAT_WHERE                              ? 3
 	           : (cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) ? 2
@@ -589,7 +622,7 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 		double r = cat == KL_CAT_COMPARE ? s : kl__round_to(w.odt, s);
 		w.sf[j] = (float)r;
 		w.sd[j] = r;
-		w.si[j] = kl__cpu_sat_i64(cat == KL_CAT_COMPARE ? s : r);
+		w.si[j] = kl__f2i64(cat == KL_CAT_COMPARE ? s : r);
 	}
 
 	int64_t total = kl__numel(n->ndim, n->shape);
