@@ -158,7 +158,7 @@ const char *kl__api_enter(const char *name);
 void kl__api_leave(const char *const *frame);
 #if defined(__GNUC__)
 #define KL_API(name)                                                             \
-	const char *const kl__api_frame __attribute__((cleanup(kl__api_leave))) = \
+	const char *const kl__api_frame __attribute__((cleanup(kl__api_leave), unused)) = \
 	        kl__api_enter(name)
 #else
 #define KL_API(name) ((void)0) /* messages then keep the inner names */
