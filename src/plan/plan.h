@@ -164,6 +164,10 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 /* The largest element index operand which (0 a, 1 b, 2 c) of a product
  * reaches; -1 when empty, -2 when it overflows. */
 int64_t kl__mm_extent(const kl_matmul_step *mm, int which);
+/* Format a plan's rejection into err (cap bytes; err may be NULL) and
+ * return KL_EFORMAT: the one error path of plan_io.c and the runtime's
+ * plan check. */
+kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
 /* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o). */
 int64_t kl__attn_extent(const kl_attn_step *a, int which);
 

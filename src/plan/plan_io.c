@@ -33,8 +33,7 @@ void kl__program_free(kl_program *p)
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
-static kl_status fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
-static kl_status fail(char *err, size_t cap, const char *fmt, ...)
+kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...)
 {
 	if (err && cap) {
 		va_list ap;
@@ -159,7 +158,7 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 	int32_t ids[5] = {mm->a, mm->b, mm->c, mm->r, mm->bias};
 	int which[5] = {0, 1, 2, 3, 4}, nid = 3;
 	if ((unsigned)mm->act >= KL_MM_ACT_COUNT)
-		return fail(err, cap, "step %d: matmul activation %d out of range", s, (int)mm->act);
+		return kl__plan_fail(err, cap, "step %d: matmul activation %d out of range", s, (int)mm->act);
 	if (mm->has_r)
 		nid++;
 	if (mm->has_bias) {
@@ -168,49 +167,49 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 	}
 	for (int i = 0; i < nid; i++)
 		if (ids[i] < 0 || ids[i] >= p->nbufs)
-			return fail(err, cap, "step %d: matmul operand %d out of range", s, ids[i]);
+			return kl__plan_fail(err, cap, "step %d: matmul operand %d out of range", s, ids[i]);
 	for (int i = 3; i < nid; i++) {
 		if (ids[i] == mm->c)
-			return fail(err, cap, "step %d: matmul %s is its result buffer", s,
+			return kl__plan_fail(err, cap, "step %d: matmul %s is its result buffer", s,
 			            which[i] == 3 ? "residual" : "bias");
 		if (p->bufs[ids[i]].dtype != p->bufs[mm->c].dtype)
-			return fail(err, cap, "step %d: matmul %s is %s, the result %s", s,
+			return kl__plan_fail(err, cap, "step %d: matmul %s is %s, the result %s", s,
 			            which[i] == 3 ? "residual" : "bias",
 			            kl_dtype_name(p->bufs[ids[i]].dtype),
 			            kl_dtype_name(p->bufs[mm->c].dtype));
 	}
 	/* the planner knows a step's buffers from its reads and writes only */
 	if (!in_ids(sp->writes, sp->nwrites, mm->c))
-		return fail(err, cap, "step %d: matmul result %d is not among its writes", s, mm->c);
+		return kl__plan_fail(err, cap, "step %d: matmul result %d is not among its writes", s, mm->c);
 	for (int i = 0; i < nid; i++)
 		if (i != 2 && !in_ids(sp->reads, sp->nreads, ids[i]))
-			return fail(err, cap, "step %d: matmul operand %d is not among its reads", s,
+			return kl__plan_fail(err, cap, "step %d: matmul operand %d is not among its reads", s,
 			            ids[i]);
 	if (mm->has_r && (mm->r_off < 0 || mm->r_ld < (mm->m > 1 ? mm->n : 0)))
-		return fail(err, cap, "step %d: matmul residual offset or row stride out of range", s);
+		return kl__plan_fail(err, cap, "step %d: matmul residual offset or row stride out of range", s);
 	if (mm->has_bias && mm->bias_off < 0)
-		return fail(err, cap, "step %d: matmul bias offset out of range", s);
+		return kl__plan_fail(err, cap, "step %d: matmul bias offset out of range", s);
 	for (int i = 0; i < nid; i++)
 		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
 			if (p->bufs[ids[i]].shape[d].sym)
-				return fail(err, cap, "step %d: matmul over a symbolic dim", s);
+				return kl__plan_fail(err, cap, "step %d: matmul over a symbolic dim", s);
 	const kl_buf *c = &p->bufs[mm->c];
 	if (c->role == KL_BUF_INPUT || (c->role == KL_BUF_OUTPUT && c->alias >= 0))
-		return fail(err, cap, "step %d: matmul writes an input or a view", s);
+		return kl__plan_fail(err, cap, "step %d: matmul writes an input or a view", s);
 	if (mm->m < 0 || mm->n < 0 || mm->k < 0 || mm->nbatch < 0 || mm->nbatch > KL_MAX_DIMS - 2)
-		return fail(err, cap, "step %d: matmul sizes out of range", s);
+		return kl__plan_fail(err, cap, "step %d: matmul sizes out of range", s);
 	for (int i = 0; i < mm->nbatch; i++)
 		if (mm->batch[i] < 0)
-			return fail(err, cap, "step %d: matmul batch out of range", s);
+			return kl__plan_fail(err, cap, "step %d: matmul batch out of range", s);
 	if (!isfinite(mm->alpha) || !isfinite(mm->beta) || mm->ldc < (mm->n ? mm->n : 0) ||
 	    mm->a_off < 0 || mm->b_off < 0 || mm->c_off < 0)
-		return fail(err, cap, "step %d: matmul scalars or strides out of range", s);
+		return kl__plan_fail(err, cap, "step %d: matmul scalars or strides out of range", s);
 	for (int i = 0; i < nid; i++) {
 		int64_t ext = kl__mm_extent(mm, which[i]), n = buf_numel(&p->bufs[ids[i]]);
 		/* an input is addressed through the strides it was traced with, which
 		 * the program does not hold: kl__compile checks those against them */
 		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
-			return fail(err, cap,
+			return kl__plan_fail(err, cap,
 			            "step %d: matmul operand %c reaches element %lld of %lld", s,
 			            "abcrv"[which[i]], (long long)ext, (long long)n);
 	}
@@ -228,30 +227,30 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 	int32_t ids[4] = {a->q, a->k, a->v, a->o};
 	for (int i = 0; i < 4; i++)
 		if (ids[i] < 0 || ids[i] >= p->nbufs)
-			return fail(err, cap, "step %d: attention operand %d out of range", s, ids[i]);
+			return kl__plan_fail(err, cap, "step %d: attention operand %d out of range", s, ids[i]);
 	kl_dtype dt = p->bufs[a->o].dtype;
 	for (int i = 0; i < 4; i++) {
 		if (p->bufs[ids[i]].dtype != dt || !float_dt(dt))
-			return fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
+			return kl__plan_fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
 			            s);
 		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
 			if (p->bufs[ids[i]].shape[d].sym)
-				return fail(err, cap, "step %d: attention over a symbolic dim", s);
+				return kl__plan_fail(err, cap, "step %d: attention over a symbolic dim", s);
 	}
 	const kl_buf *o = &p->bufs[a->o];
 	if (o->role == KL_BUF_INPUT || (o->role == KL_BUF_OUTPUT && o->alias >= 0))
-		return fail(err, cap, "step %d: attention writes an input or a view", s);
+		return kl__plan_fail(err, cap, "step %d: attention writes an input or a view", s);
 	if (a->tq < 0 || a->tk < 0 || a->d < 0 || a->dv < 0 || a->nbatch < 0 ||
 	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) || (a->causal != 0 && a->causal != 1) ||
 	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0)
-		return fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
+		return kl__plan_fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
 	for (int i = 0; i < a->nbatch; i++)
 		if (a->batch[i] < 0)
-			return fail(err, cap, "step %d: attention batch out of range", s);
+			return kl__plan_fail(err, cap, "step %d: attention batch out of range", s);
 	for (int i = 0; i < 4; i++) {
 		int64_t n = buf_numel(&p->bufs[ids[i]]), ext = kl__attn_extent(a, i);
 		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
-			return fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
+			return kl__plan_fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
 			            s, "qkvo"[i], (long long)ext, (long long)n);
 	}
 	return KL_OK;
@@ -263,44 +262,44 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 	if (p->nbufs < 0 || p->nbufs > MAX_COUNT || p->nsteps < 0 || p->nsteps > MAX_COUNT ||
 	    p->nkernels < 0 || p->nkernels > MAX_COUNT || p->nsyms < 0 ||
 	    p->nsyms > KL_MAX_DIMS * 4)
-		return fail(err, cap, "counts out of range");
+		return kl__plan_fail(err, cap, "counts out of range");
 	if ((p->nbufs && !p->bufs) || (p->nsteps && !p->steps) || (p->nkernels && !p->kernel_names))
-		return fail(err, cap, "missing arrays");
+		return kl__plan_fail(err, cap, "missing arrays");
 	int32_t nout = 0, maxin = -1, maxout = -1;
 	for (int32_t b = 0; b < p->nbufs; b++) {
 		const kl_buf *bf = &p->bufs[b];
 		if ((unsigned)bf->role > KL_BUF_TEMP || (unsigned)bf->dtype >= KL_NDTYPES ||
 		    bf->ndim < 0 || bf->ndim > KL_MAX_DIMS)
-			return fail(err, cap, "buffer %d: role, dtype or rank out of range", b);
+			return kl__plan_fail(err, cap, "buffer %d: role, dtype or rank out of range", b);
 		for (int d = 0; d < bf->ndim; d++)
 			if (bf->shape[d].v < 0 || bf->shape[d].sym < 0 ||
 			    bf->shape[d].sym > p->nsyms)
-				return fail(err, cap, "buffer %d: dim %d out of range", b, d);
+				return kl__plan_fail(err, cap, "buffer %d: dim %d out of range", b, d);
 		int64_t dims[KL_MAX_DIMS];
 		buf_dims(bf, dims);
 		kl_shape_err se = kl__shape_check(bf->ndim, dims, NULL);
 		if (se != KL_SHAPE_OK) {
 			char why[128];
-			return fail(err, cap, "buffer %d: %s", b,
+			return kl__plan_fail(err, cap, "buffer %d: %s", b,
 			            kl__shape_why(why, sizeof why, se, bf->ndim, dims, -1));
 		}
 		if (bf->role == KL_BUF_INPUT) {
 			if (bf->index < 0 || (ninputs >= 0 && bf->index >= ninputs))
-				return fail(err, cap, "buffer %d: input index %d out of range", b,
+				return kl__plan_fail(err, cap, "buffer %d: input index %d out of range", b,
 				            bf->index);
 			for (int32_t o = 0; o < b; o++)
 				if (p->bufs[o].role == KL_BUF_INPUT &&
 				    p->bufs[o].index == bf->index)
-					return fail(err, cap, "input %d has two buffers",
+					return kl__plan_fail(err, cap, "input %d has two buffers",
 					            bf->index);
 			maxin = bf->index > maxin ? bf->index : maxin;
 		} else if (bf->role == KL_BUF_OUTPUT) {
 			if (bf->index < 0 || bf->index >= p->nbufs)
-				return fail(err, cap, "buffer %d: output index out of range", b);
+				return kl__plan_fail(err, cap, "buffer %d: output index out of range", b);
 			for (int32_t o = 0; o < b; o++)
 				if (p->bufs[o].role == KL_BUF_OUTPUT &&
 				    p->bufs[o].index == bf->index)
-					return fail(err, cap, "output %d has two buffers",
+					return kl__plan_fail(err, cap, "output %d has two buffers",
 					            bf->index);
 			nout++;
 			maxout = bf->index > maxout ? bf->index : maxout;
@@ -308,21 +307,21 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 		if (bf->alias != -1) {
 			if (bf->role != KL_BUF_OUTPUT || bf->alias < 0 || bf->alias >= p->nbufs ||
 			    bf->alias == b || bf->view_offset < 0)
-				return fail(err, cap, "buffer %d: alias out of range", b);
+				return kl__plan_fail(err, cap, "buffer %d: alias out of range", b);
 			const kl_buf *base = &p->bufs[bf->alias];
 			if (!(base->role == KL_BUF_INPUT ||
 			      (base->role == KL_BUF_OUTPUT && base->alias == -1)))
-				return fail(err, cap, "buffer %d: aliases a temp or another view",
+				return kl__plan_fail(err, cap, "buffer %d: aliases a temp or another view",
 				            b);
 			if (base->dtype != bf->dtype)
-				return fail(err, cap, "buffer %d: a view of another dtype", b);
+				return kl__plan_fail(err, cap, "buffer %d: a view of another dtype", b);
 			for (int d = 0; d < bf->ndim; d++)
 				if (bf->view_strides[d] < 0)
-					return fail(err, cap, "buffer %d: negative view stride", b);
+					return kl__plan_fail(err, cap, "buffer %d: negative view stride", b);
 		}
 	}
 	if (maxout != nout - 1 || (noutputs >= 0 && nout != noutputs))
-		return fail(err, cap, "outputs are not numbered 0..%d",
+		return kl__plan_fail(err, cap, "outputs are not numbered 0..%d",
 		            noutputs >= 0 ? noutputs - 1 : nout - 1);
 	(void)maxin;
 	for (int32_t k = 0; k < p->nsyms; k++) {
@@ -334,7 +333,7 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			    p->bufs[b].shape[p->sym_dim[k]].sym == k + 1)
 				found = true;
 		if (!found)
-			return fail(err, cap, "symbol %d is no dim of an input buffer", k + 1);
+			return kl__plan_fail(err, cap, "symbol %d is no dim of an input buffer", k + 1);
 	}
 	bool *written = calloc((size_t)(p->nbufs ? p->nbufs : 1), 1);
 	if (!written)
@@ -344,46 +343,46 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 		const kl_step *sp = &p->steps[s];
 		if (sp->nreads < 0 || sp->nreads > KL_NODE_MAX_IN * 2 || sp->nwrites < 0 ||
 		    sp->nwrites > 2 || sp->nnodes < 0 || sp->nnodes > KL_STEP_MAX_NODES) {
-			st = fail(err, cap, "step %d: counts out of range", s);
+			st = kl__plan_fail(err, cap, "step %d: counts out of range", s);
 			break;
 		}
 		for (int i = 0; i < sp->nreads + sp->nwrites && st == KL_OK; i++) {
 			int32_t b = i < sp->nreads ? sp->reads[i] : sp->writes[i - sp->nreads];
 			if (b < 0 || b >= p->nbufs)
-				st = fail(err, cap, "step %d: buffer %d out of range", s, b);
+				st = kl__plan_fail(err, cap, "step %d: buffer %d out of range", s, b);
 			else if (i < sp->nreads && p->bufs[b].role == KL_BUF_TEMP && !written[b])
-				st = fail(err, cap,
+				st = kl__plan_fail(err, cap,
 				          "step %d reads temp buffer %d before any step writes it",
 				          s, b);
 			else if (i >= sp->nreads &&
 			         (p->bufs[b].role == KL_BUF_INPUT || p->bufs[b].alias >= 0))
-				st = fail(err, cap, "step %d writes input or view buffer %d", s, b);
+				st = kl__plan_fail(err, cap, "step %d writes input or view buffer %d", s, b);
 		}
 		for (int i = 0; i < sp->nwrites && st == KL_OK; i++)
 			written[sp->writes[i]] = true;
 		for (int i = 0; i < sp->nnodes && st == KL_OK; i++)
 			if (sp->nodes[i] < 0)
-				st = fail(err, cap, "step %d: node id out of range", s);
+				st = kl__plan_fail(err, cap, "step %d: node id out of range", s);
 		if (st != KL_OK)
 			break;
 		if (!isfinite(sp->bytes) || sp->bytes < 0 || !isfinite(sp->flops) ||
 		    sp->flops < 0 || !text_ok(sp->what, sizeof sp->what))
-			st = fail(err, cap, "step %d: bad cost or description", s);
+			st = kl__plan_fail(err, cap, "step %d: bad cost or description", s);
 		else if (sp->kind == KL_STEP_KERNEL) {
 			if (sp->kernel < 0 || sp->kernel >= p->nkernels)
-				st = fail(err, cap, "step %d: kernel %d out of range", s,
+				st = kl__plan_fail(err, cap, "step %d: kernel %d out of range", s,
 				          sp->kernel);
 			else if (sp->row_per < 0 || sp->row_per > 1024 || sp->nrowdims < 0 ||
 			         sp->nrowdims > KL_MAX_DIMS || (sp->row_per == 0 && sp->nrowdims > 0))
-				st = fail(err, cap, "step %d: row grid of %d rows a block over %d dims", s,
+				st = kl__plan_fail(err, cap, "step %d: row grid of %d rows a block over %d dims", s,
 				          sp->row_per, sp->nrowdims);
 			else if (sp->waves < 0 || sp->waves > 64 || (sp->row_per == 0) != (sp->waves == 0))
-				st = fail(err, cap, "step %d: row grid of %d waves for %d rows a block", s,
+				st = kl__plan_fail(err, cap, "step %d: row grid of %d waves for %d rows a block", s,
 				          sp->waves, sp->row_per);
 			for (int d = 0; st == KL_OK && d < sp->nrowdims; d++)
 				if (sp->rowdims[d].v < 0 || sp->rowdims[d].sym < 0 ||
 				    sp->rowdims[d].sym > p->nsyms)
-					st = fail(err, cap, "step %d: row dim %d (%lld, symbol %d) out of range",
+					st = kl__plan_fail(err, cap, "step %d: row dim %d (%lld, symbol %d) out of range",
 					          s, d, (long long)sp->rowdims[d].v, sp->rowdims[d].sym);
 		} else if (sp->kind == KL_STEP_MATMUL) {
 			st = check_matmul(p, s, err, cap);
@@ -394,21 +393,21 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			if (st == KL_OK)
 				written[sp->at.o] = true;
 		} else
-			st = fail(err, cap, "step %d: unknown kind %d", s, (int)sp->kind);
+			st = kl__plan_fail(err, cap, "step %d: unknown kind %d", s, (int)sp->kind);
 	}
 	free(written);
 	if (st != KL_OK)
 		return st;
 	for (int32_t k = 0; k < p->nkernels; k++) {
 		if (!name_ok(p->kernel_names[k]))
-			return fail(err, cap, "kernel %d: name is not [a-z0-9_]", k);
+			return kl__plan_fail(err, cap, "kernel %d: name is not [a-z0-9_]", k);
 		for (int32_t o = 0; o < k; o++)
 			if (!strcmp(p->kernel_names[o], p->kernel_names[k]))
-				return fail(err, cap, "kernel name %s appears twice",
+				return kl__plan_fail(err, cap, "kernel name %s appears twice",
 				            p->kernel_names[k]);
 	}
 	if (p->fusion_log && !text_ok(p->fusion_log, strlen(p->fusion_log) + 1))
-		return fail(err, cap, "fusion log is not printable text");
+		return kl__plan_fail(err, cap, "fusion log is not printable text");
 	return KL_OK;
 }
 
@@ -700,10 +699,10 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 	rbuf r = {data, len, 0, false};
 	char magic[8];
 	if (!r_bytes(&r, magic, 8) || memcmp(magic, PROG_MAGIC, 8) != 0)
-		return fail(err, cap, "not a kiln program");
+		return kl__plan_fail(err, cap, "not a kiln program");
 	uint32_t version = (uint32_t)r_i32(&r);
 	if (version != PROG_FORMAT)
-		return fail(err, cap, "program format version %u, this build reads version %u%s",
+		return kl__plan_fail(err, cap, "program format version %u, this build reads version %u%s",
 		            version, PROG_FORMAT,
 		            version < 3   ? " (written before product epilogues)"
 		            : version < 4 ? " (written before row grids)"
@@ -845,7 +844,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		p.fusion_log = r_str(&r, len, &null);
 	if (r.bad || r.pos != r.n) {
 		clear_program(&p);
-		return fail(err, cap, r.bad ? "program truncated or malformed" : "trailing bytes");
+		return kl__plan_fail(err, cap, r.bad ? "program truncated or malformed" : "trailing bytes");
 	}
 	kl_status st = kl__program_validate(&p, -1, -1, err, cap);
 	if (st != KL_OK) {

@@ -19,17 +19,6 @@
 
 #include "runtime/runtime_int.h"
 
-static kl_status bad(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
-static kl_status bad(char *err, size_t cap, const char *fmt, ...)
-{
-	if (err && cap) {
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(err, cap, fmt, ap);
-		va_end(ap);
-	}
-	return KL_EFORMAT;
-}
 
 /* a * b, saturating at INT64_MAX (both >= 0) */
 static int64_t sat_mul(int64_t a, int64_t b)
@@ -121,18 +110,18 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 	int64_t limit = largest_value(g);
 	int64_t(*shapes)[KL_MAX_DIMS] = calloc((size_t)(p->nbufs ? p->nbufs : 1), sizeof *shapes);
 	if (!shapes)
-		return bad(err, cap, "out of memory");
+		return kl__plan_fail(err, cap, "out of memory");
 	for (int32_t b = 0; b < p->nbufs && st == KL_OK; b++) {
 		const kl_buf *bf = &p->bufs[b];
 		int64_t *sh = shapes[b];
 		if (!traced_shape(p, g, bf, sh)) {
-			st = bad(err, cap, "buffer %d: a dim names no dim of a graph input", (int)b);
+			st = kl__plan_fail(err, cap, "buffer %d: a dim names no dim of a graph input", (int)b);
 			break;
 		}
 		if (bf->role == KL_BUF_TEMP) {
 			int64_t n = numel_sat(bf->ndim, sh);
 			if (n > limit)
-				st = bad(err, cap,
+				st = kl__plan_fail(err, cap,
 				         "temp buffer %d is %s, %lld elements; no value of this "
 				         "graph holds more than %lld",
 				         (int)b, kl__shape_str(have, sizeof have, bf->ndim, sh),
@@ -143,7 +132,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 		const kl_node *x = &g->nodes[id];
 		if (bf->dtype != (kl_dtype)x->dtype || bf->ndim != x->ndim ||
 		    memcmp(sh, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
-			st = bad(err, cap, "%s %d is %s %s in the plan, %s %s in the graph",
+			st = kl__plan_fail(err, cap, "%s %d is %s %s in the plan, %s %s in the graph",
 			         role_name(bf->role), (int)bf->index, kl_dtype_name(bf->dtype),
 			         kl__shape_str(have, sizeof have, bf->ndim, sh),
 			         kl_dtype_name((kl_dtype)x->dtype),
@@ -161,7 +150,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 			        __builtin_add_overflow(ext, t, &ext);
 		int64_t reach = reach_of(g, &p->bufs[bf->alias], shapes[bf->alias]);
 		if (over || ext > reach)
-			st = bad(err, cap, "output %d: a view reaching element %lld of buffer %d, "
+			st = kl__plan_fail(err, cap, "output %d: a view reaching element %lld of buffer %d, "
 			         "which ends at %lld",
 			         (int)bf->index, (long long)ext, (int)bf->alias, (long long)reach);
 	}
@@ -169,7 +158,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 		const kl_step *sp = &p->steps[s];
 		for (int i = 0; i < sp->nnodes && st == KL_OK; i++)
 			if (sp->nodes[i] >= g->n)
-				st = bad(err, cap, "step %d names node %d of a %d-node graph", (int)s,
+				st = kl__plan_fail(err, cap, "step %d names node %d of a %d-node graph", (int)s,
 				         (int)sp->nodes[i], (int)g->n);
 		if (st != KL_OK)
 			break;
@@ -181,7 +170,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 				kl_buf one = {.ndim = 1, .shape = {sp->rowdims[d]}};
 				int64_t v;
 				if (!traced_shape(p, g, &one, &v))
-					st = bad(err, cap, "step %d: row dim %d names no dim of a graph input",
+					st = kl__plan_fail(err, cap, "step %d: row dim %d names no dim of a graph input",
 					         (int)s, d);
 				else
 					rows = sat_mul(rows, v);
@@ -192,7 +181,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 				most = n > most ? n : most;
 			}
 			if (rows > most)
-				st = bad(err, cap, "step %d: a row grid of %lld rows over buffers of "
+				st = kl__plan_fail(err, cap, "step %d: a row grid of %lld rows over buffers of "
 				         "at most %lld elements", (int)s, (long long)rows,
 				         (long long)most);
 		} else if (sp->kind != KL_STEP_KERNEL) {
@@ -216,7 +205,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 				                 : kl__attn_extent(&sp->at, w);
 				int64_t reach = reach_of(g, bf, shapes[ids[w]]);
 				if (ext > reach)
-					st = bad(err, cap,
+					st = kl__plan_fail(err, cap,
 					         "step %d: %s operand %c reaches element %lld of input "
 					         "%d, which ends at %lld",
 					         (int)s, mm ? "matmul" : "attention",
