@@ -775,6 +775,10 @@ static void test_table_complete(void **state)
 			        name);
 			fails++;
 		}
+		if (op != KL_OP_INPUT && !d->shape) {
+			fprintf(stderr, "FAIL kl_%s lacks its shape rule\n", name);
+			fails++;
+		}
 		if ((cat == KL_CAT_CONTRACT || cat == KL_CAT_COMPOSITE) && !d->dtype) {
 			fprintf(stderr, "FAIL kl_%s lacks its dtype rule\n", name);
 			fails++;

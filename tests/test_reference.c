@@ -550,10 +550,67 @@ static void test_errors(void **state)
 	expect_eval_error(&g, in, "zero elements");
 }
 
+/* Each op's shape rule (graph/op_other.c) refuses a node whose shape does not
+ * follow from its inputs, naming the shapes: one wrong node per rule. */
+static void test_shape_rules(void **state)
+{
+	(void)state;
+	const double *in[] = {VALS(1, 2, 3, 4, 5, 6), VALS(0, 1), VALS(1, 2, 3, 4, 5, 6)};
+	for (int k = 0; k < 10; k++) {
+		kl_graph g;
+		kl__graph_init(&g);
+		int32_t x = input(&g, KL_F32, 2, SH(2, 3));
+		int32_t i = input(&g, KL_I64, 1, SH(2));
+		int32_t y = input(&g, KL_F32, 2, SH(2, 3));
+		int32_t r = -1;
+		switch (k) {
+		case 0:
+			r = op1(&g, KL_OP_PERMUTE, KL_F32, 2, SH(2, 3), x, (kl_attrs){.v = {1, 0}});
+			break;
+		case 1:
+			r = op1(&g, KL_OP_PERMUTE, KL_F32, 2, SH(3, 3), x, (kl_attrs){.v = {1, 1}});
+			break;
+		case 2:
+			r = op1(&g, KL_OP_EXPAND, KL_F32, 2, SH(2, 4), x, (kl_attrs){0});
+			break;
+		case 3:
+			r = op1(&g, KL_OP_SLICE, KL_F32, 2, SH(2, 2), x,
+			        (kl_attrs){.axis = 1, .v = {0, 3, 2}});
+			r = op1(&g, KL_OP_SLICE, KL_F32, 2, SH(2, 2), x,
+			        (kl_attrs){.axis = 1, .v = {0, 3, 1}});
+			break;
+		case 4:
+			r = node(&g, KL_OP_CONCAT, KL_F32, 2, SH(2, 5), 2, IN(x, y),
+			         &(kl_attrs){.axis = 1});
+			break;
+		case 5:
+			r = op1(&g, KL_OP_CONTIGUOUS, KL_F32, 2, SH(3, 2), x, (kl_attrs){0});
+			break;
+		case 6:
+			r = op2(&g, KL_OP_GATHER, KL_F32, 2, SH(3, 3), x, i);
+			break;
+		case 7:
+			r = op1(&g, KL_OP_SOFTMAX, KL_F32, 2, SH(2, 3), x, (kl_attrs){.axis = 2});
+			break;
+		case 8:
+			r = node(&g, KL_OP_LAYER_NORM, KL_F32, 2, SH(2, 3), 2, IN(x, i),
+			         &(kl_attrs){.axis = 1, .flags = KL_F_HAS_WEIGHT});
+			break;
+		case 9:
+			r = node(&g, KL_OP_ATTENTION, KL_F32, 2, SH(2, 2), 3, IN(x, y, y),
+			         &(kl_attrs){.s = {1}});
+			break;
+		}
+		kl__graph_add_output(&g, r);
+		expect_eval_error(&g, in, "and node");
+	}
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_broadcast_add),
+		cmocka_unit_test(test_shape_rules),
 		cmocka_unit_test(test_scalar_broadcast),
 		cmocka_unit_test(test_int_wrap),
 		cmocka_unit_test(test_int_pow),

@@ -2,11 +2,13 @@
  * reductions: sources, movement (views and copies), the matrix product, and
  * the composites that lowering decomposes (softmax, log_softmax, the norms)
  * or rewrites (attention). Their public builders in api/ops.c set their
- * result dtype and shape from attributes; their reference evaluation is in
+ * result dtype and shape from attributes; the shape rules here hold every
+ * node to what the builders compute; their reference evaluation is in
  * reference.c, one function per family.
  */
 #include <stdio.h>
 
+#include "core/shape.h"
 #include "graph/optable.h"
 
 bool kl__matmul_shapes_ok(int nd, const int64_t *out, int and_, const int64_t *as, int bnd,
@@ -32,6 +34,157 @@ static bool sh_matmul(const kl_node *n, const int *ndim, const int64_t *const *s
 	         kl__shape_str(b2, sizeof b2, ndim[1], shape[1]),
 	         kl__shape_str(b3, sizeof b3, n->ndim, n->shape));
 	return false;
+}
+
+/* ---- shape rules ---------------------------------------------------------------------
+ * What the public builders in api/ops.c compute, restated as a check of a
+ * finished node so that any node, from the front end, a rewrite or a
+ * gradient rule, is held to it by the reference. */
+
+/* "inputs S0, S1 ... give S (node): " + the reason, into why */
+static bool sh_fail(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                    size_t cap, const char *reason)
+{
+	char b[96];
+	int k = snprintf(why, cap, "%s", "inputs");
+	for (int i = 0; i < n->nin && k >= 0 && (size_t)k < cap; i++)
+		k += snprintf(why + k, cap - (size_t)k, " %s",
+		              kl__shape_str(b, sizeof b, ndim[i], shape[i]));
+	if (k >= 0 && (size_t)k < cap)
+		snprintf(why + k, cap - (size_t)k, " and node %s: %s",
+		         kl__shape_str(b, sizeof b, n->ndim, n->shape), reason);
+	return false;
+}
+
+static bool same_dims(int na, const int64_t *a, int nb, const int64_t *b)
+{
+	if (na != nb)
+		return false;
+	for (int d = 0; d < na; d++)
+		if (a[d] != b[d])
+			return false;
+	return true;
+}
+
+/* the node has its first input's shape (contiguous, softmax, log_softmax) */
+static bool sh_same(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                    size_t cap)
+{
+	if (n->ndim > 0 && n->a.axis >= n->ndim)
+		return sh_fail(n, ndim, shape, why, cap, "axis out of range");
+	if (same_dims(n->ndim, n->shape, ndim[0], shape[0]))
+		return true;
+	return sh_fail(n, ndim, shape, why, cap, "the shapes differ");
+}
+
+/* arange: one dim (its length is the builder's: start and step are kept,
+ * stop is not); full, rand, randn: any shape */
+static bool sh_source(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                      size_t cap)
+{
+	if (n->op != KL_OP_ARANGE || n->ndim == 1)
+		return true;
+	return sh_fail(n, ndim, shape, why, cap, "arange gives one dim");
+}
+
+static bool sh_reshape(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                       size_t cap)
+{
+	int64_t a, b;
+	if (kl__dims_product(ndim[0], shape[0], &a) && kl__dims_product(n->ndim, n->shape, &b) &&
+	    a == b)
+		return true;
+	return sh_fail(n, ndim, shape, why, cap, "the element counts differ");
+}
+
+static bool sh_permute(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                       size_t cap)
+{
+	uint32_t seen = 0;
+	bool ok = n->ndim == ndim[0];
+	for (int d = 0; ok && d < n->ndim; d++) {
+		int64_t p = n->a.v[d];
+		ok = p >= 0 && p < n->ndim && !(seen & (1u << p)) && shape[0][p] == n->shape[d];
+		if (ok)
+			seen |= 1u << p;
+	}
+	return ok || sh_fail(n, ndim, shape, why, cap, "not a permutation of the input's dims");
+}
+
+/* each input dim, aligned from the right, equals the node's or is 1 */
+static bool sh_expand(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                      size_t cap)
+{
+	int off = n->ndim - ndim[0];
+	bool ok = off >= 0;
+	for (int d = 0; ok && d < ndim[0]; d++)
+		ok = shape[0][d] == n->shape[d + off] || shape[0][d] == 1;
+	return ok || sh_fail(n, ndim, shape, why, cap, "the input does not broadcast to the node");
+}
+
+/* v[0..2] = start, stop, step, normalized: 0 <= start <= stop <= dim */
+static bool sh_slice(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                     size_t cap)
+{
+	int ax = n->a.axis;
+	int64_t start = n->a.v[0], stop = n->a.v[1], step = n->a.v[2];
+	bool ok = n->ndim == ndim[0] && ax >= 0 && ax < n->ndim && step >= 1 && start >= 0 &&
+	          start <= stop && stop <= shape[0][ax];
+	for (int d = 0; ok && d < n->ndim; d++)
+		ok = d == ax ? n->shape[d] == (stop - start + step - 1) / step
+		             : n->shape[d] == shape[0][d];
+	return ok || sh_fail(n, ndim, shape, why, cap, "not the slice's length along its axis");
+}
+
+static bool sh_concat(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                      size_t cap)
+{
+	int ax = n->a.axis;
+	bool ok = n->nin >= 1 && ax >= 0 && ax < n->ndim;
+	int64_t total = 0;
+	for (int i = 0; ok && i < n->nin; i++) {
+		ok = ndim[i] == n->ndim && !__builtin_add_overflow(total, shape[i][ax], &total);
+		for (int d = 0; ok && d < n->ndim; d++)
+			ok = d == ax || shape[i][d] == n->shape[d];
+	}
+	ok = ok && total == n->shape[ax];
+	return ok || sh_fail(n, ndim, shape, why, cap, "the inputs do not stack along the axis");
+}
+
+/* out = idx's shape followed by the table's rows: table[idx[i...], j...] */
+static bool sh_gather(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                      size_t cap)
+{
+	bool ok = ndim[0] >= 1 && n->ndim == ndim[1] + ndim[0] - 1;
+	for (int d = 0; ok && d < n->ndim; d++)
+		ok = n->shape[d] == (d < ndim[1] ? shape[1][d] : shape[0][d - ndim[1] + 1]);
+	return ok ||
+	       sh_fail(n, ndim, shape, why, cap, "not the index's shape then the table's rows");
+}
+
+/* x's shape; weight and bias (when the flags say they follow) [last dim] */
+static bool sh_norm(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                    size_t cap)
+{
+	bool ok = n->ndim >= 1 && same_dims(n->ndim, n->shape, ndim[0], shape[0]);
+	for (int i = 1; ok && i < n->nin; i++)
+		ok = ndim[i] == 1 && shape[i][0] == n->shape[n->ndim - 1];
+	return ok || sh_fail(n, ndim, shape, why, cap,
+	                     "x's shape, with weight and bias of its last dim, expected");
+}
+
+/* q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv] */
+static bool sh_attention(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                         size_t cap)
+{
+	int nd = n->ndim;
+	bool ok = nd >= 2 && ndim[0] == nd && ndim[1] == nd && ndim[2] == nd;
+	for (int d = 0; ok && d < nd - 2; d++)
+		ok = shape[0][d] == n->shape[d] && shape[1][d] == n->shape[d] &&
+		     shape[2][d] == n->shape[d];
+	ok = ok && shape[0][nd - 2] == n->shape[nd - 2] && shape[2][nd - 1] == n->shape[nd - 1] &&
+	     shape[1][nd - 1] == shape[0][nd - 1] && shape[2][nd - 2] == shape[1][nd - 2];
+	return ok || sh_fail(n, ndim, shape, why, cap, "q, k and v do not give the node");
 }
 
 /* the promoted type of the operands (concat casts each to it; attention's
@@ -76,26 +229,26 @@ static kl_dtype dt_float_input(kl_op op, const kl_operands *in, char *why, size_
 	const kl_opdesc kl__desc_##ID = {.ref = REF, .eager = EAGER, .vjp = NULL, __VA_ARGS__};
 
 DESC(INPUT, KL_EAGER_NONE, NULL)
-DESC(FULL, KL_EAGER_SOURCE, kl__ref_source)
-DESC(ARANGE, KL_EAGER_SOURCE, kl__ref_source)
-DESC(RAND, KL_EAGER_SOURCE, kl__ref_source)
-DESC(RANDN, KL_EAGER_SOURCE, kl__ref_source)
+DESC(FULL, KL_EAGER_SOURCE, kl__ref_source, .shape = sh_source)
+DESC(ARANGE, KL_EAGER_SOURCE, kl__ref_source, .shape = sh_source)
+DESC(RAND, KL_EAGER_SOURCE, kl__ref_source, .shape = sh_source)
+DESC(RANDN, KL_EAGER_SOURCE, kl__ref_source, .shape = sh_source)
 
-DESC(RESHAPE, KL_EAGER_VIEW, kl__ref_movement)
-DESC(PERMUTE, KL_EAGER_VIEW, kl__ref_movement)
-DESC(EXPAND, KL_EAGER_VIEW, kl__ref_movement)
-DESC(SLICE, KL_EAGER_VIEW, kl__ref_movement)
-DESC(CONCAT, KL_EAGER_COPY, kl__ref_movement, .dtype = dt_promote)
-DESC(CONTIGUOUS, KL_EAGER_COPY, kl__ref_movement)
-DESC(GATHER, KL_EAGER_COPY, kl__ref_movement)
+DESC(RESHAPE, KL_EAGER_VIEW, kl__ref_movement, .shape = sh_reshape)
+DESC(PERMUTE, KL_EAGER_VIEW, kl__ref_movement, .shape = sh_permute)
+DESC(EXPAND, KL_EAGER_VIEW, kl__ref_movement, .shape = sh_expand)
+DESC(SLICE, KL_EAGER_VIEW, kl__ref_movement, .shape = sh_slice)
+DESC(CONCAT, KL_EAGER_COPY, kl__ref_movement, .dtype = dt_promote, .shape = sh_concat)
+DESC(CONTIGUOUS, KL_EAGER_COPY, kl__ref_movement, .shape = sh_same)
+DESC(GATHER, KL_EAGER_COPY, kl__ref_movement, .shape = sh_gather)
 
 DESC(MATMUL, KL_EAGER_MATMUL, kl__ref_matmul, .dtype = dt_matmul, .shape = sh_matmul)
 
-DESC(SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input)
-DESC(LOG_SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input)
-DESC(LAYER_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input)
-DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input)
-DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote)
+DESC(SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input, .shape = sh_same)
+DESC(LOG_SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input, .shape = sh_same)
+DESC(LAYER_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .shape = sh_norm)
+DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .shape = sh_norm)
+DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote, .shape = sh_attention)
 #undef DESC
 
 /* ---- the table ---------------------------------------------------------------------- */

@@ -678,6 +678,10 @@ static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs
 		int want = kl__ops[n->op].arity;
 		if ((cat == KL_CAT_BINARY || cat == KL_CAT_COMPARE) && n->a.scalar_rhs)
 			want = 1;
+		if (want < 0) /* concat: any number */
+			want = n->nin;
+		if (n->op == KL_OP_LAYER_NORM || n->op == KL_OP_RMS_NORM) /* flags say which follow */
+			want = 1 + !!(n->a.flags & KL_F_HAS_WEIGHT) + !!(n->a.flags & KL_F_HAS_BIAS);
 		if (n->nin != want)
 			return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, want);
 		int nds[KL_NODE_MAX_IN];
