@@ -33,16 +33,10 @@ bool kl__stored_view(const kl_lctx *L, int32_t c, int32_t *base, int64_t *st, in
 
 kl_mm_act kl__epilogue_act(const kl_node *x)
 {
-	switch (x->op) {
-	case KL_OP_RELU:
-		return KL_MM_ACT_RELU;
-	case KL_OP_GELU:
-		return KL_MM_ACT_GELU;
-	case KL_OP_GELU_TANH:
-		return KL_MM_ACT_GELU_TANH;
-	default:
-		return KL_MM_ACT_NONE;
-	}
+	for (int a = KL_MM_ACT_NONE + 1; a < KL_MM_ACT_COUNT; a++)
+		if (kl__mm_act_op[a] == (kl_op)x->op)
+			return (kl_mm_act)a;
+	return KL_MM_ACT_NONE;
 }
 
 static bool same_shape(const kl_node *a, const kl_node *b)

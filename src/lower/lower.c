@@ -153,8 +153,6 @@ static bool operand(const kl_lctx *L, int32_t c, int32_t *buf, int64_t *st, int6
 	return *buf >= 0;
 }
 
-static const char *const act_names[KL_MM_ACT_COUNT] = {"", "relu", "gelu", "gelu_tanh"};
-
 /* The epilogue of product group G (members after the MATMUL node) into mm;
  * sr receives the residual's strides in the product's dims. */
 static kl_status epilogue(kl_lctx *L, const kl_group *G, kl_step *sp, int64_t *sr, char *desc,
@@ -198,7 +196,7 @@ static kl_status epilogue(kl_lctx *L, const kl_group *G, kl_step *sp, int64_t *s
 			break;
 		case KL_EPART_ACT:
 			mm->act = kl__epilogue_act(x);
-			tag = act_names[mm->act];
+			tag = kl__ops[kl__mm_act_op[mm->act]].name;
 			break;
 		default:
 			goto bad;

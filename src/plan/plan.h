@@ -46,7 +46,11 @@ typedef enum kl_step_kind {
 	                   * backend/cuda/attention_cuda.c) */
 } kl_step_kind;
 
-/* The activation a product's epilogue applies last. */
+/* The activation a product's epilogue applies last. The numbering is part of
+ * the plan format; kl__mm_act_op gives each its op (the op table's unary op,
+ * which the CPU epilogue runs through the eager kernels and lowering matches
+ * by): a new epilogue activation is one enum value and one row there, plus
+ * the CUDA backend's cuBLASLt epilogue where cuBLASLt has one. */
 typedef enum kl_mm_act {
 	KL_MM_ACT_NONE = 0,
 	KL_MM_ACT_RELU,
@@ -54,6 +58,9 @@ typedef enum kl_mm_act {
 	KL_MM_ACT_GELU_TANH, /* kl_gelu_tanh: cuBLASLt's GELU epilogue */
 	KL_MM_ACT_COUNT
 } kl_mm_act;
+
+/* The op of each activation (KL_OP_INPUT for none). */
+extern const kl_op kl__mm_act_op[KL_MM_ACT_COUNT];
 
 /* C[b] = act(alpha * op(A[b]) @ op(B[b]) + beta * X[b] + bias) over a batch,
  * where each operand is addressed by element strides; batch index b spans up

@@ -150,6 +150,13 @@ static bool in_ids(const int32_t *ids, int32_t n, int32_t b)
 	return false;
 }
 
+const kl_op kl__mm_act_op[KL_MM_ACT_COUNT] = {
+	[KL_MM_ACT_NONE] = KL_OP_INPUT,
+	[KL_MM_ACT_RELU] = KL_OP_RELU,
+	[KL_MM_ACT_GELU] = KL_OP_GELU,
+	[KL_MM_ACT_GELU_TANH] = KL_OP_GELU_TANH,
+};
+
 static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t cap)
 {
 	const kl_step *sp = &p->steps[s];

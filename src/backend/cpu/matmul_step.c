@@ -353,20 +353,6 @@ static void epilogue_rows(const epi_args *e)
 	}
 }
 
-static kl_op act_op(kl_mm_act a)
-{
-	switch (a) {
-	case KL_MM_ACT_RELU:
-		return KL_OP_RELU;
-	case KL_MM_ACT_GELU:
-		return KL_OP_GELU;
-	case KL_MM_ACT_GELU_TANH:
-		return KL_OP_GELU_TANH;
-	default:
-		return KL_OP_INPUT;
-	}
-}
-
 kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
                               void *const *B, void **scratch_p, size_t *scratch_cap)
 {
@@ -378,7 +364,7 @@ kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_
 	const kl_matmul_step *mm = &plain;
 	epi_args e = {.mm = step,
 	              .dt = bufs[step->c].dtype,
-	              .act = act_op(step->act),
+	              .act = kl__mm_act_op[step->act],
 	              .c = B[step->c],
 	              .r = step->has_r ? B[step->r] : NULL,
 	              .bias = step->has_bias ? B[step->bias] : NULL};
