@@ -844,8 +844,9 @@ static void test_walk(void **state)
 	assert_int_equal(fails, 0);
 }
 
-/* The CPU's eager pointwise engine for an op it has no loop for: the op
- * table's math. Every pointwise op's cases again with that path forced. */
+/* The CPU's eager engines for an op they have no loop for: the op table's
+ * math (pointwise) and row rule (reductions). Every pointwise op's and every
+ * reduction's cases again with that path forced. */
 static void test_walk_generic_eager(void **state)
 {
 	(void)state;
@@ -855,8 +856,9 @@ static void test_walk_generic_eager(void **state)
 	kcase *cs = calloc((size_t)16 * KL_NDTYPES, sizeof *cs);
 	assert_non_null(cs);
 	kl__cpu_pw_generic_only = true;
+	kl__cpu_rd_generic_only = true;
 	for (int op = 0; op < KL_NOPS; op++) {
-		if (!kl__op_pointwise((kl_op)op))
+		if (!kl__op_pointwise((kl_op)op) && kl__ops[op].cat != KL_CAT_REDUCE)
 			continue;
 		int n = 0;
 		for (int dt = 0; dt < KL_NDTYPES; dt++)
@@ -865,6 +867,7 @@ static void test_walk_generic_eager(void **state)
 		run_batch(cs, n, &seed, false);
 	}
 	kl__cpu_pw_generic_only = false;
+	kl__cpu_rd_generic_only = false;
 	free(cs);
 	assert_int_equal(fails, 0);
 }

@@ -140,6 +140,8 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
  * op without a hand-written loop takes), so that path is held to the
  * reference too. */
 extern bool kl__cpu_pw_generic_only;
+/* Tests: every eager reduction through the op table's row rule (reduce.c). */
+extern bool kl__cpu_rd_generic_only;
 /* attention_cpu.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,

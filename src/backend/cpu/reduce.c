@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
+#include "graph/optable.h"
 
 #define CHUNK KL_CPU_CHUNK
 #define RB 2048 /* lanes of one column-mode task: long rows keep the prefetcher busy */
@@ -492,6 +493,51 @@ static void task_run(const rd_plan *p, int64_t t, rd_acc *part, int nt)
 	kl__cpu_store_f64(o, p->odt, ostride, res, w);
 }
 
+/* Any reduction through the op table's row function, in double: the eager
+ * path of a reduction the loops above do not know (a new reduction runs
+ * before it gets a loop of its own), and every reduction while
+ * kl__cpu_rd_generic_only is set (the table walk holds this path to the
+ * reference too). */
+bool kl__cpu_rd_generic_only;
+
+static bool rd_has_loop(kl_op op)
+{
+	return op == KL_OP_SUM || op == KL_OP_MEAN || op == KL_OP_MAX || op == KL_OP_MIN ||
+	       op == KL_OP_VAR || op == KL_OP_ARGMAX;
+}
+
+static kl_status rd_generic(kl_ctx *ctx, const rd_plan *p, const kl_node *n, const char *name)
+{
+	const kl_opdesc *d = kl__opdesc[p->op];
+	if (!d->row)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_%s: the op table gives no row rule", name);
+	double *row = malloc(sizeof(double) * (size_t)(p->nred > 0 ? p->nred : 1));
+	if (!row)
+		return kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory for a row of %lld", name,
+		               (long long)p->nred);
+	int64_t inner = p->rs[p->nr - 1], ist = p->rst[p->nr - 1];
+	for (int64_t o = 0; o < p->nout; o++) {
+		int64_t off = 0, q = o;
+		for (int k = p->nk - 1; k >= 0; k--) {
+			off += q % p->ks[k] * p->kst[k];
+			q /= p->ks[k];
+		}
+		for (int64_t j = 0; j < p->nred; j += inner) {
+			int64_t roff = off;
+			q = j / inner;
+			for (int k = p->nr - 2; k >= 0; k--) {
+				roff += q % p->rs[k] * p->rst[k];
+				q /= p->rs[k];
+			}
+			kl__cpu_load_f64(row + j, p->base + roff * (int64_t)p->es, p->dt, ist, inner);
+		}
+		double v = d->row(n, row, p->nred);
+		kl__cpu_store_f64(p->out + o * (int64_t)p->oes, p->odt, 1, &v, 1);
+	}
+	free(row);
+	return KL_OK;
+}
+
 kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	const char *name = kl__cpu_opname(n);
@@ -581,6 +627,8 @@ kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 		p.kost[d] = os;
 		os *= p.ks[d];
 	}
+	if (kl__cpu_rd_generic_only || !rd_has_loop(p.op))
+		return rd_generic(ctx, &p, n, name);
 
 	/* column mode unless the innermost reduced dim is a long contiguous row */
 	bool rowgood = p.rst[p.nr - 1] == 1 && p.rs[p.nr - 1] >= 64;
