@@ -83,6 +83,17 @@ bool kl__slice_stride(int64_t stride, int64_t step, int64_t len, int64_t *out);
  * the result fails kl__shape_check, KL_SHAPE_MISMATCH when the counts differ. */
 kl_shape_err kl__reshape_shape(int64_t numel, int ndim, const int64_t *want, int64_t *out, int *bad);
 
+/* Two shapes are the same: equal ranks, equal dims. */
+static inline bool kl__shape_eq(int na, const int64_t *a, int nb, const int64_t *b)
+{
+	if (na != nb)
+		return false;
+	for (int d = 0; d < na; d++)
+		if (a[d] != b[d])
+			return false;
+	return true;
+}
+
 /* numpy broadcasting of two shapes; false if they do not broadcast. The
  * result's size is not checked here: it is a node shape, which dispatch
  * checks with kl__shape_check like every other. */

@@ -56,23 +56,13 @@ static bool sh_fail(const kl_node *n, const int *ndim, const int64_t *const *sha
 	return false;
 }
 
-static bool same_dims(int na, const int64_t *a, int nb, const int64_t *b)
-{
-	if (na != nb)
-		return false;
-	for (int d = 0; d < na; d++)
-		if (a[d] != b[d])
-			return false;
-	return true;
-}
-
 /* the node has its first input's shape (contiguous, softmax, log_softmax) */
 static bool sh_same(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
                     size_t cap)
 {
 	if (n->ndim > 0 && n->a.axis >= n->ndim)
 		return sh_fail(n, ndim, shape, why, cap, "axis out of range");
-	if (same_dims(n->ndim, n->shape, ndim[0], shape[0]))
+	if (kl__shape_eq(n->ndim, n->shape, ndim[0], shape[0]))
 		return true;
 	return sh_fail(n, ndim, shape, why, cap, "the shapes differ");
 }
@@ -166,7 +156,7 @@ static bool sh_gather(const kl_node *n, const int *ndim, const int64_t *const *s
 static bool sh_norm(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
                     size_t cap)
 {
-	bool ok = n->ndim >= 1 && same_dims(n->ndim, n->shape, ndim[0], shape[0]);
+	bool ok = n->ndim >= 1 && kl__shape_eq(n->ndim, n->shape, ndim[0], shape[0]);
 	for (int i = 1; ok && i < n->nin; i++)
 		ok = ndim[i] == 1 && shape[i][0] == n->shape[n->ndim - 1];
 	return ok || sh_fail(n, ndim, shape, why, cap,

@@ -11,6 +11,7 @@
 
 #include "core/core.h"
 #include "core/sat.h"
+#include "core/shape.h"
 
 /* Everything one evaluation needs to report an error and find values. */
 typedef struct kl_refstate {
@@ -69,16 +70,6 @@ double kl__wrap_to(kl_dtype dt, uint64_t u)
 }
 
 /* ---- shapes and index walking ------------------------------------------- */
-
-static bool shape_eq(int na, const int64_t *a, int nb, const int64_t *b)
-{
-	if (na != nb)
-		return false;
-	for (int i = 0; i < na; i++)
-		if (a[i] != b[i])
-			return false;
-	return true;
-}
 
 static const char *shp(char *buf, size_t cap, const kl_node *n)
 {
@@ -352,7 +343,7 @@ kl_status kl__ref_movement(ref_state *st, const kl_node *n, double *out)
 	case KL_OP_RESHAPE:
 	case KL_OP_CONTIGUOUS:
 		if (node_numel(x) != total ||
-		    (n->op == KL_OP_CONTIGUOUS && !shape_eq(x->ndim, x->shape, n->ndim, n->shape)))
+		    (n->op == KL_OP_CONTIGUOUS && !kl__shape_eq(x->ndim, x->shape, n->ndim, n->shape)))
 			return ref_fail(st, KL_EINVAL, "input %s, node %s", shp(b1, sizeof b1, x),
 			                shp(b2, sizeof b2, n));
 		memcpy(out, src, sizeof(double) * (size_t)total);
@@ -523,7 +514,7 @@ kl_status kl__ref_softmax(ref_state *st, const kl_node *n, double *out)
 		return ref_fail(st, KL_EINVAL, "%d inputs, expected 1", n->nin);
 	const kl_node *x = &st->g->nodes[n->in[0]];
 	char b1[96], b2[96];
-	if (!shape_eq(x->ndim, x->shape, n->ndim, n->shape) ||
+	if (!kl__shape_eq(x->ndim, x->shape, n->ndim, n->shape) ||
 	    (n->ndim > 0 && (n->a.axis < 0 || n->a.axis >= n->ndim)))
 		return ref_fail(st, KL_EINVAL, "input %s, node %s, axis %d", shp(b1, sizeof b1, x),
 		                shp(b2, sizeof b2, n), n->a.axis);
@@ -572,7 +563,7 @@ kl_status kl__ref_norm(ref_state *st, const kl_node *n, double *out)
 		                (unsigned)n->a.flags, want);
 	const kl_node *x = &st->g->nodes[n->in[0]];
 	char b1[96], b2[96];
-	if (n->ndim < 1 || !shape_eq(x->ndim, x->shape, n->ndim, n->shape))
+	if (n->ndim < 1 || !kl__shape_eq(x->ndim, x->shape, n->ndim, n->shape))
 		return ref_fail(st, KL_EINVAL, "input %s, node %s", shp(b1, sizeof b1, x),
 		                shp(b2, sizeof b2, n));
 	int64_t D = n->shape[n->ndim - 1];

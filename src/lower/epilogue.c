@@ -12,6 +12,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#include "core/shape.h"
 #include "lower/lower_int.h"
 
 bool kl__stored_view(const kl_lctx *L, int32_t c, int32_t *base, int64_t *st, int64_t *off)
@@ -37,16 +38,6 @@ kl_mm_act kl__epilogue_act(const kl_node *x)
 		if (kl__mm_act_op[a] == (kl_op)x->op)
 			return (kl_mm_act)a;
 	return KL_MM_ACT_NONE;
-}
-
-static bool same_shape(const kl_node *a, const kl_node *b)
-{
-	if (a->ndim != b->ndim)
-		return false;
-	for (int d = 0; d < a->ndim; d++)
-		if (a->shape[d] != b->shape[d])
-			return false;
-	return true;
 }
 
 static void fail(char *why, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
@@ -87,7 +78,7 @@ static kl_epart add_operand(const kl_lctx *L, int32_t o, const kl_node *p, char 
 		}
 	int nd = p->ndim;
 	int64_t M = p->shape[nd - 2], N = p->shape[nd - 1];
-	if (same_shape(on, p)) {
+	if (kl__shape_eq(on->ndim, on->shape, p->ndim, p->shape)) {
 		if (N > 1 && st[nd - 1] != 1) {
 			fail(why, cap, "the residual %s has column stride %lld (a unit stride is needed)",
 			     l, (long long)st[nd - 1]);
@@ -135,7 +126,7 @@ kl_epart kl__epilogue_part(const kl_lctx *L, int32_t n, int32_t prev, int32_t *o
 		fail(why, cap, "it reads the product twice");
 		return KL_EPART_NONE;
 	}
-	if (!same_shape(x, p)) {
+	if (!kl__shape_eq(x->ndim, x->shape, p->ndim, p->shape)) {
 		fail(why, cap, "it broadcasts the product to %s",
 		     kl__shape_str(s1, sizeof s1, x->ndim, x->shape));
 		return KL_EPART_NONE;

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include "backend/cpu/cpu.h"
+#include "core/shape.h"
 
 typedef struct cp_plan {
 	int nd;
@@ -193,23 +194,13 @@ static void strided_copy(kl_ctx *ctx, void *dst, kl_dtype ddt, const int64_t *ds
 	}
 }
 
-static bool shape_eq(int na, const int64_t *a, int nb, const int64_t *b)
-{
-	if (na != nb)
-		return false;
-	for (int d = 0; d < na; d++)
-		if (a[d] != b[d])
-			return false;
-	return true;
-}
-
 kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	if (n->nin != 1 || !in[0] || !in[0]->st)
 		return kl__err(ctx, KL_EINVAL, "kl_contiguous: cpu kernel expects one materialized "
 		               "input");
 	const kl_tensor *x = in[0];
-	if (!shape_eq(x->ndim, x->shape, n->ndim, n->shape)) {
+	if (!kl__shape_eq(x->ndim, x->shape, n->ndim, n->shape)) {
 		char b1[96], b2[96];
 		return kl__err(ctx, KL_EINVAL, "kl_contiguous: input %s, node %s",
 		               kl__shape_str(b1, sizeof b1, x->ndim, x->shape),
