@@ -313,6 +313,18 @@ kl_tensor *kl_contiguous(kl_tensor *a);
 kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx);
 /* torch.nn.functional.embedding(idx, weight): kl_gather(weight, idx) */
 kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
+/* torch.index_add(base, 0, idx, src) for idx of any shape: a copy of base
+ * with out[idx[i...], j...] += src[i..., j...] for every element of idx
+ * (repeated indices add up), src of shape idx.shape + base.shape[1:]; base
+ * and src one float dtype (f16/bf16 sum in f32). Deterministic: the same
+ * bits every run, on every device (no atomics). The gradient of kl_gather.
+ * An index outside [0, rows) is an error when its value is on the host;
+ * a generated kernel adds nothing for it. */
+kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src);
+/* torch.nn.functional.one_hot(idx, n): [idx..., n] of KL_I64, 1 where the
+ * class is idx's value; n >= 0 is required (no inference from the data).
+ * An index outside [0, n) is an error when on the host, else a zero row. */
+kl_tensor *kl_one_hot(kl_tensor *idx, int64_t n);
 
 /* ---- contractions -------------------------------------------------------- */
 
@@ -325,6 +337,9 @@ kl_tensor *kl_linear(kl_tensor *x, kl_tensor *w, kl_tensor *bias);
 
 kl_tensor *kl_softmax(kl_tensor *a, int axis);
 kl_tensor *kl_log_softmax(kl_tensor *a, int axis);
+/* torch.logsumexp over naxes axes (0: all): log(sum(exp(a))) computed
+ * stably (max subtracted); integer input gives f32. */
+kl_tensor *kl_logsumexp(kl_tensor *a, int naxes, const int *axes, bool keepdim);
 /* normalize over the last dim; weight and bias ([last dim]) may be NULL */
 kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps);
 kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);

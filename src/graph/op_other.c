@@ -72,8 +72,52 @@ static kl_dtype dt_float_input(kl_op op, const kl_operands *in, char *why, size_
 	return in->dt[0];
 }
 
+/* index_add: base and src of one dtype, not bool; integer indices */
+static kl_dtype dt_index_add(kl_op op, const kl_operands *in, char *why, size_t cap)
+{
+	(void)op;
+	if (in->dt[1] != KL_I32 && in->dt[1] != KL_I64) {
+		snprintf(why, cap, "indices have dtype %s, need i32 or i64", kl_dtype_name(in->dt[1]));
+		return KL_NDTYPES;
+	}
+	if (in->dt[0] != in->dt[2] || !kl_dtype_is_float(in->dt[0])) {
+		snprintf(why, cap, "base dtype %s and source dtype %s must be one floating-point dtype",
+		         kl_dtype_name(in->dt[0]), kl_dtype_name(in->dt[2]));
+		return KL_NDTYPES;
+	}
+	return in->dt[0];
+}
+
+bool kl__index_add_shapes_ok(int nd, const int64_t *out, int bnd, const int64_t *bs, int ind,
+                             const int64_t *is, int snd, const int64_t *ss)
+{
+	bool ok = bnd >= 1 && nd == bnd && snd == ind + bnd - 1;
+	for (int d = 0; ok && d < bnd; d++)
+		ok = out[d] == bs[d];
+	for (int d = 0; ok && d < ind; d++)
+		ok = ss[d] == is[d];
+	for (int d = 1; ok && d < bnd; d++)
+		ok = ss[ind + d - 1] == bs[d];
+	return ok;
+}
+
+static bool sh_index_add(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
+                         size_t cap)
+{
+	if (kl__index_add_shapes_ok(n->ndim, n->shape, ndim[0], shape[0], ndim[1], shape[1],
+	                            ndim[2], shape[2]))
+		return true;
+	char b1[96], b2[96], b3[96];
+	snprintf(why, cap, "base %s, indices %s and source %s do not match (source must be the "
+	         "indices' shape then the base's row dims, the result the base's shape)",
+	         kl__shape_str(b1, sizeof b1, ndim[0], shape[0]),
+	         kl__shape_str(b2, sizeof b2, ndim[1], shape[1]),
+	         kl__shape_str(b3, sizeof b3, ndim[2], shape[2]));
+	return false;
+}
+
 #define DESC(ID, EAGER, REF, ...)                                                              \
-	const kl_opdesc kl__desc_##ID = {.ref = REF, .eager = EAGER, .vjp = NULL, __VA_ARGS__};
+	const kl_opdesc kl__desc_##ID = {.ref = REF, .eager = EAGER, __VA_ARGS__};
 
 DESC(INPUT, KL_EAGER_NONE, NULL)
 DESC(FULL, KL_EAGER_SOURCE, kl__ref_source)
@@ -87,15 +131,19 @@ DESC(EXPAND, KL_EAGER_VIEW, kl__ref_movement)
 DESC(SLICE, KL_EAGER_VIEW, kl__ref_movement)
 DESC(CONCAT, KL_EAGER_COPY, kl__ref_movement, .dtype = dt_promote)
 DESC(CONTIGUOUS, KL_EAGER_COPY, kl__ref_movement)
-DESC(GATHER, KL_EAGER_COPY, kl__ref_movement)
+DESC(GATHER, KL_EAGER_COPY, kl__ref_movement, .vjp = kl__vjp_gather)
 
-DESC(MATMUL, KL_EAGER_MATMUL, kl__ref_matmul, .dtype = dt_matmul, .shape = sh_matmul)
+DESC(MATMUL, KL_EAGER_MATMUL, kl__ref_matmul, .dtype = dt_matmul, .shape = sh_matmul,
+     .vjp = kl__vjp_matmul)
 
-DESC(SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input)
-DESC(LOG_SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input)
-DESC(LAYER_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input)
-DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input)
-DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote)
+DESC(SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input, .vjp = kl__vjp_softmax)
+DESC(LOG_SOFTMAX, KL_EAGER_ROWS, kl__ref_softmax, .dtype = dt_float_input,
+     .vjp = kl__vjp_softmax)
+DESC(LAYER_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .vjp = kl__vjp_norm)
+DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .vjp = kl__vjp_norm)
+DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote, .vjp = kl__vjp_sdpa)
+DESC(INDEX_ADD, KL_EAGER_COPY, kl__ref_index_add, .dtype = dt_index_add, .shape = sh_index_add,
+     .vjp = kl__vjp_index_add)
 #undef DESC
 
 /* ---- the table ---------------------------------------------------------------------- */
@@ -108,5 +156,5 @@ const kl_opdesc *const kl__opdesc[KL_NOPS] = {
 
 /* ggml-style: a new op changes this count, and whoever changes it adds the
  * op's descriptor (op_*.c) and its entry in tests/test_optable.c's walk. */
-_Static_assert(KL_NOPS == 54, "new op: give it a descriptor and a walk entry, then update");
+_Static_assert(KL_NOPS == 55, "new op: give it a descriptor and a walk entry, then update");
 _Static_assert(sizeof kl__opdesc / sizeof kl__opdesc[0] == KL_NOPS, "one descriptor per op");
