@@ -439,7 +439,11 @@ static int32_t index_add(dctx *d, const kl_node *s, const int32_t *in)
 	sh[0] = R;
 	sh[2] = 1;
 	int32_t r = view(d, KL_OP_RESHAPE, add(d, &ar), 3, sh);
-	int32_t hit = bin(d, KL_OP_EQ, r, ix); /* [R, 1, N] */
+	/* the comparison over the sum's whole space [R, row, N], so that it
+	 * fuses into the sum's kernel instead of being stored */
+	sh[1] = row;
+	r = view(d, KL_OP_EXPAND, r, 3, sh);
+	int32_t hit = bin(d, KL_OP_EQ, r, ix); /* [R, row, N] */
 	kl_node z = mk(KL_OP_FULL, C, 0, NULL, 0);
 	int32_t zero = add(d, &z);
 	if (hit < 0 || zero < 0 || src < 0)
