@@ -218,8 +218,14 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * cast to dst's dtype, into dst's memory (which dst's views share). dst may
  * be strided but must not repeat an element (a stride-0 dim); src may
  * overlap it. Every write bumps the version counter of dst's memory, which
- * compiled functions that captured dst guard (see kl_fn_body). Refused
- * inside a compiled function (a graph records no writes). */
+ * compiled functions that captured dst guard (see kl_fn_body). Inside a
+ * compiled function the write is part of the graph: src's value is computed
+ * by it and written into dst when the graph ends (a graph break or the
+ * call's return), after every read of dst's old value; reading dst again
+ * later in the same graph is an error (read it before the write, or after
+ * the call), and a fullgraph function that writes runs its body on every
+ * call (no replay). dst must have memory (an input, or a tensor reached
+ * through user state). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
