@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "api/autograd.h"
 #include "api/dispatch.h"
 #include "graph/optable.h"
 
@@ -393,7 +394,7 @@ kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
 	}
 	/* a cast to its own dtype is a new handle on the same data in eager
 	 * mode, like torch's .to(); a trace keeps the node (lowering drops it) */
-	if (dt == a->dtype && !ctx->trace && a->st)
+	if (dt == a->dtype && !ctx->trace && a->st && !kl__requires_grad(a))
 		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
 	kl_node n;
 	node_init(&n, KL_OP_CAST, dt, a->ndim, a->shape, 1);
@@ -687,7 +688,7 @@ kl_tensor *kl_contiguous(kl_tensor *a)
 	kl_ctx *ctx = ctx_of("contiguous", 1, &a);
 	if (!ctx)
 		return NULL;
-	if (!ctx->trace && a->st && kl_is_contiguous(a))
+	if (!ctx->trace && a->st && kl_is_contiguous(a) && !kl__requires_grad(a))
 		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
 	kl_node n;
 	node_init(&n, KL_OP_CONTIGUOUS, a->dtype, a->ndim, a->shape, 1);

@@ -48,8 +48,8 @@ typedef enum kl_eager {
 
 typedef struct kl_refstate kl_refstate; /* reference.c's evaluation state */
 
-/* Intended signature of a vector-Jacobian rule (filled by the autograd
- * work; NULL in every descriptor today): given the forward node n (index
+/* A vector-Jacobian rule (NULL: the op has no gradient, or its rule is
+ * still to come; the sweep in graph/autodiff.c then names it): given the forward node n (index
  * `node` of graph g) and the node holding the gradient of its output
  * (`gout`), append to g the nodes of the gradient of each input and store
  * their indices in gin[0..n->nin) (-1: no gradient flows to that input,
@@ -97,7 +97,7 @@ typedef struct kl_opdesc {
 	 * elements is an error. */
 	bool no_identity;
 	kl_eager eager;
-	kl_vjp_fn vjp; /* the vector-Jacobian rule; NULL: the op has no gradient */
+	kl_vjp_fn vjp; /* the vector-Jacobian rule, written with graph/build.h; NULL: none */
 } kl_opdesc;
 
 #define KL_OP(ID, name, arity, cat) extern const kl_opdesc kl__desc_##ID;
