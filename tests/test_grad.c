@@ -124,6 +124,39 @@ F(f_contig, kl_contiguous(kl_permute(IN0, perm10)))
 F(f_chain, kl_sum(kl_sigmoid(kl_mul(IN0, IN1)), 1, ax1, false))
 F(f_reuse, kl_mul(kl_add(IN0, IN0), kl_exp(IN0))) /* x used three times: accumulation */
 
+/* the rules of grad_other.c. Indices are built inside the forward (an int
+ * input would be drawn in the checked float dtype): 4, 3, 2, 4, 3, 2 into a
+ * table of 5 rows (repeats; rows 0 and 1 get no gradient), and the same as a
+ * [2, 3] expand view (a non-contiguous index). */
+static kl_tensor *idx_view(void)
+{
+	return kl_expand(kl_arange(ctx, KL_I64, 4, 1, -1), 2, (const int64_t[]){2, 3});
+}
+static kl_tensor *idx6(void)
+{
+	return kl_reshape(idx_view(), 1, (const int64_t[]){6});
+}
+F(f_matmul, kl_matmul(IN0, IN1))
+F(f_linear, kl_linear(IN0, IN1, IN2))
+F(f_softmax, kl_softmax(IN0, -1))
+F(f_softmax0, kl_softmax(IN0, 0))
+F(f_log_softmax, kl_log_softmax(IN0, 1))
+F(f_ln, kl_layer_norm(IN0, IN1, IN2, 1e-5))
+F(f_ln_w, kl_layer_norm(IN0, IN1, NULL, 1e-5))
+F(f_ln_plain, kl_layer_norm(IN0, NULL, NULL, 1e-5))
+F(f_rms, kl_rms_norm(IN0, IN1, 1e-6))
+F(f_rms_plain, kl_rms_norm(IN0, NULL, 1e-6))
+F(f_sdpa, kl_sdpa(IN0, IN1, IN2, false, KL_SDPA_DEFAULT_SCALE))
+F(f_sdpa_causal, kl_sdpa(IN0, IN1, IN2, true, 0.5))
+/* one key/value head shared by three query heads (an expand of k and v) */
+F(f_sdpa_heads, kl_sdpa(IN0, kl_expand(IN1, 4, (const int64_t[]){2, 3, 5, 4}),
+                        kl_expand(IN2, 4, (const int64_t[]){2, 3, 5, 2}), true, 0.3))
+F(f_gather, kl_gather(IN0, idx6()))
+F(f_embedding, kl_embedding(idx_view(), IN0))
+F(f_index_add, kl_index_add(IN0, idx6(), IN1))
+F(f_logsumexp, kl_logsumexp(IN0, 1, ax1, false))
+F(f_logsumexp_all, kl_logsumexp(IN0, 0, NULL, true))
+
 #define S1(a) {1, {a}}
 #define S2(a, b) {2, {a, b}}
 #define S3(a, b, c) {3, {a, b, c}}
@@ -196,6 +229,41 @@ static const gcase cases[] = {
 	{"contiguous", KL_OP_CONTIGUOUS, f_contig, 1, {S2(3, 4)}, {N}, CG, false, false},
 	{"chain", KL_OP_SIGMOID, f_chain, 2, {S2(3, 4), S1(4)}, {N, N}, CG, false, true},
 	{"reuse", KL_OP_ADD, f_reuse, 1, {S2(2, 3)}, {N}, CG, false, false},
+	{"matmul", KL_OP_MATMUL, f_matmul, 2, {S2(3, 4), S2(4, 5)}, {N, N}, PM, false, true},
+	{"matmul_batch_bcast", KL_OP_MATMUL, f_matmul, 2, {S3(2, 3, 4), S2(4, 5)}, {N, N}, ST, false,
+	 false},
+	{"matmul_vec", KL_OP_MATMUL, f_matmul, 2, {S1(4), S3(2, 4, 3)}, {N, N}, CG, false, false},
+	{"matmul_1x1", KL_OP_MATMUL, f_matmul, 2, {S2(1, 1), S2(1, 1)}, {N, N}, CG, false, false},
+	{"matmul_k0", KL_OP_MATMUL, f_matmul, 2, {S2(3, 0), S2(0, 2)}, {N, N}, CG, false, false},
+	{"linear", KL_OP_MATMUL, f_linear, 3, {S3(2, 3, 4), S2(5, 4), S1(5)}, {N, N, N}, PM, false,
+	 true},
+	{"softmax", KL_OP_SOFTMAX, f_softmax, 1, {S2(3, 5)}, {N}, PM, false, true},
+	{"softmax_axis0", KL_OP_SOFTMAX, f_softmax0, 1, {S3(4, 3, 2)}, {N}, ST, false, false},
+	{"softmax_1", KL_OP_SOFTMAX, f_softmax, 1, {S2(1, 1)}, {N}, CG, false, false},
+	{"log_softmax", KL_OP_LOG_SOFTMAX, f_log_softmax, 1, {S3(2, 7, 3)}, {N}, PM, false, true},
+	{"layer_norm", KL_OP_LAYER_NORM, f_ln, 3, {S2(3, 6), S1(6), S1(6)}, {N, N, N}, ST, false,
+	 true},
+	{"layer_norm_w", KL_OP_LAYER_NORM, f_ln_w, 2, {S3(2, 3, 5), S1(5)}, {N, N}, PM, false, false},
+	{"layer_norm_plain", KL_OP_LAYER_NORM, f_ln_plain, 1, {S2(4, 7)}, {N}, CG, false, false},
+	{"layer_norm_rows0", KL_OP_LAYER_NORM, f_ln, 3, {S2(0, 4), S1(4), S1(4)}, {N, N, N}, CG,
+	 false, false},
+	{"rms_norm", KL_OP_RMS_NORM, f_rms, 2, {S2(3, 6), S1(6)}, {N, N}, PM, false, true},
+	{"rms_norm_plain", KL_OP_RMS_NORM, f_rms_plain, 1, {S3(2, 3, 5)}, {N}, ST, false, false},
+	{"layer_norm_d1", KL_OP_LAYER_NORM, f_ln, 3, {S2(4, 1), S1(1), S1(1)}, {N, N, N}, CG, false,
+	 false},
+	{"sdpa", KL_OP_ATTENTION, f_sdpa, 3, {S3(2, 4, 8), S3(2, 6, 8), S3(2, 6, 3)}, {N, N, N}, PM,
+	 false, true},
+	{"sdpa_causal", KL_OP_ATTENTION, f_sdpa_causal, 3, {S3(2, 3, 4), S3(2, 5, 4), S3(2, 5, 2)},
+	 {N, N, N}, CG, false, true},
+	{"sdpa_one_query", KL_OP_ATTENTION, f_sdpa, 3, {S3(1, 1, 3), S3(1, 4, 3), S3(1, 4, 2)},
+	 {N, N, N}, CG, false, false},
+	{"sdpa_shared_kv_head", KL_OP_ATTENTION, f_sdpa_heads, 3,
+	 {{4, {2, 3, 5, 4}}, {4, {2, 1, 5, 4}}, {4, {2, 1, 5, 2}}}, {N, N, N}, ST, false, false},
+	{"gather", KL_OP_GATHER, f_gather, 1, {S2(5, 3)}, {N}, PM, false, true},
+	{"embedding", KL_OP_GATHER, f_embedding, 1, {S1(5)}, {N}, CG, false, false},
+	{"index_add", KL_OP_INDEX_ADD, f_index_add, 2, {S2(5, 3), S2(6, 3)}, {N, N}, ST, false, true},
+	{"logsumexp", KL_OP_EXP, f_logsumexp, 1, {S3(2, 4, 3)}, {N}, PM, false, true},
+	{"logsumexp_all", KL_OP_EXP, f_logsumexp_all, 1, {S2(3, 4)}, {N}, CG, false, false},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 

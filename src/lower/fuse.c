@@ -439,6 +439,14 @@ static bool computed_by(const kl_lctx *L, int32_t x, int32_t h)
 	return false;
 }
 
+/* a constant source (fill, arange): it reads no memory, so any kernel
+ * computes it where it needs it rather than reading another kernel's copy */
+static bool free_source(const kl_lctx *L, int32_t x)
+{
+	kl_op op = (kl_op)L->g.nodes[x].op;
+	return op == KL_OP_FULL || op == KL_OP_ARANGE;
+}
+
 /* the members of p's kernel h that computing p in group s would need */
 static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int budget, char *why,
                 size_t cap)
@@ -450,7 +458,7 @@ static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int 
 	char l[64];
 	while (sp > 0) {
 		int32_t x = stack[--sp];
-		if (in_group(L, S, si, x) || !computed_by(L, x, h))
+		if (in_group(L, S, si, x) || (!computed_by(L, x, h) && !free_source(L, x)))
 			continue;
 		bool seen = false;
 		for (int i = 0; i < n && !seen; i++)
