@@ -144,6 +144,7 @@ F(f_log_softmax, kl_log_softmax(IN0, 1))
 F(f_ln, kl_layer_norm(IN0, IN1, IN2, 1e-5))
 F(f_ln_w, kl_layer_norm(IN0, IN1, NULL, 1e-5))
 F(f_ln_plain, kl_layer_norm(IN0, NULL, NULL, 1e-5))
+F(f_ln_b, kl_layer_norm(IN0, NULL, IN1, 1e-5))
 F(f_rms, kl_rms_norm(IN0, IN1, 1e-6))
 F(f_rms_plain, kl_rms_norm(IN0, NULL, 1e-6))
 F(f_sdpa, kl_sdpa(IN0, IN1, IN2, false, KL_SDPA_DEFAULT_SCALE))
@@ -245,6 +246,7 @@ static const gcase cases[] = {
 	 true},
 	{"layer_norm_w", KL_OP_LAYER_NORM, f_ln_w, 2, {S3(2, 3, 5), S1(5)}, {N, N}, PM, false, false},
 	{"layer_norm_plain", KL_OP_LAYER_NORM, f_ln_plain, 1, {S2(4, 7)}, {N}, CG, false, false},
+	{"layer_norm_b", KL_OP_LAYER_NORM, f_ln_b, 2, {S2(3, 5), S1(5)}, {N, N}, PM, false, false},
 	{"layer_norm_rows0", KL_OP_LAYER_NORM, f_ln, 3, {S2(0, 4), S1(4), S1(4)}, {N, N, N}, CG,
 	 false, false},
 	{"rms_norm", KL_OP_RMS_NORM, f_rms, 2, {S2(3, 6), S1(6)}, {N, N}, PM, false, true},
