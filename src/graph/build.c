@@ -34,6 +34,18 @@ static void proto_init(kl_node *n, kl_op op, kl_dtype dt, int ndim, const int64_
 		memcpy(n->shape, shape, (size_t)ndim * sizeof *shape);
 }
 
+/* A copy of a caller's shape: it may point into g->nodes, which any append
+ * moves. false for a bad ndim or a NULL shape with dims. */
+static bool copy_shape(int ndim, const int64_t *shape, int64_t *out)
+{
+	if (ndim < 0 || ndim > KL_MAX_DIMS || (ndim > 0 && !shape))
+		return false;
+	memset(out, 0, sizeof(int64_t) * KL_MAX_DIMS);
+	if (ndim > 0)
+		memcpy(out, shape, sizeof(int64_t) * (size_t)ndim);
+	return true;
+}
+
 /* Append n after checking its inputs and its descriptor's shape rule. */
 static int32_t add(kl_graph *g, const kl_node *n)
 {
@@ -208,9 +220,10 @@ int32_t kl__gb_clamp(kl_graph *g, int32_t a, double lo, double hi)
 	return add(g, &n);
 }
 
-int32_t kl__gb_full(kl_graph *g, kl_dtype dt, int ndim, const int64_t *shape, double value)
+int32_t kl__gb_full(kl_graph *g, kl_dtype dt, int ndim, const int64_t *shape0, double value)
 {
-	if ((unsigned)dt >= KL_NDTYPES || ndim < 0 || ndim > KL_MAX_DIMS || (ndim > 0 && !shape))
+	int64_t shape[KL_MAX_DIMS];
+	if ((unsigned)dt >= KL_NDTYPES || !copy_shape(ndim, shape0, shape))
 		return -1;
 	kl_node n;
 	proto_init(&n, KL_OP_FULL, dt, ndim, shape, 0);
@@ -253,9 +266,10 @@ int32_t kl__gb_reduce(kl_graph *g, kl_op op, int32_t a, uint32_t axes, bool keep
 	return add(g, &n);
 }
 
-int32_t kl__gb_reshape(kl_graph *g, int32_t a, int ndim, const int64_t *shape)
+int32_t kl__gb_reshape(kl_graph *g, int32_t a, int ndim, const int64_t *shape0)
 {
-	if (!valid(g, a) || ndim < 0 || ndim > KL_MAX_DIMS || (ndim > 0 && !shape))
+	int64_t shape[KL_MAX_DIMS];
+	if (!valid(g, a) || !copy_shape(ndim, shape0, shape))
 		return -1;
 	const kl_node *x = at(g, a);
 	if (kl__shape_check(ndim, shape, NULL) != KL_SHAPE_OK ||
@@ -289,12 +303,13 @@ int32_t kl__gb_permute(kl_graph *g, int32_t a, const int *perm)
 	return add(g, &n);
 }
 
-int32_t kl__gb_expand(kl_graph *g, int32_t a, int ndim, const int64_t *shape)
+int32_t kl__gb_expand(kl_graph *g, int32_t a, int ndim, const int64_t *shape0)
 {
-	if (!valid(g, a))
+	int64_t shape[KL_MAX_DIMS];
+	if (!valid(g, a) || !copy_shape(ndim, shape0, shape))
 		return -1;
 	const kl_node *x = at(g, a);
-	if (ndim < x->ndim || ndim > KL_MAX_DIMS || (ndim > 0 && !shape))
+	if (ndim < x->ndim)
 		return -1;
 	int lead = ndim - x->ndim;
 	for (int i = 0; i < ndim; i++) {
@@ -417,9 +432,10 @@ int32_t kl__gb_matmul(kl_graph *g, int32_t a, int32_t b)
 	return add(g, &n); /* the shape rule checks K and the batch dims */
 }
 
-int32_t kl__gb_sum_to(kl_graph *g, int32_t x, int ndim, const int64_t *shape)
+int32_t kl__gb_sum_to(kl_graph *g, int32_t x, int ndim, const int64_t *shape0)
 {
-	if (!valid(g, x) || ndim < 0 || ndim > KL_MAX_DIMS || (ndim > 0 && !shape))
+	int64_t shape[KL_MAX_DIMS];
+	if (!valid(g, x) || !copy_shape(ndim, shape0, shape))
 		return -1;
 	const kl_node *xn = at(g, x);
 	int lead = xn->ndim - ndim;
