@@ -241,6 +241,7 @@ static const gcase cases[] = {
 	{"softmax", KL_OP_SOFTMAX, f_softmax, 1, {S2(3, 5)}, {N}, PM, false, true},
 	{"softmax_axis0", KL_OP_SOFTMAX, f_softmax0, 1, {S3(4, 3, 2)}, {N}, ST, false, false},
 	{"softmax_1", KL_OP_SOFTMAX, f_softmax, 1, {S2(1, 1)}, {N}, CG, false, false},
+	{"softmax_rows0", KL_OP_SOFTMAX, f_softmax0, 1, {S3(3, 0, 2)}, {N}, CG, false, false},
 	{"log_softmax", KL_OP_LOG_SOFTMAX, f_log_softmax, 1, {S3(2, 7, 3)}, {N}, PM, false, true},
 	{"layer_norm", KL_OP_LAYER_NORM, f_ln, 3, {S2(3, 6), S1(6), S1(6)}, {N, N, N}, ST, false,
 	 true},
