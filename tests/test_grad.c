@@ -247,6 +247,8 @@ static const gcase cases[] = {
 	 true},
 	{"layer_norm_w", KL_OP_LAYER_NORM, f_ln_w, 2, {S3(2, 3, 5), S1(5)}, {N, N}, PM, false, false},
 	{"layer_norm_plain", KL_OP_LAYER_NORM, f_ln_plain, 1, {S2(4, 7)}, {N}, CG, false, false},
+	{"layer_norm_1d", KL_OP_LAYER_NORM, f_ln, 3, {S1(6), S1(6), S1(6)}, {N, N, N}, CG, false,
+	 false},
 	{"layer_norm_b", KL_OP_LAYER_NORM, f_ln_b, 2, {S2(3, 5), S1(5)}, {N, N}, PM, false, false},
 	{"layer_norm_rows0", KL_OP_LAYER_NORM, f_ln, 3, {S2(0, 4), S1(4), S1(4)}, {N, N, N}, CG,
 	 false, false},

@@ -107,6 +107,16 @@ kl_status kl__vjp_softmax(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	return done(1, gin, (const bool[]){true});
 }
 
+/* x [..., D] summed over every dim but the last, to [D] (no reshape after:
+ * the sums are stored as they are, and sibling sums share a kernel) */
+static int32_t over_rows(kl_graph *g, int32_t x)
+{
+	if (x < 0 || g->nodes[x].ndim < 2)
+		return x;
+	uint32_t lead = (1u << (g->nodes[x].ndim - 1)) - 1;
+	return kl__gb_reduce(g, KL_OP_SUM, x, lead, false);
+}
+
 /* layer_norm / rms_norm over the last dim D, statistics recomputed:
  *   xhat = (x - mean) * r (rms: x * r), r = rsqrt(mean((x - mean)^2) + eps)
  *   h = dy * w (dy without a weight)
@@ -135,17 +145,13 @@ kl_status kl__vjp_norm(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	               : bin(g, KL_OP_SUB, h, t);
 	gin[0] = as_dt(g, bin(g, KL_OP_MUL, u, r), (kl_dtype)g->nodes[n.in[0]].dtype);
 	bool want[3] = {true, false, false};
-	int64_t dshape[1] = {n.shape[ax]};
 	k = 1;
 	if (w >= 0) {
-		int32_t dw = bin(g, KL_OP_MUL, dy, xhat);
-		dw = dw < 0 ? -1 : kl__gb_sum_to(g, dw, 1, dshape);
-		gin[k] = as_dt(g, dw, (kl_dtype)g->nodes[w].dtype);
+		gin[k] = as_dt(g, over_rows(g, bin(g, KL_OP_MUL, dy, xhat)), (kl_dtype)g->nodes[w].dtype);
 		want[k++] = true;
 	}
 	if (b >= 0) {
-		int32_t db = dy < 0 ? -1 : kl__gb_sum_to(g, dy, 1, dshape);
-		gin[k] = as_dt(g, db, (kl_dtype)g->nodes[b].dtype);
+		gin[k] = as_dt(g, over_rows(g, dy), (kl_dtype)g->nodes[b].dtype);
 		want[k++] = true;
 	}
 	return done(k, gin, want);

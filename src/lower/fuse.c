@@ -1156,6 +1156,34 @@ static kl_status finish(sched *s)
 	return KL_EINVAL;
 }
 
+/* Sibling reductions: two reduction kernels over the same space and axes
+ * (a norm's dw and db, both sums over the rows; a forward norm's row
+ * statistics and its backward's) become one kernel, one launch and one
+ * pass over what they both read, when legal (no cycle, at most MAX_WRITES
+ * values stored). The greedy pass only merges a producer with its consumer. */
+static void merge_siblings(sched *s)
+{
+	kl_lctx *L = s->L;
+	char why[384], l1[64], l2[64];
+	for (int32_t b = 0; b < L->ngr; b++) {
+		for (int32_t a = 0; a < b; a++) {
+			const kl_group *A = &L->gr[a], *B = &L->gr[b];
+			if (!B->alive || !B->rmask || B->matmul || !A->alive || A->matmul ||
+			    A->rmask != B->rmask || !same_dims(A, B))
+				continue;
+			if (try_merge(s, a, b, why, sizeof why)) {
+				kl__lower_logf(L, "merged the sibling reduction %s into the kernel of %s",
+				               kl__node_label(L, L->gr[b].first, l1, sizeof l1),
+				               kl__node_label(L, L->gr[a].first, l2, sizeof l2));
+				break;
+			}
+			kl__lower_logf(L, "refused the sibling reduction %s into the kernel of %s: %s",
+			               kl__node_label(L, B->first, l1, sizeof l1),
+			               kl__node_label(L, A->first, l2, sizeof l2), why);
+		}
+	}
+}
+
 kl_status kl__schedule(kl_lctx *L)
 {
 	const kl_graph *g = &L->g;
@@ -1197,6 +1225,8 @@ kl_status kl__schedule(kl_lctx *L)
 		if (!schedule_node(&s, i))
 			goto done;
 	}
+	if (L->o->fusion)
+		merge_siblings(&s);
 	st = finish(&s);
 done:
 	if (st == KL_ENOMEM && !L->err[0])
