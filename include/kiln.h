@@ -218,8 +218,14 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * cast to dst's dtype, into dst's memory (which dst's views share). dst may
  * be strided but must not repeat an element (a stride-0 dim); src may
  * overlap it. Every write bumps the version counter of dst's memory, which
- * compiled functions that captured dst guard (see kl_fn_body). Refused
- * inside a compiled function (a graph records no writes). */
+ * compiled functions that captured dst guard (see kl_fn_body). Inside a
+ * compiled function the write is part of the graph: src's value is computed
+ * by it and written into dst when the graph ends (a graph break or the
+ * call's return), after every read of dst's old value; reading dst again
+ * later in the same graph is an error (read it before the write, or after
+ * the call), and a fullgraph function that writes runs its body on every
+ * call (no replay). dst must have memory (an input, or a tensor reached
+ * through user state). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
@@ -313,6 +319,18 @@ kl_tensor *kl_contiguous(kl_tensor *a);
 kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx);
 /* torch.nn.functional.embedding(idx, weight): kl_gather(weight, idx) */
 kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
+/* torch.index_add(base, 0, idx, src) for idx of any shape: a copy of base
+ * with out[idx[i...], j...] += src[i..., j...] for every element of idx
+ * (repeated indices add up), src of shape idx.shape + base.shape[1:]; base
+ * and src one float dtype (f16/bf16 sum in f32). Deterministic: the same
+ * bits every run, on every device (no atomics). The gradient of kl_gather.
+ * An index outside [0, rows) is an error when its value is on the host;
+ * a generated kernel adds nothing for it. */
+kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src);
+/* torch.nn.functional.one_hot(idx, n): [idx..., n] of KL_I64, 1 where the
+ * class is idx's value; n >= 0 is required (no inference from the data).
+ * An index outside [0, n) is an error when on the host, else a zero row. */
+kl_tensor *kl_one_hot(kl_tensor *idx, int64_t n);
 
 /* ---- contractions -------------------------------------------------------- */
 
@@ -325,6 +343,9 @@ kl_tensor *kl_linear(kl_tensor *x, kl_tensor *w, kl_tensor *bias);
 
 kl_tensor *kl_softmax(kl_tensor *a, int axis);
 kl_tensor *kl_log_softmax(kl_tensor *a, int axis);
+/* torch.logsumexp over naxes axes (0: all): log(sum(exp(a))) computed
+ * stably (max subtracted); integer input gives f32. */
+kl_tensor *kl_logsumexp(kl_tensor *a, int naxes, const int *axes, bool keepdim);
 /* normalize over the last dim; weight and bias ([last dim]) may be NULL */
 kl_tensor *kl_layer_norm(kl_tensor *x, kl_tensor *weight, kl_tensor *bias, double eps);
 kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
@@ -338,6 +359,59 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
  * so 0 is the "not set" value, as 0 is elsewhere in kiln's options.) */
 #define KL_SDPA_DEFAULT_SCALE 0.0
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
+
+/* ---- autograd ------------------------------------------------------------
+ * Reverse-mode differentiation, one mechanism for eager code and compiled
+ * functions. Mark leaves (parameters) with kl_set_requires_grad; with grad
+ * mode on (the default), every op one of whose inputs requires grad is
+ * recorded on the context's tape, together with the tensors it read (the
+ * tape holds a reference to each until a backward consumes them).
+ * kl_backward(loss, NULL) then computes d loss / d leaf for every marked leaf
+ * the loss depends on and leaves it in the leaf's .grad (kl_grad), adding to
+ * a .grad that is already there. The gradient ops are kiln ops: eagerly they
+ * run at once; inside a compiled function (kl_compile) they are appended to
+ * the function's graph, so forward, loss, backward and an optimizer update
+ * there become one graph. Only floating-point values carry gradients;
+ * integer and bool results (argmax, comparisons) stop them.
+ *
+ * Errors (KL_EINVAL / KL_ESTATE, naming kl_backward, the op and the shapes):
+ * a loss of more than one element without a cotangent; a cotangent whose
+ * shape or dtype differs from the loss's; a loss that no tensor requiring
+ * grad reaches (naming the op where the path stopped, e.g. argmax); an op on
+ * the path without a gradient rule; a tensor the backward reads that was
+ * written in place (kl_copy) after the forward used it; a graph already
+ * consumed by an earlier kl_backward. A kl_backward refused for one of these
+ * reasons changes no .grad and leaves the tape as it was. */
+
+/* Mark (on) or unmark a leaf tensor as requiring gradients. Only floating
+ * point tensors; a tensor computed by a recorded op is not a leaf
+ * (kl_detach it first). */
+kl_status kl_set_requires_grad(kl_tensor *t, bool on);
+/* Whether t requires grad: a marked leaf, or the result of a recorded op. */
+bool kl_requires_grad(const kl_tensor *t);
+/* Differentiate loss and accumulate into the .grad of each marked leaf it
+ * depends on. cotangent: d(something)/d loss, of loss's shape and dtype;
+ * NULL means ones and then needs a loss of one element. The part of the
+ * tape that loss depends on is consumed (freed): a second kl_backward
+ * through it is an error (no retain_graph). The gradient ops themselves are
+ * not recorded. Inside a compiled function the gradients are lazy tensors
+ * of its graph; each .grad set there is computed by the graph and
+ * materialized when the call returns. */
+kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent);
+/* t's gradient, or NULL when it has none. A borrowed reference owned by t:
+ * valid until kl_grad_clear(t), the next kl_backward that adds to it (which
+ * replaces it with a new tensor), or t's release; kl_retain it to keep it
+ * longer. */
+kl_tensor *kl_grad(const kl_tensor *t);
+/* Drop t's gradient (set to none, as torch's zero_grad(set_to_none=True):
+ * no memory is written; the next backward starts from nothing). */
+void kl_grad_clear(kl_tensor *t);
+/* A new handle on t's value (same memory, no copy) that requires no grad
+ * and is not on the tape: ops on it are not recorded. */
+kl_tensor *kl_detach(kl_tensor *t);
+/* Turn recording on or off for ctx (on by default); returns the previous
+ * state. Turn it off for inference and around optimizer updates. */
+bool kl_set_grad_enabled(kl_ctx *ctx, bool on);
 
 /* ---- compilation (kl_compile) -------------------------------------------- */
 

@@ -261,6 +261,16 @@ static int b_gather(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 2;
 }
 
+/* index_add: rows 7..3 twice into an [8, 12] base (repeats, untouched rows) */
+static int b_index_add(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_ctx *ctx = kl_tensor_ctx(in[0]);
+	kl_tensor *idx = kl_expand(kl_arange(ctx, KL_I64, 7, 2, -1), 2, (int64_t[]){2, 5});
+	out[0] = kl_index_add(in[0], kl_reshape(idx, 1, (int64_t[]){10}), in[1]);
+	return 1;
+}
+
 typedef struct gcase {
 	const char *name;
 	build_fn f;
@@ -296,6 +306,8 @@ static const gcase CASES[] = {
         {"reduce", b_reduce, 1, {3}, {{6, 50, 7}}, false, false, 0, 0, 0, 0, false},
         {"move", b_move, 1, {2}, {{8, 12}}, false, false, 0, 0, 0, 0, false},
         {"gather", b_gather, 1, {2}, {{8, 12}}, false, false, 0, 0, 0, 0, false},
+        {"index_add", b_index_add, 2, {2, 2}, {{8, 12}, {10, 12}}, true, false, 1, 0, 0, 0,
+         false},
         {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0, 0, 0, 0, false},
         /* the chunked paths (16-byte loads and stores, rows in registers):
          * broadcasts along rows, flat chunks with a scalar tail, views at
@@ -620,6 +632,106 @@ static void test_cuda_source_compiles(void **state)
 		}
 	}
 	print_message("test_cuda_gen: %d generated CUDA translation units compiled for sm_90\n",
+	              compiled);
+	kl_ctx_free(ctx);
+}
+
+/* ---- backward graphs (kl_backward inside a trace) ------------------------------- */
+
+/* leaves: detached handles on in[0..n) marked as requiring grad; loss:
+ * sum(y * y); outputs: the leaves' gradients */
+static int grads_of(kl_tensor *const *in, int n, kl_tensor *(*fwd)(kl_tensor *const *),
+                    kl_tensor **out)
+{
+	kl_tensor *x[3];
+	for (int i = 0; i < n; i++) {
+		x[i] = kl_detach(in[i]);
+		assert_int_equal(kl_set_requires_grad(x[i], true), KL_OK);
+	}
+	kl_tensor *y = fwd(x);
+	assert_int_equal(kl_backward(kl_sum(kl_mul(y, y), 0, NULL, false), NULL), KL_OK);
+	for (int i = 0; i < n; i++)
+		out[i] = kl_grad(x[i]);
+	return n;
+}
+
+static kl_tensor *f_ln(kl_tensor *const *x)
+{
+	return kl_layer_norm(x[0], x[1], x[2], 1e-5);
+}
+static kl_tensor *f_attn(kl_tensor *const *x)
+{
+	return kl_sdpa(x[0], x[1], x[2], true, KL_SDPA_DEFAULT_SCALE);
+}
+static kl_tensor *f_sig_mm(kl_tensor *const *x)
+{
+	return kl_sigmoid(kl_matmul(x[0], x[1]));
+}
+static kl_tensor *f_xent(kl_tensor *const *x)
+{
+	return kl_log_softmax(x[0], 1);
+}
+static kl_tensor *f_gather(kl_tensor *const *x)
+{
+	kl_ctx *ctx = kl_tensor_ctx(x[0]);
+	return kl_embedding(kl_arange(ctx, KL_I32, 0, 8, 3), x[0]);
+}
+
+/* The backward graphs of the rules in graph/grad_other.c lower for CUDA
+ * (fused and not) and their source compiles for sm_90 in every float dtype. */
+static void test_cuda_backward_source(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	static const struct {
+		const char *name;
+		kl_tensor *(*fwd)(kl_tensor *const *);
+		int nin;
+		int64_t shape[3][3];
+		int ndim[3];
+	} bc[] = {
+		{"layer_norm backward", f_ln, 3, {{9, 96}, {96}, {96}}, {2, 1, 1}},
+		{"sdpa backward", f_attn, 3, {{4, 7, 16}, {4, 9, 16}, {4, 9, 8}}, {3, 3, 3}},
+		{"sigmoid(x @ w) backward", f_sig_mm, 2, {{16, 32}, {32, 24}}, {2, 2}},
+		{"log_softmax backward", f_xent, 1, {{6, 50}}, {2}},
+		{"embedding backward", f_gather, 1, {{10, 12}}, {2}},
+	};
+	const kl_dtype dts[] = {KL_F32, KL_BF16, KL_F16, KL_F64};
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	int compiled = 0;
+	for (size_t ci = 0; ci < sizeof bc / sizeof bc[0]; ci++) {
+		for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++) {
+			kl_tensor *in[3] = {NULL}, *outs[3] = {NULL};
+			for (int i = 0; i < bc[ci].nin; i++)
+				in[i] = kltest_rand(ctx, dts[di], bc[ci].ndim[i], bc[ci].shape[i],
+				                    KLTEST_NORMAL, KLTEST_CONTIG, 500 + ci * 8 + (size_t)i);
+			kl_scope_begin(ctx);
+			assert_int_equal(kl__trace_begin(ctx), KL_OK);
+			int nout = grads_of(in, bc[ci].nin, bc[ci].fwd, outs);
+			kl_trace *tr = kl__trace_end(ctx, nout, outs);
+			kl_scope_end(ctx);
+			if (!tr)
+				fail_msg("%s %s: trace failed: %s", bc[ci].name,
+				         kl_dtype_name(dts[di]), kl_last_error(ctx));
+			for (int fu = 0; fu < 2; fu++) {
+				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = fu == 1};
+				kl_program P;
+				char err[512];
+				if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+					fail_msg("%s %s: lower: %s", bc[ci].name, kl_dtype_name(dts[di]),
+					         err);
+				must_compile(ctx, &P, bc[ci].name, "%s %s fusion %d", bc[ci].name,
+				             kl_dtype_name(dts[di]), fu);
+				kl__program_free(&P);
+				compiled++;
+			}
+			kl__trace_free(tr);
+			for (int i = 0; i < bc[ci].nin; i++)
+				kl_release(in[i]);
+		}
+	}
+	print_message("test_cuda_gen: %d backward translation units compiled for sm_90\n",
 	              compiled);
 	kl_ctx_free(ctx);
 }
@@ -1372,6 +1484,7 @@ int main(void)
 {
 	const struct CMUnitTest host[] = {
 	        cmocka_unit_test(test_cuda_source_compiles),
+	        cmocka_unit_test(test_cuda_backward_source),
 	        cmocka_unit_test(test_cuda_row_groups),
 	        cmocka_unit_test(test_cuda_row_onepass),
 	        cmocka_unit_test(test_cuda_dot_knobs),

@@ -153,7 +153,8 @@ typedef enum fam {
 	F_MATMUL,
 	F_SOFTMAX,
 	F_NORM,
-	F_SDPA
+	F_SDPA,
+	F_INDEX_ADD
 } fam;
 
 typedef struct entry {
@@ -227,6 +228,7 @@ static const entry walk[KL_NOPS] = {
 	[KL_OP_LAYER_NORM] = {F_NORM, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
 	[KL_OP_RMS_NORM] = {F_NORM, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
 	[KL_OP_ATTENTION] = {F_SDPA, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
+	[KL_OP_INDEX_ADD] = {F_INDEX_ADD, FLOAT_DT, KLTEST_NORMAL, false, 4, NULL, NULL},
 };
 #undef BIN
 #undef UN
@@ -312,6 +314,7 @@ static kl_tensor *apply(kl_tensor *const *in, const void *p)
 		return c->op == KL_OP_LAYER_NORM ? kl_layer_norm(in[0], in[1], c->k ? NULL : in[2], 1e-5)
 		                                 : kl_rms_norm(in[0], c->k ? NULL : in[1], 1e-6);
 	case F_SDPA: return kl_sdpa(in[0], in[1], in[2], c->k == 1, c->k == 2 ? 0.25 : 0.35);
+	case F_INDEX_ADD: return kl_index_add(in[0], in[1], in[2]);
 	}
 	return NULL;
 }
@@ -501,6 +504,19 @@ static int cases_of(kl_op op, kl_dtype dt, kcase *out)
 			n++;
 		}
 		break;
+	case F_INDEX_ADD: { /* repeated indices; a 1-d base; no indices at all */
+		static const shp is[][3] = {{{2, {10, 3}}, {1, {6}}, {2, {6, 3}}},
+		                            {{1, {10}}, {2, {2, 3}}, {2, {2, 3}}},
+		                            {{2, {4, 3}}, {1, {0}}, {2, {0, 3}}}};
+		for (int k = 0; k < 3; k++) {
+			out[n] = mkcase(op, dt, k, 3, e->r);
+			memcpy(out[n].s, is[k], sizeof is[k]);
+			out[n].idt[1] = k == 1 ? KL_I32 : KL_I64;
+			out[n].r[1] = KLTEST_POS; /* 1..9: inside the base */
+			n++;
+		}
+		break;
+	}
 	}
 	return n;
 }

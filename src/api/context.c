@@ -8,6 +8,7 @@
 
 #include "backend/cpu/cpu.h"
 #include "backend/cuda/backend.h"
+#include "api/autograd.h"
 #include "capture/trace.h"
 #include "core/core.h"
 #include "runtime/compiled.h"
@@ -61,6 +62,7 @@ void kl_ctx_free(kl_ctx *ctx)
 		ctx->trace = NULL;
 		kl__trace_free(tr);
 	}
+	kl__tape_free(ctx);
 	kl__ctx_free_tensors(ctx);
 	kl__cuda_ctx_fini(ctx);
 	free(ctx);

@@ -3,6 +3,7 @@
  * backend's exec into a fresh dense tensor. Eager movement ops become views.
  */
 #include "api/dispatch.h"
+#include "api/autograd.h"
 
 /* torch's view rule (computeStride): a reshape is a view when every run of
  * old dims that is contiguous in memory maps onto a run of new dims. */
@@ -125,7 +126,7 @@ static kl_tensor *eager_view(kl_ctx *ctx, kl_node *n, kl_tensor *a)
 	return kl__tensor_view(a, n->ndim, n->shape, strides, offset);
 }
 
-kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
+static kl_tensor *dispatch_run(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
 {
 	const char *name = kl__ops[n->op].name;
 	for (int i = 0; i < n->nin; i++) {
@@ -191,4 +192,16 @@ kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
 	default:
 		return eager_exec(ctx, n, in);
 	}
+}
+
+/* Run or record the node, then put it on the autograd tape when one of its
+ * inputs requires grad (api/autograd.c): eager and traced ops alike. */
+kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in)
+{
+	kl_tensor *r = dispatch_run(ctx, n, in);
+	if (r && n->nin > 0 && kl__tape_record(ctx, n, in, r) != KL_OK) {
+		kl__tensor_discard(r);
+		return NULL;
+	}
+	return r;
 }

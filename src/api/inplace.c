@@ -49,6 +49,9 @@ static kl_status write_strided(kl_ctx *ctx, kl_tensor *dst, const unsigned char 
 	return st;
 }
 
+static kl_status copy_traced(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src);
+static kl_status copy_now(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src, int64_t n);
+
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src)
 {
 	if (!dst || !src)
@@ -58,13 +61,14 @@ kl_status kl_copy(kl_tensor *dst, kl_tensor *src)
 	char a[192], b[192];
 	if (src->ctx != ctx)
 		return kl__err(ctx, KL_EINVAL, "kl_copy: src belongs to another context");
-	if (ctx->trace)
+	if (!kl__trace_holds(ctx, src))
+		return kl__err(ctx, KL_ESTATE, "kl_copy: src is a lazy tensor of a finished trace");
+	if (!dst->st)
 		return kl__err(ctx, KL_ESTATE,
-		               "kl_copy: called inside a compiled function; a write in place is "
-		               "not recorded in a graph (write before or after kl_fn_call)");
-	if (!dst->st || !src->st)
-		return kl__err(ctx, KL_ESTATE, "kl_copy: %s is a lazy tensor of a finished trace",
-		               !dst->st ? "dst" : "src");
+		               "kl_copy: dst is %s: write into a tensor that has memory (an input "
+		               "or one reached through user state)",
+		               ctx->trace ? "a lazy tensor computed inside this compiled function"
+		                          : "a lazy tensor of a finished trace");
 	kl__shape_str(a, sizeof a, dst->ndim, dst->shape);
 	kl__shape_str(b, sizeof b, src->ndim, src->shape);
 	bool fits = src->ndim <= dst->ndim;
@@ -81,9 +85,32 @@ kl_status kl_copy(kl_tensor *dst, kl_tensor *src)
 			               "dim): a write to it is ambiguous",
 			               a, kl__shape_str(b, sizeof b, dst->ndim, dst->strides));
 	int64_t n = kl_numel(dst);
-	size_t nbytes = (size_t)n * kl_dtype_size(dst->dtype);
 	if (n == 0)
 		return KL_OK;
+	/* the copy's own ops are not recorded for autograd */
+	bool no_grad = ctx->no_grad;
+	ctx->no_grad = true;
+	kl_status st = ctx->trace ? copy_traced(ctx, dst, src) : copy_now(ctx, dst, src, n);
+	ctx->no_grad = no_grad;
+	if (st == KL_OK && !ctx->trace)
+		kl__storage_written(dst->st);
+	return st;
+}
+
+/* Inside a compiled function: src, cast and broadcast to dst, is computed
+ * by the graph and written into dst when the graph ends (a graph break or
+ * the end of the call), before anything after it runs. */
+static kl_status copy_traced(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src)
+{
+	kl_tensor *v = kl_expand(kl_cast(src, dst->dtype), dst->ndim, dst->shape);
+	if (!v)
+		return kl_last_status(ctx);
+	return kl__trace_write(ctx, dst, v);
+}
+
+static kl_status copy_now(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src, int64_t n)
+{
+	size_t nbytes = (size_t)n * kl_dtype_size(dst->dtype);
 	/* src's values as dst holds them, dense, then on the host: reading them
 	 * all before the write makes a src that overlaps dst safe */
 	unsigned char *host = malloc(nbytes);
@@ -102,8 +129,5 @@ kl_status kl_copy(kl_tensor *dst, kl_tensor *src)
 		st = kl_is_contiguous(dst) ? ctx->be->from_host(ctx, kl__tensor_data(dst), host, nbytes)
 		                           : write_strided(ctx, dst, host);
 	free(host);
-	if (st != KL_OK)
-		return st;
-	kl__storage_written(dst->st);
-	return KL_OK;
+	return st;
 }

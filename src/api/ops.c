@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "api/autograd.h"
 #include "api/dispatch.h"
 #include "graph/optable.h"
 
@@ -393,7 +394,7 @@ kl_tensor *kl_cast(kl_tensor *a, kl_dtype dt)
 	}
 	/* a cast to its own dtype is a new handle on the same data in eager
 	 * mode, like torch's .to(); a trace keeps the node (lowering drops it) */
-	if (dt == a->dtype && !ctx->trace && a->st)
+	if (dt == a->dtype && !ctx->trace && a->st && !kl__requires_grad(a))
 		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
 	kl_node n;
 	node_init(&n, KL_OP_CAST, dt, a->ndim, a->shape, 1);
@@ -687,11 +688,39 @@ kl_tensor *kl_contiguous(kl_tensor *a)
 	kl_ctx *ctx = ctx_of("contiguous", 1, &a);
 	if (!ctx)
 		return NULL;
-	if (!ctx->trace && a->st && kl_is_contiguous(a))
+	if (!ctx->trace && a->st && kl_is_contiguous(a) && !kl__requires_grad(a))
 		return kl__tensor_view(a, a->ndim, a->shape, a->strides, a->offset);
 	kl_node n;
 	node_init(&n, KL_OP_CONTIGUOUS, a->dtype, a->ndim, a->shape, 1);
 	return kl__dispatch(ctx, &n, &a);
+}
+
+/* Indices whose values are on the host (a materialized CPU tensor, eager or
+ * at trace time) must lie in [0, rows); what is checked on the device
+ * instead is the op's to say. false after setting the error. */
+static bool indices_in_range(kl_ctx *ctx, const char *op, const char *what, const kl_tensor *idx,
+                             int64_t rows, const char *unit)
+{
+	if (!idx->st || ctx->device != KL_CPU)
+		return true;
+	const char *p = kl__tensor_data(idx);
+	int64_t nidx = kl__numel(idx->ndim, idx->shape);
+	for (int64_t e = 0; e < nidx; e++) {
+		int64_t off = 0, r = e;
+		for (int d = idx->ndim - 1; d >= 0; d--) {
+			off += (r % idx->shape[d]) * idx->strides[d];
+			r /= idx->shape[d];
+		}
+		int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
+		                                 : ((const int64_t *)(const void *)p)[off];
+		if (v < 0 || v >= rows) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: index %lld (element %lld) out of range for "
+			        "%s of %lld %s", op, (long long)v, (long long)e, what,
+			        (long long)rows, unit);
+			return false;
+		}
+	}
+	return true;
 }
 
 /* index_select on dim 0. The indices are checked here whenever their values
@@ -721,24 +750,8 @@ kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
 		        shp(b0, table), shp(b1, idx));
 		return NULL;
 	}
-	if (idx->st && ctx->device == KL_CPU) {
-		const char *p = kl__tensor_data(idx);
-		for (int64_t e = 0; e < nidx; e++) {
-			int64_t off = 0, r = e;
-			for (int d = idx->ndim - 1; d >= 0; d--) {
-				off += (r % idx->shape[d]) * idx->strides[d];
-				r /= idx->shape[d];
-			}
-			int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
-			                                 : ((const int64_t *)(const void *)p)[off];
-			if (v < 0 || v >= rows) {
-				kl__err(ctx, KL_EINVAL, "kl_gather: index %lld (element %lld) out of "
-				        "range for a table of %lld rows", (long long)v, (long long)e,
-				        (long long)rows);
-				return NULL;
-			}
-		}
-	}
+	if (!indices_in_range(ctx, "gather", "a table", idx, rows, "rows"))
+		return NULL;
 	int64_t shape[KL_MAX_DIMS];
 	int nd = 0;
 	for (int d = 0; d < idx->ndim; d++)
@@ -754,6 +767,74 @@ kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight)
 {
 	KL_API("kl_embedding");
 	return kl_gather(weight, idx);
+}
+
+/* torch.index_add(base, 0, idx, src) with idx of any shape: out = base, then
+ * out[idx[i], ...] += src[i, ...] for each element i of idx, summed in a
+ * fixed order (deterministic). The gradient of kl_gather. */
+kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src)
+{
+	KL_API("kl_index_add");
+	kl_tensor *in[3] = {base, idx, src};
+	kl_ctx *ctx = ctx_of("index_add", 3, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB], b2[SB];
+	if (base->ndim < 1 || idx->ndim + base->ndim - 1 > KL_MAX_DIMS ||
+	    !kl__index_add_shapes_ok(base->ndim, base->shape, base->ndim, base->shape, idx->ndim,
+	                             idx->shape, src->ndim, src->shape)) {
+		kl__err(ctx, KL_EINVAL, "kl_index_add: base %s, indices %s and source %s do not "
+		        "match (the base needs a dim; the source is the indices' shape then the "
+		        "base's dims after the first)", shp(b0, base), shp(b1, idx), shp(b2, src));
+		return NULL;
+	}
+	kl_dtype dt = rule_dtype(ctx, KL_OP_INDEX_ADD, 3, in, 0, NULL);
+	if (dt == KL_NDTYPES)
+		return NULL;
+	int64_t nidx = kl__numel(idx->ndim, idx->shape), rows = base->shape[0];
+	if (rows == 0 && nidx > 0) {
+		kl__err(ctx, KL_EINVAL, "kl_index_add: base %s has no rows to index with %s",
+		        shp(b0, base), shp(b1, idx));
+		return NULL;
+	}
+	if (!indices_in_range(ctx, "index_add", "a base", idx, rows, "rows"))
+		return NULL;
+	kl_node n;
+	node_init(&n, KL_OP_INDEX_ADD, dt, base->ndim, base->shape, 3);
+	return kl__dispatch(ctx, &n, in);
+}
+
+/* torch.nn.functional.one_hot: eq(idx[..., None], arange(n)) as i64. */
+kl_tensor *kl_one_hot(kl_tensor *idx, int64_t n)
+{
+	KL_API("kl_one_hot");
+	kl_ctx *ctx = ctx_of("one_hot", 1, &idx);
+	if (!ctx)
+		return NULL;
+	char b0[SB];
+	if (idx->dtype != KL_I32 && idx->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_one_hot: indices have dtype %s, need i32 or i64",
+		        kl_dtype_name(idx->dtype));
+		return NULL;
+	}
+	if (n < 0 || n > KL_MAX_NUMEL || idx->ndim + 1 > KL_MAX_DIMS) {
+		kl__err(ctx, KL_EINVAL, "kl_one_hot: %lld classes for indices %s (need 0 <= n and "
+		        "at most %d dims in the result)", (long long)n, shp(b0, idx), KL_MAX_DIMS);
+		return NULL;
+	}
+	if (!indices_in_range(ctx, "one_hot", "a one-hot", idx, n, "classes"))
+		return NULL;
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
+	shape[idx->ndim] = 1;
+	kl_tensor *col = kl_reshape(idx, idx->ndim + 1, shape);
+	kl_tensor *ar = col ? kl_arange(ctx, idx->dtype, 0, (double)n, 1) : NULL;
+	kl_tensor *eq = ar ? kl_eq(col, ar) : NULL;
+	kl_tensor *r = eq ? kl_cast(eq, KL_I64) : NULL;
+	kl__tensor_discard(col);
+	kl__tensor_discard(ar);
+	kl__tensor_discard(eq);
+	return r;
 }
 
 /* Inputs of another dtype are cast to the promoted one first; more inputs
@@ -1013,6 +1094,48 @@ kl_tensor *kl_log_softmax(kl_tensor *a, int axis)
 {
 	KL_API("kl_log_softmax");
 	return softmax_like(KL_OP_LOG_SOFTMAX, a, axis);
+}
+
+/* torch.logsumexp: m + log(sum(exp(a - m))) with m the max over the axes
+ * (0 where it is infinite, so that a row of -inf gives -inf and a row with
+ * +inf gives +inf, as torch). Built from public ops; its gradient is the
+ * softmax over the axes (the max's share cancels: sum(exp(a - m)) / s = 1). */
+kl_tensor *kl_logsumexp(kl_tensor *a, int naxes, const int *axes, bool keepdim)
+{
+	KL_API("kl_logsumexp");
+	kl_ctx *ctx = ctx_of("logsumexp", 1, &a);
+	if (!ctx)
+		return NULL;
+	kl_tensor *x = a, *xf = NULL;
+	if (!kl_dtype_is_float(a->dtype)) /* torch: integers to the default float */
+		x = xf = kl_cast(a, KL_F32);
+	kl_tensor *m = x ? kl_max(x, naxes, axes, true) : NULL;
+	kl_tensor *am = m ? kl_abs(m) : NULL;
+	kl_tensor *fin = am ? kl_lt_scalar(am, INFINITY) : NULL;
+	kl_tensor *zero = fin ? kl_zeros(ctx, x->dtype, 0, NULL) : NULL;
+	kl_tensor *ms = zero ? kl_where(fin, m, zero) : NULL;
+	kl_tensor *z = ms ? kl_sub(x, ms) : NULL;
+	kl_tensor *e = z ? kl_exp(z) : NULL;
+	kl_tensor *s = e ? kl_sum(e, naxes, axes, true) : NULL;
+	kl_tensor *l = s ? kl_log(s) : NULL;
+	kl_tensor *r = l ? kl_add(l, ms) : NULL;
+	kl_tensor *tmp[] = {xf, m, am, fin, zero, ms, z, e, s, l};
+	for (size_t i = 0; i < sizeof tmp / sizeof tmp[0]; i++)
+		kl__tensor_discard(tmp[i]);
+	if (!r || keepdim)
+		return r;
+	/* the reduced dims dropped, as kl_sum would with keepdim false */
+	int64_t shape[KL_MAX_DIMS];
+	int nd = 0;
+	uint32_t red = 0;
+	for (int i = 0; i < naxes; i++)
+		red |= 1u << norm_axis(axes[i], a->ndim);
+	for (int d = 0; d < a->ndim; d++)
+		if (naxes > 0 && !(red >> d & 1))
+			shape[nd++] = a->shape[d];
+	kl_tensor *f = kl_reshape(r, nd, shape);
+	kl__tensor_discard(r);
+	return f;
 }
 
 /* x must be float; weight and bias (optional) are [last dim of x] of any

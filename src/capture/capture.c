@@ -314,6 +314,7 @@ typedef struct call {
 	dynrec *dyn; /* tensors materialized at breaks whose dims were symbols */
 	int ndyn, cap_dyn;
 	bool over_limit;
+	bool wrote; /* a graph of the call wrote in place (kl_copy): never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
 } call;
 
@@ -618,6 +619,12 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 					st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 			if (st == KL_OK && reason && e->c->dynamic)
 				remember_dyn(cs, e->c, lazy, n);
+			/* kl_copy inside fn: the values are written now, after the
+			 * graph that read the old ones */
+			if (st == KL_OK && tr->nwrites > 0) {
+				cs->wrote = true;
+				st = kl__trace_do_writes(ctx, tr);
+			}
 		}
 		for (int i = 0; outs && i < n; i++)
 			kl_release(outs[i]);
@@ -818,6 +825,24 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			if (j == nl)
 				lazy[nl++] = t;
 		}
+		/* also computed: the values kl_copy writes in place, and the
+		 * gradients kl_backward left in .grad of tensors fn can reach */
+		kl_trace *tr = ctx->trace;
+		int extra = tr->nwrites;
+		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
+			extra += t->grad && !t->grad->st && t->grad->trace_id == tr->id;
+		if (st == KL_OK && extra > 0) {
+			kl_tensor **p = realloc(lazy, sizeof *lazy * (size_t)(nl + extra + 1));
+			if (!p)
+				st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+			else
+				lazy = p;
+			for (int i = 0; st == KL_OK && i < tr->nwrites; i++)
+				lazy[nl++] = tr->wsrc[i];
+			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
+				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id)
+					lazy[nl++] = t->grad;
+		}
 		if (st == KL_OK)
 			st = run_segment(&cs, lazy, nl, NULL, NULL);
 	}
@@ -826,7 +851,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		v->nsegs = cs.seg + 1;
 		v->calls++;
-		if (f->o.fullgraph && !v->replay &&
+		if (f->o.fullgraph && !v->replay && !cs.wrote &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}

@@ -66,6 +66,12 @@ void kl__trace_free(kl_trace *tr)
 			kl_release(tr->mat[i]);
 		free(tr->mat);
 		free(tr->imported);
+		for (int i = 0; i < tr->nwrites; i++) {
+			kl_release(tr->wdst[i]);
+			kl_release(tr->wsrc[i]);
+		}
+		free(tr->wdst);
+		free(tr->wsrc);
 		free(tr->in_tensors);
 		kl__graph_free(&tr->g);
 		free(tr);
@@ -110,6 +116,37 @@ kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs)
 
 static int32_t import_node(kl_ctx *ctx, kl_trace *old, int32_t k);
 
+kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src)
+{
+	kl_trace *tr = ctx->trace;
+	if (tr->nwrites == tr->cap_writes) {
+		int nc = tr->cap_writes ? tr->cap_writes * 2 : 8;
+		kl_tensor **d = realloc(tr->wdst, (size_t)nc * sizeof *d);
+		if (d)
+			tr->wdst = d;
+		kl_tensor **s = realloc(tr->wsrc, (size_t)nc * sizeof *s);
+		if (s)
+			tr->wsrc = s;
+		if (!d || !s)
+			return kl__err(ctx, KL_ENOMEM, "kl_copy: out of memory");
+		tr->cap_writes = nc;
+	}
+	tr->wdst[tr->nwrites] = kl_retain(dst);
+	tr->wsrc[tr->nwrites++] = kl_retain(src);
+	return KL_OK;
+}
+
+kl_status kl__trace_do_writes(kl_ctx *ctx, kl_trace *tr)
+{
+	for (int i = 0; i < tr->nwrites; i++) {
+		kl_status st = kl_copy(tr->wdst[i], tr->wsrc[i]);
+		if (st != KL_OK)
+			return st;
+	}
+	(void)ctx;
+	return KL_OK;
+}
+
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 {
 	kl_trace *tr = ctx->trace;
@@ -134,6 +171,14 @@ int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 		}
 		return idx;
 	}
+	for (int i = 0; i < tr->nwrites; i++)
+		if (tr->wdst[i]->st == t->st) {
+			kl__err(ctx, KL_EUNSUPPORTED,
+			        "kl_trace: reads a tensor that kl_copy wrote earlier in this compiled "
+			        "function (the write happens when its graph ends): read it before "
+			        "the write, or after the call");
+			return -1;
+		}
 	/* a graph rarely has more than a few dozen inputs: a scan is cheapest */
 	for (int i = 0; i < tr->nin_tensors; i++)
 		if (tr->in_tensors[i] == t)

@@ -24,6 +24,12 @@ typedef struct kl_trace {
 	kl_tensor **mat;
 	int32_t *imported;
 	uint64_t imported_for;
+	/* Writes in place recorded by kl_copy inside the trace: wsrc[i] (a
+	 * lazy tensor of this trace, of wdst[i]'s dtype and shape) is written
+	 * into materialized wdst[i] once the graph has run (one reference
+	 * each held). */
+	kl_tensor **wdst, **wsrc;
+	int nwrites, cap_writes;
 } kl_trace;
 
 /* Start recording: ops on ctx append nodes instead of running. */
@@ -38,6 +44,12 @@ kl_status kl__trace_materialized(kl_trace *tr, int i, kl_tensor *t);
 /* Whether t can be used by an op now: materialized, or lazy in the active
  * trace or in one it continues. */
 bool kl__trace_holds(const kl_ctx *ctx, const kl_tensor *t);
+/* Record kl_copy(dst, src) inside the active trace: src (lazy, already of
+ * dst's dtype and shape) is written into dst when the graph ends. A later
+ * read of dst's memory in the same trace is refused (kl__trace_node_of). */
+kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src);
+/* Perform the writes recorded on ended trace tr, its srcs materialized. */
+kl_status kl__trace_do_writes(kl_ctx *ctx, kl_trace *tr);
 /* Stop recording; returns the trace (caller frees with kl__trace_free).
  * outputs[] are lazy tensors of this trace: they become the graph's
  * outputs in order. */

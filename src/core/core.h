@@ -56,6 +56,16 @@ struct kl_tensor {
 	 * program itself holds, 0 once it let the tensor go */
 	int32_t capture_refs;
 	int32_t scoped; /* entries of open scopes that hold this tensor's references */
+	/* Autograd (api/autograd.c). requires_grad: a leaf the user marked
+	 * (kl_set_requires_grad). tape_node: this tensor's node on its
+	 * context's tape, -1 when it is not on it. grad: the gradient
+	 * kl_backward left (one reference held, released with the tensor).
+	 * grad_stop: 1 + the op through which a tensor that requires grad
+	 * reached this one without a gradient (argmax, a comparison), 0 none. */
+	bool requires_grad;
+	uint16_t grad_stop;
+	int32_t tape_node;
+	kl_tensor *grad;
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
 
@@ -120,6 +130,8 @@ struct kl_ctx {
 	int profile_segs; /* graphs reported so far by the running kl_profile */
 	int profile_graph; /* the graph about to run, numbered from 0 in the call as
 	                    * kl_explain numbers them (the capture layer sets it) */
+	void *tape;   /* the autograd tape (api/autograd.c), NULL until first used */
+	bool no_grad; /* kl_set_grad_enabled(ctx, false): ops are not recorded */
 };
 
 /* kl_ctx_free's part in core (api/context.c calls it): every tensor still

@@ -38,6 +38,7 @@ kl_tensor *kl__tensor_new(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *sha
 		memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
 	kl__contig_strides(ndim, t->shape, t->strides);
 	t->node = -1;
+	t->tape_node = -1;
 	if (ctx->nscopes > 0 && scope_push(ctx, t)) {
 		free(t);
 		kl__err(ctx, KL_ENOMEM, "kl_tensor: out of memory");
@@ -59,6 +60,7 @@ static void tensor_destroy(kl_tensor *t)
 		ctx->live = t->next;
 	if (t->next)
 		t->next->prev = t->prev;
+	kl_release(t->grad);
 	if (t->st && --t->st->refs == 0) {
 		ctx->be->free(ctx, t->st->data);
 		free(t->st);

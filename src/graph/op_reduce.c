@@ -9,6 +9,9 @@
 #include <stdio.h>
 
 #include "core/sat.h"
+#include <string.h>
+
+#include "graph/build.h"
 #include "graph/optable.h"
 
 /* ---- dtype rules ---------------------------------------------------------------- */
@@ -157,20 +160,96 @@ static double r_argmax(const kl_node *n, const double *x, int64_t len)
 	return (double)best;
 }
 
+/* ---- vector-Jacobian rules ------------------------------------------------------------ */
+
+/* gout brought back to the reduction's keepdim shape (it broadcasts
+ * against the input from there); *count: the elements each output reduced */
+static int32_t unreduce(kl_graph *g, int32_t node, int32_t go, int64_t *count)
+{
+	const kl_node *n = &g->nodes[node];
+	const kl_node *x = &g->nodes[n->in[0]];
+	uint32_t mask = kl__reduce_mask(n, x->ndim);
+	int64_t shape[KL_MAX_DIMS];
+	*count = 1;
+	for (int d = 0; d < x->ndim; d++) {
+		bool r = mask >> d & 1;
+		shape[d] = r ? 1 : x->shape[d];
+		*count *= r ? x->shape[d] : 1;
+	}
+	return n->a.keepdim ? go : kl__gb_reshape(g, go, x->ndim, shape);
+}
+
+static kl_status one(int32_t *gin, int32_t v)
+{
+	gin[0] = v;
+	return v < 0 ? KL_EINVAL : KL_OK;
+}
+
+static kl_status vjp_sum(kl_graph *g, int32_t node, int32_t go, int32_t *gin)
+{
+	int64_t cnt;
+	const kl_node *x = &g->nodes[g->nodes[node].in[0]];
+	int nd = x->ndim;
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, x->shape, sizeof shape);
+	return one(gin, kl__gb_expand(g, unreduce(g, node, go, &cnt), nd, shape));
+}
+
+static kl_status vjp_mean(kl_graph *g, int32_t node, int32_t go, int32_t *gin)
+{
+	int64_t cnt;
+	int32_t k = unreduce(g, node, go, &cnt);
+	const kl_node *x = &g->nodes[g->nodes[node].in[0]];
+	int nd = x->ndim;
+	int64_t shape[KL_MAX_DIMS];
+	memcpy(shape, x->shape, sizeof shape);
+	return one(gin, kl__gb_expand(g, kl__gb_scalar(g, KL_OP_DIV, k, (double)cnt), nd, shape));
+}
+
+/* torch's amax/amin: the gradient shared evenly among the elements equal to
+ * the result */
+static kl_status vjp_max(kl_graph *g, int32_t node, int32_t go, int32_t *gin)
+{
+	int64_t cnt;
+	int32_t x = g->nodes[node].in[0];
+	kl_dtype dt = (kl_dtype)g->nodes[node].dtype;
+	uint32_t mask = kl__reduce_mask(&g->nodes[node], g->nodes[x].ndim);
+	int32_t k = unreduce(g, node, go, &cnt);
+	int32_t outk = unreduce(g, node, node, &cnt);
+	int32_t hit = kl__gb_binary(g, KL_OP_EQ, x, outk);
+	int32_t n = kl__gb_reduce(g, KL_OP_SUM, kl__gb_cast(g, hit, dt), mask, true);
+	int32_t share = kl__gb_binary(g, KL_OP_DIV, k, n);
+	return one(gin, kl__gb_where(g, hit, share, kl__gb_full(g, dt, 0, NULL, 0.0)));
+}
+
+/* d var = go * 2 (x - mean) / (n - correction) */
+static kl_status vjp_var(kl_graph *g, int32_t node, int32_t go, int32_t *gin)
+{
+	int64_t cnt;
+	int32_t x = g->nodes[node].in[0];
+	int corr = g->nodes[node].a.correction;
+	uint32_t mask = kl__reduce_mask(&g->nodes[node], g->nodes[x].ndim);
+	int32_t k = unreduce(g, node, go, &cnt);
+	int64_t div = cnt - corr > 0 ? cnt - corr : 0;
+	int32_t xm = kl__gb_binary(g, KL_OP_SUB, x, kl__gb_reduce(g, KL_OP_MEAN, x, mask, true));
+	int32_t d = kl__gb_scalar(g, KL_OP_MUL, xm, 2.0 / (double)div);
+	return one(gin, kl__gb_binary(g, KL_OP_MUL, k, d));
+}
+
 /* ---- the rows ---------------------------------------------------------------------- */
 
-#define RED(ID, DT, ROW, ...)                                                                  \
+#define RED(ID, DT, ROW, VJP, ...)                                                                \
 	const kl_opdesc kl__desc_##ID = {.dtype = DT,                                          \
 	                                 .shape = sh_reduce,                                   \
 	                                 .ref = kl__ref_reduce,                                \
 	                                 .row = ROW,                                           \
 	                                 .eager = KL_EAGER_REDUCE,                             \
-	                                 .vjp = NULL,                                          \
+	                                 .vjp = VJP,                                           \
 	                                 __VA_ARGS__};
-RED(SUM, dt_sum, r_sum)
-RED(MEAN, dt_float_only, r_mean)
-RED(MAX, dt_same, r_max, .no_identity = true)
-RED(MIN, dt_same, r_max, .no_identity = true)
-RED(VAR, dt_float_only, r_var)
-RED(ARGMAX, dt_index, r_argmax, .no_identity = true)
+RED(SUM, dt_sum, r_sum, vjp_sum)
+RED(MEAN, dt_float_only, r_mean, vjp_mean)
+RED(MAX, dt_same, r_max, vjp_max, .no_identity = true)
+RED(MIN, dt_same, r_max, vjp_max, .no_identity = true)
+RED(VAR, dt_float_only, r_var, vjp_var)
+RED(ARGMAX, dt_index, r_argmax, NULL, .no_identity = true) /* an index: no gradient */
 #undef RED

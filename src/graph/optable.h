@@ -48,8 +48,8 @@ typedef enum kl_eager {
 
 typedef struct kl_refstate kl_refstate; /* reference.c's evaluation state */
 
-/* Intended signature of a vector-Jacobian rule (filled by the autograd
- * work; NULL in every descriptor today): given the forward node n (index
+/* A vector-Jacobian rule (NULL: the op has no gradient, or its rule is
+ * still to come; the sweep in graph/autodiff.c then names it): given the forward node n (index
  * `node` of graph g) and the node holding the gradient of its output
  * (`gout`), append to g the nodes of the gradient of each input and store
  * their indices in gin[0..n->nin) (-1: no gradient flows to that input,
@@ -97,7 +97,7 @@ typedef struct kl_opdesc {
 	 * elements is an error. */
 	bool no_identity;
 	kl_eager eager;
-	kl_vjp_fn vjp; /* the vector-Jacobian rule: NULL until autograd */
+	kl_vjp_fn vjp; /* the vector-Jacobian rule, written with graph/build.h; NULL: none */
 } kl_opdesc;
 
 #define KL_OP(ID, name, arity, cat) extern const kl_opdesc kl__desc_##ID;
@@ -147,5 +147,20 @@ kl_status kl__ref_matmul(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_softmax(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_norm(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_attention(kl_refstate *st, const kl_node *n, double *out);
+kl_status kl__ref_index_add(kl_refstate *st, const kl_node *n, double *out);
+
+/* index_add's shape rule on plain arrays: base [R, row...], indices [I...],
+ * source [I..., row...] give out = base's shape. */
+bool kl__index_add_shapes_ok(int nd, const int64_t *out, int bnd, const int64_t *bs, int ind,
+                             const int64_t *is, int snd, const int64_t *ss);
+
+/* The vector-Jacobian rules of the contraction, composite and gather ops
+ * (grad_other.c), written in graph ops through graph/build.h. */
+kl_status kl__vjp_matmul(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+kl_status kl__vjp_softmax(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+kl_status kl__vjp_norm(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+kl_status kl__vjp_gather(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+kl_status kl__vjp_index_add(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 
 #endif /* KILN_OPTABLE_H */

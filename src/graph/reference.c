@@ -290,6 +290,26 @@ static kl_status eval_gather(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
+/* out = base, then out[idx[i], ...] += src[i, ...] for i in order */
+kl_status kl__ref_index_add(ref_state *st, const kl_node *n, double *out)
+{
+	const kl_node *b = &st->g->nodes[n->in[0]], *x = &st->g->nodes[n->in[1]];
+	const double *base = st->val[n->in[0]], *ix = st->val[n->in[1]], *src = st->val[n->in[2]];
+	int64_t nrow = b->shape[0], row = nrow ? node_numel(b) / nrow : 0;
+	memcpy(out, base, sizeof(double) * (size_t)node_numel(b));
+	int64_t ni = node_numel(x);
+	for (int64_t i = 0; i < ni; i++) {
+		double v = ix[i];
+		if (!(v >= 0 && v < (double)nrow))
+			return ref_fail(st, KL_EINVAL, "index %.17g (element %lld) out of range for "
+			                "a base of %lld rows", v, (long long)i, (long long)nrow);
+		int64_t r = (int64_t)v;
+		for (int64_t j = 0; j < row; j++)
+			out[r * row + j] += src[i * row + j];
+	}
+	return KL_OK;
+}
+
 kl_status kl__ref_movement(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96];

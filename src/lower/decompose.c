@@ -409,6 +409,57 @@ static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int
 	return product_of(d, pr, v, src_in[0], src_in[2]);
 }
 
+/* index_add(base, idx, src) as one masked sum per output element, no
+ * atomics and a fixed order (deterministic):
+ *   out[r, j] = base[r, j] + sum_i where(idx[i] == r, src[i, j], 0)
+ * over [R, row, N] (N indices, the sum along the last axis), in f32 for
+ * f16/bf16. An index outside [0, R) matches no row and adds nothing. It
+ * costs R * row * N steps: right for the sizes gradients of small tables
+ * and tests need; a sorted segmented kernel is the fast form, not built. */
+static int32_t index_add(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_dtype D = (kl_dtype)s->dtype, C = work_dt(D);
+	int64_t R = s->shape[0], row = R ? kl__numel(s->ndim, s->shape) / R : 0;
+	int64_t N = kl__numel(nd(d, in[1])->ndim, nd(d, in[1])->shape);
+	int64_t sh[3] = {1, N, row};
+	int32_t src = view(d, KL_OP_RESHAPE, cast(d, in[2], C), 3, sh);
+	if (src < 0)
+		return -1;
+	kl_node p = mk(KL_OP_PERMUTE, C, 3, (const int64_t[]){1, row, N}, 1);
+	p.a.v[0] = 0;
+	p.a.v[1] = 2;
+	p.a.v[2] = 1;
+	p.in[0] = src;
+	src = add(d, &p); /* [1, row, N] */
+	sh[0] = sh[1] = 1;
+	sh[2] = N;
+	int32_t ix = view(d, KL_OP_RESHAPE, cast(d, in[1], KL_I64), 3, sh);
+	kl_node ar = mk(KL_OP_ARANGE, KL_I64, 1, &R, 0);
+	ar.a.s[1] = 1;
+	sh[0] = R;
+	sh[2] = 1;
+	int32_t r = view(d, KL_OP_RESHAPE, add(d, &ar), 3, sh);
+	/* the comparison over the sum's whole space [R, row, N], so that it
+	 * fuses into the sum's kernel instead of being stored */
+	sh[1] = row;
+	r = view(d, KL_OP_EXPAND, r, 3, sh);
+	int32_t hit = bin(d, KL_OP_EQ, r, ix); /* [R, row, N] */
+	kl_node z = mk(KL_OP_FULL, C, 0, NULL, 0);
+	int32_t zero = add(d, &z);
+	if (hit < 0 || zero < 0 || src < 0)
+		return -1;
+	d->L->g.nodes[hit].dtype = KL_BOOL;
+	sh[1] = row;
+	sh[2] = N;
+	kl_node w = mk(KL_OP_WHERE, C, 3, sh, 3);
+	w.in[0] = hit;
+	w.in[1] = src;
+	w.in[2] = zero;
+	int32_t sum = red(d, KL_OP_SUM, add(d, &w), 1u << 2, false); /* [R, row] */
+	sum = view(d, KL_OP_RESHAPE, sum, s->ndim, s->shape);
+	return cast(d, bin(d, KL_OP_ADD, cast(d, in[0], C), sum), D);
+}
+
 static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 {
 	kl_dtype D = (kl_dtype)s->dtype, C = work_dt(D);
@@ -512,6 +563,8 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 	}
 	case KL_OP_ATTENTION:
 		return attention(d, s, in, s->in);
+	case KL_OP_INDEX_ADD:
+		return index_add(d, s, in);
 	default: {
 		kl_node n = *s;
 		for (int i = 0; i < s->nin; i++)

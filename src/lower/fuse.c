@@ -439,6 +439,14 @@ static bool computed_by(const kl_lctx *L, int32_t x, int32_t h)
 	return false;
 }
 
+/* a constant source (fill, arange): it reads no memory, so any kernel
+ * computes it where it needs it rather than reading another kernel's copy */
+static bool free_source(const kl_lctx *L, int32_t x)
+{
+	kl_op op = (kl_op)L->g.nodes[x].op;
+	return op == KL_OP_FULL || op == KL_OP_ARANGE;
+}
+
 /* the members of p's kernel h that computing p in group s would need */
 static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int budget, char *why,
                 size_t cap)
@@ -450,7 +458,7 @@ static int cone(kl_lctx *L, int32_t p, int32_t h, int32_t si, int32_t *out, int 
 	char l[64];
 	while (sp > 0) {
 		int32_t x = stack[--sp];
-		if (in_group(L, S, si, x) || !computed_by(L, x, h))
+		if (in_group(L, S, si, x) || (!computed_by(L, x, h) && !free_source(L, x)))
 			continue;
 		bool seen = false;
 		for (int i = 0; i < n && !seen; i++)
@@ -1148,6 +1156,34 @@ static kl_status finish(sched *s)
 	return KL_EINVAL;
 }
 
+/* Sibling reductions: two reduction kernels over the same space and axes
+ * (a norm's dw and db, both sums over the rows; a forward norm's row
+ * statistics and its backward's) become one kernel, one launch and one
+ * pass over what they both read, when legal (no cycle, at most MAX_WRITES
+ * values stored). The greedy pass only merges a producer with its consumer. */
+static void merge_siblings(sched *s)
+{
+	kl_lctx *L = s->L;
+	char why[384], l1[64], l2[64];
+	for (int32_t b = 0; b < L->ngr; b++) {
+		for (int32_t a = 0; a < b; a++) {
+			const kl_group *A = &L->gr[a], *B = &L->gr[b];
+			if (!B->alive || !B->rmask || B->matmul || !A->alive || A->matmul ||
+			    A->rmask != B->rmask || !same_dims(A, B))
+				continue;
+			if (try_merge(s, a, b, why, sizeof why)) {
+				kl__lower_logf(L, "merged the sibling reduction %s into the kernel of %s",
+				               kl__node_label(L, L->gr[b].first, l1, sizeof l1),
+				               kl__node_label(L, L->gr[a].first, l2, sizeof l2));
+				break;
+			}
+			kl__lower_logf(L, "refused the sibling reduction %s into the kernel of %s: %s",
+			               kl__node_label(L, B->first, l1, sizeof l1),
+			               kl__node_label(L, A->first, l2, sizeof l2), why);
+		}
+	}
+}
+
 kl_status kl__schedule(kl_lctx *L)
 {
 	const kl_graph *g = &L->g;
@@ -1189,6 +1225,8 @@ kl_status kl__schedule(kl_lctx *L)
 		if (!schedule_node(&s, i))
 			goto done;
 	}
+	if (L->o->fusion)
+		merge_siblings(&s);
 	st = finish(&s);
 done:
 	if (st == KL_ENOMEM && !L->err[0])

@@ -153,6 +153,8 @@ kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in
 kl_status kl__cpu_concat(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 /* out[i, ...] = table[idx[i], ...]; an index out of range is an error naming it */
 kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                            kl_tensor *out);
 kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_rows(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out);

@@ -1,12 +1,15 @@
 /* movement.c - CPU eager kernels for the movement ops that copy: CONTIGUOUS
  * (a strided view made dense) and CONCAT (inputs laid side by side along an
  * axis). Both are one strided copy: rows of the coalesced shape, memcpy when
- * both sides are contiguous along them.
+ * both sides are contiguous along them. GATHER (rows of a table by index) and
+ * INDEX_ADD (its adjoint: rows added into a copy of a base) read indices.
  */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
 #include "core/shape.h"
+#include "graph/optable.h"
 
 typedef struct cp_plan {
 	int nd;
@@ -315,5 +318,58 @@ kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 		strided_copy(ctx, o + e * rowlen * (int64_t)es, out->dtype, ost,
 		             t + v * tab->strides[0] * (int64_t)es, tab->dtype, rst, rnd, rshape);
 	}
+	return KL_OK;
+}
+
+/* index_add: out = base, then out[idx[e], ...] += src[e, ...] for e in
+ * order, summed in double and rounded once: the same bits every run. */
+kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
+{
+	const kl_tensor *base = in[0], *idx = in[1], *src = in[2];
+	char b1[96], b2[96], b3[96];
+	if (n->nin != 3 || idx->ndim + base->ndim - 1 != src->ndim || base->dtype != out->dtype ||
+	    src->dtype != out->dtype || (idx->dtype != KL_I32 && idx->dtype != KL_I64) ||
+	    !kl__index_add_shapes_ok(out->ndim, out->shape, base->ndim, base->shape, idx->ndim,
+	                             idx->shape, src->ndim, src->shape))
+		return kl__err(ctx, KL_EINVAL, "kl_index_add: base %s, indices %s and source %s do "
+		               "not match", kl__shape_str(b1, sizeof b1, base->ndim, base->shape),
+		               kl__shape_str(b2, sizeof b2, idx->ndim, idx->shape),
+		               kl__shape_str(b3, sizeof b3, src->ndim, src->shape));
+	int64_t rows = base->shape[0], total = kl__numel(base->ndim, base->shape);
+	int64_t row = rows ? total / rows : 0, nidx = kl__numel(idx->ndim, idx->shape);
+	for (int64_t e = 0; e < nidx; e++) {
+		int64_t v = gather_index(idx, e);
+		if (v < 0 || v >= rows)
+			return kl__err(ctx, KL_EINVAL, "kl_index_add: index %lld (element %lld) out "
+			               "of range for a base of %lld rows", (long long)v, (long long)e,
+			               (long long)rows);
+	}
+	double *acc = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1));
+	if (!acc)
+		return kl__err(ctx, KL_ENOMEM, "kl_index_add: out of memory for %lld values",
+		               (long long)total);
+	/* element k of t (row-major over its shape) through its strides */
+	const kl_tensor *ts[2] = {base, src};
+	int64_t cnt[2] = {total, nidx * row};
+	for (int s = 0; s < 2; s++) {
+		const kl_tensor *t = ts[s];
+		const char *p = kl__tensor_data(t);
+		for (int64_t k = 0; k < cnt[s]; k++) {
+			int64_t off = 0, r = k;
+			for (int d = t->ndim - 1; d >= 0; d--) {
+				off += (r % t->shape[d]) * t->strides[d];
+				r /= t->shape[d];
+			}
+			double x = kl__load(p, t->dtype, off);
+			if (s == 0)
+				acc[k] = x;
+			else
+				acc[gather_index(idx, k / row) * row + k % row] += x;
+		}
+	}
+	char *o = kl__tensor_data(out);
+	for (int64_t k = 0; k < total; k++)
+		kl__store(o, out->dtype, k, acc[k]);
+	free(acc);
 	return KL_OK;
 }
