@@ -707,8 +707,20 @@ static void run_batch(kcase *cs, int n, uint64_t *seed, bool compile)
 		if (!fences_ok(w))
 			fails++;
 	}
-	if (compile)
-		run_compiled(cs, n, in, total, first, ref);
+	/* a CUDA program passes every buffer to each kernel in one 4 KiB
+	 * parameter block (lower.c refuses past 500 buffers and symbols, with
+	 * that message), so on CUDA a batch compiles in chunks */
+	int chunk = kl_ctx_device(ctx) == KL_CUDA ? 40 : n;
+	for (int i0 = 0; compile && i0 < n; i0 += chunk) {
+		int m = n - i0 < chunk ? n - i0 : chunk, base = first[i0];
+		int *sub = calloc((size_t)m, sizeof *sub);
+		assert_non_null(sub);
+		for (int j = 0; j < m; j++)
+			sub[j] = first[i0 + j] - base;
+		run_compiled(cs + i0, m, in + base, (i0 + m < n ? first[i0 + m] : total) - base, sub,
+		             ref + i0);
+		free(sub);
+	}
 	for (int i = 0; i < total; i++)
 		kl_release(in[i]);
 	for (int i = 0; i < n; i++)
