@@ -104,8 +104,8 @@ static void ref_sgd(refp *r, const double *g, const kl_sgd_opts *o, double lr, k
 
 /* ---- running an optimizer three ways ----------------------------------------------- */
 
-enum { FUSED, OPS, COMPILED };
-static const char *mode_name[] = {"fused", "ops", "compiled"};
+enum { FUSED, OPS, COMPILED, FULLGRAPH };
+static const char *mode_name[] = {"fused", "ops", "compiled", "fullgraph"};
 
 #define NP 5
 static const int pnd[NP] = {2, 1, 1, 3, 2};
@@ -170,7 +170,9 @@ static int run_case(const opt_case *c, int md)
 	                      : kl_optim_sgd(ctx, NP, ps, NULL, &s);
 	assert_non_null(o);
 	step_body sb = {.o = o};
-	kl_fn *f = md == COMPILED ? kl_compile(ctx, body_step, &sb, NP, 0, NULL) : NULL;
+	kl_fn *f = md >= COMPILED ? kl_compile(ctx, body_step, &sb, NP, 0,
+	                                       &(kl_compile_opts){.fullgraph = md == FULLGRAPH})
+	                          : NULL;
 	double lr = c->adam ? a.lr : s.lr;
 	long compiles = 0;
 	for (int step = 0; step < 4; step++) {
@@ -187,7 +189,7 @@ static int run_case(const opt_case *c, int md)
 			                    1000 * (uint64_t)step + (uint64_t)i);
 			g[i] = sb.skip[i] ? NULL : in[i];
 		}
-		kl_status st = md == COMPILED ? kl_fn_call(f, in, NULL) : kl_optim_step_grads(o, g);
+		kl_status st = md >= COMPILED ? kl_fn_call(f, in, NULL) : kl_optim_step_grads(o, g);
 		if (st != KL_OK)
 			fail_msg("step %d (%s): %s", step, mode_name[md], kl_last_error(ctx));
 		for (int i = 0; i < NP; i++) {
@@ -203,7 +205,7 @@ static int run_case(const opt_case *c, int md)
 		}
 	}
 	int bad = 0;
-	if (md == COMPILED) {
+	if (md >= COMPILED) {
 		/* steps 2 and 3 trace the graph of step 0 with a new lr: no compile */
 		if (kl__jit_compiles() != compiles) {
 			fprintf(stderr, "compiled %s: %ld compiles after the lr change\n",
@@ -256,7 +258,7 @@ static void test_adamw_reference(void **state)
 	kl_dtype dts[3] = {KL_F32, KL_BF16, KL_F64};
 	for (int d = 0; d < 3; d++)
 		for (int ams = 0; ams < 2; ams++)
-			for (int md = 0; md < 3; md++) {
+			for (int md = 0; md < (dts[d] == KL_F32 ? 4 : 3); md++) {
 				opt_case c = {.dt = dts[d], .adam = true, .a = kl_adamw_defaults()};
 				c.a.lr = 0.01;
 				c.a.weight_decay = 0.05;
@@ -279,7 +281,7 @@ static void test_sgd_reference(void **state)
 	kl_dtype dts[3] = {KL_F32, KL_BF16, KL_F64};
 	for (int d = 0; d < 3; d++)
 		for (int k = 0; k < 4; k++)
-			for (int md = 0; md < 3; md++) {
+			for (int md = 0; md < (dts[d] == KL_F32 ? 4 : 3); md++) {
 				opt_case c = {.dt = dts[d], .s = cfg[k]};
 				bad += run_case(&c, md);
 			}
