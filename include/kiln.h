@@ -478,7 +478,9 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
  * parameter's dtype and shape (torch keeps exp_avg etc. in the parameter's
  * dtype for f16/bf16 too, and so does kiln; the update computes in f32, in
  * f64 for f64 parameters, and rounds once), and per parameter a step count
- * (f32 0-dim, torch's `step`). The learning rate is a device scalar (f64
+ * (f32 0-dim, torch's `step`; SGD keeps one too, where torch's SGD has none,
+ * to know a parameter's first step, where torch finds its momentum buffer
+ * None and starts it as the gradient). The learning rate is a device scalar (f64
  * 0-dim): kl_optim_set_lr writes it in place, so a compiled step reads the
  * new value without recompiling.
  *
