@@ -260,6 +260,15 @@ kl_optim *kl_optim_adamw(kl_ctx *ctx, int n, kl_tensor *const *params,
 
 /* ---- the step: as kiln ops --------------------------------------------------------- */
 
+/* A 0-dim value computed once: a one-element sum is a kernel of its own,
+ * which the update's kernel reads, where a pointwise chain of 0-dim values
+ * (bias corrections: two pow a step) would be fused into the update and
+ * recomputed for every element. */
+static kl_tensor *once(kl_tensor *t)
+{
+	return kl_sum(kl_reshape(t, 1, (int64_t[]){1}), 1, (int[]){0}, false);
+}
+
 /* The new values of parameter q from gradient g, as ops in the compute
  * type ct, written back with kl_copy (recorded when a trace is active). */
 static kl_status step_ops(kl_optim *o, oparam *q, kl_tensor *g)
@@ -274,13 +283,13 @@ static kl_status step_ops(kl_optim *o, oparam *q, kl_tensor *g)
 		kl_tensor *sc = kl_cast(s1, ct);
 		kl_tensor *bc1 = kl_add_scalar(kl_neg(kl_pow(kl_scalar(ctx, ct, a->beta1), sc)), 1.0);
 		kl_tensor *bc2 = kl_add_scalar(kl_neg(kl_pow(kl_scalar(ctx, ct, a->beta2), sc)), 1.0);
-		kl_tensor *step_size = kl_div(lr, bc1);
-		kl_tensor *decay = kl_add_scalar(kl_mul_scalar(lr, -a->weight_decay), 1.0);
+		kl_tensor *step_size = once(kl_div(lr, bc1)), *bc2s = once(kl_sqrt(bc2));
+		kl_tensor *decay = once(kl_add_scalar(kl_mul_scalar(lr, -a->weight_decay), 1.0));
 		kl_tensor *m = kl_cast(q->m, ct), *v = kl_cast(q->v, ct);
 		mn = kl_add(m, kl_mul_scalar(kl_sub(gc, m), 1.0 - a->beta1));
 		vn = kl_add(kl_mul_scalar(v, a->beta2), kl_mul_scalar(kl_mul(gc, gc), 1.0 - a->beta2));
 		vm = a->amsgrad ? kl_maximum(kl_cast(q->vmax, ct), vn) : vn;
-		kl_tensor *den = kl_add_scalar(kl_div(kl_sqrt(vm), kl_sqrt(bc2)), a->eps);
+		kl_tensor *den = kl_add_scalar(kl_div(kl_sqrt(vm), bc2s), a->eps);
 		pn = kl_sub(kl_mul(p, decay), kl_mul(step_size, kl_div(mn, den)));
 	} else {
 		const kl_sgd_opts *s = &o->sgd;
