@@ -218,14 +218,15 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * cast to dst's dtype, into dst's memory (which dst's views share). dst may
  * be strided but must not repeat an element (a stride-0 dim); src may
  * overlap it. Every write bumps the version counter of dst's memory, which
- * compiled functions that captured dst guard (see kl_fn_body). Inside a
- * compiled function the write is part of the graph: src's value is computed
- * by it and written into dst when the graph ends (a graph break or the
- * call's return), after every read of dst's old value; reading dst again
- * later in the same graph is an error (read it before the write, or after
- * the call), and a fullgraph function that writes runs its body on every
- * call (no replay). dst must have memory (an input, or a tensor reached
- * through user state). */
+ * compiled functions that captured dst guard (see kl_fn_body). A dense dst
+ * is written by one copy on its device, a strided one through the host.
+ * Inside a compiled function the write is recorded: src's value becomes an
+ * output of the graph and is written into dst when the graph ends (at the
+ * function's return or at a graph break); until then the function reads
+ * dst itself as the new value, and reading another tensor that overlaps
+ * dst's memory is an error. dst must exist before the call (not a tensor
+ * made inside it). A fullgraph function that writes runs its body on every
+ * call (its graph is not recompiled). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
@@ -504,6 +505,126 @@ int kl_fn_last_kernels(const kl_fn *f);
  * what it reads, in the graph that uses it. */
 typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
+
+/* ---- losses and training ops ---------------------------------------------
+ * Composites of the ops above (so gradients flow through their rules); each
+ * returns a new tensor like any op, or NULL and an error naming the call. */
+
+/* torch.nn.functional.mse_loss(input, target) with reduction "mean": the
+ * mean of (input - target)^2 over every element (0-dim; NaN when empty).
+ * Both float, of one shape (torch would broadcast with a warning; kiln
+ * refuses); the result has their promoted dtype. */
+kl_tensor *kl_mse_loss(kl_tensor *input, kl_tensor *target);
+/* torch.nn.functional.cross_entropy(logits, target, ignore_index=...) with
+ * reduction "mean": logits [N, C] float, target [N] of i32/i64 class
+ * indices; the mean over the rows whose target is not ignore_index of
+ * -log_softmax(logits)[row, target] (0-dim, logits' dtype). Every row
+ * ignored (or N == 0) gives NaN, as torch does. A target outside [0, C)
+ * that is not ignore_index is an error naming the row and value where the
+ * targets are on the host (CPU eager, CPU tensors at trace time), else that
+ * row's loss is NaN (torch's CUDA kernel asserts). torch's default
+ * ignore_index is -100 (KL_IGNORE_INDEX). */
+#define KL_IGNORE_INDEX (-100)
+kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore_index);
+/* torch.nn.functional.dropout(x, p, training): each element is kept with
+ * probability 1 - p and scaled by 1 / (1 - p), else 0. The mask comes from
+ * kl_rand's counter-based generator keyed by (seed, offset): the same
+ * (seed, offset) gives the same mask on every device and thread count; use
+ * a new offset (the step number) each call. p == 0 or !training: x itself
+ * (a new handle on it, no copy); p == 1: x * 0 (zeros; NaN stays NaN, as
+ * torch). p outside [0, 1] or a non-float x is an error. Inside a compiled
+ * function seed and offset are part of the graph: a new offset per call is a
+ * new graph (recompile) until rand takes a device-scalar offset. */
+kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training);
+
+/* ---- optimizers (optim) ----------------------------------------------------
+ * torch.optim.SGD and torch.optim.AdamW over an array of parameter tensors,
+ * updated in place. Parameters are float tensors of one context, each dense
+ * (kl_is_contiguous; views with an offset are fine, e.g. the halves of a
+ * packed buffer) and not overlapping another; the optimizer holds a
+ * reference to each. State, as torch keeps it, is tensors of the
+ * parameter's dtype and shape (torch keeps exp_avg etc. in the parameter's
+ * dtype for f16/bf16 too, and so does kiln; the update computes in f32, in
+ * f64 for f64 parameters, and rounds once), and per parameter a step count
+ * (f32 0-dim, torch's `step`; SGD keeps one too, where torch's SGD has none,
+ * to know a parameter's first step, where torch finds its momentum buffer
+ * None and starts it as the gradient). The learning rate is a device scalar (f64
+ * 0-dim): kl_optim_set_lr writes it in place, so a compiled step reads the
+ * new value without recompiling.
+ *
+ * A step eagerly is one fused update of every parameter of a dtype: one
+ * parallel loop on the CPU, one kernel launch on CUDA (a pointer table over
+ * the parameters, apex's multi-tensor apply). Inside a compiled function it
+ * is recorded as kiln ops (one fused kernel per parameter after the
+ * scheduler) and writes in place (kl_copy), which land when the graph ends. */
+
+typedef struct kl_optim kl_optim;
+
+typedef struct kl_sgd_opts {
+	double lr;           /* torch default 1e-3 */
+	double momentum;     /* 0 */
+	double dampening;    /* 0 */
+	double weight_decay; /* 0: L2, added to the gradient (torch's SGD) */
+	bool nesterov;       /* needs momentum > 0 and dampening == 0 */
+	bool unfused;        /* step through kiln ops even eagerly (for tests) */
+} kl_sgd_opts;
+
+typedef struct kl_adamw_opts {
+	double lr;           /* torch default 1e-3 */
+	double beta1, beta2; /* 0.9, 0.999 */
+	double eps;          /* 1e-8, added after the square root */
+	double weight_decay; /* 1e-2, decoupled: p -= lr * weight_decay * p */
+	bool amsgrad;        /* false */
+	bool unfused;        /* step through kiln ops even eagerly (for tests) */
+} kl_adamw_opts;
+
+/* torch's defaults, to start from (a zeroed struct is not the default:
+ * weight_decay 0 is a valid choice). */
+kl_sgd_opts kl_sgd_defaults(void);
+kl_adamw_opts kl_adamw_defaults(void);
+
+/* Build an optimizer over n >= 1 parameters. names[i] (names may be NULL,
+ * or an entry NULL) names parameter i in saved state (torch's state-dict key
+ * of the parameter, e.g. "layers.0.attn.in_proj_weight"; default: its
+ * index). opts NULL: torch's defaults. A bad hyperparameter (as torch
+ * checks them), a non-float, non-dense or overlapping parameter, or a
+ * duplicate is KL_EINVAL naming the parameter and value. */
+kl_optim *kl_optim_sgd(kl_ctx *ctx, int n, kl_tensor *const *params, const char *const *names,
+                       const kl_sgd_opts *opts);
+kl_optim *kl_optim_adamw(kl_ctx *ctx, int n, kl_tensor *const *params,
+                         const char *const *names, const kl_adamw_opts *opts);
+void kl_optim_free(kl_optim *o);
+
+/* One step with grads[i] the gradient of parameter i (its shape and dtype,
+ * any layout); a NULL entry skips that parameter, its state and its step
+ * count, as torch skips parameters whose .grad is None. */
+kl_status kl_optim_step_grads(kl_optim *o, kl_tensor *const *grads);
+/* One step with each parameter's .grad (kl_grad) after kl_backward, torch's
+ * optimizer.step(): a parameter with no gradient is skipped. A parameter
+ * that is a block of rows of a leaf that requires grad (a module's packed
+ * weights, see kl_nn_requires_grad) takes those rows of the leaf's gradient.
+ * The update is never recorded for autograd. */
+kl_status kl_optim_step(kl_optim *o);
+/* Set the learning rate (>= 0, finite): a write into the lr device scalar. */
+kl_status kl_optim_set_lr(kl_optim *o, double lr);
+/* The learning rate as a 0-dim f64 tensor (borrowed: valid while o lives). */
+kl_tensor *kl_optim_lr(kl_optim *o);
+int kl_optim_nparams(const kl_optim *o);
+kl_tensor *kl_optim_param(kl_optim *o, int i); /* borrowed */
+/* State of parameter i by torch's key (borrowed), or NULL and an error:
+ * "step" (f32 0-dim), SGD "momentum_buffer" (when momentum != 0), AdamW
+ * "exp_avg", "exp_avg_sq", "max_exp_avg_sq" (amsgrad). */
+kl_tensor *kl_optim_state(kl_optim *o, int i, const char *key);
+
+/* Save the state as safetensors: "state.<name>.<key>" for each parameter's
+ * state (names as given at construction) and "param_groups.0.lr". Load
+ * checks every key, shape and dtype before it writes anything (in place),
+ * and refuses a file with keys this optimizer does not have (another
+ * optimizer's, or other parameters'); the hyperparameters other than lr
+ * are not saved. Restoring then stepping gives bitwise the next step the
+ * saved optimizer would have made. */
+kl_status kl_optim_save(kl_optim *o, const char *path);
+kl_status kl_optim_load(kl_optim *o, const char *path);
 
 /* ---- safetensors (nn layer) ---------------------------------------------
  * The safetensors file format: an 8-byte little-endian header length N, N

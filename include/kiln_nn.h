@@ -56,6 +56,7 @@ typedef struct kl_nn_module {
 	kl_nn_kind kind;
 	kl_ctx *ctx;
 	kl_dtype dtype; /* of the parameters */
+	bool training;  /* kl_nn_train; false (eval) after init */
 } kl_nn_module;
 
 /* One named parameter: the slot in its module that holds the tensor, and
@@ -178,18 +179,41 @@ kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool caus
  * up to cap of them; returns how many it has (more than cap: only cap were
  * written), or -1 for a module that is not initialized. */
 int kl_nn_params(kl_nn_module *m, kl_nn_param *out, int cap);
+/* Mark (or unmark) the tensors the module's forward reads as leaves that
+ * require gradients (kl_set_requires_grad): every parameter, except that a
+ * FeedForward's gate and up weights are marked through the gate_up buffer
+ * they are views of (the forward slices it). kl_optim_step over a module's
+ * optimizer (kl_nn_adamw) gives each view its rows of gate_up's gradient. */
+kl_status kl_nn_requires_grad(kl_nn_module *m, bool on);
 
 /* Load every parameter from st under prefix + name (prefix may be "" or
  * NULL; "layers.0." for a stack). Like torch's load_state_dict (strict):
  * a missing key, a shape that differs or a non-float tensor is an error
  * naming the key, the shapes and dtypes, and nothing is changed; float
  * data of another float dtype is cast to the module's dtype (torch's
- * copy_). Keys of st that the module does not use are ignored. */
+ * copy_). Keys of st that the module does not use are ignored. The values
+ * are written into the existing parameter tensors (kl_copy), as torch
+ * copies into its parameters: an optimizer built over them stays valid. */
 kl_status kl_nn_load(kl_nn_module *m, kl_safetensors *st, const char *prefix);
 
 /* Write the module's parameters as a safetensors file (state-dict names
  * with prefix), which torch's safetensors.torch.load_file reads. */
 kl_status kl_nn_save(kl_nn_module *m, const char *path, const char *prefix);
+
+/* torch's module.train(on) / module.eval(): sets the training flag of m and
+ * every submodule. Training mode is what turns dropout on in a module that
+ * has it; none of these modules does today (MultiheadAttention's dropout is
+ * torch's default 0), so the flag changes no forward yet: it is the switch
+ * a module with dropout reads (kl_dropout(x, p, seed, step, training)). */
+kl_status kl_nn_train(kl_nn_module *m, bool on);
+bool kl_nn_is_training(const kl_nn_module *m);
+
+/* An optimizer over every parameter of m (kl_nn_params' order), its state
+ * named by the parameters' state-dict keys with prefix in front (prefix may
+ * be NULL): torch's AdamW(model.parameters()) and SGD. opts NULL: torch's
+ * defaults. */
+kl_optim *kl_nn_adamw(kl_nn_module *m, const char *prefix, const kl_adamw_opts *opts);
+kl_optim *kl_nn_sgd(kl_nn_module *m, const char *prefix, const kl_sgd_opts *opts);
 
 /* Release the module's tensors; the struct may then be initialized again.
  * Safe on a zeroed or already freed module. */

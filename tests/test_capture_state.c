@@ -287,42 +287,85 @@ static void test_copy(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* kl_copy inside a compiled function: w = x (recorded), then fn reads w
+ * (the new value: out[0] = w * 2), and with how == 1 a view of w's memory
+ * (an error: it would see the old value); how == 2 breaks the graph after
+ * the write (kl_item), which lands then, and writes w again after it */
+typedef struct copy_body {
+	params p;
+	kl_tensor *view; /* how == 1: a view of w's memory made before the call */
+	int how;
+	double seen; /* how == 2: the value kl_item read after the break */
+} copy_body;
+
 static kl_status body_copy_inside(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
                                   int nout, void *user)
 {
 	(void)nin;
 	(void)nout;
-	params *p = user;
-	kl_status st = kl_copy(p->w, in[0]);
+	copy_body *b = user;
+	kl_status st = kl_copy(b->p.w, in[0]);
 	if (st != KL_OK)
 		return st;
-	out[0] = kl_neg(in[0]);
-	return out[0] ? KL_OK : kl_last_status(ctx);
+	if (b->how == 1)
+		out[0] = kl_neg(b->view);
+	else if (b->how == 2) {
+		st = kl_item(kl_sum(b->p.w, 0, NULL, false), &b->seen);
+		if (st == KL_OK)
+			st = kl_copy(b->p.w, kl_mul_scalar(b->p.w, 3.0));
+		out[0] = kl_mul_scalar(b->p.w, 2.0);
+	} else {
+		out[0] = kl_mul_scalar(b->p.w, 2.0);
+	}
+	return st != KL_OK ? st : out[0] ? KL_OK : kl_last_status(ctx);
 }
 
 static void test_copy_inside_compiled(void **state)
 {
 	(void)state;
 	kl_ctx *ctx = new_ctx();
-	params p = {.w = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4})};
-	kl_tensor *x = kl_full(ctx, KL_F32, 1, (int64_t[]){4}, 1), *out = NULL;
-	/* issue 20: a write in place inside fn is made when its graph ends (an
-	 * optimizer's update in a compiled step); a fullgraph variant that
-	 * writes is never replayed without running fn */
-	kl_compile_opts o = {.fullgraph = true};
-	kl_fn *f = kl_compile(ctx, body_copy_inside, &p, 1, 1, &o);
-	for (int call = 0; call < 2; call++) {
-		kl_tensor *z = kl_zeros(ctx, KL_F32, 0, NULL);
-		assert_int_equal(kl_copy(p.w, z), KL_OK);
-		kl_release(z);
-		assert_int_equal(kl_fn_call(f, &x, &out), KL_OK);
-		expect_all(p.w, 1, "written by the call");
-		expect_all(out, -1, "the call's result");
-		kl_release(out);
+	for (int fg = 0; fg < 2; fg++) {
+		copy_body b = {.p = {.w = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4})}};
+		kl_fn *f = kl_compile(ctx, body_copy_inside, &b, 1, 1,
+		                      &(kl_compile_opts){.fullgraph = fg == 1});
+		for (int call = 1; call <= 3; call++) {
+			kl_tensor *x = kl_full(ctx, KL_F32, 1, (int64_t[]){4}, call), *out = NULL;
+			assert_int_equal(kl_fn_call(f, &x, &out), KL_OK);
+			expect_all(b.p.w, call, "w after the call: x written into it");
+			expect_all(out, 2.0 * call, "fn read w after its write: the new value");
+			kl_release(out);
+			kl_release(x);
+		}
+		/* the same graph each call: compiled once, never replayed without fn */
+		char *ex = explain_str(f);
+		assert_non_null(strstr(ex, "compiles: 1;"));
+		assert_non_null(strstr(ex, "(0 replayed"));
+		free(ex);
+		/* a view overlapping what was written, read after the write */
+		b.how = 1;
+		b.view = kl_slice(b.p.w, 0, 1, 3, 1);
+		kl_tensor *x = kl_full(ctx, KL_F32, 1, (int64_t[]){4}, 7), *out = NULL;
+		assert_int_equal(kl_fn_call(f, &x, &out), KL_EINVAL);
+		assert_non_null(strstr(kl_last_error(ctx), "kl_neg: a tensor (f32 [2]) that shares "
+		                                           "memory with one kl_copy wrote"));
+		expect_all(b.p.w, 3, "a failed call writes nothing");
+		kl_release(x);
+		kl_release(b.view);
+		kl_fn_free(f);
+		kl_release(b.p.w);
 	}
+	/* a graph break lands the writes before it; the next graph reads them */
+	copy_body b = {.p = {.w = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4})}, .how = 2};
+	kl_fn *f = kl_compile(ctx, body_copy_inside, &b, 1, 1, NULL);
+	kl_tensor *x = kl_full(ctx, KL_F32, 1, (int64_t[]){4}, 2), *out = NULL;
+	assert_int_equal(kl_fn_call(f, &x, &out), KL_OK);
+	assert_true(b.seen == 8.0);
+	expect_all(b.p.w, 6, "w = 3 * x after the break");
+	expect_all(out, 12, "out = 2 * w");
+	kl_release(out);
 	kl_fn_free(f);
 	kl_release(x);
-	kl_release(p.w);
+	kl_release(b.p.w);
 	kl_ctx_free(ctx);
 }
 

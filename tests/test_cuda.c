@@ -189,6 +189,53 @@ static bool nvrtc_or_skip(void)
 	return s == KL_OK;
 }
 
+/* The fused optimizer's kernel compiles for every float dtype (sm_90), and
+ * its pointer table gives each parameter its pointers and first chunk, a
+ * parameter of n elements ceil(n / chunk) chunks (an empty one none). */
+static void test_optim_kernel_host(void **state)
+{
+	(void)state;
+	int64_t ns[5] = {10, 0, 4096, 4097, 1};
+	float steps[5];
+	char bufs[5][8];
+	kl_optim_item items[5];
+	for (int i = 0; i < 5; i++)
+		items[i] = (kl_optim_item){.p = bufs[i], .g = bufs[i] + 1, .m = bufs[i] + 2,
+		                           .step = &steps[i], .n = ns[i]};
+	kl_optim_launch l = {.algo = KL_ALGO_ADAMW, .dtype = KL_F32, .n = 5, .items = items};
+	assert_int_equal(kl__optim_table_entry(), 64);
+	uint64_t tab[5][8];
+	assert_int_equal(kl__optim_table(&l, 4096, tab), 1 + 0 + 1 + 2 + 1);
+	int64_t first[5] = {0, 1, 1, 2, 4};
+	for (int i = 0; i < 5; i++) {
+		assert_int_equal(tab[i][0], (uint64_t)(uintptr_t)bufs[i]);
+		assert_int_equal(tab[i][1], (uint64_t)(uintptr_t)(bufs[i] + 1));
+		assert_int_equal(tab[i][2], (uint64_t)(uintptr_t)(bufs[i] + 2));
+		assert_int_equal(tab[i][3], 0);
+		assert_int_equal(tab[i][5], (uint64_t)(uintptr_t)&steps[i]);
+		assert_int_equal((int64_t)tab[i][6], ns[i]);
+		assert_int_equal((int64_t)tab[i][7], first[i]);
+	}
+	assert_null(kl__cuda_optim_source(KL_I32));
+	if (!nvrtc_or_skip())
+		return;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_dtype dts[4] = {KL_F32, KL_F64, KL_F16, KL_BF16};
+	for (int k = 0; k < 4; k++) {
+		char *src = kl__cuda_optim_source(dts[k]);
+		assert_non_null(src);
+		kl_cuda_image im;
+		kl_nvrtc_opts o = {.arch = 90};
+		if (kl__nvrtc_compile(ctx, src, "kiln_optim.cu", &o, &im) != KL_OK)
+			fail_msg("%s: %s\n%s", kl_dtype_name(dts[k]), kl_last_error(ctx),
+			         im.log ? im.log : "");
+		assert_memory_equal(im.data, "\177ELF", 4);
+		kl__cuda_image_free(&im);
+		free(src);
+	}
+	kl_ctx_free(ctx);
+}
+
 static void test_nvrtc_cubin(void **state)
 {
 	(void)state;
@@ -1928,7 +1975,7 @@ int main(void)
 	        cmocka_unit_test(test_pool_classes),   cmocka_unit_test(test_pool_reuse),
 	        cmocka_unit_test(test_pool_random),    cmocka_unit_test(test_lt_geometry),
 	        cmocka_unit_test(test_cublaslt_loads), cmocka_unit_test(test_tune_entry),
-	        cmocka_unit_test(test_graph_bodies_lower),
+	        cmocka_unit_test(test_graph_bodies_lower), cmocka_unit_test(test_optim_kernel_host),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_alloc),   cmocka_unit_test(test_gpu_copies),

@@ -314,8 +314,8 @@ typedef struct call {
 	dynrec *dyn; /* tensors materialized at breaks whose dims were symbols */
 	int ndyn, cap_dyn;
 	bool over_limit;
-	bool wrote; /* a graph of the call wrote in place (kl_copy): never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
+	bool wrote; /* fn wrote tensors in place (kl_copy): no replay without fn */
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -592,9 +592,31 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 			last_op = live->nodes[i].op;
 			last_node = i;
 		}
+	/* the values of the writes in place fn made (kl_copy) are outputs too,
+	 * after lazy[]; they land in their tensors once the graph ran */
+	const kl_trace *cur = ctx->trace;
+	kl_tensor **all = NULL;
+	if (cur->nwrites > 0) {
+		if (!(all = malloc(sizeof *all * (size_t)(n + cur->nwrites)))) {
+			kl__trace_free(kl__trace_end(ctx, 0, NULL));
+			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		}
+		memcpy(all, lazy, sizeof *all * (size_t)n);
+		for (int w = 0; w < cur->nwrites; w++) {
+			int j = 0;
+			while (j < n && all[j] != cur->wsrc[w])
+				j++;
+			if (j == n)
+				all[n++] = cur->wsrc[w];
+		}
+		lazy = all;
+		cs->wrote = true;
+	}
 	kl_trace *tr = kl__trace_end(ctx, n, lazy);
-	if (!tr)
+	if (!tr) {
+		free(all);
 		return kl_last_status(ctx);
+	}
 	kl_status st = KL_OK;
 	kl_gentry *e = NULL;
 	kl_tensor **outs = NULL;
@@ -619,17 +641,14 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 					st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 			if (st == KL_OK && reason && e->c->dynamic)
 				remember_dyn(cs, e->c, lazy, n);
-			/* kl_copy inside fn: the values are written now, after the
-			 * graph that read the old ones */
-			if (st == KL_OK && tr->nwrites > 0) {
-				cs->wrote = true;
-				st = kl__trace_do_writes(ctx, tr);
-			}
 		}
 		for (int i = 0; outs && i < n; i++)
 			kl_release(outs[i]);
 		free(outs);
 	}
+	for (int w = 0; st == KL_OK && w < tr->nwrites; w++)
+		st = kl__write_into(ctx, tr->wdst[w], tr->wsrc[w]);
+	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
 	    record_replay_inputs(cs, tr) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
@@ -851,6 +870,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		v->nsegs = cs.seg + 1;
 		v->calls++;
+		/* a replay runs the plan alone; writes in place need fn's trace */
 		if (f->o.fullgraph && !v->replay && !cs.wrote &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");

@@ -64,14 +64,14 @@ void kl__trace_free(kl_trace *tr)
 			kl_release(tr->in_tensors[i]);
 		for (int32_t i = 0; tr->mat && i < tr->g.n; i++)
 			kl_release(tr->mat[i]);
-		free(tr->mat);
-		free(tr->imported);
 		for (int i = 0; i < tr->nwrites; i++) {
 			kl_release(tr->wdst[i]);
 			kl_release(tr->wsrc[i]);
 		}
 		free(tr->wdst);
 		free(tr->wsrc);
+		free(tr->mat);
+		free(tr->imported);
 		free(tr->in_tensors);
 		kl__graph_free(&tr->g);
 		free(tr);
@@ -116,37 +116,6 @@ kl_trace *kl__trace_end(kl_ctx *ctx, int noutputs, kl_tensor *const *outputs)
 
 static int32_t import_node(kl_ctx *ctx, kl_trace *old, int32_t k);
 
-kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src)
-{
-	kl_trace *tr = ctx->trace;
-	if (tr->nwrites == tr->cap_writes) {
-		int nc = tr->cap_writes ? tr->cap_writes * 2 : 8;
-		kl_tensor **d = realloc(tr->wdst, (size_t)nc * sizeof *d);
-		if (d)
-			tr->wdst = d;
-		kl_tensor **s = realloc(tr->wsrc, (size_t)nc * sizeof *s);
-		if (s)
-			tr->wsrc = s;
-		if (!d || !s)
-			return kl__err(ctx, KL_ENOMEM, "kl_copy: out of memory");
-		tr->cap_writes = nc;
-	}
-	tr->wdst[tr->nwrites] = kl_retain(dst);
-	tr->wsrc[tr->nwrites++] = kl_retain(src);
-	return KL_OK;
-}
-
-kl_status kl__trace_do_writes(kl_ctx *ctx, kl_trace *tr)
-{
-	for (int i = 0; i < tr->nwrites; i++) {
-		kl_status st = kl_copy(tr->wdst[i], tr->wsrc[i]);
-		if (st != KL_OK)
-			return st;
-	}
-	(void)ctx;
-	return KL_OK;
-}
-
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 {
 	kl_trace *tr = ctx->trace;
@@ -171,14 +140,27 @@ int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t)
 		}
 		return idx;
 	}
-	for (int i = 0; i < tr->nwrites; i++)
-		if (tr->wdst[i]->st == t->st) {
-			kl__err(ctx, KL_EUNSUPPORTED,
-			        "kl_trace: reads a tensor that kl_copy wrote earlier in this compiled "
-			        "function (the write happens when its graph ends): read it before "
-			        "the write, or after the call");
+	/* a write in place recorded in this trace: dst reads the value written,
+	 * another view of that memory would read the old one */
+	for (int w = tr->nwrites - 1; w >= 0; w--) {
+		kl_tensor *d = tr->wdst[w];
+		if (d == t)
+			return tr->wsrc[w]->node;
+		int64_t lo, hi, dlo, dhi;
+		kl__tensor_span(t, &lo, &hi);
+		kl__tensor_span(d, &dlo, &dhi);
+		if (d->st == t->st && kl_numel(t) > 0 && lo <= dhi && dlo <= hi) {
+			char a[128], b[128];
+			kl__err(ctx, KL_EINVAL,
+			        "a tensor (%s %s) that shares memory with one kl_copy wrote "
+			        "earlier in this compiled function (%s %s) was read after the write; "
+			        "inside a compiled function a write lands when the graph ends, so read "
+			        "the tensor written (kl_copy's dst) itself",
+			        kl_dtype_name(t->dtype), kl__shape_str(a, sizeof a, t->ndim, t->shape),
+			        kl_dtype_name(d->dtype), kl__shape_str(b, sizeof b, d->ndim, d->shape));
 			return -1;
 		}
+	}
 	/* a graph rarely has more than a few dozen inputs: a scan is cheapest */
 	for (int i = 0; i < tr->nin_tensors; i++)
 		if (tr->in_tensors[i] == t)
@@ -279,4 +261,101 @@ static int32_t import_node(kl_ctx *ctx, kl_trace *old, int32_t k)
 nomem:
 	kl__err(ctx, KL_ENOMEM, "kl_trace: out of memory");
 	return -1;
+}
+
+/* ---- writes in place ------------------------------------------------------------ */
+
+void kl__tensor_span(const kl_tensor *t, int64_t *lo, int64_t *hi)
+{
+	*lo = *hi = t->offset;
+	for (int d = 0; d < t->ndim; d++) {
+		int64_t reach = (t->shape[d] - 1) * t->strides[d];
+		if (reach < 0)
+			*lo += reach;
+		else
+			*hi += reach;
+	}
+}
+
+kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *val)
+{
+	kl_trace *tr = ctx->trace;
+	if (!tr || !dst->st || val->st || val->trace_id != tr->id)
+		return kl__err(ctx, KL_ESTATE, "kl_copy: no write to record in this trace");
+	if (tr->nwrites == tr->cap_writes) {
+		int nc = tr->cap_writes ? tr->cap_writes * 2 : 16;
+		kl_tensor **a = realloc(tr->wdst, (size_t)nc * sizeof *a);
+		if (a)
+			tr->wdst = a;
+		kl_tensor **b = a ? realloc(tr->wsrc, (size_t)nc * sizeof *b) : NULL;
+		if (!b)
+			return kl__err(ctx, KL_ENOMEM, "kl_copy: out of memory recording the write");
+		tr->wsrc = b;
+		tr->cap_writes = nc;
+	}
+	tr->wdst[tr->nwrites] = kl_retain(dst);
+	tr->wsrc[tr->nwrites] = kl_retain(val);
+	tr->nwrites++;
+	return KL_OK;
+}
+
+/* Write dense host values into dst's memory through its strides: the span
+ * of storage it covers is read, patched and written back, so one path
+ * serves every device. */
+static kl_status write_strided(kl_ctx *ctx, kl_tensor *dst, const unsigned char *dense)
+{
+	size_t es = kl_dtype_size(dst->dtype);
+	int64_t lo, hi, n = kl_numel(dst);
+	kl__tensor_span(dst, &lo, &hi);
+	size_t bytes = (size_t)(hi - lo + 1) * es;
+	unsigned char *span = malloc(bytes);
+	if (!span)
+		return kl__err(ctx, KL_ENOMEM, "kl_copy: out of memory for %zu bytes", bytes);
+	void *base = (char *)dst->st->data + (size_t)lo * es;
+	kl_status st = ctx->be->to_host(ctx, span, base, bytes);
+	int64_t idx[KL_MAX_DIMS] = {0};
+	for (int64_t i = 0; st == KL_OK && i < n; i++) {
+		int64_t at = dst->offset - lo;
+		for (int d = 0; d < dst->ndim; d++)
+			at += idx[d] * dst->strides[d];
+		memcpy(span + (size_t)at * es, dense + (size_t)i * es, es);
+		for (int d = dst->ndim - 1; d >= 0 && ++idx[d] == dst->shape[d]; d--)
+			idx[d] = 0;
+	}
+	if (st == KL_OK)
+		st = ctx->be->from_host(ctx, base, span, bytes);
+	free(span);
+	return st;
+}
+
+kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense)
+{
+	int64_t n = kl_numel(dst);
+	if (n == 0)
+		return KL_OK;
+	kl_status st = KL_OK;
+	if (dense != dst && kl_is_contiguous(dst)) {
+		/* one copy on the device: the backend's CONTIGUOUS writes its
+		 * output, which may be any dense tensor of the node's shape */
+		kl_node c;
+		memset(&c, 0, sizeof c);
+		c.op = KL_OP_CONTIGUOUS;
+		c.dtype = (uint8_t)dst->dtype;
+		c.ndim = (uint8_t)dst->ndim;
+		c.nin = 1;
+		memcpy(c.shape, dst->shape, sizeof c.shape);
+		st = ctx->be->exec(ctx, &c, &dense, dst);
+	} else if (dense != dst) {
+		size_t nbytes = (size_t)n * kl_dtype_size(dst->dtype);
+		unsigned char *host = malloc(nbytes);
+		if (!host)
+			return kl__err(ctx, KL_ENOMEM, "kl_copy: out of memory for %zu bytes", nbytes);
+		st = ctx->be->to_host(ctx, host, kl__tensor_data(dense), nbytes);
+		if (st == KL_OK)
+			st = write_strided(ctx, dst, host);
+		free(host);
+	}
+	if (st == KL_OK)
+		kl__storage_written(dst->st);
+	return st;
 }

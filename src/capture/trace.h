@@ -24,10 +24,11 @@ typedef struct kl_trace {
 	kl_tensor **mat;
 	int32_t *imported;
 	uint64_t imported_for;
-	/* Writes in place recorded by kl_copy inside the trace: wsrc[i] (a
-	 * lazy tensor of this trace, of wdst[i]'s dtype and shape) is written
-	 * into materialized wdst[i] once the graph has run (one reference
-	 * each held). */
+	/* Writes in place recorded by kl_copy while the trace is active
+	 * (kl__trace_write), in order: wdst[i] (materialized) receives the
+	 * value of wsrc[i] (lazy in this trace: dense, of wdst[i]'s dtype and
+	 * shape) when the graph ends, after every kernel of it ran. One
+	 * reference held on each. */
 	kl_tensor **wdst, **wsrc;
 	int nwrites, cap_writes;
 } kl_trace;
@@ -44,12 +45,6 @@ kl_status kl__trace_materialized(kl_trace *tr, int i, kl_tensor *t);
 /* Whether t can be used by an op now: materialized, or lazy in the active
  * trace or in one it continues. */
 bool kl__trace_holds(const kl_ctx *ctx, const kl_tensor *t);
-/* Record kl_copy(dst, src) inside the active trace: src (lazy, already of
- * dst's dtype and shape) is written into dst when the graph ends. A later
- * read of dst's memory in the same trace is refused (kl__trace_node_of). */
-kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *src);
-/* Perform the writes recorded on ended trace tr, its srcs materialized. */
-kl_status kl__trace_do_writes(kl_ctx *ctx, kl_trace *tr);
 /* Stop recording; returns the trace (caller frees with kl__trace_free).
  * outputs[] are lazy tensors of this trace: they become the graph's
  * outputs in order. */
@@ -60,5 +55,19 @@ void kl__trace_free(kl_trace *tr);
  * continues (with what it reads) into it, the tensor then naming the copy;
  * -1 on error. */
 int32_t kl__trace_node_of(kl_ctx *ctx, kl_tensor *t);
+
+/* Record that materialized dst receives val (a lazy tensor of the active
+ * trace, dense, of dst's dtype and shape) when the graph ends. Until then a
+ * read of dst itself in the trace reads val (the write is functionalized);
+ * a read of another tensor whose memory overlaps dst's is an error (it
+ * would see the value before the write). */
+kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *val);
+/* Write the values of dense (materialized, dense, dst's dtype and shape)
+ * into dst's memory, through dst's strides, and bump its storage's version.
+ * A dense dst is one backend copy (on the device); a strided one goes
+ * through the host. dense must not overlap dst unless it is dst. */
+kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense);
+/* The smallest and largest element offset (from its storage's start) t covers. */
+void kl__tensor_span(const kl_tensor *t, int64_t *lo, int64_t *hi);
 
 #endif /* KILN_TRACE_H */

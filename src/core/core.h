@@ -69,6 +69,36 @@ struct kl_tensor {
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
 
+/* ---- the fused optimizer step (api/optim.c builds it, backends run it) ---- */
+
+typedef enum kl_optim_algo { KL_ALGO_SGD = 1, KL_ALGO_ADAMW = 2 } kl_optim_algo;
+
+/* One parameter of a fused step: dense memory of n elements (device
+ * pointers on CUDA), all of the launch's dtype. m is the momentum buffer
+ * (SGD) or exp_avg (AdamW); v exp_avg_sq; vmax max_exp_avg_sq (amsgrad);
+ * unused ones are NULL. step: the parameter's f32 step count, incremented
+ * by the step (its value before decides SGD's first-step buffer). */
+typedef struct kl_optim_item {
+	void *p;
+	const void *g;
+	void *m, *v, *vmax;
+	float *step;
+	int64_t n;
+} kl_optim_item;
+
+/* Every parameter of one dtype, updated as torch's SGD / AdamW would
+ * (torch.optim semantics; see kiln.h), computing in f32 (f64 for f64). */
+typedef struct kl_optim_launch {
+	kl_optim_algo algo;
+	kl_dtype dtype;
+	int n;
+	const kl_optim_item *items;
+	const double *lr; /* the learning rate: a device scalar, read by the kernel */
+	double weight_decay, momentum, dampening; /* SGD (weight_decay: both) */
+	bool nesterov, amsgrad;
+	double beta1, beta2, eps; /* AdamW */
+} kl_optim_launch;
+
 /* ---- the backend interface ---------------------------------------------- */
 
 typedef struct kl_backend {
@@ -91,6 +121,10 @@ typedef struct kl_backend {
 	 * finished. NULL: the backend runs every op to completion before it
 	 * returns (the CPU), so there is nothing to wait for. */
 	kl_status (*synchronize)(kl_ctx *ctx);
+	/* One fused optimizer step over every item of l (one parallel loop on
+	 * the CPU, one kernel launch on CUDA). NULL: the front end updates each
+	 * parameter through ops instead. */
+	kl_status (*optim_step)(kl_ctx *ctx, const kl_optim_launch *l);
 } kl_backend;
 
 /* ---- the context ---------------------------------------------------------- */

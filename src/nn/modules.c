@@ -461,6 +461,115 @@ void kl_nn_free(kl_nn_module *m)
 	m->kind = 0;
 }
 
+/* ---- training ---------------------------------------------------------------------- */
+
+/* The tensor the forward reads for parameter t: the FFN's gate and up
+ * weights are views of its gate_up buffer, which the forward slices. */
+static kl_tensor *read_by_forward(kl_nn_module *m, kl_tensor *t)
+{
+	kl_nn_ffn *f = m->kind == KL_NN_FFN       ? (kl_nn_ffn *)m
+	               : m->kind == KL_NN_DECODER ? &((kl_nn_decoder *)m)->ffn
+	                                          : NULL;
+	if (f && f->gate_up && (t == f->gate_proj.weight || t == f->up_proj.weight))
+		return f->gate_up;
+	return t;
+}
+
+kl_status kl_nn_requires_grad(kl_nn_module *m, bool on)
+{
+	kl_nn_param ps[MAX_PARAMS];
+	int n = kl_nn_params(m, ps, MAX_PARAMS);
+	if (n < 0 || n > MAX_PARAMS)
+		return kl_set_error(m ? m->ctx : NULL, KL_EINVAL, "kl_nn_requires_grad: the module is %s",
+		                    !m ? "NULL" : n < 0 ? "not initialized" : "too large");
+	for (int i = 0; i < n; i++) {
+		kl_status st = kl_set_requires_grad(read_by_forward(m, *ps[i].slot), on);
+		if (st != KL_OK)
+			return st;
+	}
+	return KL_OK;
+}
+
+/* ---- optimizers over a module ------------------------------------------------------ */
+
+static bool join_key(char *dst, size_t cap, const char *pre, const char *name);
+
+static kl_optim *nn_optim(kl_nn_module *m, const char *prefix, const char *fn,
+                          const kl_sgd_opts *so, const kl_adamw_opts *ao)
+{
+	kl_nn_param ps[MAX_PARAMS];
+	int n = kl_nn_params(m, ps, MAX_PARAMS);
+	if (n < 1 || n > MAX_PARAMS) {
+		kl_set_error(m ? m->ctx : NULL, KL_EINVAL, "%s: the module is %s", fn,
+		             !m ? "NULL" : n < 0 ? "not initialized" : "too large");
+		return NULL;
+	}
+	kl_tensor *ts[MAX_PARAMS];
+	char keys[MAX_PARAMS][2 * KL_NN_NAME_MAX];
+	const char *names[MAX_PARAMS];
+	for (int i = 0; i < n; i++) {
+		if (!join_key(keys[i], sizeof keys[i], prefix ? prefix : "", ps[i].name)) {
+			kl_set_error(m->ctx, KL_EINVAL, "%s: prefix '%s' is too long", fn, prefix);
+			return NULL;
+		}
+		names[i] = keys[i];
+		ts[i] = *ps[i].slot;
+	}
+	return ao ? kl_optim_adamw(m->ctx, n, ts, names, ao) : kl_optim_sgd(m->ctx, n, ts, names, so);
+}
+
+kl_optim *kl_nn_adamw(kl_nn_module *m, const char *prefix, const kl_adamw_opts *opts)
+{
+	kl_adamw_opts d = kl_adamw_defaults();
+	return nn_optim(m, prefix, "kl_nn_adamw", NULL, opts ? opts : &d);
+}
+
+kl_optim *kl_nn_sgd(kl_nn_module *m, const char *prefix, const kl_sgd_opts *opts)
+{
+	kl_sgd_opts d = kl_sgd_defaults();
+	return nn_optim(m, prefix, "kl_nn_sgd", opts ? opts : &d, NULL);
+}
+
+/* ---- training mode ------------------------------------------------------------------ */
+
+kl_status kl_nn_train(kl_nn_module *m, bool on)
+{
+	if (!m || m->kind == 0)
+		return kl_set_error(m ? m->ctx : NULL, KL_EINVAL, "kl_nn_train: the module is %s",
+		                    m ? "not initialized" : "NULL");
+	kl_nn_module *subs[8];
+	int k = 0;
+	switch (m->kind) {
+	case KL_NN_MHA: subs[k++] = &((kl_nn_mha *)m)->out_proj.base; break;
+	case KL_NN_FFN: {
+		kl_nn_ffn *f = (kl_nn_ffn *)m;
+		subs[k++] = &f->gate_proj.base;
+		subs[k++] = &f->up_proj.base;
+		subs[k++] = &f->down_proj.base;
+		break;
+	}
+	case KL_NN_DECODER: {
+		kl_nn_decoder *d = (kl_nn_decoder *)m;
+		subs[k++] = &d->norm1.base;
+		subs[k++] = &d->norm2.base;
+		subs[k++] = &d->attn.base;
+		subs[k++] = &d->ffn.base;
+		break;
+	}
+	default: break;
+	}
+	m->training = on;
+	for (int i = 0; i < k; i++)
+		if (subs[i]->kind)
+			kl_nn_train(subs[i], on);
+	return KL_OK;
+}
+
+bool kl_nn_is_training(const kl_nn_module *m)
+{
+	return m && m->kind && m->training;
+}
+
 /* ---- load and save --------------------------------------------------------------- */
 
 static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
@@ -557,39 +666,14 @@ kl_status kl_nn_load(kl_nn_module *m, kl_safetensors *st, const char *prefix)
 		if (!got[i])
 			s = kl_last_status(ctx) != KL_OK ? kl_last_status(ctx) : KL_EINVAL;
 	}
-	/* a FeedForward's gate and up weights go into the halves of a new
-	 * gate_up buffer (made before anything changes) */
-	kl_nn_ffn *ffn = m->kind == KL_NN_FFN       ? (kl_nn_ffn *)m
-	                 : m->kind == KL_NN_DECODER ? &((kl_nn_decoder *)m)->ffn
-	                                            : NULL;
-	kl_tensor *gu = NULL;
-	if (s == KL_OK && ffn && ffn->base.kind) {
-		int ig = -1, iu = -1;
-		for (int i = 0; i < n; i++) {
-			ig = ps[i].slot == &ffn->gate_proj.weight ? i : ig;
-			iu = ps[i].slot == &ffn->up_proj.weight ? i : iu;
-		}
-		kl_tensor *vg = NULL, *vu = NULL;
-		if (ig >= 0 && iu >= 0)
-			s = ffn_pack(ffn, got[ig], got[iu], &gu, &vg, &vu);
-		if (s == KL_OK && gu) {
-			kl_release(got[ig]);
-			kl_release(got[iu]);
-			got[ig] = vg;
-			got[iu] = vu;
-		}
-	}
+	/* written in place (torch's load_state_dict copies into each parameter):
+	 * an optimizer or a compiled function holding the parameters sees the
+	 * loaded values, and a FeedForward's gate and up weights, views of its
+	 * gate_up buffer, write into their halves of it */
 	for (int i = 0; i < n; i++) {
-		if (s != KL_OK) {
-			kl_release(got[i]);
-			continue;
-		}
-		kl_release(*ps[i].slot);
-		*ps[i].slot = got[i];
-	}
-	if (s == KL_OK && gu) {
-		kl_release(ffn->gate_up);
-		ffn->gate_up = gu;
+		if (s == KL_OK)
+			s = kl_copy(*ps[i].slot, got[i]);
+		kl_release(got[i]);
 	}
 	return s;
 }

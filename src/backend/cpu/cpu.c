@@ -205,4 +205,5 @@ const kl_backend kl__cpu_backend = {
 	.from_host = cpu_copy,
 	.memory = cpu_memory,
 	.synchronize = NULL, /* every op has finished when it returns */
+	.optim_step = kl__cpu_optim_step,
 };

@@ -34,6 +34,9 @@ void kl__blas_release(void);
 
 int kl__cpu_threads(const kl_ctx *ctx);
 
+/* The fused optimizer step (optim_cpu.c): kl_backend.optim_step. */
+kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
+
 /* Products through OpenBLAS (blas.c), row-major as cblas: C = alpha op(A)
  * op(B) + beta C, and y = alpha op(W) x + beta y with y contiguous; f64
  * picks d over s. Split over nt threads of kiln's OpenMP team, OpenBLAS

@@ -158,6 +158,7 @@ const kl_backend kl__cuda_backend = {
         .from_host = cuda_from_host,
         .memory = cuda_memory,
         .synchronize = cuda_synchronize,
+        .optim_step = kl__cuda_optim_step,
 };
 
 /* A library kiln needs for any real work, made ready at device open so

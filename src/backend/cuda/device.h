@@ -56,6 +56,7 @@ typedef struct kl_cuda_dev {
 	kl_cuda_hooks hooks;          /* lent by the layers above (kl__cuda_ctx_init) */
 	void *eager; /* hooks.exec_generated's state (runtime/cuda/eager_cuda.c) */
 	struct kl_cuda_attn *attn;    /* attention_cuda.c: compiled attention kernels, workspace */
+	struct kl_cuda_optim *optim;  /* optim_cuda.c: the fused optimizer's modules, table */
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -165,6 +166,20 @@ kl_status kl__cuda_fn_smem(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, unsigned s
 enum { KL_LAUNCH_PDL = 1u };
 kl_status kl__cuda_launch(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, const unsigned grid[3],
                           const unsigned block[3], unsigned smem, void **args, unsigned flags);
+
+/* ---- the fused optimizer step (optim_cuda.c) ---------------------------------------- */
+
+/* kl_backend.optim_step: every item of l in one kernel launch. */
+kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
+void kl__cuda_optim_release(kl_cuda_dev *d);
+/* The kernel's source for parameters of dtype dt (malloc'd; NULL for a
+ * dtype it does not serve or out of memory). */
+char *kl__cuda_optim_source(kl_dtype dt);
+/* The launch's pointer table as the kernel reads it, into out (l->n entries
+ * of kl__optim_table_entry() bytes): each parameter's pointers, size and
+ * first chunk of `chunk` elements; returns the chunks of all of them. */
+int64_t kl__optim_table(const kl_optim_launch *l, int64_t chunk, void *out);
+size_t kl__optim_table_entry(void);
 
 /* ---- cuBLASLt -------------------------------------------------------------------- */
 

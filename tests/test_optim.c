@@ -1,0 +1,822 @@
+/* test_optim.c - optimizers, losses and training ops, nn parameters:
+ *  - SGD (momentum, dampening, nesterov, weight decay) and AdamW (amsgrad or
+ *    not) against a float64 reference of torch's update over several steps
+ *    of fresh random gradients (some strided, one parameter skipped with a
+ *    NULL gradient, the learning rate changed midway), in f32, bf16 and f64,
+ *    through the fused eager step, the eager op path and a compiled body;
+ *  - a compiled step recompiles nothing when only the learning rate moves;
+ *  - state saved and loaded: the next step is bitwise the same;
+ *  - mse_loss, cross_entropy (ignore_index, all ignored, bad targets) and
+ *    dropout (determinism, mask statistics, scaling, identities) against
+ *    references, eagerly and compiled;
+ *  - a DecoderLayer's parameter names are the PyTorch fixture's keys, an
+ *    optimizer over it updates the packed gate/up buffer, kl_nn_load keeps
+ *    an optimizer's parameters, the training flag;
+ *  - bad inputs: errors naming the call, the shapes and the value.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "kiln.h"
+#include "kiln_nn.h"
+#include "kltest.h"
+#include "backend/cpu/cpu.h"
+
+static kl_ctx *g_ctx;
+
+static int setup(void **state)
+{
+	(void)state;
+	g_ctx = kltest_ctx_from_env("test_optim");
+	return g_ctx ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+	(void)state;
+	kl_ctx_free(g_ctx);
+	return 0;
+}
+
+/* v as a tensor of dtype dt holds it (round to nearest even) */
+static double round_to(kl_dtype dt, double v)
+{
+	if (dt == KL_F64 || isnan(v))
+		return v;
+	float f = (float)v;
+	if (dt == KL_F32)
+		return f;
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* bf16 */
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+/* ---- the float64 reference of torch's updates -------------------------------------- */
+
+typedef struct refp {
+	double *p, *m, *v, *vmax;
+	double step;
+	int64_t n;
+} refp;
+
+static void ref_adamw(refp *r, const double *g, const kl_adamw_opts *o, double lr, kl_dtype dt)
+{
+	r->step += 1;
+	double bc1 = 1 - pow(o->beta1, r->step), bc2 = 1 - pow(o->beta2, r->step);
+	double ss = lr / bc1, bc2s = sqrt(bc2);
+	for (int64_t i = 0; i < r->n; i++) {
+		double p = r->p[i] * (1 - lr * o->weight_decay);
+		double m = r->m[i] + (1 - o->beta1) * (g[i] - r->m[i]);
+		double v = r->v[i] * o->beta2 + (1 - o->beta2) * g[i] * g[i];
+		double vm = o->amsgrad ? fmax(r->vmax[i], v) : v;
+		p -= ss * m / (sqrt(vm) / bc2s + o->eps);
+		r->p[i] = round_to(dt, p);
+		r->m[i] = round_to(dt, m);
+		r->v[i] = round_to(dt, v);
+		r->vmax[i] = round_to(dt, vm);
+	}
+}
+
+static void ref_sgd(refp *r, const double *g, const kl_sgd_opts *o, double lr, kl_dtype dt)
+{
+	for (int64_t i = 0; i < r->n; i++) {
+		double d = g[i] + o->weight_decay * r->p[i];
+		if (o->momentum != 0) {
+			double b = r->step == 0 ? d : r->m[i] * o->momentum + (1 - o->dampening) * d;
+			r->m[i] = round_to(dt, b);
+			d = o->nesterov ? d + o->momentum * b : b;
+		}
+		r->p[i] = round_to(dt, r->p[i] - lr * d);
+	}
+	r->step += 1;
+}
+
+/* ---- running an optimizer three ways ----------------------------------------------- */
+
+enum { FUSED, OPS, COMPILED, FULLGRAPH };
+static const char *mode_name[] = {"fused", "ops", "compiled", "fullgraph"};
+
+#define NP 5
+static const int pnd[NP] = {2, 1, 1, 3, 2};
+static const int64_t pshape[NP][3] = {{5, 7}, {33}, {1}, {2, 3, 4}, {0, 3}};
+
+typedef struct step_body {
+	kl_optim *o;
+	bool skip[NP];
+} step_body;
+
+static kl_status body_step(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)ctx;
+	(void)out;
+	(void)nout;
+	step_body *b = user;
+	kl_tensor *g[NP];
+	for (int i = 0; i < nin; i++)
+		g[i] = b->skip[i] ? NULL : in[i];
+	return kl_optim_step_grads(b->o, g);
+}
+
+typedef struct opt_case {
+	kl_dtype dt;
+	bool adam;
+	kl_adamw_opts a;
+	kl_sgd_opts s;
+} opt_case;
+
+static bool compare_t(const char *what, kl_tensor *t, const double *ref, int64_t n,
+                      kl_dtype dt, double factor)
+{
+	double *v = kltest_read(t);
+	assert_non_null(v);
+	bool ok = kltest_compare(what, dt, 1, (int64_t[]){n}, v, ref, factor);
+	free(v);
+	return ok;
+}
+
+/* Four steps of the optimizer (param 1 skipped at step 1, lr halved before
+ * step 2) in mode md against the reference; returns the failures. */
+static int run_case(const opt_case *c, int md)
+{
+	kl_ctx *ctx = g_ctx;
+	char what[160];
+	kl_tensor *ps[NP];
+	refp r[NP];
+	for (int i = 0; i < NP; i++) {
+		ps[i] = kltest_rand(ctx, c->dt, pnd[i], pshape[i], KLTEST_NORMAL, KLTEST_CONTIG,
+		                    100 + (uint64_t)i);
+		int64_t n = kl_numel(ps[i]);
+		r[i] = (refp){.p = kltest_read(ps[i]), .n = n};
+		r[i].m = calloc((size_t)n + 1, sizeof(double));
+		r[i].v = calloc((size_t)n + 1, sizeof(double));
+		r[i].vmax = calloc((size_t)n + 1, sizeof(double));
+	}
+	kl_adamw_opts a = c->a;
+	kl_sgd_opts s = c->s;
+	a.unfused = s.unfused = md == OPS;
+	kl_optim *o = c->adam ? kl_optim_adamw(ctx, NP, ps, NULL, &a)
+	                      : kl_optim_sgd(ctx, NP, ps, NULL, &s);
+	assert_non_null(o);
+	step_body sb = {.o = o};
+	kl_fn *f = md >= COMPILED ? kl_compile(ctx, body_step, &sb, NP, 0,
+	                                       &(kl_compile_opts){.fullgraph = md == FULLGRAPH})
+	                          : NULL;
+	double lr = c->adam ? a.lr : s.lr;
+	long compiles = 0;
+	for (int step = 0; step < 4; step++) {
+		if (step == 2) {
+			lr *= 0.5;
+			assert_int_equal(kl_optim_set_lr(o, lr), KL_OK);
+			compiles = kl__jit_compiles();
+		}
+		kl_tensor *g[NP], *in[NP];
+		for (int i = 0; i < NP; i++) {
+			sb.skip[i] = step == 1 && i == 1;
+			in[i] = kltest_rand(ctx, c->dt, pnd[i], pshape[i], KLTEST_NORMAL,
+			                    i % 2 ? KLTEST_STRIDED : KLTEST_CONTIG,
+			                    1000 * (uint64_t)step + (uint64_t)i);
+			g[i] = sb.skip[i] ? NULL : in[i];
+		}
+		kl_status st = md >= COMPILED ? kl_fn_call(f, in, NULL) : kl_optim_step_grads(o, g);
+		if (st != KL_OK)
+			fail_msg("step %d (%s): %s", step, mode_name[md], kl_last_error(ctx));
+		for (int i = 0; i < NP; i++) {
+			if (g[i]) {
+				double *gv = kltest_read(g[i]);
+				if (c->adam)
+					ref_adamw(&r[i], gv, &c->a, lr, c->dt);
+				else
+					ref_sgd(&r[i], gv, &c->s, lr, c->dt);
+				free(gv);
+			}
+			kl_release(in[i]);
+		}
+	}
+	int bad = 0;
+	if (md >= COMPILED) {
+		/* steps 2 and 3 trace the graph of step 0 with a new lr: no compile */
+		if (kl__jit_compiles() != compiles) {
+			fprintf(stderr, "compiled %s: %ld compiles after the lr change\n",
+			        c->adam ? "adamw" : "sgd", kl__jit_compiles() - compiles);
+			bad++;
+		}
+		kl_fn_free(f);
+	}
+	double factor = c->dt == KL_F32 ? 0.1 : 1.0; /* f32: 1e-6 relative */
+	for (int i = 0; i < NP; i++) {
+		const char *nm = c->adam ? "adamw" : "sgd";
+		snprintf(what, sizeof what, "%s %s %s param %d", nm, kl_dtype_name(c->dt),
+		         mode_name[md], i);
+		bad += !compare_t(what, ps[i], r[i].p, r[i].n, c->dt, factor);
+		kl_tensor *m = kl_optim_state(o, i, c->adam ? "exp_avg" : "momentum_buffer");
+		if (c->adam || c->s.momentum != 0) {
+			snprintf(what, sizeof what, "%s %s %s state m %d", nm, kl_dtype_name(c->dt),
+			         mode_name[md], i);
+			assert_non_null(m);
+			assert_int_equal(kl_tensor_dtype(m), c->dt);
+			bad += !compare_t(what, m, r[i].m, r[i].n, c->dt, factor);
+		}
+		if (c->adam) {
+			bad += !compare_t(what, kl_optim_state(o, i, "exp_avg_sq"), r[i].v, r[i].n,
+			                  c->dt, factor);
+			if (c->a.amsgrad)
+				bad += !compare_t(what, kl_optim_state(o, i, "max_exp_avg_sq"), r[i].vmax,
+				                  r[i].n, c->dt, factor);
+		}
+		double stp = -1;
+		assert_int_equal(kl_item(kl_optim_state(o, i, "step"), &stp), KL_OK);
+		if (stp != r[i].step) {
+			fprintf(stderr, "%s: step %g, want %g\n", what, stp, r[i].step);
+			bad++;
+		}
+		free(r[i].p);
+		free(r[i].m);
+		free(r[i].v);
+		free(r[i].vmax);
+		kl_release(ps[i]);
+	}
+	kl_optim_free(o);
+	return bad;
+}
+
+static void test_adamw_reference(void **state)
+{
+	(void)state;
+	int bad = 0;
+	kl_dtype dts[3] = {KL_F32, KL_BF16, KL_F64};
+	for (int d = 0; d < 3; d++)
+		for (int ams = 0; ams < 2; ams++)
+			for (int md = 0; md < (dts[d] == KL_F32 ? 4 : 3); md++) {
+				opt_case c = {.dt = dts[d], .adam = true, .a = kl_adamw_defaults()};
+				c.a.lr = 0.01;
+				c.a.weight_decay = 0.05;
+				c.a.amsgrad = ams;
+				bad += run_case(&c, md);
+			}
+	assert_int_equal(bad, 0);
+}
+
+static void test_sgd_reference(void **state)
+{
+	(void)state;
+	int bad = 0;
+	kl_sgd_opts cfg[4] = {
+	        {.lr = 0.1},
+	        {.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01},
+	        {.lr = 0.05, .momentum = 0.8, .nesterov = true, .weight_decay = 0.05},
+	        {.lr = 0.2, .momentum = 0.5},
+	};
+	kl_dtype dts[3] = {KL_F32, KL_BF16, KL_F64};
+	for (int d = 0; d < 3; d++)
+		for (int k = 0; k < 4; k++)
+			for (int md = 0; md < (dts[d] == KL_F32 ? 4 : 3); md++) {
+				opt_case c = {.dt = dts[d], .s = cfg[k]};
+				bad += run_case(&c, md);
+			}
+	assert_int_equal(bad, 0);
+}
+
+/* ---- saving, loading, resuming ------------------------------------------------------ */
+
+static char g_dir[] = "/tmp/kiln-test-optim-XXXXXX";
+
+static const char *path_in_dir(const char *name)
+{
+	static char buf[512];
+	snprintf(buf, sizeof buf, "%s/%s", g_dir, name);
+	return buf;
+}
+
+static kl_tensor *clone(kl_tensor *t)
+{
+	kl_tensor *c = kl_empty(kl_tensor_ctx(t), kl_tensor_dtype(t), kl_ndim(t), kl_shape(t));
+	assert_int_equal(kl_copy(c, t), KL_OK);
+	return c;
+}
+
+static bool same_bits(kl_tensor *a, kl_tensor *b)
+{
+	size_t n = (size_t)kl_numel(a) * kl_dtype_size(kl_tensor_dtype(a));
+	unsigned char *x = malloc(n + 1), *y = malloc(n + 1);
+	if (kl_to_host(a, x, n) != KL_OK || kl_to_host(b, y, n) != KL_OK)
+		fail_msg("same_bits: %s", kl_last_error(kl_tensor_ctx(a)));
+	bool same = memcmp(x, y, n) == 0;
+	free(x);
+	free(y);
+	return same;
+}
+
+static kl_optim *make_opt(bool adam, int n, kl_tensor *const *ps, const char *const *names)
+{
+	kl_adamw_opts a = kl_adamw_defaults();
+	a.amsgrad = true;
+	a.lr = 0.02;
+	kl_sgd_opts s = {.lr = 0.1, .momentum = 0.9, .dampening = 0.2, .weight_decay = 0.01};
+	return adam ? kl_optim_adamw(g_ctx, n, ps, names, &a) : kl_optim_sgd(g_ctx, n, ps, names, &s);
+}
+
+static void test_save_load_resume(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	assert_non_null(mkdtemp(g_dir));
+	const char *names[3] = {"layers.0.w", "layers.0.b", "head.weight"};
+	const int64_t shp[3][2] = {{4, 6}, {6, 1}, {3, 4}};
+	for (int adam = 0; adam < 2; adam++) {
+		kl_dtype dt = adam ? KL_BF16 : KL_F32;
+		kl_tensor *ps[3], *grads[3][3];
+		for (int i = 0; i < 3; i++) {
+			ps[i] = kltest_rand(ctx, dt, 2, shp[i], KLTEST_NORMAL, KLTEST_CONTIG, 7 + (uint64_t)i);
+			for (int s = 0; s < 3; s++)
+				grads[s][i] = kltest_rand(ctx, dt, 2, shp[i], KLTEST_NORMAL, KLTEST_CONTIG,
+				                          50 + 10 * (uint64_t)s + (uint64_t)i);
+		}
+		kl_optim *o = make_opt(adam, 3, ps, names);
+		assert_non_null(o);
+		assert_int_equal(kl_optim_step_grads(o, grads[0]), KL_OK);
+		assert_int_equal(kl_optim_set_lr(o, 0.03), KL_OK);
+		assert_int_equal(kl_optim_step_grads(o, grads[1]), KL_OK);
+		const char *path = path_in_dir(adam ? "adamw.safetensors" : "sgd.safetensors");
+		assert_int_equal(kl_optim_save(o, path), KL_OK);
+		kl_tensor *saved[3];
+		for (int i = 0; i < 3; i++)
+			saved[i] = clone(ps[i]);
+		assert_int_equal(kl_optim_step_grads(o, grads[2]), KL_OK);
+		/* a fresh optimizer over the saved parameters, its state loaded */
+		kl_optim *o2 = make_opt(adam, 3, saved, names);
+		assert_int_equal(kl_optim_load(o2, path), KL_OK);
+		double lr = 0;
+		assert_int_equal(kl_item(kl_optim_lr(o2), &lr), KL_OK);
+		assert_true(lr == 0.03);
+		assert_int_equal(kl_optim_step_grads(o2, grads[2]), KL_OK);
+		for (int i = 0; i < 3; i++) {
+			assert_true(same_bits(ps[i], saved[i]));
+			const char *key = adam ? "exp_avg_sq" : "momentum_buffer";
+			assert_true(same_bits(kl_optim_state(o, i, key), kl_optim_state(o2, i, key)));
+			assert_true(same_bits(kl_optim_state(o, i, "step"), kl_optim_state(o2, i, "step")));
+		}
+		/* the file holds torch-like keys */
+		kl_safetensors *st = kl_safetensors_open(ctx, path);
+		assert_non_null(st);
+		assert_non_null(kl_safetensors_get(st, "param_groups.0.lr"));
+		assert_non_null(kl_safetensors_get(st, adam ? "state.head.weight.exp_avg"
+		                                          : "state.head.weight.momentum_buffer"));
+		kl_safetensors_close(st);
+		kl_optim_free(o2);
+		/* the other optimizer's file: a key it does not have */
+		kl_optim *o3 = make_opt(!adam, 3, saved, names);
+		assert_int_equal(kl_optim_load(o3, path), KL_EINVAL);
+		assert_non_null(strstr(kl_last_error(ctx), "kl_optim_load: "));
+		assert_non_null(strstr(kl_last_error(ctx), adam ? "is not state of this SGD"
+		                                               : "is not state of this AdamW"));
+		kl_optim_free(o3);
+		/* other shapes: the key, both shapes and dtypes */
+		kl_tensor *other[3] = {saved[1], saved[0], saved[2]};
+		const char *swapped[3] = {names[0], names[1], names[2]};
+		kl_optim *o4 = make_opt(adam, 3, other, swapped);
+		assert_int_equal(kl_optim_load(o4, path), KL_EINVAL);
+		char want[160];
+		snprintf(want, sizeof want, "'state.layers.0.w.%s' is %s [4,6], the optimizer holds %s "
+		         "[6,1]", adam ? "exp_avg" : "momentum_buffer", kl_dtype_name(dt),
+		         kl_dtype_name(dt));
+		if (!strstr(kl_last_error(ctx), want))
+			fail_msg("got '%s', want '%s'", kl_last_error(ctx), want);
+		kl_optim_free(o4);
+		kl_optim *o5 = make_opt(adam, 3, saved, names);
+		assert_int_equal(kl_optim_load(o5, path_in_dir("missing.safetensors")), KL_EIO);
+		kl_optim_free(o5);
+		kl_optim_free(o);
+		for (int i = 0; i < 3; i++) {
+			kl_release(ps[i]);
+			kl_release(saved[i]);
+			for (int s = 0; s < 3; s++)
+				kl_release(grads[s][i]);
+		}
+		unlink(path);
+	}
+	rmdir(g_dir);
+}
+
+/* ---- bad input --------------------------------------------------------------------- */
+
+static bool expect_fail(kl_ctx *ctx, const void *got, const char *want)
+{
+	if (got || !strstr(kl_last_error(ctx), want)) {
+		fprintf(stderr, "expected an error with '%s', got %s '%s'\n", want,
+		        got ? "a result and" : "", kl_last_error(ctx));
+		return false;
+	}
+	kl_clear_error(ctx);
+	return true;
+}
+
+static void test_optim_errors(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	kl_tensor *w = kl_zeros(ctx, KL_F32, 2, (int64_t[]){2, 3});
+	kl_tensor *b = kl_zeros(ctx, KL_F32, 1, (int64_t[]){3});
+	kl_tensor *ints = kl_zeros(ctx, KL_I32, 1, (int64_t[]){3});
+	kl_tensor *wt = kl_transpose(w, 0, 1);
+	kl_tensor *big = kl_zeros(ctx, KL_F32, 1, (int64_t[]){10});
+	kl_tensor *lo = kl_slice(big, 0, 0, 6, 1), *hi = kl_slice(big, 0, 4, 10, 1);
+	kl_adamw_opts a = kl_adamw_defaults();
+	bool ok = true;
+	a.lr = -1;
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 1, &w, NULL, &a),
+	                  "kl_optim_adamw: invalid learning rate: -1");
+	a = kl_adamw_defaults();
+	a.beta1 = 1;
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 1, &w, NULL, &a),
+	                  "kl_optim_adamw: invalid beta parameter at index 0: 1");
+	a = kl_adamw_defaults();
+	a.eps = NAN;
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 1, &w, NULL, &a), "invalid epsilon value: nan");
+	kl_sgd_opts s = {.lr = 0.1, .nesterov = true};
+	ok &= expect_fail(ctx, kl_optim_sgd(ctx, 1, &w, NULL, &s),
+	                  "kl_optim_sgd: nesterov momentum requires a momentum and zero dampening "
+	                  "(momentum 0, dampening 0)");
+	s = (kl_sgd_opts){.lr = 0.1, .momentum = -0.5};
+	ok &= expect_fail(ctx, kl_optim_sgd(ctx, 1, &w, NULL, &s), "invalid momentum value: -0.5");
+	ok &= expect_fail(ctx, kl_optim_sgd(ctx, 0, &w, NULL, NULL),
+	                  "kl_optim_sgd: got an empty parameter list (n 0)");
+	kl_tensor *two[2] = {w, ints};
+	ok &= expect_fail(ctx, kl_optim_sgd(ctx, 2, two, NULL, NULL),
+	                  "kl_optim_sgd: parameter 1 is i32 [3]: only float tensors can be optimized");
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 1, &wt, NULL, NULL),
+	                  "kl_optim_adamw: parameter 0 (f32 [3,2]) is not dense");
+	two[1] = w;
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 2, two, NULL, NULL),
+	                  "parameter 1 is parameter 0 again");
+	kl_tensor *ov[2] = {lo, hi};
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 2, ov, NULL, NULL),
+	                  "parameter 1 ([6]) overlaps parameter 0 in memory");
+	kl_tensor *wb[2] = {w, b};
+	const char *dup[2] = {"x", "x"};
+	ok &= expect_fail(ctx, kl_optim_adamw(ctx, 2, wb, dup, NULL),
+	                  "parameters 0 and 1 are both named 'x'");
+	const char *names[2] = {"w", "b"};
+	kl_optim *o = kl_optim_adamw(ctx, 2, wb, names, NULL);
+	assert_non_null(o);
+	kl_tensor *g[2] = {b, NULL};
+	assert_int_equal(kl_optim_step_grads(o, g), KL_EINVAL);
+	ok &= expect_fail(ctx, NULL, "kl_optim_step_grads: the gradient of parameter 0 ('w') is "
+	                             "f32 [3], the parameter f32 [2,3]");
+	kl_tensor *gd = kl_zeros(ctx, KL_F64, 2, (int64_t[]){2, 3});
+	g[0] = gd;
+	assert_int_equal(kl_optim_step_grads(o, g), KL_EINVAL);
+	ok &= expect_fail(ctx, NULL, "is f64 [2,3], the parameter f32 [2,3]");
+	assert_int_equal(kl_optim_step_grads(o, NULL), KL_EINVAL);
+	ok &= expect_fail(ctx, NULL, "kl_optim_step_grads: grads is NULL");
+	ok &= expect_fail(ctx, kl_optim_state(o, 1, "momentum_buffer"),
+	                  "kl_optim_state: parameter 1 ('b') has no state 'momentum_buffer'");
+	ok &= expect_fail(ctx, kl_optim_state(o, 2, "step"),
+	                  "kl_optim_state: parameter 2 does not exist (2 parameters)");
+	assert_int_equal(kl_optim_set_lr(o, INFINITY), KL_EINVAL);
+	ok &= expect_fail(ctx, NULL, "kl_optim_set_lr: invalid learning rate: inf");
+	/* a failed step changed nothing */
+	double *v = kltest_read(w);
+	for (int i = 0; i < 6; i++)
+		ok &= v[i] == 0;
+	free(v);
+	kl_optim_free(o);
+	kl_tensor *all[] = {w, b, ints, wt, big, lo, hi, gd};
+	for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+		kl_release(all[i]);
+	assert_true(ok);
+}
+
+/* ---- losses --------------------------------------------------------------------------- */
+
+static kl_tensor *apply_mse(kl_tensor *const *in, const void *p)
+{
+	(void)p;
+	return kl_mse_loss(in[0], in[1]);
+}
+
+static kl_tensor *apply_ce(kl_tensor *const *in, const void *p)
+{
+	return kl_cross_entropy(in[0], in[1], *(const int64_t *)p);
+}
+
+/* cross-entropy's float64 reference, straight from the definition */
+static double ref_ce(const double *x, const double *t, int64_t n, int64_t c, int64_t ignore)
+{
+	double total = 0;
+	int64_t count = 0;
+	for (int64_t i = 0; i < n; i++) {
+		if ((int64_t)t[i] == ignore)
+			continue;
+		double mx = -INFINITY, s = 0;
+		for (int64_t j = 0; j < c; j++)
+			mx = fmax(mx, x[i * c + j]);
+		for (int64_t j = 0; j < c; j++)
+			s += exp(x[i * c + j] - mx);
+		total += -(x[i * c + (int64_t)t[i]] - mx - log(s));
+		count++;
+	}
+	return total / (double)count;
+}
+
+typedef struct loss_body {
+	int64_t ignore;
+} loss_body;
+
+static kl_status body_ce(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                         void *user)
+{
+	(void)ctx;
+	(void)nin;
+	(void)nout;
+	out[0] = kl_cross_entropy(in[0], in[1], ((loss_body *)user)->ignore);
+	out[1] = kl_mse_loss(in[0], in[2]);
+	return out[0] && out[1] ? KL_OK : kl_last_status(ctx);
+}
+
+static void test_losses(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	bool ok = true;
+	kl_dtype dts[3] = {KL_F32, KL_BF16, KL_F64};
+	for (int d = 0; d < 3; d++) {
+		kl_dtype dt = dts[d];
+		int64_t n = 9, c = 7, ignore = 3;
+		kl_tensor *x = kltest_rand(ctx, dt, 2, (int64_t[]){n, c}, KLTEST_NORMAL,
+		                           d == 1 ? KLTEST_STRIDED : KLTEST_CONTIG, 5);
+		kl_tensor *y = kltest_rand(ctx, dt, 2, (int64_t[]){n, c}, KLTEST_NORMAL,
+		                           KLTEST_PERMUTED, 6);
+		double tv[9] = {0, 6, 3, 2, 3, 1, 5, 4, 0};
+		kl_tensor *t = kltest_from_values(ctx, d == 2 ? KL_I32 : KL_I64, 1, (int64_t[]){n}, tv,
+		                                  KLTEST_CONTIG);
+		/* against the graph reference and against the definition */
+		ok &= kltest_check_op(ctx, "mse_loss", apply_mse, 2, (kl_tensor *[]){x, y}, NULL, 1.0);
+		ok &= kltest_check_op(ctx, "cross_entropy", apply_ce, 2, (kl_tensor *[]){x, t},
+		                      &ignore, 1.0);
+		double *xv = kltest_read(x), *yv = kltest_read(y), want_mse = 0;
+		for (int64_t i = 0; i < n * c; i++)
+			want_mse += (xv[i] - yv[i]) * (xv[i] - yv[i]) / (double)(n * c);
+		double want_ce = ref_ce(xv, tv, n, c, ignore), got = 0;
+		kl_tensor *ce = kl_cross_entropy(x, t, ignore), *mse = kl_mse_loss(x, y);
+		assert_int_equal(kl_ndim(ce), 0);
+		assert_int_equal(kl_tensor_dtype(ce), dt);
+		double tol = kltest_tol(dt) * 4;
+		assert_int_equal(kl_item(ce, &got), KL_OK);
+		if (!(fabs(got - want_ce) <= tol * fabs(want_ce)))
+			ok = false, fprintf(stderr, "%s ce %.9g want %.9g\n", kl_dtype_name(dt), got,
+			                    want_ce);
+		assert_int_equal(kl_item(mse, &got), KL_OK);
+		if (!(fabs(got - want_mse) <= tol * fabs(want_mse)))
+			ok = false, fprintf(stderr, "%s mse %.9g want %.9g\n", kl_dtype_name(dt), got,
+			                    want_mse);
+		/* compiled: the same values */
+		loss_body lb = {ignore};
+		kl_fn *f = kl_compile(ctx, body_ce, &lb, 3, 2, NULL);
+		kl_tensor *out[2];
+		assert_int_equal(kl_fn_call(f, (kl_tensor *[]){x, t, y}, out), KL_OK);
+		double a, b;
+		assert_int_equal(kl_item(out[0], &a), KL_OK);
+		assert_int_equal(kl_item(ce, &b), KL_OK);
+		ok &= fabs(a - b) <= tol * fabs(b);
+		assert_int_equal(kl_item(out[1], &a), KL_OK);
+		assert_int_equal(kl_item(mse, &b), KL_OK);
+		ok &= fabs(a - b) <= tol * fabs(b);
+		kl_release(out[0]);
+		kl_release(out[1]);
+		kl_fn_free(f);
+		/* every row ignored: NaN, as torch */
+		kl_tensor *all_ign = kl_full(ctx, KL_I64, 1, (int64_t[]){n}, -100);
+		kl_tensor *nanl = kl_cross_entropy(x, all_ign, KL_IGNORE_INDEX);
+		assert_int_equal(kl_item(nanl, &got), KL_OK);
+		ok &= isnan(got);
+		kl_tensor *rel[] = {x, y, t, ce, mse, all_ign, nanl};
+		for (size_t i = 0; i < sizeof rel / sizeof rel[0]; i++)
+			kl_release(rel[i]);
+		free(xv);
+		free(yv);
+	}
+	/* bad input */
+	kl_tensor *x = kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 4});
+	kl_tensor *t = kltest_from_values(ctx, KL_I64, 1, (int64_t[]){3}, (double[]){0, 5, 1},
+	                                  KLTEST_CONTIG);
+	kl_tensor *tf = kl_zeros(ctx, KL_F32, 1, (int64_t[]){3});
+	kl_tensor *x3 = kl_zeros(ctx, KL_F32, 1, (int64_t[]){4});
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_cross_entropy(x, t, -100), "kl_cross_entropy: target[1] = 5 "
+	                          "is not a class in [0, 4) nor ignore_index -100");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_cross_entropy(x, tf, -100),
+	                          "kl_cross_entropy: target is f32 [3]; logits [3,4] need i32 or "
+	                          "i64 [3]");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_cross_entropy(x3, t, -100),
+	                          "kl_cross_entropy: logits are f32 [4]; need float [N, C]");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_mse_loss(x, x3), "kl_mse_loss: input [3,4] and target [4] "
+	                          "differ in shape");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_mse_loss(t, t), "kl_mse_loss: input i64 [3] and target "
+	                          "i64 [3] must both be float");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_mse_loss(NULL, x), "kl_mse_loss: input is NULL");
+	kl_release(x);
+	kl_release(t);
+	kl_release(tf);
+	kl_release(x3);
+	assert_true(ok);
+}
+
+/* ---- dropout ---------------------------------------------------------------------------- */
+
+typedef struct drop_body {
+	double p;
+	uint64_t seed, offset;
+} drop_body;
+
+static kl_status body_drop(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin;
+	(void)nout;
+	drop_body *b = user;
+	out[0] = kl_dropout(in[0], b->p, b->seed, b->offset, true);
+	return out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static void test_dropout(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	int64_t n = 200000;
+	double p = 0.3;
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 2, (int64_t[]){400, 500}, KLTEST_POS,
+	                           KLTEST_CONTIG, 9);
+	double *xv = kltest_read(x);
+	kl_tensor *y1 = kl_dropout(x, p, 42, 7, true), *y2 = kl_dropout(x, p, 42, 7, true);
+	kl_tensor *y3 = kl_dropout(x, p, 42, 8, true), *y4 = kl_dropout(x, p, 43, 7, true);
+	assert_true(same_bits(y1, y2));
+	assert_false(same_bits(y1, y3));
+	assert_false(same_bits(y1, y4));
+	double *v = kltest_read(y1), *v3 = kltest_read(y3);
+	int64_t kept = 0, both = 0;
+	float scale = 1.0f / (float)(1.0 - p);
+	for (int64_t i = 0; i < n; i++) {
+		if (v[i] != 0) {
+			kept++;
+			both += v3[i] != 0;
+			/* a kept element is x / (1 - p), rounded as f32 */
+			double want = (double)((float)xv[i] * scale);
+			if (fabs(v[i] - want) > 1e-6 * want)
+				fail_msg("element %lld: %.9g, want %.9g", (long long)i, v[i], want);
+		}
+	}
+	/* kept with probability 1 - p: within 5 sigma */
+	double mean = (double)n * (1 - p), sd = sqrt((double)n * p * (1 - p));
+	assert_true(fabs((double)kept - mean) < 5 * sd);
+	/* two offsets' masks independent: kept in both about (1 - p)^2 */
+	double both_mean = (double)n * (1 - p) * (1 - p);
+	assert_true(fabs((double)both - both_mean) < 5 * sqrt(both_mean));
+	free(v3);
+	/* compiled: the same mask as eagerly */
+	drop_body db = {p, 42, 7};
+	kl_fn *f = kl_compile(ctx, body_drop, &db, 1, 1, NULL);
+	kl_tensor *yc = NULL;
+	assert_int_equal(kl_fn_call(f, &x, &yc), KL_OK);
+	double *vc = kltest_read(yc);
+	for (int64_t i = 0; i < n; i++)
+		if ((vc[i] == 0) != (v[i] == 0) || fabs(vc[i] - v[i]) > 1e-6 * fabs(v[i]))
+			fail_msg("compiled dropout element %lld: %g, eager %g", (long long)i, vc[i], v[i]);
+	free(vc);
+	free(v);
+	kl_release(yc);
+	kl_fn_free(f);
+	/* identities and p = 1 */
+	kl_tensor *id1 = kl_dropout(x, 0.0, 1, 1, true), *id2 = kl_dropout(x, 0.5, 1, 1, false);
+	assert_true(same_bits(id1, x));
+	assert_true(same_bits(id2, x));
+	kl_tensor *z = kl_dropout(x, 1.0, 1, 1, true);
+	double *zv = kltest_read(z);
+	for (int64_t i = 0; i < n; i++)
+		assert_true(zv[i] == 0);
+	free(zv);
+	/* bf16: kept elements scaled in bf16, dropped ones zero */
+	kl_tensor *xb = kl_cast(x, KL_BF16), *yb = kl_dropout(xb, 0.5, 3, 0, true);
+	double *xbv = kltest_read(xb), *ybv = kltest_read(yb);
+	for (int64_t i = 0; i < 1000; i++)
+		assert_true(ybv[i] == 0 || ybv[i] == 2 * xbv[i]);
+	free(xbv);
+	free(ybv);
+	bool ok = true;
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_dropout(x, 1.5, 1, 1, true),
+	                          "kl_dropout: dropout probability has to be between 0 and 1, but "
+	                          "got 1.5");
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_dropout(x, NAN, 1, 1, true), "but got nan");
+	kl_tensor *xi = kl_zeros(ctx, KL_I32, 1, (int64_t[]){3});
+	ok &= KLTEST_EXPECT_ERROR(ctx, kl_dropout(xi, 0.5, 1, 1, true),
+	                          "kl_dropout: x is i32 [3]; dropout needs a float tensor");
+	kl_tensor *rel[] = {x, y1, y2, y3, y4, id1, id2, z, xb, yb, xi};
+	for (size_t i = 0; i < sizeof rel / sizeof rel[0]; i++)
+		kl_release(rel[i]);
+	free(xv);
+	assert_true(ok);
+}
+
+/* ---- nn parameters ---------------------------------------------------------------------- */
+
+static void test_nn_parameters(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	kl_nn_decoder m;
+	assert_int_equal(kl_nn_decoder_init(&m, ctx, 64, 4, 256, KL_F32, 1), KL_OK);
+	/* the names are the PyTorch fixture's state-dict keys, in torch's order */
+	kl_safetensors *st = kl_safetensors_open(ctx, KILN_FIXTURE_DIR "/decoder_small_f32.safetensors");
+	assert_non_null(st);
+	kl_nn_param ps[16];
+	int n = kl_nn_params(&m.base, ps, 16);
+	assert_int_equal(n, 9);
+	static const char *torch_order[9] = {
+	        "norm1.weight",        "norm2.weight",         "attn.in_proj_weight",
+	        "attn.in_proj_bias",   "attn.out_proj.weight", "attn.out_proj.bias",
+	        "ffn.gate_proj.weight", "ffn.up_proj.weight",  "ffn.down_proj.weight"};
+	for (int i = 0; i < n; i++) {
+		assert_string_equal(ps[i].name, torch_order[i]);
+		bool in_file = false;
+		for (int j = 0; j < kl_safetensors_count(st); j++)
+			in_file |= !strcmp(kl_safetensors_name(st, j), ps[i].name);
+		if (!in_file)
+			fail_msg("'%s' is not a key of the torch fixture", ps[i].name);
+	}
+	/* an optimizer over the module; kl_nn_load keeps its parameters valid */
+	kl_optim *o = kl_nn_adamw(&m.base, "layers.0.", NULL);
+	assert_non_null(o);
+	assert_int_equal(kl_optim_nparams(o), 9);
+	assert_int_equal(kl_nn_load(&m.base, st, NULL), KL_OK);
+	for (int i = 0; i < n; i++) {
+		kl_tensor *got = kl_safetensors_get(st, ps[i].name), *want = kl_cast(got, KL_F32);
+		assert_true(same_bits(kl_optim_param(o, i), want));
+		kl_release(got);
+		kl_release(want);
+	}
+	kl_safetensors_close(st);
+	/* a step with every gradient one: the packed gate_up buffer the forward
+	 * reads moves with its gate and up views */
+	kl_tensor *g[9];
+	for (int i = 0; i < n; i++) {
+		kl_tensor *p = kl_optim_param(o, i);
+		g[i] = kl_full(ctx, KL_F32, kl_ndim(p), kl_shape(p), 1.0);
+	}
+	kl_tensor *gu0 = clone(m.ffn.gate_up);
+	assert_int_equal(kl_optim_step_grads(o, g), KL_OK);
+	kl_tensor *halves[2] = {m.ffn.gate_proj.weight, m.ffn.up_proj.weight};
+	kl_tensor *cat = kl_concat(2, halves, 0);
+	assert_true(same_bits(cat, m.ffn.gate_up));
+	assert_false(same_bits(gu0, m.ffn.gate_up));
+	/* saved under the module's prefixed keys */
+	char dir[] = "/tmp/kiln-test-optim-nn-XXXXXX";
+	assert_non_null(mkdtemp(dir));
+	char path[256];
+	snprintf(path, sizeof path, "%s/o.safetensors", dir);
+	assert_int_equal(kl_optim_save(o, path), KL_OK);
+	kl_safetensors *so = kl_safetensors_open(ctx, path);
+	kl_tensor *e = kl_safetensors_get(so, "state.layers.0.ffn.gate_proj.weight.exp_avg");
+	assert_non_null(e);
+	kl_release(e);
+	kl_safetensors_close(so);
+	unlink(path);
+	rmdir(dir);
+	/* the training flag reaches every submodule */
+	assert_false(kl_nn_is_training(&m.base));
+	assert_int_equal(kl_nn_train(&m.base, true), KL_OK);
+	assert_true(kl_nn_is_training(&m.base) && kl_nn_is_training(&m.attn.out_proj.base) &&
+	            kl_nn_is_training(&m.ffn.down_proj.base) && kl_nn_is_training(&m.norm2.base));
+	assert_int_equal(kl_nn_train(&m.base, false), KL_OK);
+	assert_false(kl_nn_is_training(&m.ffn.gate_proj.base));
+	kl_nn_linear unset = {0};
+	assert_int_equal(kl_nn_train(&unset.base, true), KL_EINVAL);
+	assert_non_null(strstr(kl_last_error(NULL), "kl_nn_train: the module is not initialized"));
+	assert_null(kl_nn_adamw(&unset.base, NULL, NULL));
+	for (int i = 0; i < n; i++)
+		kl_release(g[i]);
+	kl_release(cat);
+	kl_release(gu0);
+	kl_optim_free(o);
+	kl_nn_free(&m.base);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+	        cmocka_unit_test(test_adamw_reference), cmocka_unit_test(test_sgd_reference),
+	        cmocka_unit_test(test_save_load_resume), cmocka_unit_test(test_optim_errors),
+	        cmocka_unit_test(test_losses),          cmocka_unit_test(test_dropout),
+	        cmocka_unit_test(test_nn_parameters),
+	};
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
