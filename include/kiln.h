@@ -372,8 +372,14 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * a .grad that is already there. The gradient ops are kiln ops: eagerly they
  * run at once; inside a compiled function (kl_compile) they are appended to
  * the function's graph, so forward, loss, backward and an optimizer update
- * there become one graph. Only floating-point values carry gradients;
- * integer and bool results (argmax, comparisons) stop them.
+ * there become one graph. A compiled function whose forward is recorded but
+ * not differentiated inside it keeps the values the backward needs (its
+ * graph computes them as extra outputs), so kl_backward may also be called
+ * after kl_fn_call; such a call always runs the function's body (no
+ * fullgraph replay). The tape lets go of what no tensor the program holds
+ * can reach; still, turn grad mode off for inference. Only floating-point
+ * values carry gradients; integer and bool results (argmax, comparisons)
+ * stop them.
  *
  * Errors (KL_EINVAL / KL_ESTATE, naming kl_backward, the op and the shapes):
  * a loss of more than one element without a cotangent; a cotangent whose

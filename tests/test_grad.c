@@ -1002,6 +1002,107 @@ static void test_copy_in_trace(void **state)
 	kl_release(v);
 }
 
+/* Compiled forward, eager backward after the call (the seed's loop:
+ * torch.compile(model), then loss.backward()): the values the tape holds
+ * are outputs of the compiled graph, so kl_backward outside runs on them. */
+static kl_status forward_only(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                              void *user)
+{
+	(void)nin, (void)nout;
+	model *m = user;
+	kl_tensor *x = in[0], *tgt = in[1];
+	int64_t xs[3] = {x->shape[0], 4, 1};
+	kl_tensor *y = kl_add(kl_sum(kl_mul(kl_reshape(x, 3, xs), m->w), 1, ax1, false), m->b);
+	kl_tensor *d = kl_sub(kl_sigmoid(y), tgt);
+	out[0] = kl_mean(kl_mul(d, d), 0, NULL, false);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_compiled_forward_eager_backward(void **state)
+{
+	(void)state;
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 4}, N, CG, 31);
+	kl_tensor *tgt = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 3}, N, CG, 32);
+	model m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){4, 3}, N, CG, 33),
+	           kltest_rand(ctx, KL_F32, 1, (int64_t[]){3}, N, CG, 34), 0};
+	kl_set_requires_grad(m.w, true);
+	kl_set_requires_grad(m.b, true);
+	kl_tensor *in[2] = {x, tgt};
+	/* eager reference */
+	kl_tensor *le = NULL;
+	kl_scope_begin(ctx);
+	assert_int_equal(forward_only(ctx, in, 2, &le, 1, &m), KL_OK);
+	assert_int_equal(kl_backward(le, NULL), KL_OK);
+	kl_scope_end(ctx);
+	double *gw = kltest_read(kl_grad(m.w)), *gb = kltest_read(kl_grad(m.b));
+	kl_grad_clear(m.w);
+	kl_grad_clear(m.b);
+	for (int fg = 0; fg < 2; fg++) {
+		kl_compile_opts o = {.fullgraph = fg == 1};
+		kl_fn *f = kl_compile(ctx, forward_only, &m, 2, 1, &o);
+		for (int call = 0; call < 2; call++) { /* fullgraph: never replayed past the tape */
+			kl_tensor *lc = NULL;
+			if (kl_fn_call(f, in, &lc) != KL_OK)
+				fail_msg("kl_fn_call: %s", kl_last_error(ctx));
+			assert_true(kl_requires_grad(lc));
+			if (kl_backward(lc, NULL) != KL_OK)
+				fail_msg("kl_backward after the call: %s", kl_last_error(ctx));
+			double *cw = kltest_read(kl_grad(m.w)), *cb = kltest_read(kl_grad(m.b));
+			assert_true(kltest_compare("w.grad, compiled forward", KL_F32, 2,
+			                           (int64_t[]){4, 3}, cw, gw, 1));
+			assert_true(kltest_compare("b.grad, compiled forward", KL_F32, 1, (int64_t[]){3},
+			                           cb, gb, 1));
+			free(cw);
+			free(cb);
+			kl_grad_clear(m.w);
+			kl_grad_clear(m.b);
+			kl_release(lc);
+		}
+		kl_fn_free(f);
+	}
+	free(gw);
+	free(gb);
+	kl_release(x);
+	kl_release(tgt);
+	kl_release(m.w);
+	kl_release(m.b);
+}
+
+/* A forward whose results the program drops, with grad mode on and no
+ * backward (inference that forgot kl_set_grad_enabled): the tape lets go of
+ * what no backward can reach, so memory stays flat. */
+static void test_tape_pruned(void **state)
+{
+	(void)state;
+	kl_tensor *w = kltest_rand(ctx, KL_F32, 2, (int64_t[]){64, 64}, N, CG, 41);
+	kl_set_requires_grad(w, true);
+	kl_memory_usage u0, u1;
+	size_t most = 0;
+	for (int i = 0; i < 2000; i++) {
+		kl_scope_begin(ctx);
+		kl_tensor *y = kl_exp(kl_mul_scalar(w, 0.5));
+		assert_true(kl_requires_grad(y));
+		kl_scope_end(ctx);
+		if (i == 100)
+			assert_int_equal(kl_memory_stats(ctx, &u0), KL_OK);
+		if (i > 100) {
+			assert_int_equal(kl_memory_stats(ctx, &u1), KL_OK);
+			if (u1.in_use > most)
+				most = u1.in_use;
+		}
+	}
+	/* 2000 iterations keep two 16 KiB tensors each: 64 MiB without pruning */
+	if (most > u0.in_use + ((size_t)4 << 20))
+		fail_msg("tape memory grows: %zu bytes in use after 100 forwards, %zu later",
+		         u0.in_use, most);
+	/* and a backward still works on a fresh forward */
+	kl_tensor *l = kl_sum(kl_mul(w, w), 0, NULL, false);
+	assert_int_equal(kl_backward(l, NULL), KL_OK);
+	assert_non_null(kl_grad(w));
+	kl_release(l);
+	kl_release(w);
+}
+
 static int setup(void **state)
 {
 	(void)state;
@@ -1027,6 +1128,8 @@ int main(void)
 		cmocka_unit_test(test_error_no_rule),
 		cmocka_unit_test(test_copy_in_trace),
 		cmocka_unit_test(test_whole_step_compiled),
+		cmocka_unit_test(test_compiled_forward_eager_backward),
+		cmocka_unit_test(test_tape_pruned),
 		cmocka_unit_test(test_grad_f64),
 		cmocka_unit_test(test_grad_f32),
 		cmocka_unit_test(test_grad_f16_bf16),

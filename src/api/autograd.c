@@ -25,7 +25,8 @@ typedef struct kl_tape {
 	uint64_t *ver;  /* per node: its memory's version when recorded */
 	bool *rg;       /* per node: requires grad */
 	int32_t cap;
-	int32_t nlive; /* nodes holding a tensor */
+	int32_t nlive;    /* nodes holding a tensor */
+	int32_t prune_at; /* prune when the tape reaches this many nodes */
 } kl_tape;
 
 static kl_tape *tape_of(kl_ctx *ctx)
@@ -111,6 +112,58 @@ static int32_t node_of(kl_tape *tp, kl_tensor *t)
 	return tape_add(tp, &n, t, t->requires_grad);
 }
 
+static void consume(kl_tape *tp, int32_t i);
+
+/* Drop what no backward can reach any more, as torch frees a graph whose
+ * outputs died: a node is kept when the program still holds its tensor
+ * (a reference besides the tape's) or a kept node reads it; the rest is
+ * consumed and the kept nodes renumbered. Inputs of kept nodes that an
+ * earlier backward consumed stay as empty nodes (a backward through them
+ * says so). Called when the tape has doubled since the last prune, so its
+ * cost is amortized over the ops recorded. */
+static void prune(kl_tape *tp)
+{
+	int32_t n = tp->g.n;
+	if (n == 0)
+		return;
+	int32_t *map = malloc(sizeof *map * (size_t)n);
+	if (!map)
+		return; /* only costs memory until the next backward */
+	for (int32_t i = 0; i < n; i++)
+		map[i] = 0;
+	for (int32_t i = n - 1; i >= 0; i--) {
+		const kl_node *nd = &tp->g.nodes[i];
+		kl_tensor *t = tp->ts[i];
+		if (t && nd->op != KL_OP_INPUT && t->refs > 1)
+			map[i] = 1;
+		if (map[i])
+			for (int k = 0; k < nd->nin; k++)
+				map[nd->in[k]] = 1;
+	}
+	int32_t m = 0;
+	for (int32_t i = 0; i < n; i++) {
+		if (!map[i]) {
+			consume(tp, i);
+			map[i] = -1;
+			continue;
+		}
+		kl_node c = tp->g.nodes[i];
+		for (int k = 0; k < c.nin; k++)
+			c.in[k] = map[c.in[k]];
+		tp->g.nodes[m] = c;
+		tp->ts[m] = tp->ts[i];
+		tp->ver[m] = tp->ver[i];
+		tp->rg[m] = tp->rg[i];
+		if (tp->ts[m])
+			tp->ts[m]->tape_node = m;
+		map[i] = m++;
+	}
+	for (int32_t i = m; i < n; i++)
+		tp->ts[i] = NULL;
+	tp->g.n = m;
+	free(map);
+}
+
 kl_status kl__tape_record(kl_ctx *ctx, kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	bool any = false;
@@ -132,6 +185,10 @@ kl_status kl__tape_record(kl_ctx *ctx, kl_node *n, kl_tensor *const *in, kl_tens
 	if (!tp)
 		return kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory recording the op for autograd",
 		               kl__ops[n->op].name);
+	if (tp->g.n >= tp->prune_at) {
+		prune(tp);
+		tp->prune_at = tp->g.n * 2 > 256 ? tp->g.n * 2 : 256;
+	}
 	kl_node c = *n;
 	for (int i = 0; i < n->nin; i++) {
 		c.in[i] = node_of(tp, in[i]);
@@ -402,6 +459,8 @@ kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
 				consume(tp, i);
 	if (tp->nlive == 0)
 		tp->g.n = 0;
+	else
+		prune(tp);
 	free(anc);
 	free(leaves);
 	free(grads);

@@ -314,6 +314,7 @@ typedef struct call {
 	dynrec *dyn; /* tensors materialized at breaks whose dims were symbols */
 	int ndyn, cap_dyn;
 	bool over_limit;
+	bool taped; /* the call left values on the autograd tape: never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
 	bool wrote; /* fn wrote tensors in place (kl_copy): no replay without fn */
 } call;
@@ -844,12 +845,20 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			if (j == nl)
 				lazy[nl++] = t;
 		}
-		/* also computed: the values kl_copy writes in place, and the
-		 * gradients kl_backward left in .grad of tensors fn can reach */
+		/* also computed: the values kl_copy writes in place, the
+		 * gradients kl_backward left in .grad of tensors fn can reach, and
+		 * the values the autograd tape holds for a kl_backward after the
+		 * call (fn's forward recorded with no backward inside it: they are
+		 * the saved tensors of that backward) */
 		kl_trace *tr = ctx->trace;
 		int extra = tr->nwrites;
-		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
+		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 			extra += t->grad && !t->grad->st && t->grad->trace_id == tr->id;
+			if (!t->st && t->trace_id == tr->id && t->tape_node >= 0) {
+				extra++;
+				cs.taped = true;
+			}
+		}
 		if (st == KL_OK && extra > 0) {
 			kl_tensor **p = realloc(lazy, sizeof *lazy * (size_t)(nl + extra + 1));
 			if (!p)
@@ -858,9 +867,12 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 				lazy = p;
 			for (int i = 0; st == KL_OK && i < tr->nwrites; i++)
 				lazy[nl++] = tr->wsrc[i];
-			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
+			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id)
 					lazy[nl++] = t->grad;
+				if (!t->st && t->trace_id == tr->id && t->tape_node >= 0)
+					lazy[nl++] = t;
+			}
 		}
 		if (st == KL_OK)
 			st = run_segment(&cs, lazy, nl, NULL, NULL);
@@ -870,8 +882,9 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		v->nsegs = cs.seg + 1;
 		v->calls++;
-		/* a replay runs the plan alone; writes in place need fn's trace */
-		if (f->o.fullgraph && !v->replay && !cs.wrote &&
+		/* a replay runs the plan alone; writes in place and the autograd
+		 * tape need fn's trace */
+		if (f->o.fullgraph && !v->replay && !cs.wrote && !cs.taped &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
