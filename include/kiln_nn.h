@@ -185,6 +185,9 @@ int kl_nn_params(kl_nn_module *m, kl_nn_param *out, int cap);
  * they are views of (the forward slices it). kl_optim_step over a module's
  * optimizer (kl_nn_adamw) gives each view its rows of gate_up's gradient. */
 kl_status kl_nn_requires_grad(kl_nn_module *m, bool on);
+/* Clear the gradients of those tensors (set to none, torch's
+ * zero_grad(set_to_none=True)). */
+void kl_nn_grad_clear(kl_nn_module *m);
 
 /* Load every parameter from st under prefix + name (prefix may be "" or
  * NULL; "layers.0." for a stack). Like torch's load_state_dict (strict):

@@ -490,6 +490,14 @@ kl_status kl_nn_requires_grad(kl_nn_module *m, bool on)
 	return KL_OK;
 }
 
+void kl_nn_grad_clear(kl_nn_module *m)
+{
+	kl_nn_param ps[MAX_PARAMS];
+	int n = kl_nn_params(m, ps, MAX_PARAMS);
+	for (int i = 0; i < n && i < MAX_PARAMS; i++)
+		kl_grad_clear(read_by_forward(m, *ps[i].slot));
+}
+
 /* ---- optimizers over a module ------------------------------------------------------ */
 
 static bool join_key(char *dst, size_t cap, const char *pre, const char *name);
