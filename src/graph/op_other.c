@@ -123,10 +123,16 @@ static bool sh_slice(const kl_node *n, const int *ndim, const int64_t *const *sh
 	int64_t start = n->a.v[0], stop = n->a.v[1], step = n->a.v[2];
 	bool ok = n->ndim == ndim[0] && ax >= 0 && ax < n->ndim && step >= 1 && start >= 0 &&
 	          start <= stop && stop <= shape[0][ax];
+	/* (stop - start - 1) / step + 1 elements, never past INT64_MAX */
+	int64_t len = ok && stop > start ? (stop - start - 1) / step + 1 : 0;
 	for (int d = 0; ok && d < n->ndim; d++)
-		ok = d == ax ? n->shape[d] == (stop - start + step - 1) / step
-		             : n->shape[d] == shape[0][d];
-	return ok || sh_fail(n, ndim, shape, why, cap, "not the slice's length along its axis");
+		ok = n->shape[d] == (d == ax ? len : shape[0][d]);
+	if (ok)
+		return true;
+	char r[128];
+	snprintf(r, sizeof r, "slice %lld:%lld:%lld along dim %d does not give it", (long long)start,
+	         (long long)stop, (long long)step, ax);
+	return sh_fail(n, ndim, shape, why, cap, r);
 }
 
 static bool sh_concat(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
