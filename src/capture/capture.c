@@ -66,13 +66,20 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	else if (o.recompile_limit < 0)
 		bad = "recompile_limit must be >= 0";
 	else if (o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL)
-		bad = "dynamic must be 0 or KL_DYNAMIC_ALL";
+		bad = "dynamic takes 0 or KL_DYNAMIC_ALL (every dim of every input); to mark some "
+		      "dims, set dynamic_dims[i] to input i's mask (bit d = dim d, e.g. "
+		      "(uint32_t[]){KL_DIM(0)} for input 0's first dim) and ndynamic_dims";
 	else if (o.ndynamic_dims < 0 || o.ndynamic_dims > nin ||
 	         (o.ndynamic_dims > 0 && !o.dynamic_dims))
 		bad = "ndynamic_dims must be in 0..nin, with dynamic_dims set";
 	for (int i = 0; !bad && i < o.ndynamic_dims; i++)
 		if (o.dynamic_dims[i] >> KL_MAX_DIMS)
-			bad = "a dynamic_dims mask names a dim >= 8";
+			bad = "a dynamic_dims mask names a dim >= 8 (bit d is dim d; at most "
+			      "KL_MAX_DIMS dims)";
+	if (bad && o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL) {
+		kl__err(ctx, KL_EINVAL, "kl_compile: dynamic is %d: %s", o.dynamic, bad);
+		return NULL;
+	}
 	if (bad) {
 		kl__err(ctx, KL_EINVAL, "kl_compile: %s", bad);
 		return NULL;
@@ -154,6 +161,58 @@ void kl_fn_free(kl_fn *f)
 int kl_fn_last_kernels(const kl_fn *f)
 {
 	return f ? f->last_kernels : -1;
+}
+
+kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
+{
+	if (!f || !out)
+		return kl__err(f ? f->ctx : NULL, KL_EINVAL, "kl_fn_get_stats: %s is NULL",
+		               !f ? "f" : "out");
+	*out = (kl_fn_stats){.calls = f->calls,
+	                     .replays = f->replays,
+	                     .eager_calls = f->eager_calls,
+	                     .failed_calls = f->failed_calls,
+	                     .compiles = f->compiles,
+	                     .recompiles = f->compiles > 0 ? f->compiles - 1 : 0,
+	                     .variants = f->nvars,
+	                     .over_limit = f->eager};
+	return KL_OK;
+}
+
+const char *kl_fn_recompile_reason(const kl_fn *f, int i)
+{
+	return f && i >= 0 && i < f->nreasons ? f->reasons[i] : NULL;
+}
+
+kl_status kl_fn_dim_state(const kl_fn *f, int v, int input, int dim, kl_dim_state *state,
+                          const char **why)
+{
+	if (!f || !state)
+		return kl__err(f ? f->ctx : NULL, KL_EINVAL, "kl_fn_dim_state: %s is NULL",
+		               !f ? "f" : "state");
+	if (v < 0 || v >= f->nvars || input < 0 || input >= f->nin || dim < 0 ||
+	    dim >= f->vars[v]->g[input].ndim)
+		return kl__err(f->ctx, KL_EINVAL,
+		               "kl_fn_dim_state: %s: variant %d input %d dim %d does not exist (%d "
+		               "variants, %d inputs%s)",
+		               f->name, v, input, dim, f->nvars, f->nin,
+		               v >= 0 && v < f->nvars && input >= 0 && input < f->nin
+		                       ? ", fewer dims"
+		                       : "");
+	const kl_variant *var = f->vars[v];
+	if (why)
+		*why = "";
+	if (!(f->dyn[input] >> dim & 1))
+		*state = KL_DIM_STATIC;
+	else if (var->g[input].dyn >> dim & 1)
+		*state = KL_DIM_SYMBOLIC;
+	else {
+		*state = KL_DIM_SPECIALIZED;
+		for (int k = 0; why && k < var->nspec; k++)
+			if (var->spec[k].input == input && var->spec[k].dim == dim)
+				*why = var->spec[k].why;
+	}
+	return KL_OK;
 }
 
 /* ---- guards ------------------------------------------------------------------ */

@@ -414,8 +414,9 @@ static bool same_form(const kl_step *a, const kl_step *b)
 
 /* The library step sp (built by fn at the traced sizes) over symbolic dims:
  * each of its sizes, strides and offsets is found to be a constant times a
- * product of symbols by building it again with each symbol doubled, then
- * checked with every symbol at 3v + 1 at once; those that vary become
+ * product of powers of symbols (a [b, t, t] score matrix's batch stride is
+ * t * t) by building it again with each symbol doubled (the field grows by
+ * 2^e), then checked with every symbol at 3v + 1 at once; those that vary become
  * P->symf entries, which the runtime evaluates per call. A step whose
  * fields are no such products, or whose form changes with the sizes, is an
  * error (never a wrong plan). */
@@ -430,10 +431,11 @@ static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_
 		for (int d = 0; d < L->g.nodes[n].ndim; d++)
 			if (L->sym[n * KL_MAX_DIMS + d] > 0)
 				base[L->sym[n * KL_MAX_DIMS + d]] = L->g.nodes[n].shape[d];
-	uint64_t *dep = calloc((size_t)nf, sizeof *dep); /* bit k-1: field grows with symbol k */
+	/* ex[f * (ns + 1) + k]: the power of symbol k in field f */
+	int8_t *ex = calloc((size_t)nf * (size_t)(ns + 1), 1);
 	kl_step *tmp = malloc(sizeof *tmp);
-	if (!dep || !tmp) {
-		free(dep);
+	if (!ex || !tmp) {
+		free(ex);
 		free(tmp);
 		return KL_ENOMEM;
 	}
@@ -458,17 +460,20 @@ static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_
 			bad = "its form changes with the sizes";
 		for (int f = 0; st == KL_OK && !bad && f < nf; f++) {
 			int64_t v0 = *kl__step_field(sp, f), v1 = *kl__step_field(tmp, f);
+			int8_t *e = &ex[(size_t)f * (size_t)(ns + 1)];
 			if (k <= ns) {
-				if (v1 == 2 * v0 && v0 != 0)
-					dep[f] |= 1ull << (k - 1);
-				else if (v1 != v0)
+				int p = 0;
+				for (int64_t r = v0; v0 != 0 && r != v1 && p < 4; p++)
+					r *= 2;
+				if (v0 == 0 ? v1 != 0 : p == 4)
 					bad = "a size or stride is no product of dynamic dims";
+				e[k] = (int8_t)p;
 				continue;
 			}
 			/* every symbol at once: c * product of the new values */
 			int64_t c = v0, want;
 			for (int j = 1; j <= ns && !bad; j++)
-				if (dep[f] >> (j - 1) & 1) {
+				for (int p = 0; p < e[j] && !bad; p++) {
 					if (c % base[j] != 0)
 						bad = "a size or stride is no product of dynamic dims";
 					else
@@ -476,7 +481,7 @@ static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_
 				}
 			want = c;
 			for (int j = 1; j <= ns && !bad; j++)
-				if (dep[f] >> (j - 1) & 1)
+				for (int p = 0; p < e[j]; p++)
 					want *= val[j];
 			if (!bad && want != v1)
 				bad = "a size or stride is no product of dynamic dims";
@@ -484,18 +489,20 @@ static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_
 	}
 	set_syms(L, base);
 	for (int f = 0; st == KL_OK && !bad && f < nf; f++) {
-		if (!dep[f])
-			continue;
+		const int8_t *pw = &ex[(size_t)f * (size_t)(ns + 1)];
 		kl_symf e = {.step = P->nsteps - 1, .field = f, .c = *kl__step_field(sp, f)};
+		int n = 0;
 		for (int j = 1; j <= ns; j++)
-			if (dep[f] >> (j - 1) & 1) {
-				if (e.ns == KL_MAX_DIMS) {
-					bad = "a size is a product of too many dynamic dims";
-					break;
+			for (int p = 0; p < pw[j]; p++, n++)
+				if (n < KL_MAX_DIMS) {
+					e.c /= base[j];
+					e.s[n] = (int8_t)j;
 				}
-				e.c /= base[j];
-				e.s[e.ns++] = (int8_t)j;
-			}
+		if (n > KL_MAX_DIMS)
+			bad = "a size is a product of too many dynamic dims";
+		e.ns = n;
+		if (e.ns == 0)
+			continue;
 		if (bad)
 			break;
 		kl_symf *p = realloc(P->symf, sizeof(kl_symf) * ((size_t)P->nsymf + 1));
@@ -506,7 +513,7 @@ static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_
 		P->symf = p;
 		P->symf[P->nsymf++] = e;
 	}
-	free(dep);
+	free(ex);
 	free(tmp);
 	if (st == KL_OK && bad) {
 		char l[64];

@@ -408,7 +408,7 @@ int kl__graph_symbolize(const kl_graph *g, const uint32_t *dyn_masks, int32_t *s
 	if (n < 0 && cf.input >= 0) {
 		char why[224];
 		describe(g, &cf, NULL, NULL, why, sizeof why);
-		snprintf(err, errcap, "dynamic dim %d of input %d cannot stay dynamic: %s", cf.dim,
+		snprintf(err, errcap, "dynamic dim %d of input %d needs a static size: %s", cf.dim,
 		         cf.input, why);
 	}
 	return n;
