@@ -543,6 +543,13 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		const kl_node *n = &g->nodes[g->inputs[c->prog.sym_input[k]]];
 		c->plan_syms[k] = n->shape[c->prog.sym_dim[k]];
 	}
+	/* a plan from the disk cache may have been traced at other sizes of its
+	 * symbols: its library steps are bound to this graph's */
+	char berr[160];
+	if (c->dynamic && kl__program_bind(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
+		kl__err(ctx, KL_EFORMAT, "kl_compile: the program does not fit its graph: %s", berr);
+		goto fail;
+	}
 	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK) {
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
 		goto fail;
