@@ -200,8 +200,7 @@ static void run_sizes(kl_ctx *ctx, gpt2 *m, uint32_t mask, int which, int64_t fi
 	assert_non_null(strstr(ex, "compiles: 1;"));
 	/* the plan keeps its library products and, with kl_sdpa, fused attention */
 	assert_non_null(strstr(ex, "blas matmul"));
-	if (!m->hand)
-		assert_non_null(strstr(ex, "attn attention"));
+	assert_non_null(strstr(ex, "attn attention"));
 	assert_null(strstr(ex, "generated, dynamic"));
 	/* which dims are symbolic */
 	assert_non_null(strstr(ex, which == 0 ? "input 0 dim 0: symbolic" : "input 0 dim 1: symbolic"));
