@@ -458,7 +458,7 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
 	 KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD))
 #define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
 #define SDPA (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
-#define DYNAMIC (SDPA | KT_MODE_BIT(KT_MODE_DYNAMIC))
+#define DYNAMIC (ALL | KT_MODE_BIT(KT_MODE_DYNAMIC))
 #define CPU KT_ON_CPU
 #define GPU KT_ON_CUDA
 
