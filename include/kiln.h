@@ -459,20 +459,46 @@ typedef enum kl_mode {
 typedef kl_status (*kl_fn_body)(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
                                 int nout, void *user);
 
+/* Dynamic dims. By default every input dim is guarded: a call with a new
+ * size compiles a new variant (a recompile). A dim marked dynamic is left
+ * out of the guard and stays a symbol through the compiled plan (generated
+ * kernels take it as an argument; BLAS products and fused attention take
+ * their sizes per call; buffers are planned per size), so one variant runs
+ * every size of it, 0 and 1 included.
+ *
+ * Mark dims per input with a bitmask, bit d = dim d (KL_DIM(d) = 1u << d),
+ * dims counted from 0 as kl_shape gives them:
+ *     // x [B, T, d]: batch and sequence dynamic, the hidden size static
+ *     kl_compile_opts o = {.ndynamic_dims = 1,
+ *                          .dynamic_dims = (uint32_t[]){KL_DIM(0) | KL_DIM(1)}};
+ *     kl_fn *f = kl_compile(ctx, block, &weights, 1, 1, &o);
+ * dynamic_dims[i] is input i's mask for i < ndynamic_dims; inputs past it
+ * are static. Or .dynamic = KL_DYNAMIC_ALL marks every dim of every input.
+ * Any other value of .dynamic (1, say) is KL_EINVAL naming what to write.
+ *
+ * A dim that must be static (a product's reduction dim meeting a weight,
+ * e.g. the hidden size; the length of a kl_arange fn builds from a number;
+ * a slice's bounds) is specialised: compiled at its traced size and
+ * guarded, alone; the other dims stay symbolic. A dim first traced at size
+ * 0 or 1 is specialised too (as Dynamo does), so trace with a typical size.
+ * kl_explain lists each marked dim of each variant as symbolic or
+ * specialised with why; kl_fn_dim_state gives the same to a program. */
 #define KL_DYNAMIC_ALL (-1)
+#define KL_DIM(d) (1u << (d))
 
 typedef struct kl_compile_opts {
 	kl_mode mode;
 	bool fullgraph;      /* a sync point inside fn is an error; replay skips fn
 	                      * while its guards (inputs, captured tensors) hold */
 	bool disable;        /* run fn eagerly (the kill switch) */
-	int recompile_limit; /* variants before falling back to eager; 0 = 8 */
-	/* dynamic dims: dynamic == KL_DYNAMIC_ALL marks every input dim dynamic;
-	 * otherwise dynamic_dims[i] is a bitmask of input i's dynamic dims
-	 * (up to ndynamic_dims inputs). */
-	int dynamic;
-	int ndynamic_dims;
-	const uint32_t *dynamic_dims;
+	/* compiles before new shapes run eagerly; 0 = 8. Past it, the variants
+	 * compiled so far keep serving their shapes; a call with a new shape
+	 * runs fn eagerly. One warning names the guard that kept failing and,
+	 * for an input dim, what to mark dynamic. */
+	int recompile_limit;
+	int dynamic;                  /* 0 or KL_DYNAMIC_ALL (see above) */
+	int ndynamic_dims;            /* entries of dynamic_dims, 0..nin */
+	const uint32_t *dynamic_dims; /* per input: bit d = dim d is dynamic */
 } kl_compile_opts;
 
 /* opts may be NULL (defaults). nin/nout: the arity of fn. */
@@ -498,6 +524,39 @@ void kl_fn_free(kl_fn *f);
 /* How many kernels (and library calls) the last kl_fn_call that succeeded
  * launched; -1 before one has. */
 int kl_fn_last_kernels(const kl_fn *f);
+
+/* What a compiled function has done so far (kl_explain's counters). */
+typedef struct kl_fn_stats {
+	long calls;        /* kl_fn_call calls */
+	long replays;      /* fullgraph calls that replayed a plan without running fn */
+	long eager_calls;  /* calls run eagerly: .disable, or a new shape past the limit */
+	long failed_calls;
+	int compiles;      /* the first compile and every recompile */
+	int recompiles;    /* compiles after the first; each has a reason */
+	int variants;      /* guard sets compiled */
+	bool over_limit;   /* past recompile_limit: new shapes run eagerly */
+} kl_fn_stats;
+kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
+/* The reason of recompile i (0 = the first recompile, i.e. the second
+ * compile), as KILN_LOGS=recompiles prints it, e.g.
+ *     recompile #2: input 0 dim 1: 128 -> 64; mark it dynamic to compile one
+ *     variant for every size: kl_compile_opts.dynamic_dims[0] |= 1u << 1 ...
+ * NULL when i is out of range (the first 64 are kept). Valid until the next
+ * kl_fn_call or kl_fn_free. */
+const char *kl_fn_recompile_reason(const kl_fn *f, int i);
+
+typedef enum kl_dim_state {
+	KL_DIM_STATIC = 0,  /* not marked dynamic: guarded */
+	KL_DIM_SYMBOLIC,    /* marked dynamic and kept a symbol: any size runs the variant */
+	KL_DIM_SPECIALIZED  /* marked dynamic but compiled at its traced size (why says why) */
+} kl_dim_state;
+/* How variant v (0 = the first compiled, as kl_explain numbers them)
+ * compiled dim `dim` of input `input`. *why (may be NULL) receives the
+ * reason for a specialised dim ("it meets a static dim of a f32 [2304,768]
+ * tensor ..."), "" otherwise; valid until kl_fn_free. KL_EINVAL for a
+ * variant, input or dim out of range. */
+kl_status kl_fn_dim_state(const kl_fn *f, int v, int input, int dim, kl_dim_state *state,
+                          const char **why);
 
 /* Register a host callback that is a sync point: inside a compiled function
  * it is a graph break (the tensors it receives are materialized).

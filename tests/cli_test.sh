@@ -113,6 +113,9 @@ for w in "${names[@]}"; do
 		fi
 	done
 done
+# issue 23: the dynamic plan beside the static one, same shape
+grep -F '{"workload":"gpt2_block","device":"cpu"' "$work/json" | grep -F '"mode":"dynamic"' |
+	grep -Eq '"kernels":[1-9][0-9]*[,}]' || fail "gpt2_block: no dynamic line"
 # Fusion: a pointwise chain is one kernel per call.
 for w in relu_fma pointwise8; do
 	grep -F "{\"workload\":\"$w\",\"device\":\"cpu\"," "$work/json" |

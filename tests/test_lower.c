@@ -246,12 +246,16 @@ static void naive_matmul(const kl_program *P, const kl_matmul_step *mm, void *co
 
 /* Run P (its kernels named prefix + name in so) on the trace's inputs;
  * outs[j]: dense values of output j (malloc'd). */
-static void run_program(const kl_program *P, void *so, const char *prefix, const kl_trace *tr,
+static void run_program(kl_program *P, void *so, const char *prefix, const kl_trace *tr,
                         double **outs)
 {
 	int64_t S[KL_MAX_DIMS * 4];
 	for (int k = 0; k < P->nsyms; k++)
 		S[k] = tr->in_tensors[P->sym_input[k]]->shape[P->sym_dim[k]];
+	/* library steps at these sizes, as the executor binds them */
+	char berr[160];
+	if (P->nsyms > 0 && kl__program_bind(P, S, berr, sizeof berr) != KL_OK)
+		fail_msg("kl__program_bind: %s", berr);
 	void **B = calloc((size_t)P->nbufs, sizeof(void *));
 	bool *own = calloc((size_t)P->nbufs, sizeof(bool));
 	assert_true(B && own);

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE /* dladdr: names functions in logs when it can */
 #include <dlfcn.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,13 +66,20 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	else if (o.recompile_limit < 0)
 		bad = "recompile_limit must be >= 0";
 	else if (o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL)
-		bad = "dynamic must be 0 or KL_DYNAMIC_ALL";
+		bad = "dynamic takes 0 or KL_DYNAMIC_ALL (every dim of every input); to mark some "
+		      "dims, set dynamic_dims[i] to input i's mask (bit d = dim d, e.g. "
+		      "(uint32_t[]){KL_DIM(0)} for input 0's first dim) and ndynamic_dims";
 	else if (o.ndynamic_dims < 0 || o.ndynamic_dims > nin ||
 	         (o.ndynamic_dims > 0 && !o.dynamic_dims))
 		bad = "ndynamic_dims must be in 0..nin, with dynamic_dims set";
 	for (int i = 0; !bad && i < o.ndynamic_dims; i++)
 		if (o.dynamic_dims[i] >> KL_MAX_DIMS)
-			bad = "a dynamic_dims mask names a dim >= 8";
+			bad = "a dynamic_dims mask names a dim >= 8 (bit d is dim d; at most "
+			      "KL_MAX_DIMS dims)";
+	if (bad && o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL) {
+		kl__err(ctx, KL_EINVAL, "kl_compile: dynamic is %d: %s", o.dynamic, bad);
+		return NULL;
+	}
 	if (bad) {
 		kl__err(ctx, KL_EINVAL, "kl_compile: %s", bad);
 		return NULL;
@@ -129,6 +137,7 @@ static void variant_free(kl_variant *v)
 	replay_reset(v);
 	free(v->segs);
 	free(v->g);
+	free(v->spec);
 	free(v);
 }
 
@@ -145,12 +154,65 @@ void kl_fn_free(kl_fn *f)
 	}
 	free(f->entries);
 	free(f->dyn);
+	free(f->reasons);
 	free(f);
 }
 
 int kl_fn_last_kernels(const kl_fn *f)
 {
 	return f ? f->last_kernels : -1;
+}
+
+kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
+{
+	if (!f || !out)
+		return kl__err(f ? f->ctx : NULL, KL_EINVAL, "kl_fn_get_stats: %s is NULL",
+		               !f ? "f" : "out");
+	*out = (kl_fn_stats){.calls = f->calls,
+	                     .replays = f->replays,
+	                     .eager_calls = f->eager_calls,
+	                     .failed_calls = f->failed_calls,
+	                     .compiles = f->compiles,
+	                     .recompiles = f->compiles > 0 ? f->compiles - 1 : 0,
+	                     .variants = f->nvars,
+	                     .over_limit = f->eager};
+	return KL_OK;
+}
+
+const char *kl_fn_recompile_reason(const kl_fn *f, int i)
+{
+	return f && i >= 0 && i < f->nreasons ? f->reasons[i] : NULL;
+}
+
+kl_status kl_fn_dim_state(const kl_fn *f, int v, int input, int dim, kl_dim_state *state,
+                          const char **why)
+{
+	if (!f || !state)
+		return kl__err(f ? f->ctx : NULL, KL_EINVAL, "kl_fn_dim_state: %s is NULL",
+		               !f ? "f" : "state");
+	if (v < 0 || v >= f->nvars || input < 0 || input >= f->nin || dim < 0 ||
+	    dim >= f->vars[v]->g[input].ndim)
+		return kl__err(f->ctx, KL_EINVAL,
+		               "kl_fn_dim_state: %s: variant %d input %d dim %d does not exist (%d "
+		               "variants, %d inputs%s)",
+		               f->name, v, input, dim, f->nvars, f->nin,
+		               v >= 0 && v < f->nvars && input >= 0 && input < f->nin
+		                       ? ", fewer dims"
+		                       : "");
+	const kl_variant *var = f->vars[v];
+	if (why)
+		*why = "";
+	if (!(f->dyn[input] >> dim & 1))
+		*state = KL_DIM_STATIC;
+	else if (var->g[input].dyn >> dim & 1)
+		*state = KL_DIM_SYMBOLIC;
+	else {
+		*state = KL_DIM_SPECIALIZED;
+		for (int k = 0; why && k < var->nspec; k++)
+			if (var->spec[k].input == input && var->spec[k].dim == dim)
+				*why = var->spec[k].why;
+	}
+	return KL_OK;
 }
 
 /* ---- guards ------------------------------------------------------------------ */
@@ -235,6 +297,40 @@ static void tally(kl_fn *f, const char *name, const char *why)
 	f->tally[low].count = 1;
 }
 
+/* Keep recompile #f->compiles's reason for kl_fn_recompile_reason. */
+static void note_recompile(kl_fn *f, const char *fmt, ...) KL_PRINTF(2, 3);
+static void note_recompile(kl_fn *f, const char *fmt, ...)
+{
+	if (f->nreasons >= KL_FN_REASONS)
+		return;
+	if (!f->reasons && !(f->reasons = calloc(KL_FN_REASONS, sizeof *f->reasons)))
+		return; /* only the API's copy of the log is lost */
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(f->reasons[f->nreasons++], KL_FN_REASON_LEN, fmt, ap);
+	va_end(ap);
+}
+
+/* What to write to compile the dim of guard `name` once ("" when the
+ * guard is no input dim). */
+static void dim_advice(const kl_fn *f, const char *name, char *buf, size_t cap)
+{
+	int i, d;
+	buf[0] = 0;
+	if (sscanf(name, "input %d dim %d", &i, &d) != 2 || i < 0 || i >= f->nin || d < 0 ||
+	    d >= KL_MAX_DIMS)
+		return;
+	if (f->dyn[i] >> d & 1)
+		snprintf(buf, cap,
+		         "; the dim is marked dynamic but its graph needs it static (kl_explain "
+		         "says why)");
+	else
+		snprintf(buf, cap,
+		         "; mark it dynamic to compile one variant for every size: "
+		         "kl_compile_opts.dynamic_dims[%d] |= 1u << %d (with ndynamic_dims > %d)",
+		         i, d, i);
+}
+
 static void go_eager(kl_fn *f)
 {
 	if (f->eager)
@@ -244,11 +340,14 @@ static void go_eager(kl_fn *f)
 	for (int i = 1; i < 8; i++)
 		if (f->tally[i].count > f->tally[best].count)
 			best = i;
+	char advice[160];
+	dim_advice(f, f->tally[best].name, advice, sizeof advice);
 	fprintf(stderr,
 	        "kiln: warning: kl_fn_call: %s reached its recompile limit (%d variants); guard "
-	        "'%s' kept failing (%d times, last: %s); running it eagerly from now on\n",
+	        "'%s' kept failing (%d times, last: %s)%s; its %d compiled variants keep serving "
+	        "their shapes, other shapes run eagerly from now on\n",
 	        f->name, f->limit, f->tally[best].count ? f->tally[best].name : "?",
-	        f->tally[best].count, f->last_fail[0] ? f->last_fail : "?");
+	        f->tally[best].count, f->last_fail[0] ? f->last_fail : "?", advice, f->nvars);
 	kl__log(f->ctx, KL_LOG_RECOMPILES, "%s: recompile limit %d reached: eager from now on",
 	        f->name, f->limit);
 }
@@ -381,7 +480,10 @@ static kl_status graph_entry(call *cs, kl_trace *tr, int nops, kl_gentry **out)
 	uint64_t key;
 	kl_status st = kl__compile_key(ctx, g, &cfg, &key);
 	for (int i = 0; st == KL_OK && i < f->nentries; i++)
-		if (f->entries[i]->key == key) {
+		if (f->entries[i]->key == key ||
+		    (any && kl__compiled_serves(ctx, f->entries[i]->c, f->entries[i]->key, g, &cfg))) {
+			/* the second: a dynamic dim at 0 or 1 (not a symbol when
+			 * traced at that size), which the entry runs all the same */
 			*out = f->entries[i];
 			free(masks);
 			return KL_OK;
@@ -399,6 +501,10 @@ static kl_status graph_entry(call *cs, kl_trace *tr, int nops, kl_gentry **out)
 			tally(f, name, why);
 			kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: graph %d: %s",
 			        f->compiles, f->name, cs->seg, why);
+			note_recompile(f, "recompile #%d: graph %d changed: %s", f->compiles, cs->seg,
+			               why);
+			if (f->eager)
+				cs->v->retired = true; /* its shapes go eager after this call */
 			if (f->compiles > f->limit)
 				cs->over_limit = true;
 		}
@@ -468,6 +574,7 @@ static void remember_dyn(call *cs, const kl_compiled *c, kl_tensor *const *lazy,
  * guarded like any other. */
 static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
 {
+	kl_variant *v = cs->v;
 	for (int32_t b = 0; b < c->prog.nbufs; b++) {
 		const kl_buf *bf = &c->prog.bufs[b];
 		if (bf->role != KL_BUF_INPUT)
@@ -476,10 +583,26 @@ static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
 		for (int j = 0; j < cs->f->nin; j++) {
 			if (cs->in[j] != t)
 				continue;
-			kl_guard *g = &cs->v->g[j];
-			for (int d = 0; d < bf->ndim && d < g->ndim; d++)
-				if ((g->dyn >> d & 1) && bf->shape[d].sym == 0)
-					g->dyn &= ~(1u << d);
+			kl_guard *g = &v->g[j];
+			for (int d = 0; d < bf->ndim && d < g->ndim; d++) {
+				if (!(g->dyn >> d & 1) || bf->shape[d].sym != 0)
+					continue;
+				g->dyn &= ~(1u << d);
+				kl_vspec *p = realloc(v->spec, sizeof *p * (size_t)(v->nspec + 1));
+				if (!p)
+					continue; /* explain loses the reason, the guard holds */
+				v->spec = p;
+				kl_vspec *sp = &v->spec[v->nspec++];
+				*sp = (kl_vspec){.input = j, .dim = d, .value = t->shape[d]};
+				snprintf(sp->why, sizeof sp->why,
+				         "traced at size %" PRId64 ": a dim first traced at 0 or 1 is "
+				         "specialised (a later call at another size compiles a second, "
+				         "symbolic variant)",
+				         t->shape[d]);
+				for (int k = 0; k < c->nspec; k++)
+					if (c->spec[k].input == bf->index && c->spec[k].dim == d)
+						snprintf(sp->why, sizeof sp->why, "%s", c->spec[k].why);
+			}
 		}
 	}
 }
@@ -1029,7 +1152,7 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 	} else if (ctx->trace) {
 		/* called from inside another compiled function: inline it */
 		st = eager_call(f, pin, out, false);
-	} else if (f->o.disable || f->eager) {
+	} else if (f->o.disable) {
 		f->eager_calls++;
 		st = eager_call(f, pin, out, true);
 	} else {
@@ -1040,7 +1163,12 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 				st = kl_last_status(ctx);
 		kl_variant *v = st == KL_OK ? find_variant(f, pin) : NULL;
 		bool fresh = false, stale = false;
-		if (st == KL_OK && !v) {
+		if (v && v->retired)
+			v = NULL; /* past the limit its graph changed: eager */
+		if (st == KL_OK && !v && f->eager) {
+			/* past the recompile limit: compiled variants serve their
+			 * shapes, a new shape runs eagerly */
+		} else if (st == KL_OK && !v) {
 			char why[160], name[48];
 			explain_miss(f, pin, why, sizeof why, name, sizeof name);
 			if (f->nvars > 0)
@@ -1052,9 +1180,13 @@ kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			} else {
 				fresh = true;
 				f->compiles++;
-				if (f->nvars > 1)
-					kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: %s",
-					        f->compiles, f->name, why);
+				if (f->nvars > 1) {
+					char advice[160];
+					dim_advice(f, name, advice, sizeof advice);
+					kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: %s%s",
+					        f->compiles, f->name, why, advice);
+					note_recompile(f, "recompile #%d: %s%s", f->compiles, why, advice);
+				}
 			}
 		}
 		if (st != KL_OK) {

@@ -8,6 +8,9 @@
 #include "capture/trace.h"
 #include "runtime/compiled.h"
 
+#define KL_FN_REASONS 64
+#define KL_FN_REASON_LEN 256
+
 /* What a variant requires of fn input i (dims in dyn are free). */
 typedef struct kl_guard {
 	kl_dtype dtype;
@@ -33,9 +36,22 @@ typedef struct kl_seg {
 	int last_node;
 } kl_seg;
 
+/* A dim the caller marked dynamic that this variant's graph keeps static,
+ * and why (kl_explain, kl_fn_dim_status). */
+typedef struct kl_vspec {
+	int input, dim;
+	int64_t value;
+	char why[200];
+} kl_vspec;
+
 typedef struct kl_variant {
 	int id;
 	kl_guard *g;
+	kl_vspec *spec;
+	int nspec;
+	/* past the recompile limit its graph changed (user state baked into it):
+	 * its shapes run eagerly from then on */
+	bool retired;
 	kl_seg *segs;
 	int nsegs, cap_segs;
 	long calls;
@@ -74,6 +90,9 @@ struct kl_fn {
 	bool eager;   /* over the recompile limit: fn runs eagerly */
 	kl_guard_tally tally[8];
 	char last_fail[256];
+	/* every recompile's reason, oldest first (the first KL_FN_REASONS kept) */
+	char (*reasons)[KL_FN_REASON_LEN];
+	int nreasons;
 	long calls, eager_calls, replays, failed_calls;
 	bool last_failed; /* the latest kl_fn_call returned an error */
 	int last_kernels; /* of the latest call that succeeded; -1 before one */

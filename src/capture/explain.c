@@ -117,7 +117,9 @@ void kl__graph_diff(const kl_graph *a, const kl_graph *b, char *buf, size_t cap)
 static void print_dynamic(const kl_fn *f, FILE *out)
 {
 	if (f->o.dynamic == KL_DYNAMIC_ALL) {
-		fputs("dynamic: every input dim", out);
+		fputs("dynamic: all dims requested (KL_DYNAMIC_ALL; each variant says which stayed "
+		      "symbolic)",
+		      out);
 		return;
 	}
 	bool any = false;
@@ -131,6 +133,37 @@ static void print_dynamic(const kl_fn *f, FILE *out)
 		}
 	if (!any)
 		fputs("static shapes", out);
+}
+
+/* The dims the caller marked dynamic, as variant v compiled them: symbolic
+ * (one plan for every size) or specialised, with why. */
+static void print_dims(const kl_fn *f, const kl_variant *v, FILE *out)
+{
+	bool head = false;
+	for (int i = 0; i < f->nin; i++)
+		for (int d = 0; d < v->g[i].ndim; d++) {
+			if (!(f->dyn[i] >> d & 1))
+				continue;
+			if (!head)
+				fputs("    dynamic dims:\n", out);
+			head = true;
+			if (v->g[i].dyn >> d & 1) {
+				fprintf(out, "      input %d dim %d: symbolic (traced at %" PRId64
+				             "; every size runs this variant's plan)\n",
+				        i, d, v->g[i].shape[d]);
+				continue;
+			}
+			const kl_vspec *sp = NULL;
+			for (int k = 0; k < v->nspec && !sp; k++)
+				if (v->spec[k].input == i && v->spec[k].dim == d)
+					sp = &v->spec[k];
+			if (sp)
+				fprintf(out, "      input %d dim %d: specialised to %" PRId64 ": %s\n", i,
+				        d, sp->value, sp->why);
+			else
+				fprintf(out, "      input %d dim %d: specialised to %" PRId64 "\n", i, d,
+				        v->g[i].shape[d]);
+		}
 }
 
 void kl__capture_explain(const kl_fn *f, FILE *out)
@@ -181,6 +214,7 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 			kl__guard_str(&v->g[i], buf, sizeof buf);
 			fprintf(out, "      input %d: %s\n", i, buf);
 		}
+		print_dims(f, v, out);
 		if (v->nsegs == 0)
 			fputs("    no graph recorded yet\n", out);
 		for (int s = 0; s < v->nsegs; s++) {

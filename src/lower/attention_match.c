@@ -194,17 +194,6 @@ static bool swaps_last_two(const kl_node *p)
 	return p->a.v[p->ndim - 2] == p->ndim - 1 && p->a.v[p->ndim - 1] == p->ndim - 2;
 }
 
-static bool sym_dims(const mctx *m, int32_t n)
-{
-	const int32_t *sym = m->L->src_sym;
-	if (!sym)
-		return false;
-	for (int d = 0; d < KL_MAX_DIMS; d++)
-		if (sym[n * KL_MAX_DIMS + d] > 0)
-			return true;
-	return false;
-}
-
 /* Is o the end of an attention pattern? Returns false silently when o is no
  * candidate (not matmul(softmax(...), v)); with why set when it is one that
  * cannot fuse. */
@@ -301,10 +290,6 @@ static bool match_one(mctx *m, int32_t o, kl_attn_match *am, char *why, size_t c
 	}
 	if (!kl_dtype_is_float(dt)) {
 		snprintf(why, cap, "dtype %s is not floating point", kl_dtype_name(dt));
-		return false;
-	}
-	if (sym_dims(m, o) || sym_dims(m, q) || sym_dims(m, k) || sym_dims(m, v)) {
-		snprintf(why, cap, "dims are dynamic (attention steps have static shapes)");
 		return false;
 	}
 	am->q = q;

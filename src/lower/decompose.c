@@ -175,8 +175,8 @@ static int32_t norm_scaled(dctx *d, int32_t x, uint32_t ax, int32_t *sc)
 	return bin(d, KL_OP_MUL, x, *sc);
 }
 
-/* a product with a dynamic dim: BLAS steps have static shapes, so it becomes
- * sum(a[..., m, 1, k] * b^T[..., 1, n, k], -1), a generated kernel */
+/* a product with a dynamic dim (a library step whose sizes the runtime
+ * binds per call) */
 static bool sym_product(dctx *d, const kl_node *s)
 {
 	const int32_t *sym = d->L->src_sym;
@@ -318,16 +318,6 @@ static bool merged(dctx *d, int32_t lead, const int32_t *map, int32_t *pre)
 	return true;
 }
 
-static bool any_sym(const dctx *d, const int32_t *src_ids, int n)
-{
-	const int32_t *sym = d->L->src_sym;
-	for (int i = 0; sym && i < n; i++)
-		for (int k = 0; k < KL_MAX_DIMS; k++)
-			if (sym[src_ids[i] * KL_MAX_DIMS + k] > 0)
-				return true;
-	return false;
-}
-
 /* a product of lowered a and b through the MATMUL rules (src ids for the
  * dynamic-dim check) */
 static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
@@ -347,17 +337,18 @@ static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
 
 /* sdpa: one ATTENTION node whose operands are dense-row views (CONTIGUOUS:
  * a copy only when the scheduler finds the layout unreadable), or, when the
- * target lacks the step, its dims are dynamic or the CUDA kernels do not
- * cover its head dim, the same math in primitives:
+ * target lacks the step or the CUDA kernels do not cover its head dim, the
+ * same math in primitives (dynamic dims stay dynamic either way: the step
+ * binds its sizes per call, and symbolic.c keeps a causal mask's sequence
+ * dims static where the mask must be built):
  * softmax(where(causal, q k^T * scale, -inf)) v. src_in: src ids of q, k, v. */
 static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int32_t *src_in)
 {
 	kl_dtype D = (kl_dtype)s->dtype;
 	int rk = s->ndim;
-	int32_t ids[4] = {d->cur, src_in[0], src_in[1], src_in[2]};
 	int64_t hd = nd(d, in[0])->shape[rk - 1];
 	bool cuda_wide = d->L->o->target == KL_TARGET_CUDA && (hd > 256 || s->shape[rk - 1] > 256);
-	if (!d->L->o->no_attention && !cuda_wide && !any_sym(d, ids, 4)) {
+	if (!d->L->o->no_attention && !cuda_wide) {
 		kl_node n = *s;
 		n.op = KL_OP_ATTENTION;
 		n.nin = 3;
@@ -548,9 +539,12 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		int64_t rows = s->ndim > 1 && s->shape[s->ndim - 1] > 0
 		                       ? kl__numel(s->ndim, s->shape) / s->shape[s->ndim - 1]
 		                       : 1;
-		bool skinny = cuda && kl__skinny_product(d->L, D, rows, s->shape[s->ndim - 1],
-		                                         nd(d, in[0])->shape[s->ndim - 1]);
-		if (sym_product(d, s) || int_cuda || skinny)
+		/* (not where the rows are dynamic: a row reduction traced at a
+		 * few rows would read the weight once per row at every size) */
+		bool skinny = cuda && !sym_product(d, s) &&
+		              kl__skinny_product(d->L, D, rows, s->shape[s->ndim - 1],
+		                                 nd(d, in[0])->shape[s->ndim - 1]);
+		if (int_cuda || skinny)
 			return product(d, s, in);
 		kl_node n = *s;
 		for (int i = 0; i < 2; i++) {

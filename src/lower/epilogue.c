@@ -60,11 +60,6 @@ static kl_epart add_operand(const kl_lctx *L, int32_t o, const kl_node *p, char 
 		     kl_dtype_name((kl_dtype)on->dtype), kl_dtype_name((kl_dtype)p->dtype));
 		return KL_EPART_NONE;
 	}
-	for (int d = 0; d < on->ndim; d++)
-		if (L->sym[o * KL_MAX_DIMS + d]) {
-			fail(why, cap, "its other operand %s has dynamic dims", l);
-			return KL_EPART_NONE;
-		}
 	int32_t base;
 	int64_t st[KL_MAX_DIMS], off;
 	if (!kl__stored_view(L, o, &base, st, &off)) {

@@ -382,6 +382,146 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	return KL_OK;
 }
 
+/* ---- library steps over symbolic dims ----------------------------------------------- */
+
+typedef kl_status (*step_builder)(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp);
+
+/* Give every symbolic dim of the decomposed graph the value val[k] of its
+ * symbol k (val[0] unused). */
+static void set_syms(kl_lctx *L, const int64_t *val)
+{
+	for (int32_t n = 0; n < L->g.n; n++)
+		for (int d = 0; d < L->g.nodes[n].ndim; d++)
+			if (L->sym[n * KL_MAX_DIMS + d] > 0)
+				L->g.nodes[n].shape[d] = val[L->sym[n * KL_MAX_DIMS + d]];
+}
+
+/* Steps a and b alike but for their symbolic fields and costs. */
+static bool same_form(const kl_step *a, const kl_step *b)
+{
+	kl_step x, y;
+	memcpy(&x, a, sizeof x);
+	memcpy(&y, b, sizeof y);
+	for (int f = 0; f < kl__step_nfields(); f++)
+		*kl__step_field(&x, f) = *kl__step_field(&y, f) = 0;
+	x.bytes = y.bytes = x.flops = y.flops = 0;
+	memset(x.what, 0, sizeof x.what);
+	memset(y.what, 0, sizeof y.what);
+	return memcmp(&x, &y, sizeof x) == 0;
+}
+
+/* The library step sp (built by fn at the traced sizes) over symbolic dims:
+ * each of its sizes, strides and offsets is found to be a constant times a
+ * product of powers of symbols (a [b, t, t] score matrix's batch stride is
+ * t * t) by building it again with each symbol doubled (the field grows by
+ * 2^e), then checked with every symbol at 3v + 1 at once; those that vary become
+ * P->symf entries, which the runtime evaluates per call. A step whose
+ * fields are no such products, or whose form changes with the sizes, is an
+ * error (never a wrong plan). */
+static kl_status symbolic_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp,
+                               step_builder fn)
+{
+	if (L->nsyms == 0)
+		return KL_OK;
+	int nf = kl__step_nfields(), ns = L->nsyms;
+	int64_t base[KL_MAX_DIMS * 4 + 1] = {0}, val[KL_MAX_DIMS * 4 + 1];
+	for (int32_t n = 0; n < L->g.n; n++)
+		for (int d = 0; d < L->g.nodes[n].ndim; d++)
+			if (L->sym[n * KL_MAX_DIMS + d] > 0)
+				base[L->sym[n * KL_MAX_DIMS + d]] = L->g.nodes[n].shape[d];
+	/* ex[f * (ns + 1) + k]: the power of symbol k in field f */
+	int8_t *ex = calloc((size_t)nf * (size_t)(ns + 1), 1);
+	kl_step *tmp = malloc(sizeof *tmp);
+	if (!ex || !tmp) {
+		free(ex);
+		free(tmp);
+		return KL_ENOMEM;
+	}
+	kl_status st = KL_OK;
+	const char *bad = NULL;
+	for (int k = 1; k <= ns + 1 && st == KL_OK && !bad; k++) {
+		memcpy(val, base, sizeof val);
+		if (k <= ns)
+			val[k] = 2 * base[k];
+		else
+			for (int j = 1; j <= ns; j++)
+				val[j] = 3 * base[j] + 1;
+		set_syms(L, val);
+		memset(tmp, 0, sizeof *tmp);
+		tmp->kind = sp->kind;
+		tmp->kernel = sp->kernel;
+		for (int i = 0; i < sp->nnodes; i++)
+			tmp->nodes[i] = sp->nodes[i];
+		tmp->nnodes = sp->nnodes;
+		st = fn(L, P, G, tmp);
+		if (st == KL_OK && !same_form(sp, tmp))
+			bad = "its form changes with the sizes";
+		for (int f = 0; st == KL_OK && !bad && f < nf; f++) {
+			int64_t v0 = *kl__step_field(sp, f), v1 = *kl__step_field(tmp, f);
+			int8_t *e = &ex[(size_t)f * (size_t)(ns + 1)];
+			if (k <= ns) {
+				int p = 0;
+				for (int64_t r = v0; v0 != 0 && r != v1 && p < 4; p++)
+					r *= 2;
+				if (v0 == 0 ? v1 != 0 : p == 4)
+					bad = "a size or stride is no product of dynamic dims";
+				e[k] = (int8_t)p;
+				continue;
+			}
+			/* every symbol at once: c * product of the new values */
+			int64_t c = v0, want;
+			for (int j = 1; j <= ns && !bad; j++)
+				for (int p = 0; p < e[j] && !bad; p++) {
+					if (c % base[j] != 0)
+						bad = "a size or stride is no product of dynamic dims";
+					else
+						c /= base[j];
+				}
+			want = c;
+			for (int j = 1; j <= ns && !bad; j++)
+				for (int p = 0; p < e[j]; p++)
+					want *= val[j];
+			if (!bad && want != v1)
+				bad = "a size or stride is no product of dynamic dims";
+		}
+	}
+	set_syms(L, base);
+	for (int f = 0; st == KL_OK && !bad && f < nf; f++) {
+		const int8_t *pw = &ex[(size_t)f * (size_t)(ns + 1)];
+		kl_symf e = {.step = P->nsteps - 1, .field = f, .c = *kl__step_field(sp, f)};
+		int n = 0;
+		for (int j = 1; j <= ns; j++)
+			for (int p = 0; p < pw[j]; p++, n++)
+				if (n < KL_MAX_DIMS) {
+					e.c /= base[j];
+					e.s[n] = (int8_t)j;
+				}
+		if (n > KL_MAX_DIMS)
+			bad = "a size is a product of too many dynamic dims";
+		e.ns = n;
+		if (e.ns == 0)
+			continue;
+		if (bad)
+			break;
+		kl_symf *p = realloc(P->symf, sizeof(kl_symf) * ((size_t)P->nsymf + 1));
+		if (!p) {
+			st = KL_ENOMEM;
+			break;
+		}
+		P->symf = p;
+		P->symf[P->nsymf++] = e;
+	}
+	free(ex);
+	free(tmp);
+	if (st == KL_OK && bad) {
+		char l[64];
+		snprintf(L->err, L->errcap, "kl__lower: %s over dynamic dims: %s",
+		         kl__node_label(L, G->m[0], l, sizeof(l)), bad);
+		st = KL_EUNSUPPORTED;
+	}
+	return st;
+}
+
 static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
 {
 	static const kl_op rows[] = {KL_OP_SOFTMAX, KL_OP_LOG_SOFTMAX, KL_OP_LAYER_NORM,
@@ -503,11 +643,15 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 			sp->kernel = -1;
 			add_attention_nodes(L, G->m[0], sp);
 			st = attention_step(L, P, G, sp);
+			if (st == KL_OK)
+				st = symbolic_step(L, P, G, sp, attention_step);
 		} else if (G->matmul) {
 			sp->kind = KL_STEP_MATMUL;
 			sp->kernel = -1;
 			add_node(sp, L->orig[G->m[0]]);
 			st = matmul_step(L, P, G, sp);
+			if (st == KL_OK)
+				st = symbolic_step(L, P, G, sp, matmul_step);
 		} else {
 			st = kernel_step(L, P, G, sp, &out->kernels[P->nkernels],
 			                 P->nsteps > 1 ? early : NULL);

@@ -43,4 +43,12 @@ void kl__lowered_free(kl_lowered *lw);
 int kl__graph_symbolize(const kl_graph *g, const uint32_t *dyn_masks, int32_t *sym, int32_t *sym_input,
                         int32_t *sym_dim, char *err, size_t errcap);
 
+/* Specialise only what must be static: out (ninputs masks) is dyn_masks
+ * less each dynamic dim that meets a static size, one at a time, so that
+ * specialising one dim never turns the others static; each such dim goes
+ * to spec (up to cap, *nspec of them). KL_OK unless a dynamic input cannot
+ * be dynamic at all (err says why: not dense, too many symbols). */
+kl_status kl__graph_specialize(const kl_graph *g, const uint32_t *dyn_masks, uint32_t *out,
+                               kl_spec *spec, int cap, int *nspec, char *err, size_t errcap);
+
 #endif /* KILN_LOWER_H */

@@ -73,14 +73,6 @@ static bool skinny(const kl_lctx *L, const kl_node *s, int64_t n, int64_t k)
 	return kl__skinny_product(L, (kl_dtype)s->dtype, rows, n, k);
 }
 
-static bool has_sym(const kl_lctx *L, int32_t n)
-{
-	for (int d = 0; L->src_sym && d < KL_MAX_DIMS; d++)
-		if (L->src_sym[n * KL_MAX_DIMS + d] > 0)
-			return true;
-	return false;
-}
-
 /* can products i and j (sharing in[0]) be one? w: their weights */
 static bool pair_ok(const kl_lctx *L, int32_t i, int32_t j, char *why, size_t cap)
 {
@@ -208,9 +200,6 @@ kl_status kl__merge_plan(kl_lctx *L)
 			else if (ok && skinny(L, s, stop - w0.start, k))
 				no = "a skinny product is a generated row reduction on CUDA, and the "
 				     "scheduler fuses reductions of one x into one kernel already";
-			for (int q = r0; ok && !no && q < r1; q++)
-				if (has_sym(L, (int32_t)run[2 * q + 1]) || has_sym(L, s->in[0]))
-					no = "a dim is dynamic (the product is a generated kernel)";
 			if (ok && no) {
 				kl__lower_logf(L, "did not merge the products of %s with adjacent weights "
 				               "from %s: %s",

@@ -162,6 +162,13 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 			join(u, q, r - 1, k, r - 1);
 			join(u, k, r - 2, v, r - 2);
 			join(u, v, r - 1, n, r - 1);
+			/* a causal attention that is decomposed (CUDA, head dims above
+			 * 256) builds its mask from aranges of the sequence lengths */
+			if ((x->a.flags & KL_F_CAUSAL) &&
+			    (u->g->nodes[q].shape[r - 1] > 256 || x->shape[r - 1] > 256)) {
+				fix(u, n, r - 2, n);
+				fix(u, k, r - 2, n);
+			}
 			return;
 		}
 		same(u, x->in[0], n);
@@ -236,14 +243,20 @@ static int cmp_i32(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
-int kl__symbolize_graph(const kl_graph *g, const uint32_t *masks, const uint8_t *fixed_red,
-                        int32_t *sym, int32_t *sym_input, int32_t *sym_dim, char *err,
-                        size_t errcap);
+/* A dynamic dim that reaches a slot which needs a static size: input
+ * `input`'s dim `dim` meets dim `slot_dim` of node `by`. */
+typedef struct conflict {
+	int32_t input, dim, by, slot_node, slot_dim;
+} conflict;
 
-int kl__symbolize_graph(const kl_graph *g, const uint32_t *masks, const uint8_t *fixed_red,
-                        int32_t *sym, int32_t *sym_input, int32_t *sym_dim, char *err,
-                        size_t errcap)
+/* Symbols of g under masks; -1 with *cf set (or err: out of memory, a
+ * non-dense dynamic input, too many symbols) when a dynamic dim cannot stay
+ * one. */
+static int symbolize(const kl_graph *g, const uint32_t *masks, const uint8_t *fixed_red,
+                     int32_t *sym, int32_t *sym_input, int32_t *sym_dim, conflict *cf, char *err,
+                     size_t errcap)
 {
+	cf->input = -1;
 	size_t ns = (size_t)g->n * KL_MAX_DIMS;
 	memset(sym, 0, sizeof(*sym) * ns);
 	if (!masks)
@@ -297,13 +310,8 @@ int kl__symbolize_graph(const kl_graph *g, const uint32_t *masks, const uint8_t 
 		int32_t r = find(&u, (int32_t)s);
 		if (u.origin[r] < 0)
 			continue;
-		int32_t by = u.fixed[s];
-		snprintf(err, errcap,
-		         "dynamic dim %d of input %d reaches %s#%d (dim %d of node %d), which "
-		         "needs a static size",
-		         u.origin[r] % KL_MAX_DIMS, u.origin[r] / KL_MAX_DIMS,
-		         kl__ops[g->nodes[by].op].name, by, (int)(s % KL_MAX_DIMS),
-		         (int)(s / KL_MAX_DIMS));
+		*cf = (conflict){u.origin[r] / KL_MAX_DIMS, u.origin[r] % KL_MAX_DIMS, u.fixed[s],
+		                 (int32_t)(s / KL_MAX_DIMS), (int)(s % KL_MAX_DIMS)};
 		goto done;
 	}
 	/* number the symbols by where they come from */
@@ -347,10 +355,102 @@ done:
 	return rc;
 }
 
-int kl__graph_symbolize(const kl_graph *g, const uint32_t *dyn_masks, int32_t *sym, int32_t *sym_input,
-                        int32_t *sym_dim, char *err, size_t errcap)
+/* Why node cf->by needs a static size where the dynamic dim meets it, in
+ * the words of the call the user made (graph nodes of the caller's trace
+ * are public calls; the lowered graph's are named by the call they came
+ * from through orig). */
+static void describe(const kl_graph *g, const conflict *cf, const kl_graph *src,
+                     const int32_t *orig, char *buf, size_t cap)
 {
-	return kl__symbolize_graph(g, dyn_masks, NULL, sym, sym_input, sym_dim, err, errcap);
+	int32_t by = orig ? orig[cf->by] : cf->by;
+	const kl_graph *ng = orig ? src : g;
+	const kl_node *x = &ng->nodes[by];
+	char sh[128];
+	kl__shape_str(sh, sizeof sh, x->ndim, x->shape);
+	const char *why = "which needs a static size there";
+	switch ((kl_op)x->op) {
+	case KL_OP_INPUT:
+		snprintf(buf, cap,
+		         "it meets a static dim of a %s %s tensor (a weight, or an input whose dim "
+		         "is not marked dynamic)",
+		         kl_dtype_name((kl_dtype)x->dtype), sh);
+		return;
+	case KL_OP_ARANGE:
+		why = "whose length is a number fn passed (it is baked into the graph)";
+		break;
+	case KL_OP_MEAN:
+	case KL_OP_VAR:
+		why = "which divides by the count of the reduced dim";
+		break;
+	case KL_OP_SLICE:
+	case KL_OP_CONCAT:
+		why = "whose bounds along the dim are numbers fn passed";
+		break;
+	case KL_OP_RESHAPE:
+		why = "which merges or splits the dim with others";
+		break;
+	case KL_OP_LAYER_NORM:
+	case KL_OP_RMS_NORM:
+		why = "which normalizes over the dim";
+		break;
+	default:
+		break;
+	}
+	snprintf(buf, cap, "it reaches kl_%s (result %s %s), %s", kl__ops[x->op].name,
+	         kl_dtype_name((kl_dtype)x->dtype), sh, why);
+}
+
+int kl__graph_symbolize(const kl_graph *g, const uint32_t *dyn_masks, int32_t *sym,
+                        int32_t *sym_input, int32_t *sym_dim, char *err, size_t errcap)
+{
+	conflict cf;
+	int n = symbolize(g, dyn_masks, NULL, sym, sym_input, sym_dim, &cf, err, errcap);
+	if (n < 0 && cf.input >= 0) {
+		char why[224];
+		describe(g, &cf, NULL, NULL, why, sizeof why);
+		snprintf(err, errcap, "dynamic dim %d of input %d needs a static size: %s", cf.dim,
+		         cf.input, why);
+	}
+	return n;
+}
+
+kl_status kl__graph_specialize(const kl_graph *g, const uint32_t *dyn_masks, uint32_t *out,
+                               kl_spec *spec, int cap, int *nspec, char *err, size_t errcap)
+{
+	*nspec = 0;
+	for (int32_t i = 0; i < g->ninputs; i++)
+		out[i] = dyn_masks ? dyn_masks[i] : 0;
+	if (!dyn_masks)
+		return KL_OK;
+	size_t ns = (size_t)g->n * KL_MAX_DIMS;
+	int32_t *sym = malloc(sizeof(int32_t) * (ns + 1));
+	int32_t si[KL_MAX_DIMS * 4 + 1], sd[KL_MAX_DIMS * 4 + 1];
+	if (!sym) {
+		snprintf(err, errcap, "out of memory");
+		return KL_ENOMEM;
+	}
+	kl_status st = KL_OK;
+	/* each round specialises one dim: at most every input dim once */
+	for (int round = 0; round <= g->ninputs * KL_MAX_DIMS; round++) {
+		conflict cf;
+		err[0] = 0;
+		if (symbolize(g, out, NULL, sym, si, sd, &cf, err, errcap) >= 0)
+			break;
+		if (cf.input < 0) {
+			st = KL_EUNSUPPORTED; /* not a static need: err says what */
+			break;
+		}
+		out[cf.input] &= ~(1u << cf.dim);
+		if (*nspec < cap) {
+			kl_spec *sp = &spec[(*nspec)++];
+			sp->input = cf.input;
+			sp->dim = cf.dim;
+			sp->value = g->nodes[g->inputs[cf.input]].shape[cf.dim];
+			describe(g, &cf, NULL, NULL, sp->why, sizeof sp->why);
+		}
+	}
+	free(sym);
+	return st;
 }
 
 kl_status kl__symbolize_lowered(kl_lctx *L)
@@ -368,12 +468,17 @@ kl_status kl__symbolize_lowered(kl_lctx *L)
 		fixed_red[n] = so == KL_OP_MEAN || so == KL_OP_VAR || so == KL_OP_LAYER_NORM ||
 		               so == KL_OP_RMS_NORM;
 	}
-	char why[256];
-	int ns = kl__symbolize_graph(&L->g, L->o->dyn_masks, fixed_red, L->sym, L->sym_input,
-	                             L->sym_dim, why, sizeof(why));
+	char why[256] = "";
+	conflict cf;
+	int ns = symbolize(&L->g, L->o->dyn_masks, fixed_red, L->sym, L->sym_input, L->sym_dim, &cf,
+	                   why, sizeof(why));
 	free(fixed_red);
+	if (ns < 0 && cf.input >= 0)
+		describe(&L->g, &cf, L->src, L->orig, why, sizeof why);
 	if (ns < 0) {
-		snprintf(L->err, L->errcap, "kl__lower: cannot keep dims dynamic: %s", why);
+		snprintf(L->err, L->errcap,
+		         "kl__lower: cannot keep dims dynamic: dynamic dim %d of input %d: %s",
+		         cf.dim, cf.input, why);
 		return KL_EUNSUPPORTED;
 	}
 	L->nsyms = ns;

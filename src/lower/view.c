@@ -116,7 +116,7 @@ bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, i
 	kl_ixa a;
 	kl__ixa_init(&a);
 	int32_t I[KL_MAX_DIMS], J[KL_MAX_DIMS];
-	bool ok = !has_sym(L, n);
+	bool ok = true;
 	for (int d = 0; d < x->ndim; d++) {
 		a.var_hi[d] = x->shape[d] - 1;
 		I[d] = x->shape[d] == 1 ? kl__ix_const(&a, 0) : kl__ix_var(&a, d);
@@ -130,11 +130,14 @@ bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, i
 	*base = c;
 	kl_mono st[KL_MAX_DIMS];
 	kir_addr ad;
-	if (ok && !has_sym(L, c)) {
-		kl__base_strides(L, c, st);
+	if (ok) {
+		/* symbolic dims at their current values (lowering's library steps
+		 * find which fields follow the symbols by changing those values) */
+		if (has_sym(L, c))
+			kl__mono_dense(L->g.nodes[c].ndim, L->g.nodes[c].shape, NULL, st);
+		else
+			kl__base_strides(L, c, st);
 		ok = kl__ix_linearize(&a, L->g.nodes[c].ndim, I, st, &ad) && ad.ns == 0;
-	} else {
-		ok = false;
 	}
 	if (ok) {
 		const kl_ix *e = kl__ix_get(&a, ad.ix);

@@ -137,6 +137,18 @@ typedef struct kl_step {
 	char what[64]; /* short description: "pointwise", "row softmax", "matmul 64x64x64" */
 } kl_step;
 
+/* A library step's size, stride or offset that follows the dynamic dims:
+ * field `field` (kl__step_field) of step `step` is c times the product of
+ * symbols s[0..ns) (1-based ids). The step holds the value at the traced
+ * sizes; kl__program_bind writes each at the call's sizes, so that one plan
+ * runs BLAS products and fused attention at every size. */
+typedef struct kl_symf {
+	int32_t step, field;
+	int64_t c;
+	int32_t ns;
+	int8_t s[KL_MAX_DIMS];
+} kl_symf;
+
 typedef struct kl_program {
 	kl_buf *bufs;
 	int32_t nbufs;
@@ -146,11 +158,22 @@ typedef struct kl_program {
 	/* symbol k's value = dim sym_dim[k-1] of graph input sym_input[k-1] */
 	int32_t sym_input[KL_MAX_DIMS * 4];
 	int32_t sym_dim[KL_MAX_DIMS * 4];
+	kl_symf *symf;          /* library steps' symbolic fields (NULL when none) */
+	int32_t nsymf;
 	char **kernel_names;    /* generated function names: "k0", "k1", ... */
 	int32_t nkernels;
 	char *source;           /* all kernels of the graph: one translation unit */
 	char *fusion_log;       /* every fusion refused, with its reason (malloc'd, may be NULL) */
 } kl_program;
+
+/* A dynamic input dim that lowering kept static, and why, in the words of
+ * the user's calls ("it meets a static dim of a f32 [2304,768] tensor ..."):
+ * what kl_explain and kl_fn_stats report as specialised. */
+typedef struct kl_spec {
+	int32_t input, dim; /* graph input, dim */
+	int64_t value;      /* its traced size, which the compiled graph keeps */
+	char why[200];
+} kl_spec;
 
 /* How the runtime calls a generated CPU kernel of a plan: the buffers'
  * addresses (by buffer id) and the symbols' values. */
@@ -171,6 +194,17 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 /* The largest element index operand which (0 a, 1 b, 2 c) of a product
  * reaches; -1 when empty, -2 when it overflows. */
 int64_t kl__mm_extent(const kl_matmul_step *mm, int which);
+/* The int64 fields of a library step that may follow the dynamic dims
+ * (sizes, strides, offsets of kl_matmul_step and kl_attn_step), numbered
+ * 0 .. kl__step_nfields() - 1. */
+int kl__step_nfields(void);
+int64_t *kl__step_field(kl_step *sp, int field);
+/* Write p's symbolic step fields at the symbol values syms and check every
+ * library step still addresses only its buffers at those sizes (inputs
+ * with symbolic dims are dense, as the runtime binds them). KL_EFORMAT with
+ * the reason in err when one would reach outside. */
+kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap);
+
 /* Format a plan's rejection into err (cap bytes; err may be NULL) and
  * return KL_EFORMAT: the one error path of plan_io.c and the runtime's
  * plan check. */

@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -17,6 +18,7 @@ void kl__program_free(kl_program *p)
 		return;
 	free(p->bufs);
 	free(p->steps);
+	free(p->symf);
 	for (int32_t i = 0; i < p->nkernels; i++)
 		free(p->kernel_names[i]);
 	free(p->kernel_names);
@@ -28,8 +30,8 @@ void kl__program_free(kl_program *p)
 #define PROG_MAGIC "KLPROG01"
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);
  * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
- * 5: its waves (kl_step.waves) */
-#define PROG_FORMAT 5u
+ * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf) */
+#define PROG_FORMAT 6u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -142,6 +144,108 @@ int64_t kl__attn_extent(const kl_attn_step *a, int which)
 	}
 }
 
+/* ---- symbolic step fields ---------------------------------------------------- */
+
+#define MMF(f) offsetof(kl_step, mm.f)
+#define ATF(f) offsetof(kl_step, at.f)
+#define EACH8(F, f) F(f[0]), F(f[1]), F(f[2]), F(f[3]), F(f[4]), F(f[5]), F(f[6]), F(f[7])
+static const size_t step_fields[] = {
+        MMF(m),        MMF(n),          MMF(k),          MMF(a_off),       MMF(b_off),
+        MMF(c_off),    MMF(a_rs),       MMF(a_cs),       MMF(b_rs),        MMF(b_cs),
+        MMF(ldc),      MMF(r_off),      MMF(r_ld),       MMF(bias_off),    EACH8(MMF, batch),
+        EACH8(MMF, a_bstride), EACH8(MMF, b_bstride), EACH8(MMF, c_bstride),
+        EACH8(MMF, r_bstride), ATF(tq),  ATF(tk),         ATF(d),           ATF(dv),
+        ATF(q_off),    ATF(k_off),      ATF(v_off),      ATF(q_rs),        ATF(q_cs),
+        ATF(k_rs),     ATF(k_cs),       ATF(v_rs),       ATF(v_cs),        ATF(o_rs),
+        EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
+        EACH8(ATF, o_bs)};
+#define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
+
+int kl__step_nfields(void)
+{
+	return NFIELDS;
+}
+
+int64_t *kl__step_field(kl_step *sp, int field)
+{
+	return (int64_t *)(void *)((char *)sp + step_fields[field]);
+}
+
+/* numel of b at the symbol values syms; -1 on overflow */
+static int64_t numel_at(const kl_buf *b, const int64_t *syms)
+{
+	int64_t n = 1;
+	for (int d = 0; d < b->ndim; d++) {
+		int64_t v = b->shape[d].sym > 0 ? syms[b->shape[d].sym - 1] : b->shape[d].v;
+		if (v < 0 || __builtin_mul_overflow(n, v, &n))
+			return -1;
+	}
+	return n;
+}
+
+static bool sym_buf(const kl_buf *b)
+{
+	for (int d = 0; d < b->ndim; d++)
+		if (b->shape[d].sym > 0)
+			return true;
+	return false;
+}
+
+/* Does operand buffer id, reaching element ext (-1: empty), fit at syms? An
+ * input with static dims keeps the strides it was traced with (checked by
+ * kl__compile), so only its symbolic peers are checked here. */
+static bool fits(const kl_program *p, int32_t id, int64_t ext, const int64_t *syms)
+{
+	const kl_buf *b = &p->bufs[id];
+	if (ext == -1)
+		return true;
+	if (ext < 0)
+		return false;
+	if (b->role == KL_BUF_INPUT && !sym_buf(b))
+		return true;
+	int64_t n = numel_at(b, syms);
+	return n >= 0 && ext < n;
+}
+
+kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap)
+{
+	for (int32_t i = 0; i < p->nsymf; i++) {
+		const kl_symf *f = &p->symf[i];
+		int64_t v = f->c;
+		for (int j = 0; j < f->ns; j++)
+			if (__builtin_mul_overflow(v, syms[f->s[j] - 1], &v))
+				return kl__plan_fail(err, cap, "step %d: a size overflows at these sizes",
+				                     (int)f->step);
+		*kl__step_field(&p->steps[f->step], f->field) = v;
+	}
+	for (int32_t s = 0; s < p->nsteps; s++) {
+		const kl_step *sp = &p->steps[s];
+		if (sp->kind == KL_STEP_MATMUL) {
+			const kl_matmul_step *mm = &sp->mm;
+			int32_t ids[5] = {mm->a, mm->b, mm->c, mm->r, mm->bias};
+			for (int w = 0; w < 5; w++) {
+				if ((w == 3 && !mm->has_r) || (w == 4 && !mm->has_bias))
+					continue;
+				if (!fits(p, ids[w], kl__mm_extent(mm, w), syms))
+					return kl__plan_fail(err, cap,
+					                     "step %d: matmul operand %c reaches outside its "
+					                     "buffer at these sizes",
+					                     (int)s, "abcrv"[w]);
+			}
+		} else if (sp->kind == KL_STEP_ATTENTION) {
+			const kl_attn_step *a = &sp->at;
+			int32_t ids[4] = {a->q, a->k, a->v, a->o};
+			for (int w = 0; w < 4; w++)
+				if (!fits(p, ids[w], kl__attn_extent(a, w), syms))
+					return kl__plan_fail(err, cap,
+					                     "step %d: attention operand %c reaches outside its "
+					                     "buffer at these sizes",
+					                     (int)s, "qkvo"[w]);
+		}
+	}
+	return KL_OK;
+}
+
 static bool in_ids(const int32_t *ids, int32_t n, int32_t b)
 {
 	for (int32_t i = 0; i < n; i++)
@@ -196,10 +300,6 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 		return kl__plan_fail(err, cap, "step %d: matmul residual offset or row stride out of range", s);
 	if (mm->has_bias && mm->bias_off < 0)
 		return kl__plan_fail(err, cap, "step %d: matmul bias offset out of range", s);
-	for (int i = 0; i < nid; i++)
-		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
-			if (p->bufs[ids[i]].shape[d].sym)
-				return kl__plan_fail(err, cap, "step %d: matmul over a symbolic dim", s);
 	const kl_buf *c = &p->bufs[mm->c];
 	if (c->role == KL_BUF_INPUT || (c->role == KL_BUF_OUTPUT && c->alias >= 0))
 		return kl__plan_fail(err, cap, "step %d: matmul writes an input or a view", s);
@@ -240,9 +340,6 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 		if (p->bufs[ids[i]].dtype != dt || !float_dt(dt))
 			return kl__plan_fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
 			            s);
-		for (int d = 0; d < p->bufs[ids[i]].ndim; d++)
-			if (p->bufs[ids[i]].shape[d].sym)
-				return kl__plan_fail(err, cap, "step %d: attention over a symbolic dim", s);
 	}
 	const kl_buf *o = &p->bufs[a->o];
 	if (o->role == KL_BUF_INPUT || (o->role == KL_BUF_OUTPUT && o->alias >= 0))
@@ -341,6 +438,19 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 				found = true;
 		if (!found)
 			return kl__plan_fail(err, cap, "symbol %d is no dim of an input buffer", k + 1);
+	}
+	if (p->nsymf < 0 || p->nsymf > MAX_COUNT || (p->nsymf > 0 && !p->symf))
+		return kl__plan_fail(err, cap, "symbolic step fields: count %d", (int)p->nsymf);
+	for (int32_t i = 0; i < p->nsymf; i++) {
+		const kl_symf *f = &p->symf[i];
+		if (f->step < 0 || f->step >= p->nsteps ||
+		    p->steps[f->step].kind == KL_STEP_KERNEL || f->field < 0 ||
+		    f->field >= NFIELDS || f->ns < 0 || f->ns > KL_MAX_DIMS)
+			return kl__plan_fail(err, cap, "symbolic step field %d out of range", (int)i);
+		for (int j = 0; j < f->ns; j++)
+			if (f->s[j] < 1 || f->s[j] > p->nsyms)
+				return kl__plan_fail(err, cap, "symbolic step field %d: symbol %d out of range",
+				                     (int)i, (int)f->s[j]);
 	}
 	bool *written = calloc((size_t)(p->nbufs ? p->nbufs : 1), 1);
 	if (!written)
@@ -583,6 +693,16 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 		w_i32(&w, p->sym_input[k]);
 		w_i32(&w, p->sym_dim[k]);
 	}
+	w_i32(&w, p->nsymf);
+	for (int32_t i = 0; i < p->nsymf; i++) {
+		const kl_symf *f = &p->symf[i];
+		w_i32(&w, f->step);
+		w_i32(&w, f->field);
+		w_i64(&w, f->c);
+		w_i32(&w, f->ns);
+		for (int j = 0; j < f->ns && j < KL_MAX_DIMS; j++)
+			w_i32(&w, f->s[j]);
+	}
 	w_i32(&w, p->nkernels);
 	for (int32_t k = 0; k < p->nkernels; k++)
 		w_str(&w, p->kernel_names[k]);
@@ -690,6 +810,7 @@ static void clear_program(kl_program *p)
 {
 	free(p->bufs);
 	free(p->steps);
+	free(p->symf);
 	if (p->kernel_names)
 		for (int32_t k = 0; k < p->nkernels; k++)
 			free(p->kernel_names[k]);
@@ -714,6 +835,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            version < 3   ? " (written before product epilogues)"
 		            : version < 4 ? " (written before row grids)"
 		            : version < 5 ? " (written before row kernels' waves)"
+		            : version < 6 ? " (written before symbolic library steps)"
 		                          : "");
 	kl_program p = {0};
 	bool null;
@@ -837,6 +959,22 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 	for (int32_t k = 0; k < p.nsyms; k++) {
 		p.sym_input[k] = r_i32(&r);
 		p.sym_dim[k] = r_i32(&r);
+	}
+	p.nsymf = r_count(&r, MAX_COUNT, 20);
+	if (p.nsymf > 0 && !r.bad && !(p.symf = calloc((size_t)p.nsymf, sizeof *p.symf)))
+		r.bad = true;
+	for (int32_t i = 0; i < p.nsymf && !r.bad; i++) {
+		kl_symf *f = &p.symf[i];
+		f->step = r_i32(&r);
+		f->field = r_i32(&r);
+		f->c = r_i64(&r);
+		f->ns = r_count(&r, KL_MAX_DIMS, 4);
+		for (int j = 0; j < f->ns; j++) {
+			int32_t v = r_i32(&r);
+			if (v < 1 || v > KL_MAX_DIMS * 4)
+				r.bad = true;
+			f->s[j] = (int8_t)(v > 0 && v <= KL_MAX_DIMS * 4 ? v : 0);
+		}
 	}
 	p.nkernels = r_count(&r, MAX_COUNT, 4);
 	p.kernel_names = calloc((size_t)(p.nkernels ? p.nkernels : 1), sizeof(char *));

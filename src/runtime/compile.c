@@ -16,8 +16,9 @@
  * the sources (KILN_SOURCE_DIGEST) is part of every key, so a rebuilt
  * library never serves an older build's plans. 2: softmax by a row
  * reciprocal, skinny CUDA products, register-row prefetch; 3: kernel splits,
- * merged products. */
-#define RT_PLAN_VERSION 3u
+ * merged products; 4: library steps over symbolic dims (this file is not in
+ * the digest, and an entry keyed symbolically must hold a symbolic plan). */
+#define RT_PLAN_VERSION 4u
 
 static atomic_long n_lowerings, n_cache_hits;
 
@@ -41,24 +42,57 @@ static bool any_dynamic(const kl_graph *g, const uint32_t *masks)
 	return false;
 }
 
-/* Per node dim: its symbol (0 = static). *sym is NULL when nothing is dynamic. */
-static kl_status symbolize(kl_ctx *ctx, const kl_graph *g, const uint32_t *masks, int32_t **sym)
+/* What compiling g dynamically keeps symbolic: per node dim its symbol
+ * (sym; NULL when nothing stays dynamic), the masks lowering gets (the
+ * caller's, less the dims that must be static) and those dims with why. */
+typedef struct symres {
+	int32_t *sym;
+	uint32_t *masks;
+	kl_spec spec[KL_MAX_SPEC];
+	int nspec;
+} symres;
+
+static void symres_free(symres *r)
 {
-	*sym = NULL;
+	free(r->sym);
+	free(r->masks);
+	r->sym = NULL;
+	r->masks = NULL;
+}
+
+static kl_status symbolize(kl_ctx *ctx, const kl_graph *g, const uint32_t *masks, symres *r)
+{
+	memset(r, 0, sizeof *r);
 	if (!any_dynamic(g, masks))
 		return KL_OK;
 	/* room for every input dim: symbolize may name each one */
 	size_t nsrc = (size_t)g->ninputs * KL_MAX_DIMS + 1;
 	int32_t *s = calloc((size_t)(g->n ? g->n : 1) * KL_MAX_DIMS, sizeof *s);
 	int32_t *si = calloc(nsrc, sizeof *si), *sd = calloc(nsrc, sizeof *sd);
-	if (!s || !si || !sd) {
+	r->masks = calloc((size_t)(g->ninputs ? g->ninputs : 1), sizeof *r->masks);
+	if (!s || !si || !sd || !r->masks) {
 		free(s);
 		free(si);
 		free(sd);
+		symres_free(r);
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	}
 	char err[256] = "";
-	int n = kl__graph_symbolize(g, masks, s, si, sd, err, sizeof err);
+	int n = -1;
+	kl_status st = kl__graph_specialize(g, masks, r->masks, r->spec, KL_MAX_SPEC, &r->nspec,
+	                                    err, sizeof err);
+	for (int i = 0; i < r->nspec; i++)
+		kl__log(ctx, KL_LOG_RECOMPILES, "graph input %d dim %d specialised to %" PRId64 ": %s",
+		        (int)r->spec[i].input, (int)r->spec[i].dim, r->spec[i].value, r->spec[i].why);
+	if (st == KL_ENOMEM) {
+		free(s);
+		free(si);
+		free(sd);
+		symres_free(r);
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	}
+	if (st == KL_OK)
+		n = kl__graph_symbolize(g, r->masks, s, si, sd, err, sizeof err);
 	free(si);
 	free(sd);
 	if (n > KL_MAX_DIMS * 4) {
@@ -66,14 +100,16 @@ static kl_status symbolize(kl_ctx *ctx, const kl_graph *g, const uint32_t *masks
 		n = -1;
 	}
 	if (n <= 0) {
-		/* a dynamic dim the compiler cannot keep symbolic: compile this
-		 * graph for the traced sizes (its guards then cover the dim) */
+		/* nothing the compiler can keep symbolic: compile this graph for the
+		 * traced sizes (its guards then cover the dims) */
 		if (n < 0)
 			kl__log(ctx, KL_LOG_RECOMPILES, "dynamic dims kept static: %s", err);
 		free(s);
+		free(r->masks);
+		r->masks = NULL;
 		return KL_OK;
 	}
-	*sym = s;
+	r->sym = s;
 	return KL_OK;
 }
 
@@ -140,13 +176,22 @@ static kl_status key_of(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cf
 	return KL_OK;
 }
 
+bool kl__compiled_serves(kl_ctx *ctx, const kl_compiled *c, uint64_t key, const kl_graph *g,
+                         const kl_compile_cfg *cfg)
+{
+	if (!c->src_sym || g->n != c->g.n || g->ninputs != c->g.ninputs)
+		return false;
+	uint64_t k;
+	return key_of(ctx, g, cfg, c->src_sym, &k) == KL_OK && k == key;
+}
+
 kl_status kl__compile_key(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg, uint64_t *key)
 {
-	int32_t *sym;
-	kl_status st = symbolize(ctx, g, cfg->dyn_masks, &sym);
+	symres r;
+	kl_status st = symbolize(ctx, g, cfg->dyn_masks, &r);
 	if (st == KL_OK)
-		st = key_of(ctx, g, cfg, sym, key);
-	free(sym);
+		st = key_of(ctx, g, cfg, r.sym, key);
+	symres_free(&r);
 	return st;
 }
 
@@ -154,6 +199,7 @@ void kl__compiled_free(kl_compiled *c)
 {
 	if (!c)
 		return;
+	free(c->src_sym);
 	if (c->dev) {
 		kl__cuda_rt_free(c);
 		c->arena = NULL; /* the device arena went with it */
@@ -311,7 +357,7 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 
 /* A program we own, validated: the given one (copied) or a fresh lowering. */
 static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
-                              const kl_compile_cfg *cfg, bool symbolic)
+                              const kl_compile_cfg *cfg, const uint32_t *masks)
 {
 	char err[512] = "";
 	kl_status st;
@@ -331,7 +377,7 @@ static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
 	} else {
 		kl_lower_opts lo = {.target = ctx->device == KL_CUDA ? KL_TARGET_CUDA : KL_TARGET_C,
 		                    .fusion = cfg->fusion,
-		                    .dyn_masks = symbolic ? cfg->dyn_masks : NULL,
+		                    .dyn_masks = masks,
 		                    .log_ctx = ctx};
 		atomic_fetch_add(&n_lowerings, 1);
 		st = kl__lower(g, &lo, &c->prog, err, sizeof err);
@@ -431,7 +477,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		return NULL;
 	}
 	kl_compiled *c = calloc(1, sizeof *c);
-	int32_t *sym = NULL;
+	symres sr = {0};
 	if (!c) {
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 		return NULL;
@@ -447,19 +493,20 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 		goto fail;
 	}
-	if (symbolize(ctx, g, cfg->dyn_masks, &sym) != KL_OK ||
-	    key_of(ctx, g, cfg, sym, &c->key) != KL_OK)
+	if (symbolize(ctx, g, cfg->dyn_masks, &sr) != KL_OK ||
+	    key_of(ctx, g, cfg, sr.sym, &c->key) != KL_OK)
 		goto fail;
 	for (int32_t i = 0; i < c->nin; i++) {
 		const kl_node *n = &g->nodes[g->inputs[i]];
 		memcpy(c->in_strides[i], n->strides, sizeof c->in_strides[i]);
-		for (int d = 0; sym && d < n->ndim; d++)
-			if (sym[g->inputs[i] * KL_MAX_DIMS + d] > 0)
+		for (int d = 0; sr.sym && d < n->ndim; d++)
+			if (sr.sym[g->inputs[i] * KL_MAX_DIMS + d] > 0)
 				c->in_dynamic[i] = true;
 	}
-	bool symbolic = sym != NULL;
-	free(sym);
-	sym = NULL;
+	memcpy(c->spec, sr.spec, sizeof c->spec);
+	c->nspec = sr.nspec;
+	c->src_sym = sr.sym; /* kept: kl__compiled_serves */
+	sr.sym = NULL;
 
 	char dir[PATH_MAX];
 	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
@@ -472,7 +519,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		        c->key, kl__now_ms() - t0);
 	} else {
 		double t1 = kl__now_ms();
-		if (make_program(ctx, c, g, cfg, symbolic) != KL_OK)
+		if (make_program(ctx, c, g, cfg, c->src_sym ? sr.masks : NULL) != KL_OK)
 			goto fail;
 		double t2 = kl__now_ms();
 		if (build(ctx, c, have_dir ? dir : NULL) != KL_OK)
@@ -496,15 +543,23 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		const kl_node *n = &g->nodes[g->inputs[c->prog.sym_input[k]]];
 		c->plan_syms[k] = n->shape[c->prog.sym_dim[k]];
 	}
+	/* a plan from the disk cache may have been traced at other sizes of its
+	 * symbols: its library steps are bound to this graph's */
+	char berr[160];
+	if (c->dynamic && kl__program_bind(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
+		kl__err(ctx, KL_EFORMAT, "kl_compile: the program does not fit its graph: %s", berr);
+		goto fail;
+	}
 	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK) {
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
 		goto fail;
 	}
 	if (c->cuda)
 		kl__cuda_rt_prepare(ctx, c);
+	symres_free(&sr);
 	return c;
 fail:
-	free(sym);
+	symres_free(&sr);
 	kl__compiled_free(c);
 	return NULL;
 }

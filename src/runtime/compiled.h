@@ -10,6 +10,10 @@
 #include "core/core.h"
 #include "plan/plan.h"
 
+/* The most specialised dims a compiled graph records (more are compiled
+ * static all the same, only not listed). */
+#define KL_MAX_SPEC 16
+
 typedef struct kl_compile_cfg {
 	kl_mode mode;
 	bool fusion;
@@ -46,6 +50,12 @@ typedef struct kl_compiled {
 	/* per graph input: the strides kernels index it with (static inputs) */
 	int64_t (*in_strides)[KL_MAX_DIMS];
 	bool *in_dynamic;
+	/* dynamic graph-input dims compiled static because they must be (the
+	 * hidden size meeting a weight), with why */
+	kl_spec spec[KL_MAX_SPEC];
+	int nspec;
+	/* per node dim of g: its symbol, 0 static (NULL: nothing symbolic) */
+	int32_t *src_sym;
 	/* the shared object and its kernels */
 	void *dl;
 	kl_kernel_fn *fns;
@@ -69,6 +79,12 @@ typedef struct kl_compiled {
  * hash with dynamic dims symbolized, the inputs' strides, the options, the
  * target, compiler and flags, kiln's version). Equal keys compile alike. */
 kl_status kl__compile_key(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg, uint64_t *key);
+
+/* Whether c (compiled with key `key`) serves graph g: g is c's graph but
+ * for the values of c's symbolic dims. A graph traced at a size of 0 or 1
+ * keys apart (such dims are not symbols there), yet c runs it. */
+bool kl__compiled_serves(kl_ctx *ctx, const kl_compiled *c, uint64_t key, const kl_graph *g,
+                         const kl_compile_cfg *cfg);
 
 /* Lower g (or load its plan and binary from the disk cache), JIT-compile,
  * plan memory. NULL with ctx's error set on failure. */

@@ -113,6 +113,15 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 	if (c->dynamic &&
 	    memcmp(syms, c->plan_syms, sizeof(int64_t) * (size_t)c->prog.nsyms) != 0) {
 		kl_memplan mp;
+		char err[160];
+		/* the library steps' sizes at these symbols (BLAS products, fused
+		 * attention), then their buffers */
+		if (kl__program_bind(&c->prog, syms, err, sizeof err) != KL_OK) {
+			char e2[8];
+			kl__program_bind(&c->prog, c->plan_syms, e2, sizeof e2); /* as it was */
+			return kl__err(ctx, KL_EINVAL, "kl_fn_call: the compiled graph cannot run at "
+			               "these sizes: %s", err);
+		}
 		if (kl__memplan_build(&c->prog, syms, &mp) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM,
 			               "kl_fn_call: out of memory planning buffers");

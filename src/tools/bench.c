@@ -60,12 +60,42 @@ static kl_status compiled_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out
 	return kl_fn_call(r->fn, r->in, out);
 }
 
+/* The dynamic plan against the static one at the same size: dims 0 and 1
+ * of input 0 (batch and sequence) dynamic, and the first call (in the
+ * first-call column) traces and compiles at another sequence length (half
+ * the row's, plus one), so that the timed calls run a plan that was not
+ * made for their size. */
+static kl_status dynamic_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out)
+{
+	if (!r->fn) {
+		kl_compile_opts co = {.mode = m->kmode,
+		                      .fullgraph = true,
+		                      .ndynamic_dims = 1,
+		                      .dynamic_dims = (uint32_t[]){KL_DIM(0) | KL_DIM(1)}};
+		void *user = kt_state_user(&r->state);
+		r->fn = kl_compile(r->ctx, r->w->body, user, r->w->nin, r->w->nout, &co);
+		if (!r->fn)
+			return kl_last_status(r->ctx);
+		kl_tensor *in[KT_MAX_INPUTS];
+		memcpy(in, r->in, sizeof(kl_tensor *) * (size_t)r->w->nin);
+		int64_t t = kl_dim(r->in[0], 1);
+		in[0] = kl_contiguous(kl_slice(r->in[0], 1, 0, t / 2 + 1, 1));
+		kl_status st = in[0] ? kl_fn_call(r->fn, in, out) : kl_last_status(r->ctx);
+		for (int k = 0; st == KL_OK && k < r->w->nout; k++)
+			kl_release(out[k]);
+		if (st != KL_OK)
+			return st;
+	}
+	return kl_fn_call(r->fn, r->in, out);
+}
+
 const kt_mode_desc kt_modes[KT_NMODES] = {
 	[KT_MODE_EAGER] = {"eager", eager_call, false, KL_MODE_DEFAULT, false},
 	[KT_MODE_DEFAULT] = {"default", compiled_call, true, KL_MODE_DEFAULT, false},
 	[KT_MODE_REDUCE_OVERHEAD] = {"reduce-overhead", compiled_call, true,
 	                             KL_MODE_REDUCE_OVERHEAD, true},
 	[KT_MODE_MAX_AUTOTUNE] = {"max-autotune", compiled_call, true, KL_MODE_MAX_AUTOTUNE, true},
+	[KT_MODE_DYNAMIC] = {"dynamic", dynamic_call, true, KL_MODE_DEFAULT, false},
 };
 
 /* One line of the report. Figures that do not apply are negative (kernels,
@@ -668,7 +698,9 @@ static void usage(FILE *f)
 	        "\n"
 	        "Times each workload of the device's table in each mode it supports: a first\n"
 	        "call, then the median of repeated calls. Modes: eager, then kl_compile in\n"
-	        "default, reduce-overhead and max-autotune, each with .fullgraph: later calls\n"
+	        "default, reduce-overhead and max-autotune, each with .fullgraph (and, for\n"
+	        "the rows that list it, dynamic: default with x's batch and sequence dims\n"
+	        "dynamic, compiled at another sequence length first): later calls\n"
 	        "replay the plan without running the body (the first call compiles: its time\n"
 	        "is the first-call column; the kernels column is kl_fn_last_kernels; peak is\n"
 	        "kl_memory_stats over the mode's calls, inputs included). Memory-bound rows\n"

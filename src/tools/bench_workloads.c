@@ -365,6 +365,60 @@ static kl_status decoder_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_ten
 	return body_status(ctx, out);
 }
 
+/* GPT-2's block (issue 23): x + attn(ln1(x)), then + mlp(ln2(.)), attention
+ * kl_sdpa causal over 12 heads of the fused qkv product, the MLP 4d wide
+ * with tanh GELU; the weights are inputs 1..12 (so the dynamic mode marks
+ * only x's batch and sequence). dims: batch, seq, d, heads. FLOPs: the
+ * products (24 N d^2 for N tokens) and attention (4 B T^2 d, causal half). */
+static kl_status gpt2_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3];
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1301);
+	const int64_t rows[12] = {1, 1, 3 * d, 3 * d, d, d, 1, 1, 4 * d, 4 * d, d, d};
+	const int64_t cols[12] = {d, d, d, 0, d, 0, d, d, d, 0, 4 * d, 0};
+	for (int i = 0; i < 12; i++) {
+		bool vec = rows[i] == 1 || cols[i] == 0;
+		int64_t n = rows[i] == 1 ? cols[i] : rows[i];
+		double scale = vec ? 0.1 : 1.0 / sqrt((double)(i == 10 ? 4 * d : d));
+		kl_tensor *r = vec ? kl_randn(ctx, w->dtype, 1, &n, 1302 + (uint64_t)i)
+		                   : randn2(ctx, w->dtype, rows[i], cols[i], 1302 + (uint64_t)i);
+		in[1 + i] = kl_add_scalar(kl_mul_scalar(r, scale), i == 0 || i == 6 ? 1.0 : 0.0);
+		kl_release(r);
+	}
+	double n = (double)b * (double)t, dd = (double)d, tt = (double)t;
+	*cost = (kt_cost){.bytes = (2 * n * dd + 12 * dd * dd) * esize(w),
+	                  .flops = 24 * n * dd * dd + 2 * n * tt * dd};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld", (long long)b,
+	         (long long)t, (long long)d, (long long)h);
+	return setup_status(ctx, in, 13);
+}
+
+static kl_tensor *gpt2_heads(kl_tensor *qkv, int part, const int64_t *dims)
+{
+	int64_t b = dims[0], t = dims[1], d = dims[2], h = dims[3];
+	kl_tensor *s = kl_slice(qkv, 2, part * d, (part + 1) * d, 1);
+	return kl_permute(kl_reshape(s, 4, (int64_t[]){b, t, h, d / h}), (int[]){0, 2, 1, 3});
+}
+
+static kl_status gpt2_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                           int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	(void)user;
+	kl_tensor *x = in[0];
+	/* GPT-2's heads are 64 wide (768 / 12) */
+	int64_t dims[4] = {kl_dim(x, 0), kl_dim(x, 1), kl_dim(x, 2), kl_dim(x, 2) / 64};
+	kl_tensor *qkv = kl_linear(kl_layer_norm(x, in[1], in[2], NORM_EPS), in[3], in[4]);
+	kl_tensor *o = kl_sdpa(gpt2_heads(qkv, 0, dims), gpt2_heads(qkv, 1, dims),
+	                       gpt2_heads(qkv, 2, dims), true, KL_SDPA_DEFAULT_SCALE);
+	o = kl_reshape(kl_permute(o, (int[]){0, 2, 1, 3}), 3, (int64_t[]){dims[0], dims[1], dims[2]});
+	kl_tensor *x1 = kl_add(x, kl_linear(o, in[5], in[6]));
+	kl_tensor *f = kl_linear(kl_layer_norm(x1, in[7], in[8], NORM_EPS), in[9], in[10]);
+	out[0] = kl_add(x1, kl_linear(kl_gelu_tanh(f), in[11], in[12]));
+	return body_status(ctx, out);
+}
+
 /* ---- the device's copy ceiling ---------------------------------------------- */
 
 /* A one-input concat is a plain copy that no pass turns into a view (a
@@ -404,6 +458,7 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
 	 KT_MODE_BIT(KT_MODE_REDUCE_OVERHEAD))
 #define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
 #define SDPA (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
+#define DYNAMIC (ALL | KT_MODE_BIT(KT_MODE_DYNAMIC))
 #define CPU KT_ON_CPU
 #define GPU KT_ON_CUDA
 
@@ -472,6 +527,16 @@ const kt_workload kt_workloads[] = {
 	{"decoder_token", "the seed's DecoderLayer on one token, x 1x1x2048, 16 heads, ffn 8192, "
 	                  "bf16",
 	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body},
+	/* issue 23: the dynamic plan (batch and sequence symbolic, traced at
+	 * another length) against the static plan at the same sizes */
+	{"gpt2_block", "GPT-2 block, x 2x128x768, 12 heads, f32: static vs dynamic plan", CPU,
+	 DYNAMIC, KL_F32, {2, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	{"gpt2_block", "GPT-2 block, x 2x33x768, 12 heads, f32: static vs dynamic plan", CPU,
+	 DYNAMIC, KL_F32, {2, 33, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	{"gpt2_block", "GPT-2 block, x 8x64x768, 12 heads, f32: static vs dynamic plan", CPU,
+	 DYNAMIC, KL_F32, {8, 64, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	{"gpt2_block", "GPT-2 block, x 8x128x768, 12 heads, bf16: static vs dynamic plan", GPU,
+	 DYNAMIC, KL_BF16, {8, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
 };
 
 const int kt_nworkloads = (int)(sizeof(kt_workloads) / sizeof(kt_workloads[0]));

@@ -25,6 +25,8 @@ typedef enum kt_mode {
 	KT_MODE_DEFAULT,         /* kl_compile, KL_MODE_DEFAULT */
 	KT_MODE_REDUCE_OVERHEAD, /* KL_MODE_REDUCE_OVERHEAD: on the CPU, as default */
 	KT_MODE_MAX_AUTOTUNE,    /* KL_MODE_MAX_AUTOTUNE: on the CPU, as default */
+	KT_MODE_DYNAMIC,         /* default with dims 0 and 1 of input 0 dynamic, the plan
+	                          * traced at another size first (issue 23) */
 	KT_NMODES
 } kt_mode;
 #define KT_MODE_BIT(m) (1u << (m))

@@ -394,7 +394,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			        (CUdeviceptr)(uintptr_t)B[mm->c],
 			        mm->has_r ? (CUdeviceptr)(uintptr_t)B[mm->r] : 0,
 			        mm->has_bias ? (CUdeviceptr)(uintptr_t)B[mm->bias] : 0,
-			        rt->has_algo[s] ? &rt->algo[s] : NULL);
+			        /* an algorithm tuned at one size need not serve another */
+			        rt->has_algo[s] && !c->dynamic ? &rt->algo[s] : NULL);
 			continue;
 		}
 		if (sp->kind == KL_STEP_ATTENTION) {
