@@ -1,0 +1,288 @@
+/* test_train.c - training the seed's DecoderLayer against PyTorch.
+ *
+ * tests/fixtures/decoder_train_{f32,bf16}.safetensors (tests/make_train_fixture.py)
+ * hold a DecoderLayer's weights (d_model 64, 4 heads, ffn 256), its input x
+ * [2, 16, 64] and label, the MSE loss, every parameter's gradient ("grad.")
+ * and every parameter after 3 AdamW steps ("adamw3.", lr 1e-3, weight decay
+ * 0.01), from PyTorch (the f32 file computed in float64). kiln does the same
+ * in three modes: eager; a compiled forward with kl_backward and the
+ * optimizer outside it; the whole step (forward, loss, backward, update)
+ * one compiled function. On the CPU in f32, each tensor within 1e-4 of the
+ * fixture's (max |kiln - torch| / max |torch|); with KILN_TEST_DEVICE=cuda
+ * in bf16 within 2e-2.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kiln.h"
+#include "kiln_nn.h"
+#include "kltest.h"
+
+#ifndef KILN_FIXTURE_DIR
+#define KILN_FIXTURE_DIR "tests/fixtures"
+#endif
+
+static kl_ctx *ctx;
+static int fails;
+
+enum { EAGER, COMPILED_FORWARD, WHOLE_STEP };
+static const char *const mode_name[] = {"eager", "compiled forward + eager backward",
+                                        "whole step compiled"};
+
+typedef struct fixture {
+	kl_safetensors *st;
+	kl_dtype dt;
+	double tol;
+	int64_t d, heads, ffn;
+} fixture;
+
+typedef struct model {
+	kl_nn_decoder layer;
+	kl_optim *opt;
+	kl_tensor *label;
+} model;
+
+/* max |got - want| / max |want| within f->tol; got released here */
+static void expect_rel(const fixture *f, const char *what, kl_tensor *got, kl_tensor *want)
+{
+	if (!got || !want || kl_numel(got) != kl_numel(want)) {
+		fprintf(stderr, "FAIL %s: %s\n", what,
+		        !got ? "no result" : !want ? "not in the fixture" : "sizes differ");
+		fails++;
+		kl_release(got);
+		return;
+	}
+	double *g = kltest_read(got), *w = kltest_read(want);
+	assert_true(g && w);
+	double num = 0, den = 0;
+	for (int64_t i = 0; i < kl_numel(want); i++) {
+		double e = fabs(g[i] - w[i]);
+		if (!(e <= num)) /* NaN propagates */
+			num = e;
+		if (fabs(w[i]) > den)
+			den = fabs(w[i]);
+	}
+	double rel = num / (den > 0 ? den : 1);
+	if (!(rel <= f->tol)) {
+		fprintf(stderr, "FAIL %s: relative error %.3g > %.3g\n", what, rel, f->tol);
+		fails++;
+	}
+	free(g);
+	free(w);
+	kl_release(got);
+}
+
+static void open_fixture(fixture *f)
+{
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	char path[512];
+	snprintf(path, sizeof path, "%s/decoder_train_%s.safetensors", KILN_FIXTURE_DIR,
+	         cuda ? "bf16" : "f32");
+	f->st = kl_safetensors_open(ctx, path);
+	if (!f->st)
+		fail_msg("%s: %s", path, kl_last_error(ctx));
+	f->dt = cuda ? KL_BF16 : KL_F32;
+	f->tol = cuda ? 2e-2 : 1e-4;
+	f->d = atoll(kl_safetensors_metadata(f->st, "d_model"));
+	f->heads = atoll(kl_safetensors_metadata(f->st, "n_heads"));
+	f->ffn = atoll(kl_safetensors_metadata(f->st, "ffn_dim"));
+}
+
+static void model_init(model *m, const fixture *f)
+{
+	memset(m, 0, sizeof *m);
+	assert_int_equal(kl_nn_decoder_init(&m->layer, ctx, f->d, f->heads, f->ffn, f->dt, 7), KL_OK);
+	if (kl_nn_load(&m->layer.base, f->st, "") != KL_OK)
+		fail_msg("kl_nn_load: %s", kl_last_error(ctx));
+	assert_int_equal(kl_nn_requires_grad(&m->layer.base, true), KL_OK);
+	kl_adamw_opts o = kl_adamw_defaults();
+	o.lr = 1e-3;
+	o.weight_decay = 0.01;
+	m->opt = kl_nn_adamw(&m->layer.base, NULL, &o);
+	assert_non_null(m->opt);
+	kl_tensor *label = kl_safetensors_get(f->st, "label");
+	m->label = kl_cast(label, f->dt);
+	kl_release(label);
+}
+
+static void model_free(model *m)
+{
+	kl_optim_free(m->opt);
+	kl_nn_free(&m->layer.base);
+	kl_release(m->label);
+}
+
+static kl_tensor *loss_of(model *m, kl_tensor *x)
+{
+	return kl_mse_loss(kl_nn_decoder_forward(&m->layer, x, false), m->label);
+}
+
+static kl_status forward_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                              int nout, void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = loss_of(user, in[0]);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* the whole step; the gradients are left for the caller to read and clear */
+static kl_status step_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin, (void)nout;
+	model *m = user;
+	out[0] = loss_of(m, in[0]);
+	kl_status st = out[0] ? kl_backward(out[0], NULL) : kl_last_status(c);
+	return st == KL_OK ? kl_optim_step(m->opt) : st;
+}
+
+/* The gradient of parameter p of m as torch reports it: kl_grad, or for the
+ * FFN's gate and up weights (views of gate_up, which the forward reads) their
+ * rows of gate_up's gradient. A new reference. */
+static kl_tensor *grad_of(model *m, kl_tensor *p)
+{
+	kl_nn_ffn *ffn = &m->layer.ffn;
+	if (p == ffn->gate_proj.weight || p == ffn->up_proj.weight) {
+		int64_t f = ffn->gate_proj.out_features, r0 = p == ffn->gate_proj.weight ? 0 : f;
+		return kl_contiguous(kl_slice(kl_grad(ffn->gate_up), 0, r0, r0 + f, 1));
+	}
+	return kl_grad(p) ? kl_retain(kl_grad(p)) : NULL;
+}
+
+/* kl_nn_params' entries compared with the fixture's tensors under prefix */
+static void expect_params(const fixture *f, model *m, const char *prefix, bool grads,
+                          const char *mode)
+{
+	kl_nn_param ps[16];
+	int n = kl_nn_params(&m->layer.base, ps, 16);
+	assert_int_equal(n, 9);
+	for (int i = 0; i < n; i++) {
+		char key[sizeof ps[0].name + 16], what[sizeof key + 64];
+		assert_true(snprintf(key, sizeof key, "%s%s", prefix, ps[i].name) < (int)sizeof key);
+		assert_true(snprintf(what, sizeof what, "%s: %s", mode, key) < (int)sizeof what);
+		kl_tensor *want = kl_safetensors_get(f->st, key);
+		kl_scope_begin(ctx);
+		kl_tensor *got = grads ? grad_of(m, *ps[i].slot) : kl_retain(*ps[i].slot);
+		kl_scope_end(ctx);
+		expect_rel(f, what, got, want);
+		kl_release(want);
+	}
+}
+
+static void train(const fixture *f, int mode)
+{
+	model m;
+	model_init(&m, f);
+	kl_tensor *x0 = kl_safetensors_get(f->st, "x"), *x = kl_cast(x0, f->dt);
+	kl_release(x0);
+	kl_fn *fn = NULL;
+	if (mode != EAGER) {
+		kl_fn_body b = mode == WHOLE_STEP ? step_body : forward_body;
+		fn = kl_compile(ctx, b, &m, 1, 1, NULL);
+		assert_non_null(fn);
+	}
+	for (int s = 0; s < 3; s++) {
+		kl_tensor *loss = NULL;
+		if (mode == EAGER) {
+			loss = loss_of(&m, x);
+		} else if (kl_fn_call(fn, &x, &loss) != KL_OK) {
+			fail_msg("%s: kl_fn_call: %s", mode_name[mode], kl_last_error(ctx));
+		}
+		assert_non_null(loss);
+		if (mode != WHOLE_STEP && kl_backward(loss, NULL) != KL_OK)
+			fail_msg("%s: kl_backward: %s", mode_name[mode], kl_last_error(ctx));
+		if (s == 0) {
+			char what[128];
+			snprintf(what, sizeof what, "%s: loss", mode_name[mode]);
+			kl_tensor *want = kl_safetensors_get(f->st, "loss");
+			expect_rel(f, what, kl_reshape(loss, 1, (int64_t[]){1}), want);
+			kl_release(want);
+			expect_params(f, &m, "grad.", true, mode_name[mode]);
+		}
+		kl_release(loss);
+		if (mode != WHOLE_STEP && kl_optim_step(m.opt) != KL_OK)
+			fail_msg("%s: kl_optim_step: %s", mode_name[mode], kl_last_error(ctx));
+		kl_nn_grad_clear(&m.layer.base);
+	}
+	expect_params(f, &m, "adamw3.", false, mode_name[mode]);
+	if (fn && mode == WHOLE_STEP) {
+		/* one graph: forward, loss, backward and the update */
+		char *text = NULL;
+		size_t len = 0;
+		FILE *mem = open_memstream(&text, &len);
+		assert_non_null(mem);
+		assert_int_equal(kl_explain(fn, mem), KL_OK);
+		fclose(mem);
+		assert_non_null(strstr(text, "graph 0"));
+		assert_null(strstr(text, "graph 1"));
+		free(text);
+	}
+	kl_fn_free(fn);
+	kl_release(x);
+	model_free(&m);
+}
+
+static void test_decoder_eager(void **state)
+{
+	(void)state;
+	fixture f;
+	open_fixture(&f);
+	fails = 0;
+	train(&f, EAGER);
+	kl_safetensors_close(f.st);
+	assert_int_equal(fails, 0);
+}
+
+static void test_decoder_compiled_forward(void **state)
+{
+	(void)state;
+	fixture f;
+	open_fixture(&f);
+	fails = 0;
+	train(&f, COMPILED_FORWARD);
+	kl_safetensors_close(f.st);
+	assert_int_equal(fails, 0);
+}
+
+static void test_decoder_whole_step(void **state)
+{
+	(void)state;
+	fixture f;
+	open_fixture(&f);
+	fails = 0;
+	train(&f, WHOLE_STEP);
+	kl_safetensors_close(f.st);
+	assert_int_equal(fails, 0);
+}
+
+static int setup(void **state)
+{
+	(void)state;
+	ctx = kltest_ctx_from_env("test_train");
+	return ctx ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+	(void)state;
+	kl_ctx_free(ctx);
+	return 0;
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_decoder_eager),
+		cmocka_unit_test(test_decoder_compiled_forward),
+		cmocka_unit_test(test_decoder_whole_step),
+	};
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
