@@ -19,10 +19,13 @@
 #include "graph/autodiff.h"
 #include "graph/build.h"
 
+#define VER_LAZY UINT64_MAX
+
 typedef struct kl_tape {
 	kl_graph g;
 	kl_tensor **ts; /* per node: its tensor (one reference), NULL once consumed */
-	uint64_t *ver;  /* per node: its memory's version when recorded */
+	uint64_t *ver;  /* per node: its memory's version when recorded (VER_LAZY:
+	                 * a lazy tensor's, kept in its tape_ver when it gets storage) */
 	bool *rg;       /* per node: requires grad */
 	int32_t cap;
 	int32_t nlive;    /* nodes holding a tensor */
@@ -91,7 +94,7 @@ static int32_t tape_add(kl_tape *tp, const kl_node *n, kl_tensor *t, bool rg)
 	if (i < 0)
 		return -1;
 	tp->ts[i] = t ? kl_retain(t) : NULL;
-	tp->ver[i] = t && t->st ? t->st->version : 0;
+	tp->ver[i] = !t ? 0 : t->st ? t->st->version : VER_LAZY;
 	tp->rg[i] = rg;
 	tp->nlive += t != NULL;
 	if (t)
@@ -313,14 +316,15 @@ static kl_status check_tape(kl_ctx *ctx, kl_tape *tp, int32_t root, bool *anc, i
 			               "kl_backward: %s (%s) was computed inside a compiled function "
 			               "that has returned: call kl_backward inside that function",
 			               kl__ops[n->op].name, desc(t, a, sizeof a));
-		if (t->st && t->st->version != tp->ver[i])
+		uint64_t ver = tp->ver[i] == VER_LAZY ? t->tape_ver : tp->ver[i];
+		if (t->st && t->st->version != ver)
 			return kl__err(ctx, KL_ESTATE,
 			               "kl_backward: %s %s (tape %s) was written in place (kl_copy) "
 			               "after the forward used it (version %llu -> %llu): its gradient "
 			               "needs the old value",
 			               n->op == KL_OP_INPUT ? "input" : kl__ops[n->op].name,
 			               desc(t, a, sizeof a), kl__node_desc(&tp->g, i, d, sizeof d),
-			               (unsigned long long)tp->ver[i],
+			               (unsigned long long)ver,
 			               (unsigned long long)t->st->version);
 		*nleaves += n->op == KL_OP_INPUT && t->requires_grad;
 	}

@@ -538,6 +538,7 @@ static kl_status transplant(kl_ctx *ctx, kl_tensor *lazy, const kl_tensor *val)
 	}
 	lazy->st = val->st;
 	lazy->st->refs++;
+	lazy->tape_ver = lazy->st->version;
 	lazy->offset = val->offset;
 	memcpy(lazy->strides, val->strides, sizeof lazy->strides);
 	lazy->trace_id = 0;

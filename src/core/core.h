@@ -65,6 +65,9 @@ struct kl_tensor {
 	bool requires_grad;
 	uint16_t grad_stop;
 	int32_t tape_node;
+	/* its storage's version when a lazy tensor on the tape got its storage
+	 * (the tape records a lazy tensor before it has a version to check) */
+	uint64_t tape_ver;
 	kl_tensor *grad;
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
