@@ -250,8 +250,7 @@ static void train(const fixture *f, int mode)
 		kl_nn_grad_clear(&m.layer.base);
 	}
 	expect_params(f, &m, "adamw3.", false, mode_name[mode]);
-	if (fn && mode == WHOLE_STEP) {
-		/* one graph: forward, loss, backward and the update */
+	if (fn) {
 		char *text = NULL;
 		size_t len = 0;
 		FILE *mem = open_memstream(&text, &len);
@@ -259,7 +258,26 @@ static void train(const fixture *f, int mode)
 		assert_int_equal(kl_explain(fn, mem), KL_OK);
 		fclose(mem);
 		assert_non_null(strstr(text, "graph 0"));
-		assert_null(strstr(text, "graph 1"));
+		if (mode == WHOLE_STEP) {
+			/* one graph: forward, loss, backward and the update */
+			assert_null(strstr(text, "graph 1"));
+		} else {
+			/* the forward keeps what the min-cut chose; the rest the
+			 * backward computes again */
+			const char *saved = strstr(text, "saved for a kl_backward");
+			assert_non_null(saved);
+			int n = -1, again = -1;
+			long long bytes = -1;
+			assert_int_equal(sscanf(saved,
+			                        "saved for a kl_backward after the call: %d tensors, "
+			                        "%lld bytes (min-cut of the joint graph; %d values",
+			                        &n, &bytes, &again),
+			                 3);
+			printf("test_train: compiled forward keeps %d tensors (%lld bytes) for the "
+			       "backward, which computes %d values again\n",
+			       n, bytes, again);
+			assert_true(n > 0 && bytes > 0 && again > 0);
+		}
 		free(text);
 	}
 	kl_fn_free(fn);

@@ -18,8 +18,10 @@
 #include "api/dispatch.h"
 #include "graph/autodiff.h"
 #include "graph/build.h"
+#include "runtime/compiled.h"
 
 #define VER_LAZY UINT64_MAX
+#define BWD_CACHE 8 /* compiled backward graphs kept per context */
 
 typedef struct kl_tape {
 	kl_graph g;
@@ -30,6 +32,13 @@ typedef struct kl_tape {
 	int32_t cap;
 	int32_t nlive;    /* nodes holding a tensor */
 	int32_t prune_at; /* prune when the tape reaches this many nodes */
+	/* the compiled backward graphs (run_grad_graph), by compile key */
+	struct {
+		uint64_t key;
+		kl_compiled *c;
+	} bwd[BWD_CACHE];
+	int nbwd, next_bwd;
+	long bwd_compiles, bwd_hits;
 } kl_tape;
 
 static kl_tape *tape_of(kl_ctx *ctx)
@@ -53,6 +62,8 @@ void kl__tape_free(kl_ctx *ctx)
 	if (!tp)
 		return;
 	kl__graph_free(&tp->g);
+	for (int i = 0; i < tp->nbwd; i++)
+		kl__compiled_free(tp->bwd[i].c);
 	free(tp->ts);
 	free(tp->ver);
 	free(tp->rg);
@@ -112,6 +123,7 @@ static int32_t node_of(kl_tape *tp, kl_tensor *t)
 	n.dtype = (uint8_t)t->dtype;
 	n.ndim = (uint8_t)t->ndim;
 	memcpy(n.shape, t->shape, sizeof n.shape);
+	t->tape_leaf = true;
 	return tape_add(tp, &n, t, t->requires_grad);
 }
 
@@ -311,7 +323,10 @@ static kl_status check_tape(kl_ctx *ctx, kl_tape *tp, int32_t root, bool *anc, i
 			               "kl_backward: part of this loss's graph (%s, %s) was consumed by "
 			               "an earlier kl_backward (each graph is differentiated once)",
 			               kl__ops[n->op].name, kl__node_desc(&tp->g, i, d, sizeof d));
-		if (!kl__trace_holds(ctx, t))
+		/* a lazy value of a compiled forward that it did not keep (the
+		 * partition's choice) is computed again by the backward graph */
+		bool again = !t->st && !ctx->trace && n->op != KL_OP_INPUT && tp->ver[i] == VER_LAZY;
+		if (!again && !kl__trace_holds(ctx, t))
 			return kl__err(ctx, KL_ESTATE,
 			               "kl_backward: %s (%s) was computed inside a compiled function "
 			               "that has returned: call kl_backward inside that function",
@@ -362,6 +377,147 @@ static kl_status run_grad_nodes(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 		tp->ts[i] = r; /* owned here (and by the open scope, if any) */
 	}
 	free(need);
+	return st;
+}
+
+/* The backward of a compiled forward, as one compiled graph: the gradient
+ * nodes [base, end) the leaves need, the forward values the forward did not
+ * keep (computed again from what it kept), each leaf's existing .grad added
+ * in (the accumulation fused into the kernel that makes the gradient). The
+ * graph's inputs are the tape's materialized tensors it reads. Compiled
+ * once per structure (kept in the tape's small cache). Leaves the new .grad
+ * of each leaf set. */
+static kl_status run_grad_graph(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
+                                const int32_t *leaves, const int32_t *grads)
+{
+	int32_t end = tp->g.n;
+	int32_t *map = malloc(sizeof *map * (size_t)end);
+	bool *need = calloc((size_t)end, sizeof *need);
+	kl_tensor **in = malloc(sizeof *in * (size_t)(end + nl + 1));
+	kl_tensor **out = calloc((size_t)nl + 1, sizeof *out);
+	int32_t *outnode = malloc(sizeof *outnode * (size_t)(nl + 1));
+	kl_graph g;
+	kl__graph_init(&g);
+	kl_status st = map && need && in && out && outnode ? KL_OK : KL_ENOMEM;
+	int nin = 0, nout = 0;
+	for (int j = 0; st == KL_OK && j < nl; j++)
+		if (grads[j] >= 0)
+			need[grads[j]] = true;
+	/* computed here: the gradient nodes and the values not kept */
+	for (int32_t i = st == KL_OK ? end - 1 : -1; i >= 0; i--)
+		if (need[i] && (i >= base || !tp->ts[i] || !tp->ts[i]->st))
+			for (int k = 0; k < tp->g.nodes[i].nin; k++)
+				need[tp->g.nodes[i].in[k]] = true;
+	for (int32_t i = 0; st == KL_OK && i < end; i++) {
+		map[i] = -1;
+		if (!need[i])
+			continue;
+		kl_tensor *t = tp->ts[i];
+		kl_node c = tp->g.nodes[i];
+		if (t && t->st) {
+			memset(&c, 0, sizeof c);
+			c.op = KL_OP_INPUT;
+			c.dtype = (uint8_t)t->dtype;
+			c.ndim = (uint8_t)t->ndim;
+			memcpy(c.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+			memcpy(c.strides, t->strides, sizeof(int64_t) * (size_t)t->ndim);
+		} else {
+			for (int k = 0; k < c.nin; k++)
+				c.in[k] = map[c.in[k]];
+		}
+		map[i] = kl__graph_add(&g, &c);
+		if (map[i] < 0 || (c.op == KL_OP_INPUT && kl__graph_add_input(&g, map[i])))
+			st = KL_ENOMEM;
+		else if (c.op == KL_OP_INPUT)
+			in[nin++] = t;
+	}
+	for (int j = 0; st == KL_OK && j < nl; j++) {
+		if (grads[j] < 0)
+			continue;
+		kl_tensor *leaf = tp->ts[leaves[j]], *old = leaf->grad;
+		int32_t r = map[grads[j]];
+		if (old && old->st && old->dtype == leaf->dtype && old->ndim == leaf->ndim) {
+			/* accumulate: .grad + this gradient, in the graph */
+			kl_node a, b;
+			memset(&a, 0, sizeof a);
+			a.op = KL_OP_INPUT;
+			a.dtype = (uint8_t)old->dtype;
+			a.ndim = (uint8_t)old->ndim;
+			memcpy(a.shape, old->shape, sizeof(int64_t) * (size_t)old->ndim);
+			memcpy(a.strides, old->strides, sizeof(int64_t) * (size_t)old->ndim);
+			int32_t ai = kl__graph_add(&g, &a);
+			if (ai < 0 || kl__graph_add_input(&g, ai)) {
+				st = KL_ENOMEM;
+				break;
+			}
+			in[nin++] = old;
+			memset(&b, 0, sizeof b);
+			b.op = KL_OP_ADD;
+			b.dtype = a.dtype;
+			b.ndim = a.ndim;
+			memcpy(b.shape, a.shape, sizeof b.shape);
+			b.nin = 2;
+			b.in[0] = ai;
+			b.in[1] = r;
+			if ((r = kl__graph_add(&g, &b)) < 0) {
+				st = KL_ENOMEM;
+				break;
+			}
+		}
+		if (kl__graph_add_output(&g, r)) {
+			st = KL_ENOMEM;
+			break;
+		}
+		outnode[nout++] = j;
+	}
+	if (st == KL_ENOMEM)
+		kl__err(ctx, st, "kl_backward: out of memory");
+	kl_compiled *cc = NULL;
+	uint64_t key = 0;
+	kl_compile_cfg cfg = {.mode = KL_MODE_DEFAULT, .fusion = true, .name = "backward"};
+	if (st == KL_OK)
+		st = kl__compile_key(ctx, &g, &cfg, &key);
+	for (int i = 0; st == KL_OK && i < tp->nbwd && !cc; i++)
+		if (tp->bwd[i].key == key)
+			cc = tp->bwd[i].c;
+	if (st == KL_OK && cc) {
+		tp->bwd_hits++;
+	} else if (st == KL_OK) {
+		double t0 = kl__now_ms();
+		cc = kl__compile(ctx, &g, &cfg);
+		if (!cc) {
+			st = kl_last_status(ctx);
+		} else {
+			int slot = tp->nbwd;
+			if (slot < BWD_CACHE)
+				tp->nbwd++;
+			else
+				kl__compiled_free(tp->bwd[slot = tp->next_bwd++ % BWD_CACHE].c);
+			tp->bwd[slot].key = key;
+			tp->bwd[slot].c = cc;
+			tp->bwd_compiles++;
+			kl__log(ctx, KL_LOG_STARTUP,
+			        "kl_backward: backward graph of %d nodes (%d inputs, %d gradients) "
+			        "compiled in %.3f ms",
+			        g.n, nin, nout, kl__now_ms() - t0);
+		}
+	}
+	if (st == KL_OK)
+		st = kl__compiled_run(ctx, cc, in, out);
+	for (int q = 0; st == KL_OK && q < nout; q++) {
+		kl_tensor *leaf = tp->ts[leaves[outnode[q]]];
+		kl_release(leaf->grad);
+		leaf->grad = out[q];
+		out[q] = NULL;
+	}
+	for (int q = 0; out && q < nout; q++)
+		kl_release(out[q]);
+	kl__graph_free(&g);
+	free(map);
+	free(need);
+	free(in);
+	free(out);
+	free(outnode);
 	return st;
 }
 
@@ -440,9 +596,17 @@ kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
 	}
 	if (st == KL_OK && !tape_room(tp, tp->g.n))
 		st = kl__err(ctx, KL_ENOMEM, "kl_backward: out of memory");
-	if (st == KL_OK)
+	/* the forward was compiled (its values were recorded lazily): the
+	 * backward is compiled too, one graph; else (eager, or inside a trace,
+	 * where the gradient ops join the trace) op by op */
+	bool compiled = false;
+	for (int32_t i = 0; !ctx->trace && i < base; i++)
+		compiled |= anc[i] && tp->ver[i] == VER_LAZY;
+	if (st == KL_OK && compiled)
+		st = run_grad_graph(ctx, tp, base, nl, leaves, grads);
+	else if (st == KL_OK)
 		st = run_grad_nodes(ctx, tp, base, nl, grads);
-	for (int j = 0; st == KL_OK && j < nl; j++)
+	for (int j = 0; st == KL_OK && !compiled && j < nl; j++)
 		if (grads[j] >= 0)
 			st = give_grad(ctx, tp->ts[leaves[j]], tp->ts[grads[j]]);
 	ctx->no_grad = prev;

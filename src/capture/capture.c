@@ -13,6 +13,8 @@
 #include <stdlib.h>
 
 #include "capture/capture.h"
+#include "graph/autodiff.h"
+#include "graph/partition.h"
 
 static atomic_int fn_counter;
 
@@ -919,6 +921,78 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 	return KL_OK;
 }
 
+/* Which of the values fn's forward leaves on the autograd tape (for a
+ * kl_backward after the call) the forward keeps: fn's joint graph (the
+ * trace, a cotangent per output that requires grad, the gradient nodes of
+ * every input that requires grad or is on the tape) and its min-cut
+ * partition. keep[] per node of tr's graph; false when no joint graph can be
+ * built (an op without a gradient rule: every taped value is kept). The
+ * values not kept, kl_backward computes again in its backward graph. */
+static bool saved_for_backward(kl_fn *f, kl_trace *tr, kl_tensor *const *out, bool *keep)
+{
+	kl_graph j;
+	if (kl__graph_copy(&j, &tr->g) != 0)
+		return false;
+	int32_t nf = j.n, ni = tr->g.ninputs;
+	int32_t *roots = malloc(sizeof *roots * (size_t)(2 * f->nout + 2 * ni + 2));
+	bool *reads = calloc((size_t)nf + 1, sizeof *reads), *fr = calloc((size_t)nf + 1, 1);
+	bool *need = NULL;
+	bool ok = roots && reads && fr;
+	int32_t *cots = roots ? roots + f->nout + 1 : NULL;
+	int32_t *leaves = cots ? cots + f->nout + 1 : NULL, *grads = leaves ? leaves + ni : NULL;
+	int nr = 0, nl = 0;
+	for (int k = 0; ok && k < f->nout; k++) {
+		const kl_tensor *t = out[k];
+		if (t->st || t->trace_id != tr->id || t->node < 0 || t->tape_node < 0 ||
+		    !kl__differentiable(t->dtype))
+			continue;
+		fr[t->node] = true; /* returned: kept whatever the cut says */
+		kl_node c;
+		memset(&c, 0, sizeof c);
+		c.op = KL_OP_INPUT;
+		c.dtype = (uint8_t)t->dtype;
+		c.ndim = (uint8_t)t->ndim;
+		memcpy(c.shape, t->shape, sizeof c.shape);
+		roots[nr] = t->node;
+		cots[nr] = kl__graph_add(&j, &c);
+		ok = cots[nr++] >= 0;
+	}
+	for (int32_t i = 0; ok && i < ni; i++) {
+		const kl_tensor *t = tr->in_tensors[i];
+		if (kl__differentiable(t->dtype) && (t->requires_grad || t->tape_node >= 0))
+			leaves[nl++] = tr->g.inputs[i];
+	}
+	for (int i = 0; ok && i < tr->nwrites; i++)
+		if (tr->wsrc[i]->trace_id == tr->id && tr->wsrc[i]->node >= 0)
+			fr[tr->wsrc[i]->node] = true;
+	char err[256];
+	ok = ok && nr > 0 && nl > 0 &&
+	     kl__autodiff(&j, nf, nr, roots, cots, nl, leaves, grads, err, sizeof err) == KL_OK;
+	if (ok)
+		ok = (need = calloc((size_t)j.n, sizeof *need)) != NULL;
+	for (int q = 0; ok && q < nl; q++)
+		if (grads[q] >= 0)
+			need[grads[q]] = true;
+	for (int32_t i = ok ? j.n - 1 : -1; i >= 0; i--)
+		if (need[i] && (i >= nf || !reads[i])) {
+			if (i < nf) {
+				reads[i] = true; /* a gradient that is a forward value */
+				continue;
+			}
+			for (int q = 0; q < j.nodes[i].nin; q++)
+				need[j.nodes[i].in[q]] = true;
+		}
+	for (int32_t i = 0; ok && i < nf; i++)
+		reads[i] = need[i];
+	ok = ok && kl__partition(&j, nf, reads, fr, keep) >= 0;
+	free(need);
+	free(roots);
+	free(reads);
+	free(fr);
+	kl__graph_free(&j);
+	return ok;
+}
+
 static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *const *in,
                              kl_tensor **out)
 {
@@ -976,11 +1050,31 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		 * the saved tensors of that backward) */
 		kl_trace *tr = ctx->trace;
 		int extra = tr->nwrites;
+		bool *keep = NULL;
+		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
+			if (!t->st && t->trace_id == tr->id && t->tape_node >= 0)
+				cs.taped = true;
+		v->bw_taped = cs.taped;
+		v->bw_saved = v->bw_recompute = 0;
+		v->bw_bytes = 0;
+		v->bw_joint = false;
+		if (st == KL_OK && cs.taped) {
+			keep = calloc((size_t)tr->g.n + 1, sizeof *keep);
+			v->bw_joint = keep && saved_for_backward(f, tr, out, keep);
+		}
 		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 			extra += t->grad && !t->grad->st && t->grad->trace_id == tr->id;
 			if (!t->st && t->trace_id == tr->id && t->tape_node >= 0) {
-				extra++;
-				cs.taped = true;
+				bool kept = !v->bw_joint || keep[t->node] || t->tape_leaf, ret = false;
+				for (int k = 0; k < f->nout; k++)
+					ret |= out[k] == t;
+				extra += kept;
+				kept &= !ret; /* returned: no memory of its own */
+				v->bw_saved += kept;
+				v->bw_recompute += !kept;
+				v->bw_bytes += kept ? kl__numel(t->ndim, t->shape) *
+				                              (int64_t)kl_dtype_size(t->dtype)
+				                    : 0;
 			}
 		}
 		if (st == KL_OK && extra > 0) {
@@ -994,10 +1088,12 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id)
 					lazy[nl++] = t->grad;
-				if (!t->st && t->trace_id == tr->id && t->tape_node >= 0)
+				if (!t->st && t->trace_id == tr->id && t->tape_node >= 0 &&
+				    (!v->bw_joint || keep[t->node] || t->tape_leaf))
 					lazy[nl++] = t;
 			}
 		}
+		free(keep);
 		if (st == KL_OK)
 			st = run_segment(&cs, lazy, nl, NULL, NULL);
 	}

@@ -61,6 +61,14 @@ typedef struct kl_variant {
 	 * -1 - j: fn input j (j < nin) or captured[j - nin]. */
 	bool replay;
 	int32_t *in_src, *out_src;
+	/* fn's forward left values on the autograd tape for a kl_backward after
+	 * the call: how many its last traced call kept (the min-cut partition of
+	 * the joint graph), their bytes, and how many the backward computes
+	 * again instead; bw_joint false when no joint graph could be built (every
+	 * taped value kept) */
+	int bw_saved, bw_recompute;
+	int64_t bw_bytes;
+	bool bw_taped, bw_joint;
 	kl_tensor **captured; /* each holds one capture reference (capture_refs) */
 	uint64_t *cap_version; /* captured[i]'s storage version when captured */
 	int ncaptured;

@@ -215,6 +215,17 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 			fprintf(out, "      input %d: %s\n", i, buf);
 		}
 		print_dims(f, v, out);
+		if (v->bw_taped && v->bw_joint)
+			fprintf(out,
+			        "    saved for a kl_backward after the call: %d tensors, %" PRId64
+			        " bytes (min-cut of the joint graph; %d values computed again in the "
+			        "backward)\n",
+			        v->bw_saved, v->bw_bytes, v->bw_recompute);
+		else if (v->bw_taped)
+			fprintf(out,
+			        "    saved for a kl_backward after the call: %d tensors, %" PRId64
+			        " bytes (every taped value: no joint graph)\n",
+			        v->bw_saved, v->bw_bytes);
 		if (v->nsegs == 0)
 			fputs("    no graph recorded yet\n", out);
 		for (int s = 0; s < v->nsegs; s++) {

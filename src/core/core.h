@@ -68,6 +68,7 @@ struct kl_tensor {
 	/* its storage's version when a lazy tensor on the tape got its storage
 	 * (the tape records a lazy tensor before it has a version to check) */
 	uint64_t tape_ver;
+	bool tape_leaf; /* its tape node is an INPUT: the tape cannot compute it again */
 	kl_tensor *grad;
 	kl_tensor *prev, *next; /* the context's list of live tensors */
 };
