@@ -534,6 +534,71 @@ typedef struct loss_body {
 	int64_t ignore;
 } loss_body;
 
+/* Inside a compiled function the fused step runs once the graph has run:
+ * kl_explain says so, and fn reading a parameter after the step (which
+ * would see the old value) is an error naming the read, not a wrong result. */
+typedef struct read_after {
+	kl_optim *o;
+	kl_tensor *p;
+	bool read;
+} read_after;
+
+static kl_status body_read_after(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                 int nout, void *user)
+{
+	(void)nin, (void)nout;
+	read_after *b = user;
+	kl_status st = kl_optim_step_grads(b->o, in);
+	if (st == KL_OK)
+		out[0] = b->read ? kl_mul(b->p, b->p) : kl_mul(in[0], in[0]);
+	return st != KL_OK ? st : out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static void test_step_in_graph(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	kl_tensor *p = kltest_rand(ctx, KL_F32, 2, (int64_t[]){4, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 5);
+	kl_tensor *g = kltest_rand(ctx, KL_F32, 2, (int64_t[]){4, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 6);
+	kl_adamw_opts a = kl_adamw_defaults();
+	kl_optim *o = kl_optim_adamw(ctx, 1, &p, NULL, &a);
+	assert_non_null(o);
+	read_after b = {.o = o, .p = p};
+	for (int read = 0; read < 2; read++) {
+		b.read = read;
+		kl_fn *f = kl_compile(ctx, body_read_after, &b, 1, 1, NULL);
+		kl_tensor *y = NULL;
+		kl_status st = kl_fn_call(f, &g, &y);
+		if (!read) {
+			if (st != KL_OK)
+				fail_msg("step in a graph: %s", kl_last_error(ctx));
+			char *text = NULL;
+			size_t len = 0;
+			FILE *mem = open_memstream(&text, &len);
+			assert_int_equal(kl_explain(f, mem), KL_OK);
+			fclose(mem);
+			if (!strstr(text, "then, once the graph ran: the fused AdamW step over 1 "
+			                  "parameters"))
+				fail_msg("kl_explain does not show the deferred step:\n%s", text);
+			free(text);
+			double stp = 0;
+			assert_int_equal(kl_item(kl_optim_state(o, 0, "step"), &stp), KL_OK);
+			assert_true(stp == 1);
+		} else {
+			assert_int_equal(st, KL_ESTATE);
+			assert_non_null(strstr(kl_last_error(ctx), "reads memory that the fused AdamW "
+			                                           "step over 1 parameters changes"));
+			assert_null(y);
+			kl_clear_error(ctx);
+		}
+		kl_release(y);
+		kl_fn_free(f);
+	}
+	kl_optim_free(o);
+	kl_release(p);
+	kl_release(g);
+}
+
 static kl_status body_ce(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
                          void *user)
 {
@@ -816,7 +881,7 @@ int main(void)
 	        cmocka_unit_test(test_adamw_reference), cmocka_unit_test(test_sgd_reference),
 	        cmocka_unit_test(test_save_load_resume), cmocka_unit_test(test_optim_errors),
 	        cmocka_unit_test(test_losses),          cmocka_unit_test(test_dropout),
-	        cmocka_unit_test(test_nn_parameters),
+	        cmocka_unit_test(test_nn_parameters),     cmocka_unit_test(test_step_in_graph),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -259,8 +259,11 @@ static void train(const fixture *f, int mode)
 		fclose(mem);
 		assert_non_null(strstr(text, "graph 0"));
 		if (mode == WHOLE_STEP) {
-			/* one graph: forward, loss, backward and the update */
+			/* one graph: forward, loss and backward, then the update, one
+			 * launch over every parameter */
 			assert_null(strstr(text, "graph 1"));
+			assert_non_null(strstr(text, "then, once the graph ran: the fused AdamW step "
+			                             "over 9 parameters"));
 		} else {
 			/* the forward keeps what the min-cut chose; the rest the
 			 * backward computes again */
@@ -277,6 +280,9 @@ static void train(const fixture *f, int mode)
 			       "backward, which computes %d values again\n",
 			       n, bytes, again);
 			assert_true(n > 0 && bytes > 0 && again > 0);
+			/* the backward: one graph, compiled at the first kl_backward */
+			assert_non_null(strstr(text, "backward graphs compiled by kl_backward (1 "
+			                             "compiles, 2 reuses)"));
 		}
 		free(text);
 	}

@@ -41,10 +41,28 @@ typedef struct kl_tape {
 	long bwd_compiles, bwd_hits;
 } kl_tape;
 
+/* kl_explain's part: the backward graphs compiled so far */
+static void explain_backward(kl_ctx *ctx, FILE *out, const char *indent)
+{
+	const kl_tape *tp = ctx->tape;
+	if (!tp || tp->nbwd == 0)
+		return;
+	fprintf(out,
+	        "%sbackward graphs compiled by kl_backward (%ld compiles, %ld reuses), newest "
+	        "last:\n",
+	        indent, tp->bwd_compiles, tp->bwd_hits);
+	char in2[64];
+	snprintf(in2, sizeof in2, "%s  ", indent);
+	for (int i = 0; i < tp->nbwd; i++)
+		kl__compiled_explain(tp->bwd[(tp->next_bwd + i) % tp->nbwd].c, out, in2);
+}
+
 static kl_tape *tape_of(kl_ctx *ctx)
 {
-	if (!ctx->tape)
+	if (!ctx->tape) {
 		ctx->tape = calloc(1, sizeof(kl_tape));
+		ctx->explain_backward = explain_backward;
+	}
 	return ctx->tape;
 }
 
@@ -69,6 +87,7 @@ void kl__tape_free(kl_ctx *ctx)
 	free(tp->rg);
 	free(tp);
 	ctx->tape = NULL;
+	ctx->explain_backward = NULL;
 }
 
 /* room in the per-node arrays for need nodes */

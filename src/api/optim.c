@@ -3,14 +3,16 @@
  * and saving/loading the state as safetensors.
  *
  * A step has two paths with one meaning:
- *  - eagerly, the fused update: one kl_optim_launch per dtype over every
- *    parameter that has a gradient, run by the backend (optim_step:
+ *  - the fused update: one kl_optim_launch per dtype over every parameter
+ *    that has a gradient, run by the backend (optim_step:
  *    backend/cpu/optim_cpu.c, one parallel loop; backend/cuda/optim_cuda.c,
- *    one kernel launch over a pointer table);
- *  - inside a compiled function (or with .unfused, or on a backend without
- *    optim_step), the same update as kiln ops, each new value written back
- *    with kl_copy, which a trace records and applies when the graph ends.
- *    The scheduler fuses each parameter's update into a kernel or two.
+ *    one kernel launch over a pointer table). Eagerly at once; inside a
+ *    compiled function deferred to the end of the graph that computes the
+ *    gradients (kl__trace_defer), which then reads them materialized;
+ *  - with .unfused, or on a backend without optim_step, the same update as
+ *    kiln ops, each new value written back with kl_copy (a trace records
+ *    the writes and applies them when the graph ends; the scheduler fuses
+ *    each parameter's update into a kernel or two).
  * Both compute in f32 (f64 for f64 parameters) and round once into the
  * parameter's dtype; tests/test_optim.c holds both to a float64 reference
  * of torch's update.
@@ -387,6 +389,91 @@ static kl_status step_fused(kl_optim *o, kl_tensor *const *g)
 	return KL_OK;
 }
 
+/* Inside a compiled function the fused step runs once the graph has run
+ * (kl__trace_defer): one launch per dtype over every parameter, as eagerly;
+ * the graph computes the gradients it reads. */
+typedef struct deferred_step {
+	kl_optim *o;
+	kl_tensor **g; /* per parameter, held; NULL: none */
+} deferred_step;
+
+static kl_status run_deferred(kl_ctx *ctx, void *user, bool run, int *launches)
+{
+	deferred_step *d = user;
+	kl_status st = KL_OK;
+	kl_optim *o = d->o;
+	if (run) {
+		bool no_grad = ctx->no_grad, seen[4] = {0};
+		ctx->no_grad = true;
+		kl_scope_begin(ctx);
+		kl_tensor **g = calloc((size_t)o->n, sizeof *g);
+		if (!g)
+			st = kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+		for (int i = 0; g && i < o->n && st == KL_OK; i++) {
+			if (d->g[i] && !(g[i] = kl_contiguous(d->g[i])))
+				st = kl_last_status(ctx);
+			/* one launch per dtype (f32, bf16, f16, f64) */
+			kl_dtype dt = o->ps[i].p->dtype;
+			int k = dt == KL_F32 ? 0 : dt == KL_BF16 ? 1 : dt == KL_F16 ? 2 : 3;
+			*launches += d->g[i] && !seen[k];
+			seen[k] |= d->g[i] != NULL;
+		}
+		if (st == KL_OK)
+			st = step_fused(o, g);
+		free(g);
+		kl_scope_end(ctx);
+		ctx->no_grad = no_grad;
+	}
+	for (int i = 0; i < o->n; i++)
+		kl_release(d->g[i]);
+	free(d->g);
+	free(d);
+	return st;
+}
+
+static kl_status defer_step(kl_optim *o, kl_tensor *const *grads)
+{
+	kl_ctx *ctx = o->ctx;
+	deferred_step *d = calloc(1, sizeof *d);
+	kl_tensor **reads = calloc((size_t)o->n + 1, sizeof *reads);
+	kl_tensor **guard = calloc((size_t)(4 * o->n + 1), sizeof *guard);
+	if (d)
+		d->g = calloc((size_t)o->n + 1, sizeof *d->g);
+	if (!d || !d->g || !reads || !guard) {
+		if (d)
+			free(d->g);
+		free(d);
+		free(reads);
+		free(guard);
+		return kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+	}
+	d->o = o;
+	int nr = 0, ng = 0, np = 0;
+	for (int i = 0; i < o->n; i++) {
+		oparam *q = &o->ps[i];
+		if (!grads[i])
+			continue;
+		np++;
+		d->g[i] = kl_retain(grads[i]);
+		reads[nr++] = grads[i];
+		guard[ng++] = q->p;
+		if (q->m)
+			guard[ng++] = q->m;
+		if (q->v)
+			guard[ng++] = q->v;
+		if (q->vmax)
+			guard[ng++] = q->vmax;
+	}
+	guard[ng++] = o->steps;
+	char what[80];
+	snprintf(what, sizeof what, "the fused %s step over %d parameters",
+	         o->algo == KL_ALGO_SGD ? "SGD" : "AdamW", np);
+	kl_status st = kl__trace_defer(ctx, run_deferred, d, what, nr, reads, ng, guard);
+	free(reads);
+	free(guard);
+	return st;
+}
+
 kl_status kl_optim_step_grads(kl_optim *o, kl_tensor *const *grads)
 {
 	KL_API("kl_optim_step_grads");
@@ -426,7 +513,9 @@ kl_status kl_optim_step_grads(kl_optim *o, kl_tensor *const *grads)
 	bool no_grad = ctx->no_grad; /* the update is not recorded for autograd */
 	ctx->no_grad = true;
 	kl_status st = KL_OK;
-	if (ctx->trace || o->unfused || !ctx->be->optim_step) {
+	if (ctx->trace && !o->unfused && ctx->be->optim_step) {
+		st = defer_step(o, grads);
+	} else if (ctx->trace || o->unfused || !ctx->be->optim_step) {
 		for (int i = 0; i < o->n && st == KL_OK; i++)
 			if (grads[i])
 				st = step_ops(o, &o->ps[i], grads[i]);

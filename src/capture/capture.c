@@ -721,33 +721,49 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		}
 	/* the values of the writes in place fn made (kl_copy) are outputs too,
 	 * after lazy[]; they land in their tensors once the graph ran */
+	/* and so are the values the actions deferred to the graph's end read
+	 * (the fused optimizer step: the gradients) */
 	const kl_trace *cur = ctx->trace;
 	kl_tensor **all = NULL;
-	if (cur->nwrites > 0) {
-		if (!(all = malloc(sizeof *all * (size_t)(n + cur->nwrites)))) {
+	kl_status bad = KL_OK;
+	int more = cur->nwrites;
+	for (int q = 0; q < cur->ndefer; q++)
+		more += cur->defer[q].nreads;
+	if (more > 0) {
+		if (!(all = malloc(sizeof *all * (size_t)(n + more)))) {
 			kl__trace_free(kl__trace_end(ctx, 0, NULL));
 			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 		}
 		memcpy(all, lazy, sizeof *all * (size_t)n);
-		for (int w = 0; w < cur->nwrites; w++) {
-			int j = 0;
-			while (j < n && all[j] != cur->wsrc[w])
-				j++;
-			if (j == n)
-				all[n++] = cur->wsrc[w];
+		for (int q = -1; q < cur->ndefer; q++) {
+			int m = q < 0 ? cur->nwrites : cur->defer[q].nreads;
+			for (int w = 0; w < m; w++) {
+				kl_tensor *t = q < 0 ? cur->wsrc[w] : cur->defer[q].reads[w];
+				if (t->st)
+					continue; /* computed already */
+				if (t->trace_id != cur->id && kl__trace_node_of(ctx, t) < 0) {
+					bad = kl_last_status(ctx);
+					continue;
+				}
+				int j = 0;
+				while (j < n && all[j] != t)
+					j++;
+				if (j == n)
+					all[n++] = t;
+			}
 		}
 		lazy = all;
 		cs->wrote = true;
 	}
+	kl_status st = bad != KL_OK ? bad : kl__trace_check_deferred(ctx, cur);
 	kl_trace *tr = kl__trace_end(ctx, n, lazy);
 	if (!tr) {
 		free(all);
 		return kl_last_status(ctx);
 	}
-	kl_status st = KL_OK;
 	kl_gentry *e = NULL;
 	kl_tensor **outs = NULL;
-	if (n > 0) {
+	if (n > 0 && st == KL_OK) {
 		double t0 = kl__now_ms();
 		st = graph_entry(cs, tr, nops, &e);
 		double t1 = kl__now_ms();
@@ -775,12 +791,21 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 	}
 	for (int w = 0; st == KL_OK && w < tr->nwrites; w++)
 		st = kl__write_into(ctx, tr->wdst[w], tr->wsrc[w]);
+	if (st == KL_OK)
+		st = kl__trace_run_deferred(ctx, tr, &cs->launches);
 	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
 	    record_replay_inputs(cs, tr) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	if (st == KL_OK && record_seg(cs, e, reason, nops, last_op, last_node) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	if (st == KL_OK) {
+		kl_seg *sg = &cs->v->segs[cs->seg];
+		sg->after[0] = 0;
+		for (int q = 0, at = 0; q < tr->ndefer && at < (int)sizeof sg->after; q++)
+			at += snprintf(sg->after + at, sizeof sg->after - (size_t)at, "%s%s",
+			               q ? "; " : "", tr->defer[q].what);
+	}
 	if (keep && st == KL_OK)
 		*keep = tr;
 	else

@@ -34,6 +34,7 @@ typedef struct kl_seg {
 	int nops;        /* ops recorded before the break */
 	int last_op;     /* the op of the last node before it (-1: none) */
 	int last_node;
+	char after[160]; /* what ran after the graph (deferred actions), "" none */
 } kl_seg;
 
 /* A dim the caller marked dynamic that this variant's graph keeps static,

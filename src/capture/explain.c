@@ -244,6 +244,10 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 				fputs("; nothing lazy to compute\n", out);
 			if (sg->e)
 				kl__compiled_explain(sg->e->c, out, "      ");
+			if (sg->after[0])
+				fprintf(out, "      then, once the graph ran: %s\n", sg->after);
 		}
+		if (v->bw_taped && f->ctx->explain_backward)
+			f->ctx->explain_backward(f->ctx, out, "    ");
 	}
 }

@@ -70,6 +70,18 @@ void kl__trace_free(kl_trace *tr)
 		}
 		free(tr->wdst);
 		free(tr->wsrc);
+		for (int i = 0; i < tr->ndefer; i++) {
+			kl_deferred *d = &tr->defer[i];
+			if (!d->done)
+				d->fn(NULL, d->user, false, NULL);
+			for (int k = 0; k < d->nreads; k++)
+				kl_release(d->reads[k]);
+			for (int k = 0; k < d->nguard; k++)
+				kl_release(d->guard[k]);
+			free(d->reads);
+			free(d->guard);
+		}
+		free(tr->defer);
 		free(tr->mat);
 		free(tr->imported);
 		free(tr->in_tensors);
@@ -357,5 +369,113 @@ kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense)
 	}
 	if (st == KL_OK)
 		kl__storage_written(dst->st);
+	return st;
+}
+
+/* ---- actions after the graph ------------------------------------------------------- */
+
+kl_status kl__trace_defer(kl_ctx *ctx, kl_status (*fn)(kl_ctx *, void *, bool, int *),
+                          void *user, const char *what, int nreads, kl_tensor *const *reads,
+                          int nguard, kl_tensor *const *guard)
+{
+	kl_trace *tr = ctx->trace;
+	kl_deferred d = {.fn = fn, .user = user};
+	if (!tr) {
+		fn(ctx, user, false, NULL);
+		return kl__err(ctx, KL_ESTATE, "kl__trace_defer: no active trace");
+	}
+	if (tr->ndefer == tr->cap_defer) {
+		int nc = tr->cap_defer ? 2 * tr->cap_defer : 4;
+		kl_deferred *p = realloc(tr->defer, sizeof *p * (size_t)nc);
+		if (!p) {
+			fn(ctx, user, false, NULL);
+			return kl__err(ctx, KL_ENOMEM, "out of memory");
+		}
+		tr->defer = p;
+		tr->cap_defer = nc;
+	}
+	d.reads = malloc(sizeof *d.reads * (size_t)(nreads + 1));
+	d.guard = malloc(sizeof *d.guard * (size_t)(nguard + 1));
+	if (!d.reads || !d.guard) {
+		free(d.reads);
+		free(d.guard);
+		fn(ctx, user, false, NULL);
+		return kl__err(ctx, KL_ENOMEM, "out of memory");
+	}
+	for (int i = 0; i < nreads; i++)
+		d.reads[d.nreads++] = kl_retain(reads[i]);
+	for (int i = 0; i < nguard; i++)
+		d.guard[d.nguard++] = kl_retain(guard[i]);
+	snprintf(d.what, sizeof d.what, "%s", what);
+	d.mark = tr->g.n;
+	tr->defer[tr->ndefer++] = d;
+	return KL_OK;
+}
+
+/* whether t's memory is memory d changes */
+static bool guarded(const kl_deferred *d, const kl_tensor *t)
+{
+	for (int k = 0; t && t->st && k < d->nguard; k++)
+		if (d->guard[k]->st == t->st)
+			return true;
+	return false;
+}
+
+kl_status kl__trace_check_deferred(kl_ctx *ctx, const kl_trace *tr)
+{
+	const kl_graph *g = &tr->g;
+	if (tr->ndefer == 0 || g->n == 0)
+		return KL_OK;
+	bool *from = malloc(sizeof *from * (size_t)g->n);
+	int32_t *inof = malloc(sizeof *inof * (size_t)g->n);
+	if (!from || !inof) {
+		free(from);
+		free(inof);
+		return kl__err(ctx, KL_ENOMEM, "out of memory");
+	}
+	for (int32_t j = 0; j < g->n; j++)
+		inof[j] = -1;
+	for (int32_t i = 0; i < g->ninputs; i++)
+		inof[g->inputs[i]] = i;
+	kl_status st = KL_OK;
+	for (int q = 0; q < tr->ndefer && st == KL_OK; q++) {
+		const kl_deferred *d = &tr->defer[q];
+		/* the nodes that are the guarded memory: its INPUT nodes and the
+		 * views made of them */
+		for (int32_t j = 0; j < g->n && st == KL_OK; j++) {
+			const kl_node *n = &g->nodes[j];
+			from[j] = inof[j] >= 0 && guarded(d, tr->in_tensors[inof[j]]);
+			for (int k = 0; k < n->nin && !from[j]; k++)
+				from[j] = from[n->in[k]] && kl__ops[n->op].cat == KL_CAT_MOVEMENT;
+			if (j < d->mark || n->op == KL_OP_INPUT)
+				continue;
+			for (int k = 0; k < n->nin; k++)
+				if (from[n->in[k]]) {
+					st = kl__err(ctx, KL_ESTATE,
+					             "kl_fn_call: %s (node #%d) reads memory that %s changes, "
+					             "after it: inside a compiled function that update runs "
+					             "when the graph ends, so this read would see the old "
+					             "value (make the update the last use, or read it after "
+					             "the call)",
+					             kl__ops[n->op].name, (int)j, d->what);
+					break;
+				}
+		}
+	}
+	free(from);
+	free(inof);
+	return st;
+}
+
+kl_status kl__trace_run_deferred(kl_ctx *ctx, kl_trace *tr, int *launches)
+{
+	kl_status st = KL_OK;
+	for (int q = 0; q < tr->ndefer && st == KL_OK; q++) {
+		kl_deferred *d = &tr->defer[q];
+		int l = 0;
+		d->done = true;
+		st = d->fn(ctx, d->user, true, &l);
+		*launches += l;
+	}
 	return st;
 }

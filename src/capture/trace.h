@@ -7,6 +7,24 @@
 #include "core/core.h"
 #include "graph/graph.h"
 
+/* An action that runs once the graph of the trace it was recorded in has
+ * run (after the graph's writes in place): the fused optimizer step inside
+ * a compiled function, one launch over every parameter. */
+typedef struct kl_deferred {
+	/* run true: the graph ran (reads are materialized), do the action and
+	 * say how many kernels it launched; false: the trace is dropped. Either
+	 * way fn frees user. */
+	kl_status (*fn)(kl_ctx *ctx, void *user, bool run, int *launches);
+	void *user;
+	char what[80];
+	kl_tensor **reads; /* values it reads: computed by the graph (held) */
+	int nreads;
+	kl_tensor **guard; /* tensors it changes: no later node of the trace may read them (held) */
+	int nguard;
+	int32_t mark; /* the trace's node count when it was recorded */
+	bool done;
+} kl_deferred;
+
 typedef struct kl_trace {
 	uint64_t id;
 	kl_graph g;
@@ -31,6 +49,9 @@ typedef struct kl_trace {
 	 * reference held on each. */
 	kl_tensor **wdst, **wsrc;
 	int nwrites, cap_writes;
+	/* actions to run after the graph (kl__trace_defer), in order */
+	kl_deferred *defer;
+	int ndefer, cap_defer;
 } kl_trace;
 
 /* Start recording: ops on ctx append nodes instead of running. */
@@ -67,6 +88,20 @@ kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *val);
  * A dense dst is one backend copy (on the device); a strided one goes
  * through the host. dense must not overlap dst unless it is dst. */
 kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense);
+/* Record an action that runs after the active trace's graph (see
+ * kl_deferred): reads[] are made outputs of the graph, guard[] may not be
+ * read by any node recorded after this call (the graph would see them
+ * before the action changes them: an error when the graph ends). Takes
+ * user (fn(ctx, user, false, NULL) frees it on failure). */
+kl_status kl__trace_defer(kl_ctx *ctx, kl_status (*fn)(kl_ctx *, void *, bool, int *),
+                          void *user, const char *what, int nreads, kl_tensor *const *reads,
+                          int nguard, kl_tensor *const *guard);
+/* The first deferred action of tr whose guarded memory a later node reads,
+ * as an error (KL_ESTATE, naming the op); KL_OK when none does. */
+kl_status kl__trace_check_deferred(kl_ctx *ctx, const kl_trace *tr);
+/* Run tr's deferred actions, in order; adds their launches to *launches. */
+kl_status kl__trace_run_deferred(kl_ctx *ctx, kl_trace *tr, int *launches);
+
 /* The smallest and largest element offset (from its storage's start) t covers. */
 void kl__tensor_span(const kl_tensor *t, int64_t *lo, int64_t *hi);
 

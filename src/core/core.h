@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core/half.h"
@@ -169,6 +170,9 @@ struct kl_ctx {
 	int profile_graph; /* the graph about to run, numbered from 0 in the call as
 	                    * kl_explain numbers them (the capture layer sets it) */
 	void *tape;   /* the autograd tape (api/autograd.c), NULL until first used */
+	/* set with the tape: kl_explain's part on the backward graphs kl_backward
+	 * compiled (the api layer owns them) */
+	void (*explain_backward)(kl_ctx *ctx, FILE *out, const char *indent);
 	bool no_grad; /* kl_set_grad_enabled(ctx, false): ops are not recorded */
 };
 
