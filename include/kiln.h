@@ -373,10 +373,12 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * run at once; inside a compiled function (kl_compile) they are appended to
  * the function's graph, so forward, loss, backward and an optimizer update
  * there become one graph. A compiled function whose forward is recorded but
- * not differentiated inside it keeps the values the backward needs (its
- * graph computes them as extra outputs), so kl_backward may also be called
- * after kl_fn_call; such a call always runs the function's body (no
- * fullgraph replay). The tape lets go of what no tensor the program holds
+ * not differentiated inside it keeps the values the backward needs (those
+ * a minimum cut of its forward + backward graph chooses; its graph computes
+ * them as extra outputs), so kl_backward may also be called after
+ * kl_fn_call: it then runs the backward as one compiled graph that also
+ * computes the values not kept; kl_explain shows both. Such a call always
+ * runs the function's body (no fullgraph replay). The tape lets go of what no tensor the program holds
  * can reach; still, turn grad mode off for inference. Only floating-point
  * values carry gradients; integer and bool results (argmax, comparisons)
  * stop them.
@@ -619,9 +621,12 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
  *
  * A step eagerly is one fused update of every parameter of a dtype: one
  * parallel loop on the CPU, one kernel launch on CUDA (a pointer table over
- * the parameters, apex's multi-tensor apply). Inside a compiled function it
- * is recorded as kiln ops (one fused kernel per parameter after the
- * scheduler) and writes in place (kl_copy), which land when the graph ends. */
+ * the parameters, apex's multi-tensor apply). Inside a compiled function the
+ * same fused step runs once the graph that computes the gradients has run;
+ * an op later in that function that reads a parameter or its state fails
+ * (KL_ESTATE: it would see the value before the step). With .unfused the
+ * step is kiln ops and writes in place (kl_copy), which land when the graph
+ * ends. */
 
 typedef struct kl_optim kl_optim;
 
