@@ -332,6 +332,12 @@ static const gcase CASES[] = {
          true, false, 1, 0, 1, 0, false},
         {"rms_norm view+1", b_rms_norm, 2, {2, 1}, {{5, 512}, {512}},
          true, false, 1, 1, 1, 0, false},
+        /* a misaligned view: the scalar path's 128-thread groups, two a
+         * block, each many rows (one wave), a float max then double sums: a
+         * group's double slot once overlapped the other group's float slots
+         * (compute-sanitizer racecheck; wrong rows) */
+        {"layer_norm view+1 2048x1024", b_layer_norm, 3, {2, 1, 1},
+         {{2048, 1024}, {1024}, {1024}}, true, false, 1, 1, 1, 0, false},
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1, 0, false},
         {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}},
          true, false, 1, 0, 1, 0, false},
@@ -546,9 +552,41 @@ static bool has_group(const char *src, bool chunked, int G)
 
 /* The CUDA source of every case in every dtype, fused and not, compiles for
  * sm_90; fused row kernels and pointwise chains are one kernel each. */
+/* The group reductions of the CUDA prelude give warp w word w of a half of
+ * the shared scratch whatever the value's type (kl_slot): indexed by their
+ * own size, a group's float slots shared words with the next group's double
+ * slots, and groups do not wait for each other (a race compute-sanitizer
+ * racecheck found in the norms). */
+static void check_group_slots(void)
+{
+	const char *p = kl__render_cuda_prelude;
+	static const char *const helpers[] = {"T kl_gred(", "void kl_glse(", "void kl_gvar(",
+	                                      "void kl_gargmax("};
+	for (size_t i = 0; i < sizeof helpers / sizeof helpers[0]; i++) {
+		const char *h = strstr(p, helpers[i]);
+		if (!h)
+			fail_msg("the CUDA prelude has no %s", helpers[i]);
+		const char *end = strstr(h, "\n}\n");
+		assert_non_null(end);
+		size_t n = (size_t)(end - h);
+		char *body = malloc(n + 1);
+		assert_non_null(body);
+		memcpy(body, h, n);
+		body[n] = 0;
+		/* shared memory only through kl_slot: no typed pointer into the
+		 * scratch, no [w] or [w0 + i] index of one */
+		if (!strstr(body, "kl_slot<") || strstr(body, "[w]") || strstr(body, "[w0") ||
+		    strstr(body, "*)(sh") || strstr(body, "*)(shi") || strstr(body, "*)(shv"))
+			fail_msg("%s...: shared scratch not addressed by word (kl_slot):\n%s", helpers[i],
+			         body);
+		free(body);
+	}
+}
+
 static void test_cuda_source_compiles(void **state)
 {
 	(void)state;
+	check_group_slots();
 	if (!nvrtc_ok())
 		skip();
 	kl_ctx *ctx = kl_ctx_new(NULL);
