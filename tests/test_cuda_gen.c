@@ -1300,6 +1300,63 @@ static void test_cuda_pw_unroll(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* ---- more buffers than a kernel's parameters hold ----------------------------------- */
+
+/* MANY inputs, out[i] = in[i] * 2 + in[(i + 1) % MANY]: 2 * MANY buffers,
+ * more than KL_CUDA_ARGS_MAX entries of the 4 KiB kernel parameter block */
+#define MANY 260
+
+static kl_status b_many(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                        void *user)
+{
+	(void)c, (void)user, (void)nout;
+	for (int i = 0; i < nin; i++)
+		out[i] = kl_add(kl_mul_scalar(in[i], 2.0), in[(i + 1) % nin]);
+	return KL_OK;
+}
+
+static void many_inputs(kl_ctx *ctx, kl_tensor **in, uint64_t seed)
+{
+	for (int i = 0; i < MANY; i++) {
+		in[i] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, 6}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, seed + (uint64_t)i);
+		assert_non_null(in[i]);
+	}
+}
+
+/* A program of 520 buffers lowers for CUDA with its kl_args block in device
+ * memory (kl__cuda_args_indirect) and compiles for sm_90; it used to be
+ * refused ("exceed what one CUDA kernel parameter block holds") */
+static void test_cuda_many_buffers(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_tensor *in[MANY], *out[MANY];
+	many_inputs(ctx, in, 40);
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	assert_int_equal(b_many(ctx, in, MANY, out, MANY, NULL), KL_OK);
+	kl_trace *tr = kl__trace_end(ctx, MANY, out);
+	kl_scope_end(ctx);
+	if (!tr)
+		fail_msg("trace: %s", kl_last_error(ctx));
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	kl_program P;
+	char err[512];
+	if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+		fail_msg("%d buffers: lower for CUDA: %s", 2 * MANY, err);
+	assert_true(P.nbufs >= 2 * MANY);
+	assert_true(kl__cuda_args_indirect(P.nbufs, P.nsyms));
+	assert_non_null(strstr(P.source, "struct kl_args_mem { void *b["));
+	if (nvrtc_ok())
+		must_compile(ctx, &P, "many", "%d buffers", (int)P.nbufs);
+	kl__program_free(&P);
+	kl__trace_free(tr);
+	for (int i = 0; i < MANY; i++)
+		kl_release(in[i]);
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -1505,6 +1562,48 @@ static void test_gpu_pw_unroll(void **state)
 	env_restore("KILN_CUDA_PW_FLAT", flat);
 }
 
+/* the 520-buffer program on the GPU, by default and in reduce-overhead mode
+ * (no CUDA graph: its arguments are copied before each run), three calls on
+ * fresh inputs each, against the float64 reference */
+static void test_gpu_many_buffers(void **state)
+{
+	(void)state;
+	NEED_GPU();
+	const kl_mode modes[] = {KL_MODE_DEFAULT, KL_MODE_REDUCE_OVERHEAD};
+	for (int m = 0; m < 2; m++) {
+		kl_compile_opts co = {.mode = modes[m]};
+		kl_fn *fn = kl_compile(gctx, b_many, NULL, MANY, MANY, &co);
+		assert_non_null(fn);
+		for (int call = 0; call < 3; call++) {
+			kl_tensor *in[MANY], *out[MANY] = {NULL};
+			many_inputs(gctx, in, 100 + 10 * (uint64_t)call + (uint64_t)m);
+			if (kl_fn_call(fn, in, out) != KL_OK)
+				fail_msg("%d buffers mode %d call %d: %s", 2 * MANY, (int)modes[m], call,
+				         kl_last_error(gctx));
+			for (int i = 0; i < MANY; i++) {
+				double *a = kltest_read(in[i]), *b = kltest_read(in[(i + 1) % MANY]);
+				double *got = kltest_read(out[i]);
+				assert_true(a && b && got);
+				int64_t n = kl_numel(in[i]);
+				for (int64_t e = 0; e < n; e++)
+					if (got[e] != (double)(float)(a[e] * 2.0 + b[e]))
+						fail_msg("%d buffers mode %d call %d output %d [%lld]: %.9g, want "
+						         "%.9g",
+						         2 * MANY, (int)modes[m], call, i, (long long)e, got[e],
+						         (double)(float)(a[e] * 2.0 + b[e]));
+				free(a);
+				free(b);
+				free(got);
+			}
+			for (int i = 0; i < MANY; i++) {
+				kl_release(in[i]);
+				kl_release(out[i]);
+			}
+		}
+		kl_fn_free(fn);
+	}
+}
+
 static void test_gpu_reduce_overhead(void **state)
 {
 	(void)state;
@@ -1559,6 +1658,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_dot_knobs),
 	        cmocka_unit_test(test_cuda_row_hold),
 	        cmocka_unit_test(test_cuda_pw_unroll),
+	        cmocka_unit_test(test_cuda_many_buffers),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),
@@ -1566,6 +1666,7 @@ int main(void)
 	        cmocka_unit_test(test_gpu_onepass),
 	        cmocka_unit_test(test_gpu_pw_unroll),
 	        cmocka_unit_test(test_gpu_reduce_overhead),
+	        cmocka_unit_test(test_gpu_many_buffers),
 	};
 	/* ctest runs each GPU test, and the host ones, as a process of its own
 	 * (KILN_TEST_FILTER, a cmocka name pattern), so that -j spreads them */

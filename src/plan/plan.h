@@ -86,6 +86,19 @@ static inline int kl__mm_operand_layout(int64_t rows, int64_t cols, int64_t rs, 
 	return -1;
 }
 
+/* A generated CUDA kernel takes the program's buffer pointers and symbol
+ * values (kl_args) by value, in the 4 KiB kernel parameter block, while they
+ * fit: nbufs + nsyms entries of 8 bytes, at most KL_CUDA_ARGS_MAX. Past that
+ * the block lives in device memory and the kernel takes its address (the
+ * renderer's struct kl_args then holds one pointer; the runtime copies the
+ * block to the device before each range of launches, and such a program is
+ * not captured as a CUDA graph). Both sides decide by this function. */
+#define KL_CUDA_ARGS_MAX 500
+static inline bool kl__cuda_args_indirect(int64_t nbufs, int64_t nsyms)
+{
+	return (nbufs > 0 ? nbufs : 1) + (nsyms > 0 ? nsyms : 1) > KL_CUDA_ARGS_MAX;
+}
+
 /* C[b] = act(alpha * op(A[b]) @ op(B[b]) + beta * X[b] + bias) over a batch,
  * where each operand is addressed by element strides; batch index b spans up
  * to KL_MAX_DIMS-2 batch dims with their own strides per operand. X is the
