@@ -314,9 +314,11 @@ kl_tensor *kl_concat(int n, kl_tensor *const *ts, int axis);
 kl_tensor *kl_contiguous(kl_tensor *a);
 /* index_select on dim 0: out[i..., j...] = table[idx[i...], j...], idx i32 or
  * i64 of any shape, result shape idx.shape + table.shape[1:] (a copy). An
- * index outside [0, rows) is an error when its value is on the host (CPU
- * eager, or a CPU tensor at trace time); a generated kernel (compiled code,
- * CUDA eager) clamps it to [0, rows - 1] instead. */
+ * index outside [0, rows) is an error when its value is held at the call
+ * (eager on any device: on CUDA the indices are copied back first, which
+ * waits for the device; a tensor made before a trace, at trace time);
+ * compiled code clamps it to [0, rows - 1] instead. The same holds for
+ * kl_index_add, kl_one_hot and kl_cross_entropy's targets. */
 kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx);
 /* torch.nn.functional.embedding(idx, weight): kl_gather(weight, idx) */
 kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
@@ -325,12 +327,13 @@ kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
  * (repeated indices add up), src of shape idx.shape + base.shape[1:]; base
  * and src one float dtype (f16/bf16 sum in f32). Deterministic: the same
  * bits every run, on every device (no atomics). The gradient of kl_gather.
- * An index outside [0, rows) is an error when its value is on the host;
- * a generated kernel adds nothing for it. */
+ * An index outside [0, rows) is an error when held at the call (as
+ * kl_gather); compiled code adds nothing for it. */
 kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src);
 /* torch.nn.functional.one_hot(idx, n): [idx..., n] of KL_I64, 1 where the
  * class is idx's value; n >= 0 is required (no inference from the data).
- * An index outside [0, n) is an error when on the host, else a zero row. */
+ * An index outside [0, n) is an error when held at the call (as kl_gather),
+ * else (compiled) a zero row. */
 kl_tensor *kl_one_hot(kl_tensor *idx, int64_t n);
 
 /* ---- contractions -------------------------------------------------------- */
@@ -588,8 +591,9 @@ kl_tensor *kl_mse_loss(kl_tensor *input, kl_tensor *target);
  * -log_softmax(logits)[row, target] (0-dim, logits' dtype). Every row
  * ignored (or N == 0) gives NaN, as torch does. A target outside [0, C)
  * that is not ignore_index is an error naming the row and value where the
- * targets are on the host (CPU eager, CPU tensors at trace time), else that
- * row's loss is NaN (torch's CUDA kernel asserts). torch's default
+ * targets are held at the call (as kl_gather: eager on any device, tensors
+ * made before a trace), else (compiled) that row's loss is NaN (torch's CUDA
+ * kernel asserts). torch's default
  * ignore_index is -100 (KL_IGNORE_INDEX). */
 #define KL_IGNORE_INDEX (-100)
 kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore_index);

@@ -27,7 +27,12 @@
 #include "graph/optable.h"
 #include "graph/reference.h"
 #include "kltest.h"
+#include "lower/lower.h"
 #include "runtime/compiled.h"
+#include "runtime/runtime_int.h"
+#ifdef KILN_HAVE_CUDA
+#include "backend/cuda/device.h"
+#endif
 
 static kl_ctx *ctx;
 
@@ -255,21 +260,17 @@ static int kernels_of(const kl_compiled *cc)
 	return k;
 }
 
-/* Compile b's graph with fusion on, run it on inputs in the given layouts,
- * compare every output with the reference's evaluation in the same dtypes.
- * Returns the number of generated kernels (-1 on failure). */
-static int run_compiled(const gcase *c, kl_dtype dt, int layout_seed, double factor)
+/* b: c's graph in dtype dt over inputs made in the layouts layout_seed
+ * picks (their strides are the graph's); in[] the inputs, iv[] their values */
+static void build_laid(const gcase *c, kl_dtype dt, int layout_seed, built *b, kl_tensor **in,
+                       double **iv)
 {
-	/* the inputs first (their strides are the graph's) */
-	kl_tensor *in[4] = {0};
 	int64_t st[4][KL_MAX_DIMS];
-	built b;
-	build(c, dt, &b, NULL);
+	build(c, dt, b, NULL);
 	uint64_t seed = 77 + (uint64_t)layout_seed;
-	double *iv[4];
-	for (int i = 0; i < b.g.ninputs; i++) {
-		const kl_node *x = &b.g.nodes[b.g.inputs[i]];
-		iv[i] = input_values(c, &b.g, i, &seed);
+	for (int i = 0; i < b->g.ninputs; i++) {
+		const kl_node *x = &b->g.nodes[b->g.inputs[i]];
+		iv[i] = input_values(c, &b->g, i, &seed);
 		kltest_layout l = i < c->nin && !c->index[i] && x->ndim >= 2
 		                          ? (kltest_layout)((layout_seed + i) % 3)
 		                          : KLTEST_CONTIG;
@@ -277,33 +278,57 @@ static int run_compiled(const gcase *c, kl_dtype dt, int layout_seed, double fac
 		assert_non_null(in[i]);
 		free(iv[i]);
 		iv[i] = kltest_read(in[i]);
+		assert_non_null(iv[i]);
 		memcpy(st[i], kl_strides(in[i]), sizeof(int64_t) * (size_t)x->ndim);
 	}
-	kl__graph_free(&b.g);
-	build(c, dt, &b, (const int64_t(*)[KL_MAX_DIMS])st);
+	kl__graph_free(&b->g);
+	build(c, dt, b, (const int64_t(*)[KL_MAX_DIMS])st);
+}
+
+/* Compile b's graph with fusion on, run it on inputs in the given layouts,
+ * compare every output with the reference's evaluation in the same dtypes.
+ * Returns the number of generated kernels (-1 on failure, each failure
+ * printed with the case, the dtype, the layout and the error). */
+static int run_compiled(const gcase *c, kl_dtype dt, int layout_seed, double factor)
+{
+	kl_tensor *in[4] = {0};
+	double *iv[4] = {0};
+	built b;
+	build_laid(c, dt, layout_seed, &b, in, iv);
+	char what[160];
+	snprintf(what, sizeof what, "compiled %s %s layout %d", c->name, kl_dtype_name(dt),
+	         layout_seed);
 	kl_compile_cfg cfg = {.mode = KL_MODE_DEFAULT, .fusion = true, .name = "grad"};
 	kl_compiled *cc = kl__compile(ctx, &b.g, &cfg);
-	if (!cc)
-		fail_msg("%s %s: kl__compile: %s", c->name, kl_dtype_name(dt), kl_last_error(ctx));
 	kl_tensor *out[4] = {0};
-	assert_int_equal(kl__compiled_run(ctx, cc, in, out), KL_OK);
 	double *ov[4] = {0};
 	char err[320];
-	if (kl__ref_eval(&b.g, (const double *const *)iv, ov, err, sizeof err) != KL_OK)
-		fail_msg("%s: %s", c->name, err);
-	bool ok = true;
-	for (int j = 0; j < b.g.noutputs; j++) {
+	bool ok = cc != NULL;
+	if (!cc)
+		fprintf(stderr, "FAIL %s: kl__compile: %s\n", what, kl_last_error(ctx));
+	else if (kl__compiled_run(ctx, cc, in, out) != KL_OK) {
+		fprintf(stderr, "FAIL %s: run: %s\n", what, kl_last_error(ctx));
+		ok = false;
+	} else if (kl__ref_eval(&b.g, (const double *const *)iv, ov, err, sizeof err) != KL_OK) {
+		fprintf(stderr, "FAIL %s: reference: %s\n", what, err);
+		ok = false;
+	}
+	for (int j = 0; ok && j < b.g.noutputs; j++) {
 		const kl_node *n = &b.g.nodes[b.g.outputs[j]];
 		double *got = kltest_read(out[j]);
-		char what[160];
-		snprintf(what, sizeof what, "compiled %s %s layout %d output %d", c->name,
-		         kl_dtype_name(dt), layout_seed, j);
-		ok &= kltest_compare(what, (kl_dtype)n->dtype, n->ndim, n->shape, got, ov[j], factor);
+		char w[200];
+		snprintf(w, sizeof w, "%s output %d", what, j);
+		if (!got)
+			fprintf(stderr, "FAIL %s: read back: %s\n", w, kl_last_error(ctx));
+		ok &= got && kltest_compare(w, (kl_dtype)n->dtype, n->ndim, n->shape, got, ov[j],
+		                            factor);
 		free(got);
+	}
+	for (int j = 0; j < b.g.noutputs; j++) {
 		free(ov[j]);
 		kl_release(out[j]);
 	}
-	int k = kernels_of(cc);
+	int k = cc ? kernels_of(cc) : -1;
 	kl__compiled_free(cc);
 	for (int i = 0; i < b.g.ninputs; i++) {
 		free(iv[i]);
@@ -322,6 +347,73 @@ static void test_rules_compiled(void **state)
 		for (int d = 0; d < 3; d++)
 			for (int l = 0; l < (d == 0 ? 3 : 1); l++)
 				bad += run_compiled(&cases[i], dts[d], l, 8) < 0;
+	assert_int_equal(bad, 0);
+}
+
+/* The same graphs lowered for CUDA, here without a GPU: every product's
+ * operands are matrices cuBLASLt can address (kl__mm_operand_layout; a
+ * strided operand, [7,3] with strides [7,2], reached cuBLASLt unchanged and
+ * the compiled run failed with KL_EUNSUPPORTED on test_grad_ops_cuda), and
+ * where NVRTC loads the source compiles for sm_90. */
+static void test_rules_cuda_lowering(void **state)
+{
+	(void)state;
+#ifdef KILN_HAVE_CUDA
+	bool nvrtc = kl__cuda_load_nvrtc(ctx) == KL_OK;
+	kl_clear_error(ctx);
+#endif
+	int bad = 0;
+	static const kl_dtype dts[] = {KL_F32, KL_F16, KL_BF16};
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+		for (int d = 0; d < 3; d++)
+			for (int l = 0; l < (d == 0 ? 3 : 1); l++) {
+				kl_tensor *in[4] = {0};
+				double *iv[4] = {0};
+				built b;
+				build_laid(&cases[i], dts[d], l, &b, in, iv);
+				kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+				kl_program P;
+				char err[512];
+				if (kl__lower(&b.g, &o, &P, err, sizeof err) != KL_OK)
+					fail_msg("%s %s layout %d: lower for CUDA: %s", cases[i].name,
+					         kl_dtype_name(dts[d]), l, err);
+				for (int32_t s = 0; s < P.nsteps; s++) {
+					const kl_matmul_step *m = &P.steps[s].mm;
+					int64_t ld;
+					if (P.steps[s].kind != KL_STEP_MATMUL || m->m <= 0 || m->n <= 0 ||
+					    m->k <= 0)
+						continue;
+					if (kl__mm_operand_layout(m->m, m->k, m->a_rs, m->a_cs, &ld) < 0 ||
+					    kl__mm_operand_layout(m->k, m->n, m->b_rs, m->b_cs, &ld) < 0) {
+						fprintf(stderr,
+						        "FAIL %s %s layout %d: step %d: %s with A strides "
+						        "[%lld,%lld], B [%lld,%lld]: not for cuBLASLt\n",
+						        cases[i].name, kl_dtype_name(dts[d]), l, (int)s,
+						        P.steps[s].what, (long long)m->a_rs, (long long)m->a_cs,
+						        (long long)m->b_rs, (long long)m->b_cs);
+						bad++;
+					}
+				}
+#ifdef KILN_HAVE_CUDA
+				kl_cuda_image im;
+				kl_nvrtc_opts no = {.arch = 90};
+				if (nvrtc && P.source && P.nkernels > 0 &&
+				    kl__nvrtc_compile(ctx, P.source, "grad.cu", &no, &im) != KL_OK) {
+					fprintf(stderr, "FAIL %s %s layout %d: NVRTC: %s\n%s\n",
+					        cases[i].name, kl_dtype_name(dts[d]), l, kl_last_error(ctx),
+					        im.log ? im.log : "");
+					bad++;
+				}
+				if (nvrtc && P.source && P.nkernels > 0)
+					kl__cuda_image_free(&im);
+#endif
+				kl__program_free(&P);
+				for (int k = 0; k < b.g.ninputs; k++) {
+					free(iv[k]);
+					kl_release(in[k]);
+				}
+				kl__graph_free(&b.g);
+			}
 	assert_int_equal(bad, 0);
 }
 
@@ -608,6 +700,7 @@ int main(void)
 		cmocka_unit_test(test_index_add_eager),
 		cmocka_unit_test(test_one_hot_logsumexp),
 		cmocka_unit_test(test_rules_compiled),
+		cmocka_unit_test(test_rules_cuda_lowering),
 		cmocka_unit_test(test_backward_kernel_counts),
 		cmocka_unit_test(test_step_kernel_counts),
 	};

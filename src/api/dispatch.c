@@ -2,6 +2,8 @@
  * active trace as a node (returning a lazy tensor) or, eagerly, through the
  * backend's exec into a fresh dense tensor. Eager movement ops become views.
  */
+#include <stdlib.h>
+
 #include "api/dispatch.h"
 #include "api/autograd.h"
 
@@ -80,6 +82,55 @@ kl_tensor *kl__eager_contiguous(kl_ctx *ctx, kl_tensor *a)
 	c.nin = 1;
 	memcpy(c.shape, a->shape, sizeof c.shape);
 	return eager_exec(ctx, &c, &a);
+}
+
+kl_status kl__index_scan(kl_ctx *ctx, const char *op, const kl_tensor *idx, int64_t n,
+                         bool has_skip, int64_t skip, int64_t *bad, int64_t *val)
+{
+	*bad = -1;
+	*val = 0;
+	int64_t nidx = kl__numel(idx->ndim, idx->shape);
+	if (!idx->st || nidx == 0)
+		return KL_OK;
+	/* the elements' offsets span [lo, hi] from the tensor's own */
+	int64_t lo = 0, hi = 0;
+	for (int d = 0; d < idx->ndim; d++) {
+		int64_t span = (idx->shape[d] - 1) * idx->strides[d];
+		if (span < 0)
+			lo += span;
+		else
+			hi += span;
+	}
+	size_t es = kl_dtype_size(idx->dtype), bytes = (size_t)(hi - lo + 1) * es;
+	const char *p = (const char *)kl__tensor_data(idx) + lo * (int64_t)es;
+	void *copy = NULL;
+	if (idx->st->device != KL_CPU) {
+		if (!(copy = malloc(bytes)))
+			return kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory reading back %zu bytes of "
+			               "indices", op, bytes);
+		kl_status st = ctx->be->to_host(ctx, copy, p, bytes);
+		if (st != KL_OK) {
+			free(copy);
+			return st;
+		}
+		p = copy;
+	}
+	for (int64_t e = 0; e < nidx; e++) {
+		int64_t off = -lo, r = e;
+		for (int d = idx->ndim - 1; d >= 0; d--) {
+			off += (r % idx->shape[d]) * idx->strides[d];
+			r /= idx->shape[d];
+		}
+		int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
+		                                 : ((const int64_t *)(const void *)p)[off];
+		if ((v < 0 || v >= n) && !(has_skip && v == skip)) {
+			*bad = e;
+			*val = v;
+			break;
+		}
+	}
+	free(copy);
+	return KL_OK;
 }
 
 /* Movement ops in eager mode: views of the input's storage, except a reshape

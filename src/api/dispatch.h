@@ -17,4 +17,16 @@ kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in);
  * new trace would only record the copy). NULL with the error set. */
 kl_tensor *kl__eager_contiguous(kl_ctx *ctx, kl_tensor *a);
 
+/* The first element (row-major order) of integer tensor idx (i32 or i64)
+ * whose value lies outside [0, n) and is not skip (has_skip), when idx's
+ * values are held now (eager, or a tensor made before the trace): *bad is its
+ * element number and *val its value, *bad = -1 when every value is fine or
+ * idx is lazy (a generated kernel then clamps). The one range check of every
+ * index-taking op (gather, embedding, index_add, one_hot, cross_entropy's
+ * targets) on every device: on CUDA the bytes idx spans come back first (one
+ * copy to the host and a wait for the stream: eager index ops synchronise).
+ * KL_OK, or the error of that copy (or of the host buffer) naming op. */
+kl_status kl__index_scan(kl_ctx *ctx, const char *op, const kl_tensor *idx, int64_t n,
+                         bool has_skip, int64_t skip, int64_t *bad, int64_t *val);
+
 #endif

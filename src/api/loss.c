@@ -59,24 +59,18 @@ kl_tensor *kl_mse_loss(kl_tensor *input, kl_tensor *target)
 	return r;
 }
 
-/* The targets' values when they are on the host now: each must be a class
- * or ignore_index. */
+/* The targets' values when they are held now (kl__index_scan): each must be
+ * a class or ignore_index. */
 static bool targets_ok(kl_ctx *ctx, const kl_tensor *t, int64_t classes, int64_t ignore)
 {
-	if (!t->st || ctx->device != KL_CPU)
-		return true;
-	int64_t n = t->shape[0];
-	for (int64_t i = 0; i < n; i++) {
-		const char *p = (const char *)t->st->data +
-		                (t->offset + i * t->strides[0]) * (int64_t)kl_dtype_size(t->dtype);
-		int64_t v = t->dtype == KL_I32 ? *(const int32_t *)(const void *)p
-		                               : *(const int64_t *)(const void *)p;
-		if (v != ignore && (v < 0 || v >= classes)) {
-			kl__err(ctx, KL_EINVAL, "target[%lld] = %lld is not a class in [0, %lld) nor "
-			        "ignore_index %lld", (long long)i, (long long)v, (long long)classes,
-			        (long long)ignore);
-			return false;
-		}
+	int64_t i, v;
+	if (kl__index_scan(ctx, "cross_entropy", t, classes, true, ignore, &i, &v) != KL_OK)
+		return false;
+	if (i >= 0) {
+		kl__err(ctx, KL_EINVAL, "target[%lld] = %lld is not a class in [0, %lld) nor "
+		        "ignore_index %lld", (long long)i, (long long)v, (long long)classes,
+		        (long long)ignore);
+		return false;
 	}
 	return true;
 }

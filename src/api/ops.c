@@ -695,37 +695,27 @@ kl_tensor *kl_contiguous(kl_tensor *a)
 	return kl__dispatch(ctx, &n, &a);
 }
 
-/* Indices whose values are on the host (a materialized CPU tensor, eager or
- * at trace time) must lie in [0, rows); what is checked on the device
- * instead is the op's to say. false after setting the error. */
+/* Indices whose values are held now (eager on any device, or a tensor made
+ * before the trace) must lie in [0, rows) (kl__index_scan); false after
+ * setting the error. */
 static bool indices_in_range(kl_ctx *ctx, const char *op, const char *what, const kl_tensor *idx,
                              int64_t rows, const char *unit)
 {
-	if (!idx->st || ctx->device != KL_CPU)
-		return true;
-	const char *p = kl__tensor_data(idx);
-	int64_t nidx = kl__numel(idx->ndim, idx->shape);
-	for (int64_t e = 0; e < nidx; e++) {
-		int64_t off = 0, r = e;
-		for (int d = idx->ndim - 1; d >= 0; d--) {
-			off += (r % idx->shape[d]) * idx->strides[d];
-			r /= idx->shape[d];
-		}
-		int64_t v = idx->dtype == KL_I32 ? ((const int32_t *)(const void *)p)[off]
-		                                 : ((const int64_t *)(const void *)p)[off];
-		if (v < 0 || v >= rows) {
-			kl__err(ctx, KL_EINVAL, "kl_%s: index %lld (element %lld) out of range for "
-			        "%s of %lld %s", op, (long long)v, (long long)e, what,
-			        (long long)rows, unit);
-			return false;
-		}
+	int64_t e, v;
+	if (kl__index_scan(ctx, op, idx, rows, false, 0, &e, &v) != KL_OK)
+		return false;
+	if (e >= 0) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: index %lld (element %lld) out of range for "
+		        "%s of %lld %s", op, (long long)v, (long long)e, what,
+		        (long long)rows, unit);
+		return false;
 	}
 	return true;
 }
 
 /* index_select on dim 0. The indices are checked here whenever their values
- * are on the host (a materialized CPU tensor, eager or at trace time), and by
- * the CPU backend; a generated kernel clamps an index to [0, rows - 1]. */
+ * are held now (eager on any device, or a tensor made before the trace), and
+ * by the CPU backend; compiled code clamps an index to [0, rows - 1]. */
 kl_tensor *kl_gather(kl_tensor *table, kl_tensor *idx)
 {
 	KL_API("kl_gather");

@@ -501,7 +501,12 @@ void kl__cu_emit_block(cctx *c, int blk, const vplan *vp, const char *slot, cons
 		const kir_ins *in = &k->ins[i];
 		if (in->blk != blk || !c->live[i] || !(c->mask & (1u << in->opc)))
 			continue;
-		if (in->opc == KIR_LSTORE) {
+		if (c->redo && (in->opc == KIR_STORE || in->opc == KIR_LSTORE ||
+		                (in->opc == KIR_ACC && !part_acc(in))))
+			continue; /* done by the pass itself */
+		if (c->redo && in->opc == KIR_ACC) {
+			line(c, "acc%d += (double)t%d;", (int)in->acc, (int)in->a);
+		} else if (in->opc == KIR_LSTORE) {
 			line(c, "lc%d[%s] = t%d;", (int)in->acc, lc, (int)in->a);
 		} else if (in->opc == KIR_LLOAD && in->acc < KIR_MAX_LOCAL && c->fixp[in->acc]) {
 			fixed_load(c, in, i, lc);

@@ -165,53 +165,83 @@ static bool plan_rows(cctx *c, vplan *vp, int64_t nrows)
 	return kl__cu_plan_aligned(c, vp);
 }
 
-/* does every live instruction updating accumulator a sit in block blk as
- * a float partial's sum? (then the partials are the whole sum) */
-static bool part_only(const cctx *c, int blk, int32_t a)
+static void open_slots(cctx *c, const vplan *vp);
+
+/* is instruction i the first live float partial's sum of its accumulator
+ * in block blk? (one partial per accumulator) */
+static bool first_part(const cctx *c, int blk, int32_t i)
 {
-	const kir_kernel *k = c->k;
-	for (int32_t i = 0; i < k->nins; i++) {
-		const kir_ins *in = &k->ins[i];
-		if (c->live[i] && in->opc == KIR_ACC && in->acc == a && (in->blk != blk || !part_acc(in)))
+	const kir_ins *in = &c->k->ins[i];
+	if (!c->live[i] || in->blk != blk || !part_acc(in))
+		return false;
+	for (int32_t j = 0; j < i; j++)
+		if (c->live[j] && c->k->ins[j].blk == blk && part_acc(&c->k->ins[j]) &&
+		    c->k->ins[j].acc == in->acc)
 			return false;
-	}
 	return true;
 }
 
 /* A row's float partials of pass block blk: declared (open) or added to
  * their double accumulators (!open). A thread's share is at most 64
  * products; the F2F.F64 conversion per element, at 16 a clock an SM on
- * sm_90, would otherwise bound the product below the memory's rate. Where
- * the partials are an accumulator's whole sum, the group reduces them in
- * float, once converted: half the shuffles of a double and fewer registers
- * (16-bit operands only, vp->part; each partial sums at most 64 of them,
- * the tree eight more levels, far inside a 16-bit result's rounding). */
+ * sm_90, would otherwise bound the product below the memory's rate (16-bit
+ * operands only, vp->part; each partial sums at most 64 of them, far inside
+ * a 16-bit result's rounding). A float partial must not overflow where the
+ * double sum does not (bf16 has f32's range: a thread's +-3e38 values made
+ * a bf16 mean NaN on CUDA where the reference's is finite): a thread whose
+ * partial is not finite sums its share again in double from the values it
+ * holds (rare: huge, infinite or NaN values), and the group reduces in
+ * double (combine), never in float. */
 static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
 {
 	const kir_kernel *k = c->k;
 	if (!vp->part)
 		return;
+	kl_sb cond = {0};
 	for (int32_t i = 0; i < k->nins; i++) {
 		const kir_ins *in = &k->ins[i];
-		if (!c->live[i] || in->blk != blk || !part_acc(in))
-			continue;
-		bool first = true; /* one partial per accumulator */
-		for (int32_t j = 0; j < i && first; j++)
-			first = !(c->live[j] && k->ins[j].blk == blk && part_acc(&k->ins[j]) &&
-			          k->ins[j].acc == in->acc);
-		if (!first)
+		if (!first_part(c, blk, i))
 			continue;
 		int a = (int)in->acc;
-		if (open) {
+		if (open)
 			line(c, "float kp%d = 0.0f;", a);
-		} else if (a < 64 && !c->pair && part_only(c, blk, in->acc)) {
-			line(c, "acc%d += (double)kl_gred<%d>(kp%d, kl_add_op(), kl_sh, kl_ph);", a, c->G,
-			     a);
-			c->greduced |= 1ull << a;
-		} else {
-			line(c, "acc%d += (double)kp%d;", a, a);
-		}
+		else
+			kl__sb_printf(&cond, "%s!(fabsf(kp%d) <= 3.40282347e+38f)", cond.n ? " || " : "",
+			              a);
 	}
+	if (!open && cond.n) {
+		line(c, "if (%s)", kl__sb_str(&cond));
+		open_brace(c);
+		line(c, "/* a partial overflowed (or met inf or NaN): this thread's share in double */");
+		for (int32_t i = 0; i < k->nins; i++)
+			if (first_part(c, blk, i))
+				line(c, "kp%d = 0.0f;", (int)k->ins[i].acc);
+		bool each = false;
+		for (int a = 0; a < vp->nacc; a++)
+			each |= vp->acc[a].each && vp->acc[a].blk == blk;
+		open_slots(c, vp);
+		if (each)
+			kl__cu_chunk_io_to(c, vp, blk, false, "[j]", false, 3);
+		line(c, "#pragma unroll");
+		line(c, "for (int e = 0; e < %d; e++)", vp->V);
+		open_brace(c);
+		line(c, "i%d = ch * %d + e;", vp->d, vp->V);
+		char lc[32];
+		snprintf(lc, sizeof lc, "j * %d + e", vp->V);
+		c->redo = true;
+		kl__cu_emit_block(c, blk, vp, "[j]", lc);
+		c->redo = false;
+		close_brace(c);
+		close_brace(c);
+		close_brace(c);
+		close_brace(c);
+	}
+	if (cond.oom)
+		c->sb->oom = true;
+	kl__sb_free(&cond);
+	for (int32_t i = 0; !open && i < k->nins; i++)
+		if (first_part(c, blk, i))
+			line(c, "acc%d += (double)kp%d;", (int)k->ins[i].acc, (int)k->ins[i].acc);
 }
 
 /* ---- row kernels -------------------------------------------------------------------------- */
@@ -230,8 +260,6 @@ static void combine(cctx *c, int p)
 		if (in->opc != KIR_ACC || in->blk != 2 * p - 1 || !c->live[i] || done[in->acc])
 			continue;
 		done[in->acc] = 1;
-		if (in->acc < 64 && (c->greduced >> in->acc & 1))
-			continue; /* reduced in float (dot_partial) */
 		kl_op op = (kl_op)in->op;
 		int a = (int)in->acc;
 		if (op == KL_OP_ARGMAX) {
@@ -248,7 +276,6 @@ static void combine(cctx *c, int p)
 		                                  : "kl_no_group_reduction_for_this_op";
 		line(c, "acc%d = kl_gred<%d>(acc%d, %s(), kl_sh, kl_ph);", a, c->G, a, f);
 	}
-	c->greduced = 0;
 	free(done);
 }
 

@@ -35,9 +35,9 @@ typedef struct cctx {
 	bool early; /* the first row's early loads were emitted before the wait */
 	int32_t per; /* rows a block of the fast path's row loop (0: none) */
 	int minb;    /* __launch_bounds__'s blocks an SM (0: none) */
-	uint64_t greduced; /* accumulators a < 64 whose group reduction of this
-	                    * pass dot_partial emitted (combine skips them) */
 	bool pair; /* in onepass_pair: a thread's partials stay its own */
+	bool redo; /* emit_block: a pass's float partials again in double (dot_partial):
+	            * their sums only, no store, no other accumulator */
 	int waves; /* a row kernel's grid in waves (kl_row_grid.waves; render_rows) */
 } cctx;
 

@@ -600,10 +600,12 @@ static void prepare(kl_lctx *L)
 		if (g->nodes[n].op == KL_OP_GATHER && L->live[n] &&
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
-	/* operands of products BLAS cannot address are copied first; attention
-	 * reads rows whose elements are adjacent. Last: a view over a view
-	 * stored above (an output, a gather's table) is addressed in that
-	 * view's buffer, or not at all (program.c's operand()). */
+	/* operands of products BLAS cannot address are copied first (cuBLASLt:
+	 * a unit stride in one of the last two dims, kl__mm_operand_layout; CPU
+	 * BLAS steps read any strides); attention reads rows whose elements are
+	 * adjacent. Last: a view over a view stored above (an output, a
+	 * gather's table) is addressed in that view's buffer, or not at all
+	 * (program.c's operand()). */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
 		bool att = x->op == KL_OP_ATTENTION;
@@ -612,9 +614,13 @@ static void prepare(kl_lctx *L)
 		for (int i = 0; i < x->nin; i++) {
 			int32_t c = x->in[i], base;
 			int64_t st[KL_MAX_DIMS], off;
+			const kl_node *y = &g->nodes[c];
+			int64_t ld;
 			if (!kl__stored_view(L, c, &base, st, &off) ||
-			    (att && g->nodes[c].shape[g->nodes[c].ndim - 1] > 1 &&
-			     st[g->nodes[c].ndim - 1] != 1))
+			    (att && y->shape[y->ndim - 1] > 1 && st[y->ndim - 1] != 1) ||
+			    (!att && L->o->target == KL_TARGET_CUDA && y->ndim >= 2 &&
+			     kl__mm_operand_layout(y->shape[y->ndim - 2], y->shape[y->ndim - 1],
+			                           st[y->ndim - 2], st[y->ndim - 1], &ld) < 0))
 				L->mat[c] = 1;
 		}
 	}

@@ -616,15 +616,9 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 	out->kernels = calloc((size_t)L->norder + 1, sizeof(kir_kernel));
 	if (!P->steps || !out->kernels)
 		return KL_ENOMEM;
-	if (L->o->target == KL_TARGET_CUDA) {
-		/* every CUDA kernel takes the program's buffers and symbols by value
-		 * in one parameter, which must fit the 4 KiB of kernel parameters */
-		if ((int64_t)P->nbufs + L->nsyms > 500) {
-			snprintf(L->err, L->errcap, "kl__lower: %d buffers and %d symbols exceed what one "
-			         "CUDA kernel parameter block holds (500)", (int)P->nbufs, (int)L->nsyms);
-			return KL_EUNSUPPORTED;
-		}
-	}
+	/* (a CUDA program whose buffers and symbols do not fit the kernel
+	 * parameter block passes them through device memory:
+	 * kl__cuda_args_indirect) */
 	/* the program's inputs: no step writes them, so a CUDA kernel after the
 	 * first step may start reading them before the step before it ends
 	 * (the runtime launches a range's first step without overlap) */

@@ -62,6 +62,43 @@ typedef enum kl_mm_act {
 /* The op of each activation (KL_OP_INPUT for none). */
 extern const kl_op kl__mm_act_op[KL_MM_ACT_COUNT];
 
+/* How a library product (cuBLASLt) reads a rows x cols matrix operand with
+ * row stride rs and column stride cs: 0 row-wise (unit column stride,
+ * leading dimension *ld = rs >= cols), 1 column-wise (unit row stride,
+ * *ld = cs >= rows), -1 neither. A dim of extent 1 takes any stride.
+ * Lowering for CUDA copies an operand that gives -1 before the product
+ * (CPU BLAS steps read any strides). */
+static inline int kl__mm_operand_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+                                        int64_t *ld)
+{
+	if (cols == 1)
+		cs = 1;
+	if (rows == 1)
+		rs = cs == 1 ? cols : 1;
+	if (cs == 1 && rs >= cols && rs >= 1) {
+		*ld = rs;
+		return 0;
+	}
+	if (rs == 1 && cs >= rows && cs >= 1) {
+		*ld = cs;
+		return 1;
+	}
+	return -1;
+}
+
+/* A generated CUDA kernel takes the program's buffer pointers and symbol
+ * values (kl_args) by value, in the 4 KiB kernel parameter block, while they
+ * fit: nbufs + nsyms entries of 8 bytes, at most KL_CUDA_ARGS_MAX. Past that
+ * the block lives in device memory and the kernel takes its address (the
+ * renderer's struct kl_args then holds one pointer; the runtime copies the
+ * block to the device before each range of launches, and such a program is
+ * not captured as a CUDA graph). Both sides decide by this function. */
+#define KL_CUDA_ARGS_MAX 500
+static inline bool kl__cuda_args_indirect(int64_t nbufs, int64_t nsyms)
+{
+	return (nbufs > 0 ? nbufs : 1) + (nsyms > 0 ? nsyms : 1) > KL_CUDA_ARGS_MAX;
+}
+
 /* C[b] = act(alpha * op(A[b]) @ op(B[b]) + beta * X[b] + bias) over a batch,
  * where each operand is addressed by element strides; batch index b spans up
  * to KL_MAX_DIMS-2 batch dims with their own strides per operand. X is the

@@ -275,6 +275,12 @@ static double typical_abs(const double *ref, int64_t n)
 bool kltest_compare(const char *what, kl_dtype dt, int ndim, const int64_t *shape,
                     const double *out, const double *ref, double factor)
 {
+	return kltest_compare_atol(what, dt, ndim, shape, out, ref, factor, 0);
+}
+
+bool kltest_compare_atol(const char *what, kl_dtype dt, int ndim, const int64_t *shape,
+                         const double *out, const double *ref, double factor, double atol_min)
+{
 	int64_t n = kl__numel(ndim, shape);
 	bool fl = kl_dtype_is_float(dt);
 	double rtol = kltest_tol(dt) * factor;
@@ -289,6 +295,8 @@ bool kltest_compare(const char *what, kl_dtype dt, int ndim, const int64_t *shap
 	double sub = dt == KL_F16 ? 0x1p-24 : dt == KL_BF16 ? 0x1p-133 : dt == KL_F32 ? 0x1p-149 : 0;
 	if (atol < 4 * sub)
 		atol = 4 * sub;
+	if (fl && atol < atol_min)
+		atol = atol_min;
 	int64_t nbad = 0, worst = -1;
 	double wscore = 0;
 	for (int64_t i = 0; i < n; i++) {
@@ -401,6 +409,13 @@ double *kltest_reference(kl_ctx *ctx, const char *what, kltest_apply_fn apply, k
 bool kltest_check_op(kl_ctx *ctx, const char *what, kltest_apply_fn apply, int nin,
                      kl_tensor *const *in, const void *param, double factor)
 {
+	return kltest_check_op_atol(ctx, what, apply, nin, in, param, factor, 0);
+}
+
+bool kltest_check_op_atol(kl_ctx *ctx, const char *what, kltest_apply_fn apply, int nin,
+                          kl_tensor *const *in, const void *param, double factor,
+                          double atol_min)
+{
 	kl_clear_error(ctx);
 	kl_scope_begin(ctx);
 	kl_tensor *out = apply(in, param);
@@ -431,7 +446,7 @@ bool kltest_check_op(kl_ctx *ctx, const char *what, kltest_apply_fn apply, int n
 	got = kltest_read(out);
 	if (!got)
 		goto report;
-	ok = kltest_compare(what, rdt, rnd, rshape, got, ref, factor);
+	ok = kltest_compare_atol(what, rdt, rnd, rshape, got, ref, factor, atol_min);
 report:
 	if (!ok) {
 		for (int i = 0; i < nin; i++) {

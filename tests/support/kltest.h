@@ -80,6 +80,12 @@ double kltest_tol(kl_dtype dt);
  * factor > 1 for long reductions etc.; 0 demands exact equality. */
 bool kltest_compare(const char *what, kl_dtype dt, int ndim, const int64_t *shape,
                     const double *out, const double *ref, double factor);
+/* kltest_compare with atol at least atol_min: for results whose error
+ * bound is known in absolute terms (an f32 dot of K terms: its rounding
+ * grows with K and the terms' magnitudes, not with the result's, which
+ * may cancel to near zero). */
+bool kltest_compare_atol(const char *what, kl_dtype dt, int ndim, const int64_t *shape,
+                         const double *out, const double *ref, double factor, double atol_min);
 
 /* An op under test: builds a tensor from in[] (and its own parameters) with
  * kl_ ops only. It may create intermediates freely: they are released. */
@@ -97,6 +103,10 @@ double *kltest_reference(kl_ctx *ctx, const char *what, kltest_apply_fn apply, k
  * nin: entries of in[], printed on failure. */
 bool kltest_check_op(kl_ctx *ctx, const char *what, kltest_apply_fn apply, int nin,
                      kl_tensor *const *in, const void *param, double factor);
+/* kltest_check_op comparing per kltest_compare_atol */
+bool kltest_check_op_atol(kl_ctx *ctx, const char *what, kltest_apply_fn apply, int nin,
+                          kl_tensor *const *in, const void *param, double factor,
+                          double atol_min);
 
 /* result must be NULL (a non-NULL result is released), the context's status
  * not KL_OK, and kl_last_error(ctx) must contain every string of the

@@ -69,26 +69,9 @@ static const char *gemm_what(const kl_gemm *g, char *buf, size_t cap)
 
 /* ---- geometry (no GPU) --------------------------------------------------------------- */
 
-/* One operand, rows x cols with element strides (rs, cs): stored row-wise
- * (cs == 1: column-major cols x rows, ld = rs) or column-wise (rs == 1:
- * column-major rows x cols, ld = cs). Strides of extent-1 dims are free. */
-static int operand_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, int64_t *ld)
-{
-	if (cols == 1)
-		cs = 1;
-	if (rows == 1)
-		rs = cs == 1 ? cols : 1;
-	if (cs == 1 && rs >= cols && rs >= 1) {
-		*ld = rs;
-		return 0; /* row-wise */
-	}
-	if (rs == 1 && cs >= rows && cs >= 1) {
-		*ld = cs;
-		return 1; /* column-wise */
-	}
-	return -1;
-}
-
+/* Each operand per kl__mm_operand_layout (plan.h): row-wise (cs == 1:
+ * column-major cols x rows, ld = rs) or column-wise (rs == 1: column-major
+ * rows x cols, ld = cs). */
 kl_status kl__lt_geometry(const kl_gemm *g, kl_lt_geom *o, char *why, size_t cap)
 {
 	memset(o, 0, sizeof *o);
@@ -98,8 +81,8 @@ kl_status kl__lt_geometry(const kl_gemm *g, kl_lt_geom *o, char *why, size_t cap
 		return KL_EINVAL;
 	}
 	int64_t M = g->m, N = g->n, K = g->k, lda = 0, ldb = 0;
-	int la = operand_layout(M, K, g->a_rs, g->a_cs, &lda);
-	int lb = operand_layout(K, N, g->b_rs, g->b_cs, &ldb);
+	int la = kl__mm_operand_layout(M, K, g->a_rs, g->a_cs, &lda);
+	int lb = kl__mm_operand_layout(K, N, g->b_rs, g->b_cs, &ldb);
 	if (la < 0 || lb < 0) {
 		snprintf(why, cap,
 		         "operand %s strides [%lld,%lld] of a %lldx%lld matrix have no unit stride "

@@ -171,13 +171,22 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 		c->plan = mp;
 		memcpy(c->plan_syms, syms, sizeof(int64_t) * (size_t)p->nsyms);
 	}
-	void *base = NULL;
-	if ((st = kl__cuda_rt_arena(ctx, c, c->plan.arena_bytes, &base)) != KL_OK)
+	/* the temps' arena only for this run, back to the pool once the
+	 * launches are queued (the pool's blocks are stream-ordered): a cached
+	 * one-node program holds no device memory between calls, and one
+	 * without temps takes none (each cached program kept a 512-byte block
+	 * before: test_gpu_oom's 1536 bytes "in use" after three eager ops) */
+	CUdeviceptr arena = 0;
+	if (c->plan.arena_bytes &&
+	    (st = kl__cuda_malloc(ctx, d, c->plan.arena_bytes, &arena)) != KL_OK)
 		return st;
-	c->arena = base;
+	void *base = (void *)(uintptr_t)arena;
 	void **B = calloc((size_t)p->nbufs + 1, sizeof *B);
-	if (!B)
+	if (!B) {
+		if (arena)
+			kl__cuda_free(ctx, d, arena);
 		return kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory", kl__ops[n->op].name);
+	}
 	const kl_buf *alias = NULL;
 	for (int32_t b = 0; b < p->nbufs; b++) {
 		const kl_buf *bf = &p->bufs[b];
@@ -216,6 +225,8 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 			                  bytes);
 	}
 	free(B);
+	if (arena)
+		kl__cuda_free(ctx, d, arena);
 	return st;
 }
 

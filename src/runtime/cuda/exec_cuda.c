@@ -123,6 +123,20 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	    !rt->how || !rt->stat || !rt->stat_bytes || !rt->copy_node || !rt->copy_params ||
 	    !rt->sb || !rt->fit || !rt->pts)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	if (kl__cuda_args_indirect(c->prog.nbufs, c->prog.nsyms)) {
+		kl_status ast = kl__cuda_malloc(ctx, rt->dev, rt->nargs * sizeof *rt->args, &rt->dargs);
+		if (ast != KL_OK)
+			return ast;
+		/* its block is copied to the device before each range of launches,
+		 * which a captured graph would not repeat */
+		if (rt->gs != KL_G_OFF &&
+		    (c->mode == KL_MODE_REDUCE_OVERHEAD || c->mode == KL_MODE_MAX_AUTOTUNE))
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "skip: %zu kernel arguments pass through device memory (more than "
+			        "%d fit a kernel's parameters)",
+			        rt->nargs, KL_CUDA_ARGS_MAX);
+		rt->gs = KL_G_OFF;
+	}
 	int unroll = kl__cuda_dot_knobs().pw;
 	for (int32_t s = 0; s < c->prog.nsteps; s++)
 		rt->pts[s] = pointwise_points(&c->prog, &c->prog.steps[s], unroll);
@@ -293,6 +307,8 @@ void kl__cuda_rt_free(kl_compiled *c)
 		free_statics(rt, c->prog.nbufs, false);
 	if (rt->arena)
 		kl__cuda_free(rt->ctx, rt->dev, rt->arena);
+	if (rt->dargs)
+		kl__cuda_free(rt->ctx, rt->dev, rt->dargs);
 	kl__cuda_module_free(rt->mod);
 	free(rt->fns);
 	free(rt->args);
@@ -384,6 +400,10 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		rt->args[nb + (size_t)k] = (uint64_t)syms[k];
 	int64_t sms = rt->dev->sm_count > 0 ? rt->dev->sm_count : 1;
 	kl_status st = KL_OK;
+	/* a block too large for the kernel parameters: copied to the device in
+	 * stream order (the kernels of an earlier range have read theirs) */
+	if (rt->dargs)
+		st = kl__cuda_h2d(ctx, rt->dev, rt->dargs, rt->args, rt->nargs * sizeof *rt->args);
 	for (int32_t s = s0; s < s1 && st == KL_OK; s++) {
 		const kl_step *sp = &p->steps[s];
 		if (sp->kind == KL_STEP_MATMUL) {
@@ -443,7 +463,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		if (blocks > INT32_MAX)
 			blocks = INT32_MAX;
 		unsigned grid[3] = {(unsigned)blocks, 1, 1}, block[3] = {BLOCK, 1, 1};
-		void *argv[1] = {rt->args};
+		void *argv[1] = {rt->dargs ? (void *)&rt->dargs : (void *)rt->args};
 		/* the range's first kernel waits for whatever ran before it in full:
 		 * a later one may read the program's inputs before its wait
 		 * (kir_kernel.early), which only a kernel outside the program writes */

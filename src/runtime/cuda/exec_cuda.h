@@ -28,6 +28,9 @@ typedef struct kl_cuda_rt {
 	size_t arena_cap;
 	uint64_t *args; /* the kl_args block: buffer pointers, then symbols */
 	size_t nargs;
+	/* kl__cuda_args_indirect: the block's copy in device memory, which the
+	 * kernels take by address (0: they take the block by value) */
+	CUdeviceptr dargs;
 	/* launch choices per step (max-autotune; zero: the defaults) */
 	uint32_t *gcap;    /* kernel steps: grid cap in blocks, 0 = the renderer's choice */
 	int *fit;          /* kernel k: its blocks resident on one SM (occupancy), 0 = not asked */
