@@ -328,6 +328,28 @@ kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
  * An index outside [0, rows) is an error when its value is on the host;
  * a generated kernel adds nothing for it. */
 kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src);
+/* KV caches: rows written at positions a program computes, so that a decode
+ * step neither copies its cache nor changes shape. The cache is [R, ..., T,
+ * ...] with its position dim `axis` (>= 1, negative counts from the end):
+ * R rows (sequences), T positions each. values is the cache's shape with
+ * r <= R rows and s <= T positions; pos (i32/i64 [r]) gives row i's first
+ * position: cache[i, ..., pos[i] + j, ...] = values[i, ..., j, ...] for
+ * i < r, j < s. Every pos[i] must lie in [0, T - s]: one outside is
+ * KL_EINVAL naming the row, the position and the limit, and nothing is
+ * written (eagerly checked on the host before the write; in a compiled
+ * graph, by the step: CPU before it writes; CUDA per row on the device,
+ * the error reported when the call ends, with no write out of bounds).
+ * values has the cache's dtype. Not differentiable.
+ *
+ * kl_cache_update returns the written copy (torch's index_put).
+ * kl_cache_write writes in place into cache, which must be dense and exist
+ * before a compiled call (like kl_copy's dst; reads of cache after it see
+ * the new rows). Inside a compiled graph the step writes the rows straight
+ * into the cache's memory: a [64, 16, 2048, 64] cache costs the bytes of
+ * the rows written, not of the cache (kl_explain: "cache write ... in
+ * place"). */
+kl_tensor *kl_cache_update(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values);
+kl_status kl_cache_write(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values);
 /* torch.nn.functional.one_hot(idx, n): [idx..., n] of KL_I64, 1 where the
  * class is idx's value; n >= 0 is required (no inference from the data).
  * An index outside [0, n) is an error when on the host, else a zero row. */
