@@ -382,6 +382,19 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
  * so 0 is the "not set" value, as 0 is elsewhere in kiln's options.) */
 #define KL_SDPA_DEFAULT_SCALE 0.0
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
+/* Attention over KV caches holding a valid length per sequence (a decode
+ * step): q [B, ..., Tq, D], k/v [B, ..., Tk, D/Dv] (the caches), lengths
+ * (i32/i64 [B], on the device like the caches). Key j of batch row b counts
+ * iff j < lengths[b]; with causal also j <= i + lengths[b] - Tq (the
+ * queries are the last Tq of the row's valid positions). A row with no
+ * valid key gives zeros. scale 0: 1/sqrt(D). Lengths outside [0, Tk]
+ * disagree with the cache: KL_EINVAL naming the row, its length and Tk
+ * when the lengths are read eagerly; inside a compiled graph they are not
+ * read on the host (a length above Tk then counts every key). Written with
+ * the ops above (a product, a where, a softmax, a product), so it runs on
+ * every device and in every mode; not (yet) a fused attention step. */
+kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
+                           bool causal, double scale);
 
 /* ---- autograd ------------------------------------------------------------
  * Reverse-mode differentiation, one mechanism for eager code and compiled

@@ -836,7 +836,7 @@ static bool cache_write_node(kl_ctx *ctx, const char *op, kl_tensor *const *in, 
 	n->a.axis = ax;
 	if (ctx->trace || !pos->st || g.rows == 0)
 		return true;
-	kl_tensor *dense = kl_is_contiguous(pos) ? kl_retain(pos) : kl__eager_contiguous(ctx, pos);
+	kl_tensor *dense = kl_retain(kl_is_contiguous(pos) ? pos : kl__eager_contiguous(ctx, pos));
 	int64_t *host = malloc(sizeof(int64_t) * (size_t)g.rows);
 	bool ok = dense && host;
 	if (ok && ctx->be->to_host(ctx, host, kl__tensor_data(dense),
@@ -867,8 +867,9 @@ static bool cache_write_node(kl_ctx *ctx, const char *op, kl_tensor *const *in, 
 static bool dense_operands(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **d, int n)
 {
 	for (int i = 0; i < n; i++) {
-		d[i] = ctx->trace || kl_is_contiguous(in[i]) ? kl_retain(in[i])
-		                                             : kl__eager_contiguous(ctx, in[i]);
+		/* (the copy belongs to the open scope: one more reference) */
+		d[i] = kl_retain(ctx->trace || kl_is_contiguous(in[i]) ? in[i]
+		                                                       : kl__eager_contiguous(ctx, in[i]));
 		if (!d[i]) {
 			for (int j = 0; j < i; j++)
 				kl_release(d[j]);
@@ -1329,6 +1330,85 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
 {
 	KL_API("kl_rms_norm");
 	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
+}
+
+/* kl_sdpa over caches with a valid length per batch row, written with the
+ * ops below it (a product, a where, a softmax, a product): key j of row b
+ * counts iff j < lengths[b] (and j <= i + lengths[b] - Tq when causal); a
+ * row with no valid key gives zeros. */
+kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
+                           bool causal, double scale)
+{
+	KL_API("kl_sdpa_lengths");
+	kl_tensor *in[4] = {q, k, v, lengths};
+	kl_ctx *ctx = ctx_of("sdpa_lengths", 4, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	int nd = q->ndim;
+	if (lengths->dtype != KL_I32 && lengths->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths have dtype %s, need i32 or i64",
+		        kl_dtype_name(lengths->dtype));
+		return NULL;
+	}
+	if (nd < 3 || k->ndim != nd || lengths->ndim != 1 || lengths->shape[0] != q->shape[0]) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: q %s and lengths %s: q needs a batch dim "
+		        "first and one length per batch row", shp(b0, q), shp(b1, lengths));
+		return NULL;
+	}
+	if (!isfinite(scale)) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: scale %g must be finite (0 asks for "
+		        "1/sqrt(head_dim))", scale);
+		return NULL;
+	}
+	int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2], rows = q->shape[0];
+	if (scale == 0)
+		scale = 1.0 / sqrt((double)q->shape[nd - 1]);
+	if (!ctx->trace && lengths->st && rows > 0) {
+		/* eagerly: the lengths on the host must fit the keys */
+		int64_t *h = malloc(sizeof(int64_t) * (size_t)rows);
+		kl_tensor *l64 = h ? kl_retain(kl_cast(lengths, KL_I64)) : NULL;
+		kl_status st = l64 ? kl_to_host(l64, h, sizeof(int64_t) * (size_t)rows) : KL_ENOMEM;
+		kl_release(l64);
+		for (int64_t b = 0; st == KL_OK && b < rows; b++)
+			if (h[b] < 0 || h[b] > tk) {
+				kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths[%lld] = %lld disagrees "
+				        "with the cache: k holds %lld keys (dim %d)", (long long)b,
+				        (long long)h[b], (long long)tk, nd - 2);
+				st = KL_EINVAL;
+			}
+		free(h);
+		if (st != KL_OK) {
+			if (st == KL_ENOMEM && ctx->status == KL_OK)
+				kl__err(ctx, KL_ENOMEM, "kl_sdpa_lengths: out of memory");
+			return NULL;
+		}
+	}
+	int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS];
+	for (int d = 0; d < nd; d++)
+		ksh[d] = lsh[d] = qsh[d] = 1;
+	ksh[nd - 1] = tk;
+	lsh[0] = rows;
+	qsh[nd - 2] = tq;
+	kl_scope_begin(ctx);
+	kl_tensor *key = kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tk, 1), nd, ksh);
+	kl_tensor *len = kl_reshape(kl_cast(lengths, KL_I64), nd, lsh);
+	/* causal: j <= i + len - tq, i.e. j + tq - i < len + 1 */
+	kl_tensor *lhs = key;
+	if (causal)
+		lhs = kl_sub(kl_add_scalar(key, (double)tq),
+		             kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tq, 1), nd, qsh));
+	kl_tensor *valid = kl_lt(lhs, causal ? kl_add_scalar(len, 1) : len);
+	kl_tensor *s = kl_mul_scalar(kl_matmul(q, kl_transpose(k, nd - 2, nd - 1)), scale);
+	kl_tensor *masked = s ? kl_where(valid, s, kl_full(ctx, s->dtype, 0, NULL, -INFINITY))
+	                      : NULL;
+	kl_tensor *pr = kl_softmax(masked, -1);
+	kl_tensor *p = kl_retain(pr ? kl_where(valid, pr, kl_full(ctx, pr->dtype, 0, NULL, 0))
+	                            : NULL);
+	kl_scope_end(ctx);
+	kl_tensor *r = p ? kl_matmul(p, v) : NULL;
+	kl_release(p);
+	return r;
 }
 
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
