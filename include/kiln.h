@@ -534,7 +534,31 @@ typedef struct kl_compile_opts {
 	int dynamic;                  /* 0 or KL_DYNAMIC_ALL (see above) */
 	int ndynamic_dims;            /* entries of dynamic_dims, 0..nin */
 	const uint32_t *dynamic_dims; /* per input: bit d = dim d is dynamic */
+	/* Shape buckets (see below): 0 none; KL_BUCKETS_DEFAULT vLLM's sizes;
+	 * n > 0 the n ascending sizes of buckets */
+	int nbuckets;
+	const int64_t *buckets;
+	const int *bucket_in_dims;  /* nin entries: input i's batch dim, -1: none */
+	const int *bucket_out_dims; /* nout entries: output k's batch dim, -1: none */
 } kl_compile_opts;
+
+/* Shape buckets. A batch dim (rows computed independently of each other)
+ * can carry a list of capture sizes: a call whose batch b is no bucket is
+ * padded up to the nearest bucket B >= b (zeros appended to each input's
+ * batch dim), run at B, and each output's batch dim is cut back to b (a
+ * view of the first b rows), so results equal the unpadded call's. Only
+ * the bucket sizes reach the compiled plans: one plan size (and on CUDA one
+ * captured graph, once dynamic plans are captured per size) per bucket.
+ * bucket_in_dims[i] names input i's batch dim (-1: not batched); every
+ * batched input must have the same batch b in a call (else KL_EINVAL), and
+ * its batch dim is made dynamic. bucket_out_dims[k] names output k's
+ * batch dim (-1: returned whole). A batch above the largest bucket is
+ * KL_EINVAL naming the input, the dim, the size and the largest bucket.
+ * The padded rows must be harmless to the real ones: they are computed
+ * from zeros, and a kl_cache_write they reach writes rows past b (free
+ * rows when live sequences are kept in rows 0..b-1).
+ * KL_BUCKETS_DEFAULT: 1, 2, 4, then 8 to 256 by 8, then 272 to 512 by 16. */
+#define KL_BUCKETS_DEFAULT (-1)
 
 /* opts may be NULL (defaults). nin/nout: the arity of fn. */
 kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
@@ -570,6 +594,7 @@ typedef struct kl_fn_stats {
 	int recompiles;    /* compiles after the first; each has a reason */
 	int variants;      /* guard sets compiled */
 	bool over_limit;   /* past recompile_limit: new shapes run eagerly */
+	long padded_calls; /* calls padded up to a bucket (kl_compile_opts.buckets) */
 } kl_fn_stats;
 kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
 /* The reason of recompile i (0 = the first recompile, i.e. the second

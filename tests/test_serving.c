@@ -391,6 +391,106 @@ static void test_sdpa_lengths(void **state)
 	}
 }
 
+/* ---- shape buckets ------------------------------------------------------------------ */
+
+typedef struct mlp {
+	kl_tensor *w, *bias;
+} mlp;
+
+/* rows independent of each other: y = softmax(x W^T + b), s = colsum(x2); and
+ * the weight returned whole */
+static kl_status mlp_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	mlp *m = user;
+	out[0] = kl_softmax(kl_linear(in[0], m->w, m->bias), -1);
+	out[1] = kl_sum(in[1], 1, (int[]){0}, false); /* [b] */
+	out[2] = kl_mul_scalar(m->bias, 2);
+	return out[0] && out[1] && out[2] ? KL_OK : kl_last_status(c);
+}
+
+static void test_bucket_padding(void **state)
+{
+	(void)state;
+	kl_scope_begin(ctx);
+	mlp m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 3),
+	         kltest_rand(ctx, KL_F32, 1, (int64_t[]){5}, KLTEST_NORMAL, KLTEST_CONTIG, 4)};
+	kl_fn *f = kl_compile(ctx, mlp_body, &m, 2, 3,
+	                      &(kl_compile_opts){.nbuckets = 4,
+	                                         .buckets = (int64_t[]){1, 2, 4, 8},
+	                                         .bucket_in_dims = (int[]){0, 1},
+	                                         .bucket_out_dims = (int[]){0, 0, -1}});
+	assert_non_null(f);
+	long padded = 0;
+	/* traced first at 8 (a dim first traced at 1 would be specialised) */
+	for (int64_t b = 8; b >= 1; b--) {
+		kl_tensor *in[2] = {
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){b, 6}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    10 + (uint64_t)b),
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, b}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    20 + (uint64_t)b)};
+		kl_tensor *want[3], *got[3];
+		assert_int_equal(mlp_body(ctx, in, 2, want, 3, &m), KL_OK); /* eager, unpadded */
+		if (kl_fn_call(f, in, got) != KL_OK)
+			fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+		padded += b != 1 && b != 2 && b != 4 && b != 8;
+		for (int j = 0; j < 3; j++) {
+			assert_int_equal(kl_ndim(got[j]), kl_ndim(want[j]));
+			for (int d = 0; d < kl_ndim(got[j]); d++)
+				assert_int_equal(kl_shape(got[j])[d], kl_shape(want[j])[d]);
+			double *w = kltest_read(want[j]);
+			char what[64];
+			snprintf(what, sizeof what, "output %d at batch %lld", j, (long long)b);
+			assert_true(same_values(got[j], w, kl_numel(want[j]), what));
+			free(w);
+			kl_release(got[j]);
+		}
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.padded_calls, padded);
+	assert_int_equal(fs.compiles, 1);
+	char *ex = explain_str(f);
+	if (!strstr(ex, "buckets (batch padded up to the nearest): 4 sizes, 1..8"))
+		fail_msg("kl_explain does not state the buckets:\n%s", ex);
+	free(ex);
+	/* above the largest bucket; batches that disagree */
+	kl_tensor *big[2] = {kl_zeros(ctx, KL_F32, 2, (int64_t[]){9, 6}),
+	                     kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 9})};
+	kl_tensor *out[3];
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_call(f, big, out), KL_EINVAL);
+	expect_msg("over the buckets", "batch 9", "input 0 dim 0", "largest bucket 8");
+	kl_tensor *odd[2] = {big[0], kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 4})};
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_call(f, odd, out), KL_EINVAL);
+	expect_msg("batches differ", "batch dims differ", "input 0 dim 0 is 9", "input 1 dim 1 is 4");
+	kl_fn_free(f);
+	/* the default list, and bad options */
+	f = kl_compile(ctx, mlp_body, &m, 2, 3,
+	               &(kl_compile_opts){.nbuckets = KL_BUCKETS_DEFAULT,
+	                                  .bucket_in_dims = (int[]){0, 1},
+	                                  .bucket_out_dims = (int[]){0, 0, -1}});
+	assert_non_null(f);
+	ex = explain_str(f);
+	if (!strstr(ex, "51 sizes, 1..512"))
+		fail_msg("the default buckets:\n%s", ex);
+	free(ex);
+	kl_fn_free(f);
+	kl_clear_error(ctx);
+	assert_null(kl_compile(ctx, mlp_body, &m, 2, 3,
+	                       &(kl_compile_opts){.nbuckets = 2, .buckets = (int64_t[]){4, 2},
+	                                          .bucket_in_dims = (int[]){0, 1},
+	                                          .bucket_out_dims = (int[]){0, 0, -1}}));
+	expect_msg("descending", "kl_compile", "buckets", "ascending");
+	kl_clear_error(ctx);
+	assert_null(kl_compile(ctx, mlp_body, &m, 2, 3,
+	                       &(kl_compile_opts){.nbuckets = 2, .buckets = (int64_t[]){2, 4}}));
+	expect_msg("no dims", "kl_compile", "bucket_in_dims", "batch dim");
+	kl_scope_end(ctx);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -402,6 +502,7 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_reads_old),
 	        cmocka_unit_test(test_cache_write_errors),
 	        cmocka_unit_test(test_sdpa_lengths),
+	        cmocka_unit_test(test_bucket_padding),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);
