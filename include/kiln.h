@@ -595,6 +595,9 @@ typedef struct kl_fn_stats {
 	int variants;      /* guard sets compiled */
 	bool over_limit;   /* past recompile_limit: new shapes run eagerly */
 	long padded_calls; /* calls padded up to a bucket (kl_compile_opts.buckets) */
+	long graph_captures; /* CUDA graphs captured (reduce-overhead; each variant's
+	                      * first, and re-captures when an address moved) */
+	double capture_ms;   /* the time those captures took */
 } kl_fn_stats;
 kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
 /* The reason of recompile i (0 = the first recompile, i.e. the second

@@ -236,6 +236,11 @@ kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
 	                     .variants = f->nvars,
 	                     .over_limit = f->eager,
 	                     .padded_calls = f->padded_calls};
+	for (int i = 0; i < f->nentries; i++) {
+		double ms;
+		out->graph_captures += kl__cuda_rt_captures(f->entries[i]->c, &ms);
+		out->capture_ms += ms;
+	}
 	return KL_OK;
 }
 

@@ -647,15 +647,17 @@ static void log_capture(kl_ctx *ctx, kl_compiled *c)
 	size_t nodes = 0;
 	kl__cu.cuGraphGetNodes(rt->graph.graph, NULL, &nodes);
 	kl__log(ctx, KL_LOG_CUDAGRAPHS,
-	        "captured %d steps into one graph (capture #%llu of this variant): %zu nodes, "
-	        "%d kernels, %d library calls, %d copies%s",
-	        (int)c->prog.nsteps, (unsigned long long)rt->captures, nodes, nk, nm, ncp, list);
+	        "captured %d steps into one graph (capture #%llu of this variant, %.3f ms of "
+	        "capture so far): %zu nodes, %d kernels, %d library calls, %d copies%s",
+	        (int)c->prog.nsteps, (unsigned long long)rt->captures, rt->capture_ms, nodes, nk,
+	        nm, ncp, list);
 }
 
 static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
+	double t0 = kl__now_ms();
 	kl_status st = classify(ctx, c, B, syms);
 	if (st != KL_OK)
 		return st;
@@ -686,9 +688,17 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	for (int32_t b = 0; b < p->nbufs; b++)
 		rt->bound[b] = B[b];
 	rt->captures++;
+	rt->capture_ms += kl__now_ms() - t0;
 	atomic_fetch_add(&n_captures, 1);
 	log_capture(ctx, c);
 	return KL_OK;
+}
+
+long kl__cuda_rt_captures(const kl_compiled *c, double *ms)
+{
+	const kl_cuda_rt *rt = c->cuda ? c->dev : NULL;
+	*ms = rt ? rt->capture_ms : 0;
+	return rt ? (long)rt->captures : 0;
 }
 
 static bool step_uses(const kl_step *sp, int32_t b)
