@@ -1,7 +1,7 @@
 /* fuzz_graphs.c - the small compiled functions whose cache entries the cache
  * targets mutate: between them their plans hold every step kind the CPU
  * runtime runs (generated kernels with pointwise, row and movement nodes,
- * products with epilogues, attention) over views, broadcasts and several
+ * products with epilogues, attention, cache writes) over views, broadcasts and several
  * dtypes. Sizes are tiny: the targets run each plan once per input. */
 #include <dirent.h>
 #include <errno.h>
@@ -80,6 +80,17 @@ static kl_status g_movement(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tenso
 	return DONE(ctx, ok);
 }
 
+/* cache writes: a copy with rows written (kl_cache_update) and the same
+ * rows written in place into the cache input (kl_cache_write) */
+static kl_status g_cache(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                         void *user)
+{
+	bool ok = OUT(0, kl_cache_update(in[0], 2, in[1], kl_neg(in[2]))) &&
+	          kl_cache_write(in[0], 2, in[1], in[2]) == KL_OK &&
+	          OUT(1, kl_sum(in[0], 0, NULL, false));
+	return DONE(ctx, ok);
+}
+
 static kl_tensor *randn(kl_ctx *ctx, int nd, const int64_t *shape, uint64_t seed)
 {
 	return kl_randn(ctx, KL_F32, nd, shape, seed);
@@ -129,6 +140,14 @@ static kl_tensor *in_movement(kl_ctx *ctx, int i)
 	return i == 0 ? randn(ctx, 2, SHAPE(4, 6), 61) : kl_arange(ctx, KL_I64, 3, -1, -1);
 }
 
+static kl_tensor *in_cache(kl_ctx *ctx, int i)
+{
+	/* a [3, 2, 6, 4] cache, positions 1 and 2, two rows of one position */
+	return i == 0   ? randn(ctx, 4, SHAPE(3, 2, 6, 4), 71)
+	       : i == 1 ? kl_arange(ctx, KL_I64, 1, 3, 1)
+	                : randn(ctx, 4, SHAPE(2, 2, 1, 4), 72);
+}
+
 const kf_graph kf_graphs[] = {
         {"pointwise", g_pointwise, 2, 3, in_pointwise},
         {"rows", g_rows, 1, 4, in_rows},
@@ -136,6 +155,7 @@ const kf_graph kf_graphs[] = {
         {"attention", g_attention, 3, 2, in_attention},
         {"norms", g_norms, 3, 2, in_norms},
         {"movement", g_movement, 2, 3, in_movement},
+        {"cache", g_cache, 3, 2, in_cache},
 };
 const int kf_ngraphs = (int)(sizeof kf_graphs / sizeof kf_graphs[0]);
 

@@ -330,6 +330,28 @@ kl_tensor *kl_embedding(kl_tensor *idx, kl_tensor *weight);
  * An index outside [0, rows) is an error when held at the call (as
  * kl_gather); compiled code adds nothing for it. */
 kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src);
+/* KV caches: rows written at positions a program computes, so that a decode
+ * step neither copies its cache nor changes shape. The cache is [R, ..., T,
+ * ...] with its position dim `axis` (>= 1, negative counts from the end):
+ * R rows (sequences), T positions each. values is the cache's shape with
+ * r <= R rows and s <= T positions; pos (i32/i64 [r]) gives row i's first
+ * position: cache[i, ..., pos[i] + j, ...] = values[i, ..., j, ...] for
+ * i < r, j < s. Every pos[i] must lie in [0, T - s]: one outside is
+ * KL_EINVAL naming the row, the position and the limit, and nothing is
+ * written (eagerly checked on the host before the write; in a compiled
+ * graph, by the step: CPU before it writes; CUDA per row on the device,
+ * the error reported when the call ends, with no write out of bounds).
+ * values has the cache's dtype. Not differentiable.
+ *
+ * kl_cache_update returns the written copy (torch's index_put).
+ * kl_cache_write writes in place into cache, which must be dense and exist
+ * before a compiled call (like kl_copy's dst; reads of cache after it see
+ * the new rows). Inside a compiled graph the step writes the rows straight
+ * into the cache's memory: a [64, 16, 2048, 64] cache costs the bytes of
+ * the rows written, not of the cache (kl_explain: "cache write ... in
+ * place"). */
+kl_tensor *kl_cache_update(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values);
+kl_status kl_cache_write(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values);
 /* torch.nn.functional.one_hot(idx, n): [idx..., n] of KL_I64, 1 where the
  * class is idx's value; n >= 0 is required (no inference from the data).
  * An index outside [0, n) is an error when held at the call (as kl_gather),
@@ -363,6 +385,19 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps);
  * so 0 is the "not set" value, as 0 is elsewhere in kiln's options.) */
 #define KL_SDPA_DEFAULT_SCALE 0.0
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale);
+/* Attention over KV caches holding a valid length per sequence (a decode
+ * step): q [B, ..., Tq, D], k/v [B, ..., Tk, D/Dv] (the caches), lengths
+ * (i32/i64 [B], on the device like the caches). Key j of batch row b counts
+ * iff j < lengths[b]; with causal also j <= i + lengths[b] - Tq (the
+ * queries are the last Tq of the row's valid positions). A row with no
+ * valid key gives zeros. scale 0: 1/sqrt(D). Lengths outside [0, Tk]
+ * disagree with the cache: KL_EINVAL naming the row, its length and Tk
+ * when the lengths are read eagerly; inside a compiled graph they are not
+ * read on the host (a length above Tk then counts every key). Written with
+ * the ops above (a product, a where, a softmax, a product), so it runs on
+ * every device and in every mode; not (yet) a fused attention step. */
+kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
+                           bool causal, double scale);
 
 /* ---- autograd ------------------------------------------------------------
  * Reverse-mode differentiation, one mechanism for eager code and compiled
@@ -504,7 +539,31 @@ typedef struct kl_compile_opts {
 	int dynamic;                  /* 0 or KL_DYNAMIC_ALL (see above) */
 	int ndynamic_dims;            /* entries of dynamic_dims, 0..nin */
 	const uint32_t *dynamic_dims; /* per input: bit d = dim d is dynamic */
+	/* Shape buckets (see below): 0 none; KL_BUCKETS_DEFAULT vLLM's sizes;
+	 * n > 0 the n ascending sizes of buckets */
+	int nbuckets;
+	const int64_t *buckets;
+	const int *bucket_in_dims;  /* nin entries: input i's batch dim, -1: none */
+	const int *bucket_out_dims; /* nout entries: output k's batch dim, -1: none */
 } kl_compile_opts;
+
+/* Shape buckets. A batch dim (rows computed independently of each other)
+ * can carry a list of capture sizes: a call whose batch b is no bucket is
+ * padded up to the nearest bucket B >= b (zeros appended to each input's
+ * batch dim), run at B, and each output's batch dim is cut back to b (a
+ * view of the first b rows), so results equal the unpadded call's. Only
+ * the bucket sizes reach the compiled plans: one plan size (and on CUDA one
+ * captured graph, once dynamic plans are captured per size) per bucket.
+ * bucket_in_dims[i] names input i's batch dim (-1: not batched); every
+ * batched input must have the same batch b in a call (else KL_EINVAL), and
+ * its batch dim is made dynamic. bucket_out_dims[k] names output k's
+ * batch dim (-1: returned whole). A batch above the largest bucket is
+ * KL_EINVAL naming the input, the dim, the size and the largest bucket.
+ * The padded rows must be harmless to the real ones: they are computed
+ * from zeros, and a kl_cache_write they reach writes rows past b (free
+ * rows when live sequences are kept in rows 0..b-1).
+ * KL_BUCKETS_DEFAULT: 1, 2, 4, then 8 to 256 by 8, then 272 to 512 by 16. */
+#define KL_BUCKETS_DEFAULT (-1)
 
 /* opts may be NULL (defaults). nin/nout: the arity of fn. */
 kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
@@ -540,6 +599,10 @@ typedef struct kl_fn_stats {
 	int recompiles;    /* compiles after the first; each has a reason */
 	int variants;      /* guard sets compiled */
 	bool over_limit;   /* past recompile_limit: new shapes run eagerly */
+	long padded_calls; /* calls padded up to a bucket (kl_compile_opts.buckets) */
+	long graph_captures; /* CUDA graphs captured (reduce-overhead; each variant's
+	                      * first, and re-captures when an address moved) */
+	double capture_ms;   /* the time those captures took */
 } kl_fn_stats;
 kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
 /* The reason of recompile i (0 = the first recompile, i.e. the second

@@ -236,6 +236,25 @@ static void test_optim_kernel_host(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* The cache write kernel (cache_write_cuda.c) compiles for sm_90. */
+static void test_cache_write_kernel_host(void **state)
+{
+	(void)state;
+	if (!nvrtc_or_skip())
+		return;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	char *src = kl__cuda_cache_write_source();
+	assert_non_null(src);
+	kl_cuda_image im;
+	kl_nvrtc_opts o = {.arch = 90};
+	if (kl__nvrtc_compile(ctx, src, "kiln_cache_write.cu", &o, &im) != KL_OK)
+		fail_msg("%s\n%s", kl_last_error(ctx), im.log ? im.log : "");
+	assert_memory_equal(im.data, "\177ELF", 4);
+	kl__cuda_image_free(&im);
+	free(src);
+	kl_ctx_free(ctx);
+}
+
 static void test_nvrtc_cubin(void **state)
 {
 	(void)state;
@@ -1976,6 +1995,7 @@ int main(void)
 	        cmocka_unit_test(test_pool_random),    cmocka_unit_test(test_lt_geometry),
 	        cmocka_unit_test(test_cublaslt_loads), cmocka_unit_test(test_tune_entry),
 	        cmocka_unit_test(test_graph_bodies_lower), cmocka_unit_test(test_optim_kernel_host),
+	        cmocka_unit_test(test_cache_write_kernel_host),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_alloc),   cmocka_unit_test(test_gpu_copies),

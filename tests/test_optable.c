@@ -154,7 +154,8 @@ typedef enum fam {
 	F_SOFTMAX,
 	F_NORM,
 	F_SDPA,
-	F_INDEX_ADD
+	F_INDEX_ADD,
+	F_CACHE_WRITE
 } fam;
 
 typedef struct entry {
@@ -229,6 +230,7 @@ static const entry walk[KL_NOPS] = {
 	[KL_OP_RMS_NORM] = {F_NORM, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
 	[KL_OP_ATTENTION] = {F_SDPA, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
 	[KL_OP_INDEX_ADD] = {F_INDEX_ADD, FLOAT_DT, KLTEST_NORMAL, false, 4, NULL, NULL},
+	[KL_OP_CACHE_WRITE] = {F_CACHE_WRITE, ALL_DT, KLTEST_NORMAL, true, 0, NULL, NULL},
 };
 #undef BIN
 #undef UN
@@ -315,6 +317,7 @@ static kl_tensor *apply(kl_tensor *const *in, const void *p)
 		                                 : kl_rms_norm(in[0], c->k ? NULL : in[1], 1e-6);
 	case F_SDPA: return kl_sdpa(in[0], in[1], in[2], c->k == 1, c->k == 2 ? 0.25 : 0.35);
 	case F_INDEX_ADD: return kl_index_add(in[0], in[1], in[2]);
+	case F_CACHE_WRITE: return kl_cache_update(in[0], c->k == 0 ? 2 : c->k == 1 ? -2 : 1, in[1], in[2]);
 	}
 	return NULL;
 }
@@ -504,6 +507,19 @@ static int cases_of(kl_op op, kl_dtype dt, kcase *out)
 			n++;
 		}
 		break;
+	case F_CACHE_WRITE: { /* [R, A, T, I] at dim 2; [R, T, I] at dim -2; no rows */
+		static const shp cs[][3] = {{{4, {4, 2, 12, 3}}, {1, {3}}, {4, {3, 2, 3, 3}}},
+		                            {{3, {3, 12, 5}}, {1, {2}}, {3, {2, 1, 5}}},
+		                            {{3, {2, 10, 2}}, {1, {0}}, {3, {0, 4, 2}}}};
+		for (int k = 0; k < 3; k++) {
+			out[n] = mkcase(op, dt, k, 3, e->r);
+			memcpy(out[n].s, cs[k], sizeof cs[k]);
+			out[n].idt[1] = k == 1 ? KL_I32 : KL_I64;
+			out[n].r[1] = KLTEST_POS; /* 1..9: at most cap - s */
+			n++;
+		}
+		break;
+	}
 	case F_INDEX_ADD: { /* repeated indices; a 1-d base; no indices at all */
 		static const shp is[][3] = {{{2, {10, 3}}, {1, {6}}, {2, {6, 3}}},
 		                            {{1, {10}}, {2, {2, 3}}, {2, {2, 3}}},

@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "api/autograd.h"
 #include "api/dispatch.h"
@@ -794,6 +795,130 @@ kl_tensor *kl_index_add(kl_tensor *base, kl_tensor *idx, kl_tensor *src)
 	return kl__dispatch(ctx, &n, in);
 }
 
+/* ---- cache_write: rows written at run-time positions -------------------------------- */
+
+/* Check kl_cache_update / kl_cache_write's operands and fill their node:
+ * positions checked on the host when they are there now (eager; the
+ * compiled steps check them on the device). */
+static bool cache_write_node(kl_ctx *ctx, const char *op, kl_tensor *const *in, int axis,
+                             kl_node *n)
+{
+	kl_tensor *cache = in[0], *pos = in[1], *val = in[2];
+	char why[400];
+	kl_cw_geom g;
+	int ax = norm_axis(axis, cache->ndim);
+	if (pos->dtype != KL_I32 && pos->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: positions have dtype %s, need i32 or i64", op,
+		        kl_dtype_name(pos->dtype));
+		return false;
+	}
+	if (val->dtype != cache->dtype) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: values are %s, the cache %s (cast them first)", op,
+		        kl_dtype_name(val->dtype), kl_dtype_name(cache->dtype));
+		return false;
+	}
+	if (!kl__cache_write_geom(ax, cache->ndim, cache->shape, pos->ndim, pos->shape, val->ndim,
+	                          val->shape, &g, why, sizeof why)) {
+		kl__err(ctx, KL_EINVAL, "kl_%s: %s", op, why);
+		return false;
+	}
+	node_init(n, KL_OP_CACHE_WRITE, cache->dtype, cache->ndim, cache->shape, 3);
+	n->a.axis = ax;
+	if (ctx->trace || !pos->st || g.rows == 0)
+		return true;
+	kl_tensor *dense = kl_retain(kl_is_contiguous(pos) ? pos : kl__eager_contiguous(ctx, pos));
+	int64_t *host = malloc(sizeof(int64_t) * (size_t)g.rows);
+	bool ok = dense && host;
+	if (ok && ctx->be->to_host(ctx, host, kl__tensor_data(dense),
+	                           (size_t)g.rows * kl_dtype_size(pos->dtype)) != KL_OK)
+		ok = false;
+	for (int64_t i = g.rows - 1; ok && i >= 0; i--) { /* widen i32 in place, from the end */
+		int64_t p = pos->dtype == KL_I32 ? ((const int32_t *)(const void *)host)[i] : host[i];
+		host[i] = p;
+	}
+	for (int64_t i = 0; ok && i < g.rows; i++)
+		if (host[i] < 0 || host[i] > g.cap - g.s) {
+			kl__err(ctx, KL_EINVAL, "kl_%s: row %lld writes %lld position%s at %lld, outside "
+			        "the cache: positions along dim %d must lie in [0, %lld] (capacity %lld)",
+			        op, (long long)i, (long long)g.s, g.s == 1 ? "" : "s",
+			        (long long)host[i], ax, (long long)(g.cap - g.s), (long long)g.cap);
+			free(host);
+			kl_release(dense);
+			return false;
+		}
+	if (!ok && ctx->status == KL_OK)
+		kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory reading the positions", op);
+	free(host);
+	kl_release(dense);
+	return ok;
+}
+
+/* operands dense for the eager kernels (a new reference each, or NULL) */
+static bool dense_operands(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **d, int n)
+{
+	for (int i = 0; i < n; i++) {
+		/* (the copy belongs to the open scope: one more reference) */
+		d[i] = kl_retain(ctx->trace || kl_is_contiguous(in[i]) ? in[i]
+		                                                       : kl__eager_contiguous(ctx, in[i]));
+		if (!d[i]) {
+			for (int j = 0; j < i; j++)
+				kl_release(d[j]);
+			return false;
+		}
+	}
+	return true;
+}
+
+kl_tensor *kl_cache_update(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values)
+{
+	KL_API("kl_cache_update");
+	kl_tensor *in[3] = {cache, pos, values}, *d[3];
+	kl_ctx *ctx = ctx_of("cache_update", 3, in);
+	kl_node n;
+	if (!ctx || !cache_write_node(ctx, "cache_update", in, axis, &n) ||
+	    !dense_operands(ctx, in, d, 3))
+		return NULL;
+	kl_tensor *r = kl__dispatch(ctx, &n, d);
+	for (int i = 0; i < 3; i++)
+		kl_release(d[i]);
+	return r;
+}
+
+kl_status kl_cache_write(kl_tensor *cache, int axis, kl_tensor *pos, kl_tensor *values)
+{
+	KL_API("kl_cache_write");
+	kl_tensor *in[3] = {cache, pos, values}, *d[3];
+	kl_ctx *ctx = ctx_of("cache_write", 3, in);
+	if (!ctx)
+		return kl_last_status(cache ? cache->ctx : pos ? pos->ctx : values ? values->ctx : NULL);
+	char b0[SB];
+	if (!cache->st)
+		return kl__err(ctx, KL_ESTATE, "kl_cache_write: the cache is a lazy tensor; write "
+		               "into a tensor that existed before the call (kl_zeros, then pass it "
+		               "in or reach it through user state)");
+	if (!kl_is_contiguous(cache))
+		return kl__err(ctx, KL_EINVAL, "kl_cache_write: the cache %s is not dense (strides "
+		               "%s): allocate it as its own tensor", shp(b0, cache),
+		               kl__shape_str(b0, SB, cache->ndim, cache->strides));
+	kl_node n;
+	if (!cache_write_node(ctx, "cache_write", in, axis, &n) || !dense_operands(ctx, in, d, 3))
+		return kl_last_status(ctx);
+	kl_status st = KL_OK;
+	if (ctx->trace) {
+		/* the graph's value of the cache after the write, written back
+		 * into its memory when the graph ends: in place, no copy, where
+		 * lowering finds nothing reads the old value after it */
+		n.a.flags = KL_F_INPLACE;
+		kl_tensor *v = kl__dispatch(ctx, &n, d);
+		st = v ? kl__trace_write(ctx, cache, v) : kl_last_status(ctx);
+	} else if ((st = ctx->be->exec(ctx, &n, d, cache)) == KL_OK) {
+		kl__storage_written(cache->st);
+	}
+	for (int i = 0; i < 3; i++)
+		kl_release(d[i]);
+	return st;
+}
+
 /* torch.nn.functional.one_hot: eq(idx[..., None], arange(n)) as i64. */
 kl_tensor *kl_one_hot(kl_tensor *idx, int64_t n)
 {
@@ -1195,6 +1320,85 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
 {
 	KL_API("kl_rms_norm");
 	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
+}
+
+/* kl_sdpa over caches with a valid length per batch row, written with the
+ * ops below it (a product, a where, a softmax, a product): key j of row b
+ * counts iff j < lengths[b] (and j <= i + lengths[b] - Tq when causal); a
+ * row with no valid key gives zeros. */
+kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
+                           bool causal, double scale)
+{
+	KL_API("kl_sdpa_lengths");
+	kl_tensor *in[4] = {q, k, v, lengths};
+	kl_ctx *ctx = ctx_of("sdpa_lengths", 4, in);
+	if (!ctx)
+		return NULL;
+	char b0[SB], b1[SB];
+	int nd = q->ndim;
+	if (lengths->dtype != KL_I32 && lengths->dtype != KL_I64) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths have dtype %s, need i32 or i64",
+		        kl_dtype_name(lengths->dtype));
+		return NULL;
+	}
+	if (nd < 3 || k->ndim != nd || lengths->ndim != 1 || lengths->shape[0] != q->shape[0]) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: q %s and lengths %s: q needs a batch dim "
+		        "first and one length per batch row", shp(b0, q), shp(b1, lengths));
+		return NULL;
+	}
+	if (!isfinite(scale)) {
+		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: scale %g must be finite (0 asks for "
+		        "1/sqrt(head_dim))", scale);
+		return NULL;
+	}
+	int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2], rows = q->shape[0];
+	if (scale == 0)
+		scale = 1.0 / sqrt((double)q->shape[nd - 1]);
+	if (!ctx->trace && lengths->st && rows > 0) {
+		/* eagerly: the lengths on the host must fit the keys */
+		int64_t *h = malloc(sizeof(int64_t) * (size_t)rows);
+		kl_tensor *l64 = h ? kl_retain(kl_cast(lengths, KL_I64)) : NULL;
+		kl_status st = l64 ? kl_to_host(l64, h, sizeof(int64_t) * (size_t)rows) : KL_ENOMEM;
+		kl_release(l64);
+		for (int64_t b = 0; st == KL_OK && b < rows; b++)
+			if (h[b] < 0 || h[b] > tk) {
+				kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths[%lld] = %lld disagrees "
+				        "with the cache: k holds %lld keys (dim %d)", (long long)b,
+				        (long long)h[b], (long long)tk, nd - 2);
+				st = KL_EINVAL;
+			}
+		free(h);
+		if (st != KL_OK) {
+			if (st == KL_ENOMEM && ctx->status == KL_OK)
+				kl__err(ctx, KL_ENOMEM, "kl_sdpa_lengths: out of memory");
+			return NULL;
+		}
+	}
+	int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS];
+	for (int d = 0; d < nd; d++)
+		ksh[d] = lsh[d] = qsh[d] = 1;
+	ksh[nd - 1] = tk;
+	lsh[0] = rows;
+	qsh[nd - 2] = tq;
+	kl_scope_begin(ctx);
+	kl_tensor *key = kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tk, 1), nd, ksh);
+	kl_tensor *len = kl_reshape(kl_cast(lengths, KL_I64), nd, lsh);
+	/* causal: j <= i + len - tq, i.e. j + tq - i < len + 1 */
+	kl_tensor *lhs = key;
+	if (causal)
+		lhs = kl_sub(kl_add_scalar(key, (double)tq),
+		             kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tq, 1), nd, qsh));
+	kl_tensor *valid = kl_lt(lhs, causal ? kl_add_scalar(len, 1) : len);
+	kl_tensor *s = kl_mul_scalar(kl_matmul(q, kl_transpose(k, nd - 2, nd - 1)), scale);
+	kl_tensor *masked = s ? kl_where(valid, s, kl_full(ctx, s->dtype, 0, NULL, -INFINITY))
+	                      : NULL;
+	kl_tensor *pr = kl_softmax(masked, -1);
+	kl_tensor *p = kl_retain(pr ? kl_where(valid, pr, kl_full(ctx, pr->dtype, 0, NULL, 0))
+	                            : NULL);
+	kl_scope_end(ctx);
+	kl_tensor *r = p ? kl_matmul(p, v) : NULL;
+	kl_release(p);
+	return r;
 }
 
 kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)

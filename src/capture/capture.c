@@ -78,6 +78,31 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 		if (o.dynamic_dims[i] >> KL_MAX_DIMS)
 			bad = "a dynamic_dims mask names a dim >= 8 (bit d is dim d; at most "
 			      "KL_MAX_DIMS dims)";
+	if (!bad && o.nbuckets != 0) {
+		if (o.nbuckets < 0 && o.nbuckets != KL_BUCKETS_DEFAULT)
+			bad = "nbuckets takes 0, KL_BUCKETS_DEFAULT or the count of buckets";
+		else if (o.nbuckets > 0 && !o.buckets)
+			bad = "nbuckets > 0 needs buckets";
+		else if ((nin > 0 && !o.bucket_in_dims) || (nout > 0 && !o.bucket_out_dims))
+			bad = "buckets need bucket_in_dims (nin entries) and bucket_out_dims (nout "
+			      "entries): each input's and output's batch dim, -1 for none";
+		for (int i = 1; !bad && i < o.nbuckets; i++)
+			if (o.buckets[i] <= o.buckets[i - 1])
+				bad = "buckets must be ascending";
+		if (!bad && o.nbuckets > 0 && o.buckets[0] < 1)
+			bad = "buckets must be >= 1";
+		for (int i = 0; !bad && i < nin; i++)
+			if (o.bucket_in_dims[i] < -1 || o.bucket_in_dims[i] >= KL_MAX_DIMS)
+				bad = "a bucket_in_dims entry is outside -1..7";
+		for (int k = 0; !bad && k < nout; k++)
+			if (o.bucket_out_dims[k] < -1 || o.bucket_out_dims[k] >= KL_MAX_DIMS)
+				bad = "a bucket_out_dims entry is outside -1..7";
+		bool any = false;
+		for (int i = 0; !bad && i < nin; i++)
+			any |= o.bucket_in_dims[i] >= 0;
+		if (!bad && !any)
+			bad = "buckets need a batch dim on at least one input";
+	}
 	if (bad && o.dynamic != 0 && o.dynamic != KL_DYNAMIC_ALL) {
 		kl__err(ctx, KL_EINVAL, "kl_compile: dynamic is %d: %s", o.dynamic, bad);
 		return NULL;
@@ -98,7 +123,38 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 		dyn[i] = o.dynamic == KL_DYNAMIC_ALL ? (1u << KL_MAX_DIMS) - 1
 		         : i < o.ndynamic_dims       ? o.dynamic_dims[i]
 		                                     : 0;
+	if (o.nbuckets != 0) {
+		/* vLLM's capture sizes: 1, 2, 4, 8..256 by 8, 272..512 by 16 */
+		int n = o.nbuckets > 0 ? o.nbuckets : 3 + 32 + 16;
+		f->bk = malloc(sizeof *f->bk * (size_t)n);
+		f->bk_in = malloc(sizeof(int) * (size_t)(nin ? nin : 1));
+		f->bk_out = malloc(sizeof(int) * (size_t)(nout ? nout : 1));
+		if (!f->bk || !f->bk_in || !f->bk_out) {
+			free(f->bk);
+			free(f->bk_in);
+			free(f->bk_out);
+			free(f);
+			free(dyn);
+			kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+			return NULL;
+		}
+		for (int i = 0; i < n; i++)
+			f->bk[i] = o.nbuckets > 0 ? o.buckets[i]
+			           : i < 3        ? (int64_t)1 << i
+			           : i < 35       ? 8 * (int64_t)(i - 2)
+			                          : 256 + 16 * (int64_t)(i - 34);
+		f->nbk = n;
+		for (int i = 0; i < nin; i++) {
+			f->bk_in[i] = o.bucket_in_dims[i];
+			if (f->bk_in[i] >= 0)
+				dyn[i] |= 1u << f->bk_in[i]; /* a bucketed dim is dynamic */
+		}
+		for (int k = 0; k < nout; k++)
+			f->bk_out[k] = o.bucket_out_dims[k];
+	}
 	o.dynamic_dims = NULL; /* the caller's array need not outlive this call */
+	o.buckets = NULL;
+	o.bucket_in_dims = o.bucket_out_dims = NULL;
 	f->ctx = ctx;
 	f->body = fn;
 	f->user = user;
@@ -157,6 +213,9 @@ void kl_fn_free(kl_fn *f)
 	free(f->entries);
 	free(f->dyn);
 	free(f->reasons);
+	free(f->bk);
+	free(f->bk_in);
+	free(f->bk_out);
 	free(f);
 }
 
@@ -177,7 +236,13 @@ kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
 	                     .compiles = f->compiles,
 	                     .recompiles = f->compiles > 0 ? f->compiles - 1 : 0,
 	                     .variants = f->nvars,
-	                     .over_limit = f->eager};
+	                     .over_limit = f->eager,
+	                     .padded_calls = f->padded_calls};
+	for (int i = 0; i < f->nentries; i++) {
+		double ms;
+		out->graph_captures += kl__cuda_rt_captures(f->entries[i]->c, &ms);
+		out->capture_ms += ms;
+	}
 	return KL_OK;
 }
 
@@ -1232,7 +1297,105 @@ static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, boo
 	return st;
 }
 
+static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
+
+/* Shape buckets: pad the batched inputs up to the nearest bucket, call, and
+ * cut the batched outputs back to the call's batch (views). */
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
+{
+	if (!f || !f->nbk || !in || (f->nout > 0 && !out) || f->ctx->trace)
+		return fn_call(f, in, out);
+	kl_ctx *ctx = f->ctx;
+	for (int j = 0; j < f->nout; j++)
+		out[j] = NULL;
+	int64_t b = -1;
+	int first = -1;
+	for (int i = 0; i < f->nin; i++) {
+		int d = f->bk_in[i];
+		if (d < 0 || !in[i])
+			continue;
+		if (d >= in[i]->ndim)
+			return kl__err(ctx, KL_EINVAL, "kl_fn_call: %s: input %d has %d dims; its "
+			               "batch dim (bucket_in_dims) is %d", f->name, i, in[i]->ndim, d);
+		if (first < 0) {
+			first = i;
+			b = in[i]->shape[d];
+		} else if (in[i]->shape[d] != b) {
+			return kl__err(ctx, KL_EINVAL, "kl_fn_call: %s: batch dims differ: input %d "
+			               "dim %d is %lld, input %d dim %d is %lld", f->name, first,
+			               f->bk_in[first], (long long)b, i, d,
+			               (long long)in[i]->shape[d]);
+		}
+	}
+	if (first < 0)
+		return fn_call(f, in, out);
+	int k = 0;
+	while (k < f->nbk && f->bk[k] < b)
+		k++;
+	if (k == f->nbk)
+		return kl__err(ctx, KL_EINVAL, "kl_fn_call: %s: batch %lld (input %d dim %d) is "
+		               "above the largest bucket %lld: add a bucket or split the batch",
+		               f->name, (long long)b, first, f->bk_in[first],
+		               (long long)f->bk[f->nbk - 1]);
+	int64_t B = f->bk[k];
+	if (B == b)
+		return fn_call(f, in, out);
+	kl_tensor **pin = calloc((size_t)(f->nin ? f->nin : 1), sizeof *pin);
+	kl_tensor **pout = calloc((size_t)(f->nout ? f->nout : 1), sizeof *pout);
+	kl_status st = pin && pout ? KL_OK : kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	int scopes = ctx->nscopes;
+	kl_scope_begin(ctx);
+	if (ctx->nscopes != scopes + 1)
+		st = kl_last_status(ctx);
+	for (int i = 0; st == KL_OK && i < f->nin; i++) {
+		int d = f->bk_in[i];
+		pin[i] = in[i];
+		if (d < 0 || !in[i])
+			continue;
+		int64_t sh[KL_MAX_DIMS];
+		memcpy(sh, in[i]->shape, sizeof sh);
+		sh[d] = B - b;
+		kl_tensor *parts[2] = {in[i], kl_zeros(ctx, in[i]->dtype, in[i]->ndim, sh)};
+		if (!parts[1] || !(pin[i] = kl_concat(2, parts, d)))
+			st = kl_last_status(ctx);
+	}
+	if (st == KL_OK)
+		st = fn_call(f, pin, pout);
+	for (int j = 0; st == KL_OK && j < f->nout; j++) {
+		int d = f->bk_out[j];
+		if (d < 0) {
+			out[j] = pout[j];
+			pout[j] = NULL;
+			continue;
+		}
+		if (d >= pout[j]->ndim || pout[j]->shape[d] != B) {
+			char sh[128];
+			st = kl__err(ctx, KL_EINVAL, "kl_fn_call: %s: output %d is %s; its batch dim "
+			             "(bucket_out_dims) %d should be the bucket %lld", f->name, j,
+			             kl__shape_str(sh, sizeof sh, pout[j]->ndim, pout[j]->shape), d,
+			             (long long)B);
+			break;
+		}
+		out[j] = kl_retain(kl_slice(pout[j], d, 0, b, 1));
+		if (!out[j])
+			st = kl_last_status(ctx);
+	}
+	for (int j = 0; pout && j < f->nout; j++)
+		kl_release(pout[j]);
+	kl_scope_end(ctx);
+	if (st != KL_OK)
+		for (int j = 0; out && j < f->nout; j++) {
+			kl_release(out[j]);
+			out[j] = NULL;
+		}
+	else
+		f->padded_calls++;
+	free(pin);
+	free(pout);
+	return st;
+}
+
+static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 {
 	if (!f)
 		return kl__err(NULL, KL_EINVAL, "kl_fn_call: f is NULL");

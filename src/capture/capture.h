@@ -103,6 +103,11 @@ struct kl_fn {
 	char (*reasons)[KL_FN_REASON_LEN];
 	int nreasons;
 	long calls, eager_calls, replays, failed_calls;
+	/* shape buckets: ascending sizes, per input / output the batch dim (-1) */
+	int64_t *bk;
+	int nbk;
+	int *bk_in, *bk_out;
+	long padded_calls;
 	bool last_failed; /* the latest kl_fn_call returned an error */
 	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };

@@ -174,6 +174,14 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 	print_dynamic(f, out);
 	fprintf(out, ", recompile limit %d%s\n", f->limit,
 	        f->fusion ? "" : ", fusion off (KILN_DISABLE_FUSION)");
+	if (f->nbk > 0) {
+		fprintf(out, "  buckets (batch padded up to the nearest): %d sizes, %" PRId64 "..%" PRId64
+		        "; batch dims:", f->nbk, f->bk[0], f->bk[f->nbk - 1]);
+		for (int i = 0; i < f->nin; i++)
+			if (f->bk_in[i] >= 0)
+				fprintf(out, " input %d dim %d", i, f->bk_in[i]);
+		fprintf(out, "; %ld calls padded\n", f->padded_calls);
+	}
 	if (f->o.mode != KL_MODE_DEFAULT && f->ctx->device == KL_CPU)
 		fprintf(out,
 		        "  note: mode %s behaves as default on the CPU (no CUDA graphs, no "

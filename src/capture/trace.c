@@ -346,6 +346,14 @@ kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense)
 	if (n == 0)
 		return KL_OK;
 	kl_status st = KL_OK;
+	/* a value the graph wrote in place (a cache write) is dst's memory
+	 * already: only the version moves */
+	bool same = dense->st == dst->st && dense->offset == dst->offset &&
+	            dense->ndim == dst->ndim &&
+	            !memcmp(dense->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim) &&
+	            !memcmp(dense->strides, dst->strides, sizeof(int64_t) * (size_t)dst->ndim);
+	if (same)
+		dense = dst;
 	if (dense != dst && kl_is_contiguous(dst)) {
 		/* one copy on the device: the backend's CONTIGUOUS writes its
 		 * output, which may be any dense tensor of the node's shape */

@@ -268,6 +268,64 @@ static bool sh_index_add(const kl_node *n, const int *ndim, const int64_t *const
 	return false;
 }
 
+bool kl__cache_write_geom(int axis, int cnd, const int64_t *cs, int pnd, const int64_t *ps,
+                          int vnd, const int64_t *vs, kl_cw_geom *g, char *why, size_t cap)
+{
+	char b1[96], b2[96], b3[96];
+	memset(g, 0, sizeof *g);
+	bool ok = cnd >= 2 && axis >= 1 && axis < cnd && vnd == cnd && pnd == 1;
+	for (int d = 1; ok && d < cnd; d++)
+		ok = d == axis || vs[d] == cs[d];
+	ok = ok && vs[0] <= cs[0] && vs[axis] <= cs[axis] && ps[0] == vs[0];
+	if (!ok) {
+		snprintf(why, cap, "cache %s (position dim %d), positions %s and values %s do not fit "
+		         "(the cache needs a row dim first and the position dim after it; values "
+		         "are the cache's shape with at most its rows and positions; one position "
+		         "per row of values)",
+		         kl__shape_str(b1, sizeof b1, cnd, cs), axis,
+		         kl__shape_str(b2, sizeof b2, pnd, ps), kl__shape_str(b3, sizeof b3, vnd, vs));
+		return false;
+	}
+	g->rows = vs[0];
+	g->R = cs[0];
+	g->cap = cs[axis];
+	g->s = vs[axis];
+	g->outer = g->inner = 1;
+	for (int d = 1; d < axis; d++)
+		g->outer *= cs[d];
+	for (int d = axis + 1; d < cnd; d++)
+		g->inner *= cs[d];
+	return true;
+}
+
+static kl_dtype dt_cache_write(kl_op op, const kl_operands *in, char *why, size_t cap)
+{
+	(void)op;
+	if (in->dt[1] != KL_I32 && in->dt[1] != KL_I64) {
+		snprintf(why, cap, "positions have dtype %s, need i32 or i64", kl_dtype_name(in->dt[1]));
+		return KL_NDTYPES;
+	}
+	if (in->dt[0] != in->dt[2]) {
+		snprintf(why, cap, "cache dtype %s and values dtype %s differ",
+		         kl_dtype_name(in->dt[0]), kl_dtype_name(in->dt[2]));
+		return KL_NDTYPES;
+	}
+	return in->dt[0];
+}
+
+static bool sh_cache_write(const kl_node *n, const int *ndim, const int64_t *const *shape,
+                           char *why, size_t cap)
+{
+	kl_cw_geom g;
+	if (!kl__cache_write_geom(n->a.axis, ndim[0], shape[0], ndim[1], shape[1], ndim[2],
+	                          shape[2], &g, why, cap))
+		return false;
+	if (n->ndim == ndim[0] && !memcmp(n->shape, shape[0], sizeof(int64_t) * (size_t)n->ndim))
+		return true;
+	snprintf(why, cap, "the result is not the cache's shape");
+	return false;
+}
+
 /* ---- vector-Jacobian rules of the movement ops ------------------------------------------ */
 
 static kl_status one(int32_t *gin, int32_t v)
@@ -412,6 +470,10 @@ DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote, .shape = 
      .vjp = kl__vjp_sdpa)
 DESC(INDEX_ADD, KL_EAGER_COPY, kl__ref_index_add, .dtype = dt_index_add, .shape = sh_index_add,
      .vjp = kl__vjp_index_add)
+/* a write of positions a program computes: not differentiable (.vjp NULL,
+ * which the gradient sweep names) */
+DESC(CACHE_WRITE, KL_EAGER_COPY, kl__ref_cache_write, .dtype = dt_cache_write,
+     .shape = sh_cache_write, .vjp = NULL)
 #undef DESC
 
 /* ---- the table ---------------------------------------------------------------------- */
@@ -424,5 +486,5 @@ const kl_opdesc *const kl__opdesc[KL_NOPS] = {
 
 /* ggml-style: a new op changes this count, and whoever changes it adds the
  * op's descriptor (op_*.c) and its entry in tests/test_optable.c's walk. */
-_Static_assert(KL_NOPS == 55, "new op: give it a descriptor and a walk entry, then update");
+_Static_assert(KL_NOPS == 56, "new op: give it a descriptor and a walk entry, then update");
 _Static_assert(sizeof kl__opdesc / sizeof kl__opdesc[0] == KL_NOPS, "one descriptor per op");

@@ -148,6 +148,17 @@ kl_status kl__ref_softmax(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_norm(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_attention(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_index_add(kl_refstate *st, const kl_node *n, double *out);
+kl_status kl__ref_cache_write(kl_refstate *st, const kl_node *n, double *out);
+
+/* cache_write's geometry: the cache [R, A..., T, I...] with its position dim
+ * at axis, values [rows, A..., s, I...], positions [rows]; outer = the
+ * product of A..., inner of I.... false with the reason in why (naming
+ * the shapes) when they do not fit. */
+typedef struct kl_cw_geom {
+	int64_t rows, R, outer, cap, s, inner;
+} kl_cw_geom;
+bool kl__cache_write_geom(int axis, int cnd, const int64_t *cs, int pnd, const int64_t *ps,
+                          int vnd, const int64_t *vs, kl_cw_geom *g, char *why, size_t cap);
 
 /* index_add's shape rule on plain arrays: base [R, row...], indices [I...],
  * source [I..., row...] give out = base's shape. */

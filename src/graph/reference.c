@@ -310,6 +310,32 @@ kl_status kl__ref_index_add(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
+kl_status kl__ref_cache_write(ref_state *st, const kl_node *n, double *out)
+{
+	const kl_node *c = &st->g->nodes[n->in[0]], *p = &st->g->nodes[n->in[1]],
+	              *v = &st->g->nodes[n->in[2]];
+	kl_cw_geom G;
+	char why[320];
+	if (!kl__cache_write_geom(n->a.axis, c->ndim, c->shape, p->ndim, p->shape, v->ndim,
+	                          v->shape, &G, why, sizeof why))
+		return ref_fail(st, KL_EINVAL, "%s", why);
+	const double *base = st->val[n->in[0]], *pos = st->val[n->in[1]], *val = st->val[n->in[2]];
+	memcpy(out, base, sizeof(double) * (size_t)node_numel(c));
+	for (int64_t i = 0; i < G.rows; i++) {
+		double at = pos[i];
+		if (!(at >= 0 && at <= (double)(G.cap - G.s)))
+			return ref_fail(st, KL_EINVAL, "row %lld: position %.17g outside [0, %lld] (a "
+			                "cache of %lld positions, %lld written)", (long long)i, at,
+			                (long long)(G.cap - G.s), (long long)G.cap, (long long)G.s);
+		for (int64_t a = 0; a < G.outer; a++)
+			for (int64_t j = 0; j < G.s; j++)
+				memcpy(out + ((i * G.outer + a) * G.cap + (int64_t)at + j) * G.inner,
+				       val + ((i * G.outer + a) * G.s + j) * G.inner,
+				       sizeof(double) * (size_t)G.inner);
+	}
+	return KL_OK;
+}
+
 kl_status kl__ref_movement(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96];

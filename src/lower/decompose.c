@@ -559,6 +559,26 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		return attention(d, s, in, s->in);
 	case KL_OP_INDEX_ADD:
 		return index_add(d, s, in);
+	case KL_OP_CACHE_WRITE: {
+		/* its step reads dense buffers: a strided graph input is copied
+		 * first (views of anything are stored dense by the scheduler) */
+		kl_node n = *s;
+		for (int i = 0; i < 3; i++) {
+			const kl_node *x = nd(d, in[i]);
+			int64_t want[KL_MAX_DIMS];
+			kl__contig_strides(x->ndim, x->shape, want);
+			bool dense = true;
+			for (int k = 0; x->op == KL_OP_INPUT && k < x->ndim; k++)
+				dense &= x->shape[k] == 1 || x->strides[k] == want[k];
+			n.in[i] = in[i];
+			if (!dense) {
+				kl_node c = mk(KL_OP_CONTIGUOUS, (kl_dtype)x->dtype, x->ndim, x->shape, 1);
+				c.in[0] = in[i];
+				n.in[i] = add(d, &c);
+			}
+		}
+		return add(d, &n);
+	}
 	default: {
 		kl_node n = *s;
 		for (int i = 0; i < s->nin; i++)

@@ -600,6 +600,23 @@ static void prepare(kl_lctx *L)
 		if (g->nodes[n].op == KL_OP_GATHER && L->live[n] &&
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
+	/* a cache write reads and writes whole dense buffers (offset 0) */
+	for (int32_t n = 0; n < g->n; n++) {
+		const kl_node *x = &g->nodes[n];
+		if (x->op != KL_OP_CACHE_WRITE || !L->live[n])
+			continue;
+		for (int i = 0; i < 3; i++) {
+			int32_t c = x->in[i], base;
+			int64_t st[KL_MAX_DIMS], off, want[KL_MAX_DIMS];
+			const kl_node *cn = &g->nodes[c];
+			kl__contig_strides(cn->ndim, cn->shape, want);
+			bool ok = kl__stored_view(L, c, &base, st, &off) && off == 0;
+			for (int d = 0; ok && d < cn->ndim; d++)
+				ok = cn->shape[d] == 1 || st[d] == want[d];
+			if (!ok)
+				L->mat[c] = 1;
+		}
+	}
 	/* operands of products BLAS cannot address are copied first (cuBLASLt:
 	 * a unit stride in one of the last two dims, kl__mm_operand_layout; CPU
 	 * BLAS steps read any strides); attention reads rows whose elements are
@@ -712,7 +729,7 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 	*folded = false;
 	for (int i = 0; i < x->nin; i++) {
 		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
-		if (h < 0 || !L->gr[h].matmul)
+		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE)
 			continue;
 		bool dup = false;
 		for (int j = 0; j < ns && !dup; j++)
@@ -768,7 +785,9 @@ static bool schedule_node(sched *s, int32_t n)
 	kl_lctx *L = s->L;
 	const kl_node *x = &L->g.nodes[n];
 	char why[384], l1[64], l2[64];
-	if (x->op != KL_OP_MATMUL && x->op != KL_OP_ATTENTION) {
+	bool library = x->op == KL_OP_MATMUL || x->op == KL_OP_ATTENTION ||
+	               x->op == KL_OP_CACHE_WRITE;
+	if (!library) {
 		bool folded;
 		if (!try_epilogue(L, n, &folded))
 			return false;
@@ -783,7 +802,7 @@ static bool schedule_node(sched *s, int32_t n)
 	L->home[n] = si;
 	if (!g_push(S, n, false))
 		return false;
-	if (x->op == KL_OP_MATMUL || x->op == KL_OP_ATTENTION) {
+	if (library) {
 		S->matmul = true;
 		return true;
 	}

@@ -5,6 +5,7 @@
  */
 #include <stdlib.h>
 
+#include "graph/optable.h"
 #include "lower/lower_int.h"
 
 static void lctx_free(kl_lctx *L)
@@ -28,6 +29,7 @@ static void lctx_free(kl_lctx *L)
 	free(L->mem);
 	free(L->lvl);
 	free(L->bufof);
+	free(L->cw_base);
 	free(L->stored);
 	free(L->order);
 	free(L->mlead);
@@ -70,6 +72,65 @@ static void fill_buf(const kl_lctx *L, kl_buf *b, int32_t n, kl_buf_role role, i
 	b->alias = -1;
 }
 
+/* Does group gi read node v (directly, or through views it computes)? */
+static bool group_reads(const kl_lctx *L, int32_t gi, int32_t v)
+{
+	const kl_group *G = &L->gr[gi];
+	for (int32_t i = 0; i < G->nm; i++) {
+		const kl_node *x = &L->g.nodes[G->m[i]];
+		for (int j = 0; j < x->nin; j++)
+			if (x->in[j] == v || kl__resolve(L, x->in[j]) == v)
+				return true;
+	}
+	return false;
+}
+
+/* Which cache writes (kl_cache_write: KL_F_INPLACE) write straight into the
+ * graph input whose memory receives their value when the graph ends
+ * (L->cw_base): one whose cache operand is that input (or an earlier such
+ * write) and whose every other reader of that operand runs before it.
+ * Else the step copies the cache first and the value is written back. */
+static kl_status plan_inplace(kl_lctx *L)
+{
+	const kl_graph *g = &L->g;
+	L->cw_base = malloc(sizeof(int32_t) * ((size_t)g->n + 1));
+	if (!L->cw_base)
+		return KL_ENOMEM;
+	for (int32_t n = 0; n < g->n; n++)
+		L->cw_base[n] = -1;
+	for (int32_t k = 0; k < L->norder; k++) {
+		int32_t wi = L->order[k], n = L->gr[wi].m[0];
+		const kl_node *x = &g->nodes[n];
+		if (!L->gr[wi].matmul || x->op != KL_OP_CACHE_WRITE)
+			continue;
+		int32_t c = x->in[0], base = -1;
+		char l1[64], why[160] = "";
+		if (!(x->a.flags & KL_F_INPLACE))
+			snprintf(why, sizeof why, "a copy (kl_cache_update)");
+		else if (g->nodes[c].op == KL_OP_INPUT)
+			for (int32_t i = 0; i < g->ninputs; i++)
+				base = g->inputs[i] == c ? i : base; /* input i is buffer i */
+		else if (g->nodes[c].op == KL_OP_CACHE_WRITE && L->cw_base[c] >= 0)
+			base = L->cw_base[c];
+		else
+			snprintf(why, sizeof why, "its cache is no graph input");
+		for (int32_t j = 0; base >= 0 && j < L->norder; j++) {
+			int32_t gj = L->order[j];
+			if (gj != wi && j > k && group_reads(L, gj, c)) {
+				char l2[64];
+				snprintf(why, sizeof why, "the step of %s reads the old value after it",
+				         kl__node_label(L, L->gr[gj].first, l2, sizeof l2));
+				base = -1;
+			}
+		}
+		L->cw_base[n] = base;
+		if (base < 0)
+			kl__lower_logf(L, "cache write %s copies its cache first: %s",
+			               kl__node_label(L, n, l1, sizeof l1), why);
+	}
+	return KL_OK;
+}
+
 static kl_status make_bufs(kl_lctx *L, kl_program *P)
 {
 	const kl_graph *g = &L->g;
@@ -87,6 +148,15 @@ static kl_status make_bufs(kl_lctx *L, kl_program *P)
 	for (int32_t j = 0; j < g->noutputs; j++) {
 		int32_t o = g->outputs[j], b = g->ninputs + j;
 		fill_buf(L, &P->bufs[b], o, KL_BUF_OUTPUT, j);
+		if (L->alias_of[j] < 0 && g->nodes[o].op == KL_OP_CACHE_WRITE && L->cw_base &&
+		    L->cw_base[o] >= 0 && L->bufof[o] < 0) {
+			/* written in place: the output is the input itself */
+			kl_buf *bf = &P->bufs[b];
+			bf->alias = L->cw_base[o];
+			kl__contig_strides(bf->ndim, g->nodes[o].shape, bf->view_strides);
+			L->bufof[o] = L->cw_base[o];
+			continue;
+		}
 		if (L->alias_of[j] < 0) {
 			L->bufof[o] = b;
 			continue;
@@ -103,6 +173,9 @@ static kl_status make_bufs(kl_lctx *L, kl_program *P)
 		}
 	}
 	P->nbufs = g->ninputs + g->noutputs;
+	for (int32_t n = 0; L->cw_base && n < g->n; n++)
+		if (g->nodes[n].op == KL_OP_CACHE_WRITE && L->cw_base[n] >= 0 && L->bufof[n] < 0)
+			L->bufof[n] = L->cw_base[n]; /* in place, read again later in the graph */
 	for (int32_t k = 0; k < L->norder; k++) {
 		const kl_group *G = &L->gr[L->order[k]];
 		for (int32_t i = 0; i < G->nm; i++) {
@@ -382,6 +455,56 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	return KL_OK;
 }
 
+static kl_status cache_write_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
+{
+	int32_t n = G->m[0];
+	const kl_node *x = &L->g.nodes[n];
+	kl_cw_step *c = &sp->cw;
+	int32_t ids[3];
+	for (int i = 0; i < 3; i++) {
+		int64_t st[KL_MAX_DIMS], off;
+		if (!operand(L, x->in[i], &ids[i], st, &off) || off != 0) {
+			snprintf(L->err, L->errcap, "kl__lower: internal error: cache write operand %d", i);
+			return KL_EINVAL;
+		}
+	}
+	const kl_node *cn = &L->g.nodes[x->in[0]], *pn = &L->g.nodes[x->in[1]],
+	              *vn = &L->g.nodes[x->in[2]];
+	/* the sizes as the shapes give them (symbolic_step builds the step
+	 * again at other sizes, where rows may pass R: the runtime checks) */
+	kl_cw_geom geo = {.rows = vn->shape[0], .R = cn->shape[0], .cap = cn->shape[x->a.axis],
+	                  .s = vn->shape[x->a.axis], .outer = 1, .inner = 1};
+	(void)pn;
+	for (int d = 1; d < x->a.axis; d++)
+		geo.outer *= cn->shape[d];
+	for (int d = x->a.axis + 1; d < cn->ndim; d++)
+		geo.inner *= cn->shape[d];
+	c->cache = ids[0];
+	c->pos = ids[1];
+	c->val = ids[2];
+	c->out = L->bufof[n];
+	c->rows = geo.rows;
+	c->R = geo.R;
+	c->outer = geo.outer;
+	c->cap = geo.cap;
+	c->s = geo.s;
+	c->inner = geo.inner;
+	c->axis = x->a.axis;
+	bool inplace = c->out == c->cache;
+	for (int i = inplace ? 1 : 0; i < 3; i++)
+		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
+	sp->writes[0] = c->out;
+	sp->nwrites = 1;
+	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
+	double rowsz = (double)geo.rows * (double)geo.outer * (double)geo.s * (double)geo.inner;
+	sp->bytes = 2.0 * rowsz * es + bytes_of(P, ids[1]);
+	if (!inplace)
+		sp->bytes += 2.0 * bytes_of(P, c->out);
+	snprintf(sp->what, sizeof(sp->what), "cache write %lldx%lld%s", (long long)geo.rows,
+	         (long long)geo.s, inplace ? " in place" : " (copy)");
+	return KL_OK;
+}
+
 /* ---- library steps over symbolic dims ----------------------------------------------- */
 
 typedef kl_status (*step_builder)(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp);
@@ -609,7 +732,9 @@ static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 static kl_status assemble(kl_lctx *L, kl_lowered *out)
 {
 	kl_program *P = &out->prog;
-	kl_status st = make_bufs(L, P);
+	kl_status st = plan_inplace(L);
+	if (st == KL_OK)
+		st = make_bufs(L, P);
 	if (st != KL_OK)
 		return st;
 	P->steps = calloc((size_t)L->norder + 1, sizeof(kl_step));
@@ -628,11 +753,22 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 			return KL_ENOMEM;
 		for (int32_t b = 0; b < P->nbufs; b++)
 			early[b] = P->bufs[b].role == KL_BUF_INPUT;
+		/* except those a cache write writes in place */
+		for (int32_t n = 0; n < L->g.n; n++)
+			if (L->g.nodes[n].op == KL_OP_CACHE_WRITE && L->cw_base[n] >= 0)
+				early[L->cw_base[n]] = 0;
 	}
 	for (int32_t k = 0; k < L->norder && st == KL_OK; k++) {
 		const kl_group *G = &L->gr[L->order[k]];
 		kl_step *sp = &P->steps[P->nsteps++];
-		if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION) {
+		if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_CACHE_WRITE) {
+			sp->kind = KL_STEP_CACHE_WRITE;
+			sp->kernel = -1;
+			add_node(sp, L->orig[G->m[0]]);
+			st = cache_write_step(L, P, G, sp);
+			if (st == KL_OK)
+				st = symbolic_step(L, P, G, sp, cache_write_step);
+		} else if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION) {
 			sp->kind = KL_STEP_ATTENTION;
 			sp->kernel = -1;
 			add_attention_nodes(L, G->m[0], sp);

@@ -56,6 +56,7 @@ typedef struct kl_lctx {
 	uint8_t *mem;        /* scratch: membership in the group being built (1 home, 2 copy) */
 	int32_t *lvl;        /* scratch: reduction levels while building */
 	int32_t *bufof;      /* node -> buffer id, -1 (final build) */
+	int32_t *cw_base;    /* cache_write node -> the input buffer it writes in place, -1 */
 	uint8_t *stored;     /* home member whose value others need (final build) */
 	int32_t *order;      /* live groups in execution order */
 	int32_t norder;

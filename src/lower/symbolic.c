@@ -150,6 +150,17 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 		return;
 	}
 	case KL_CAT_COMPOSITE:
+		if (op == KL_OP_CACHE_WRITE) {
+			/* the result is the cache; values match it but for their rows
+			 * and positions, which may vary alone; one position a row */
+			int32_t c = x->in[0], p = x->in[1], v = x->in[2];
+			same(u, c, n);
+			for (int d = 1; d < x->ndim; d++)
+				if (d != x->a.axis)
+					join(u, v, d, c, d);
+			join(u, p, 0, v, 0);
+			return;
+		}
 		if (op == KL_OP_ATTENTION) {
 			int32_t q = x->in[0], k = x->in[1], v = x->in[2];
 			int r = x->ndim;

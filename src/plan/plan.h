@@ -42,8 +42,10 @@ typedef struct kl_buf {
 typedef enum kl_step_kind {
 	KL_STEP_KERNEL, /* generated kernel: fn(bufs, ints) */
 	KL_STEP_MATMUL, /* library matrix product (BLAS / cuBLASLt) */
-	KL_STEP_ATTENTION /* fused attention (CPU: backend/cpu/attention_cpu.c; CUDA:
-	                   * backend/cuda/attention_cuda.c) */
+	KL_STEP_ATTENTION, /* fused attention (CPU: backend/cpu/attention_cpu.c; CUDA:
+	                    * backend/cuda/attention_cuda.c) */
+	KL_STEP_CACHE_WRITE /* rows at run-time positions (CPU: backend/cpu/movement.c;
+	                     * CUDA: backend/cuda/cache_write_cuda.c) */
 } kl_step_kind;
 
 /* The activation a product's epilogue applies last. The numbering is part of
@@ -144,6 +146,19 @@ typedef struct kl_attn_step {
 	int32_t causal;
 } kl_attn_step;
 
+/* cache_write (graph/ops.def): out = cache with rows 0..rows-1 of val written
+ * at positions pos[i] .. pos[i] + s - 1 of the position dim. Every buffer is
+ * dense: cache and out [R, outer, cap, inner], val [rows, outer, s, inner],
+ * pos (i32/i64) [rows]. out == cache writes in place (cache may then be a
+ * graph input: the value the graph writes back into it); otherwise the step
+ * first copies cache into out. A position outside [0, cap - s] writes
+ * nothing for its row and fails the call. */
+typedef struct kl_cw_step {
+	int32_t cache, pos, val, out; /* buffer ids */
+	int64_t rows, R, outer, cap, s, inner;
+	int32_t axis; /* the position dim of the user's cache, for messages */
+} kl_cw_step;
+
 #define KL_STEP_MAX_NODES 64
 
 typedef struct kl_step {
@@ -161,6 +176,7 @@ typedef struct kl_step {
 	kl_symdim rowdims[KL_MAX_DIMS];
 	kl_matmul_step mm;   /* MATMUL */
 	kl_attn_step at;     /* ATTENTION */
+	kl_cw_step cw;       /* CACHE_WRITE */
 	/* buffers this step reads and writes (for liveness and explain) */
 	int32_t reads[KL_NODE_MAX_IN * 2];
 	int32_t nreads;
@@ -228,6 +244,9 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 /* Parse and validate; out's source is NULL. */
 kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out, char *err,
                                   size_t errcap);
+/* The largest element index operand which (0 cache, 1 pos, 2 val, 3 out)
+ * of a cache write reaches; -1 when empty, -2 when it overflows. */
+int64_t kl__cw_extent(const kl_cw_step *c, int which);
 /* The largest element index operand which (0 a, 1 b, 2 c) of a product
  * reaches; -1 when empty, -2 when it overflows. */
 int64_t kl__mm_extent(const kl_matmul_step *mm, int which);

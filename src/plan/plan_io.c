@@ -31,7 +31,7 @@ void kl__program_free(kl_program *p)
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);
  * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
  * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf) */
-#define PROG_FORMAT 6u
+#define PROG_FORMAT 7u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -144,10 +144,25 @@ int64_t kl__attn_extent(const kl_attn_step *a, int which)
 	}
 }
 
+int64_t kl__cw_extent(const kl_cw_step *c, int which)
+{
+	int64_t n = 1;
+	int64_t dims[4] = {which == 0 || which == 3 ? c->R : c->rows,
+	                   which == 1 ? 1 : c->outer,
+	                   which == 1 ? 1 : which == 2 ? c->s : c->cap,
+	                   which == 1 ? 1 : c->inner};
+	for (int i = 0; i < 4; i++) {
+		if (dims[i] < 0 || __builtin_mul_overflow(n, dims[i], &n))
+			return -2;
+	}
+	return n - 1; /* -1: empty */
+}
+
 /* ---- symbolic step fields ---------------------------------------------------- */
 
 #define MMF(f) offsetof(kl_step, mm.f)
 #define ATF(f) offsetof(kl_step, at.f)
+#define CWF(f) offsetof(kl_step, cw.f)
 #define EACH8(F, f) F(f[0]), F(f[1]), F(f[2]), F(f[3]), F(f[4]), F(f[5]), F(f[6]), F(f[7])
 static const size_t step_fields[] = {
         MMF(m),        MMF(n),          MMF(k),          MMF(a_off),       MMF(b_off),
@@ -158,7 +173,7 @@ static const size_t step_fields[] = {
         ATF(q_off),    ATF(k_off),      ATF(v_off),      ATF(q_rs),        ATF(q_cs),
         ATF(k_rs),     ATF(k_cs),       ATF(v_rs),       ATF(v_cs),        ATF(o_rs),
         EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
-        EACH8(ATF, o_bs)};
+        EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner)};
 #define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
 
 int kl__step_nfields(void)
@@ -241,6 +256,22 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 					                     "step %d: attention operand %c reaches outside its "
 					                     "buffer at these sizes",
 					                     (int)s, "qkvo"[w]);
+		} else if (sp->kind == KL_STEP_CACHE_WRITE) {
+			const kl_cw_step *c = &sp->cw;
+			int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
+			for (int w = 0; w < 4; w++)
+				if (!fits(p, ids[w], kl__cw_extent(c, w), syms))
+					return kl__plan_fail(err, cap,
+					                     "step %d: cache write operand %s reaches outside "
+					                     "its buffer at these sizes",
+					                     (int)s, (const char *[]){"cache", "pos", "val",
+					                                              "out"}[w]);
+			if (c->rows > c->R || c->s > c->cap)
+				return kl__plan_fail(err, cap,
+				                     "step %d: cache write of %lld rows of %lld positions "
+				                     "into a cache of %lld rows of %lld",
+				                     (int)s, (long long)c->rows, (long long)c->s,
+				                     (long long)c->R, (long long)c->cap);
 		}
 	}
 	return KL_OK;
@@ -326,6 +357,41 @@ static kl_status check_matmul(const kl_program *p, int32_t s, char *err, size_t 
 static bool float_dt(kl_dtype dt)
 {
 	return dt == KL_F32 || dt == KL_F64 || dt == KL_F16 || dt == KL_BF16;
+}
+
+static kl_status check_cache_write(const kl_program *p, int32_t s, char *err, size_t cap)
+{
+	const kl_step *sp = &p->steps[s];
+	const kl_cw_step *c = &sp->cw;
+	int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
+	for (int i = 0; i < 4; i++)
+		if (ids[i] < 0 || ids[i] >= p->nbufs)
+			return kl__plan_fail(err, cap, "step %d: cache write operand %d out of range", s,
+			                     ids[i]);
+	kl_dtype dt = p->bufs[c->out].dtype, pdt = p->bufs[c->pos].dtype;
+	if (p->bufs[c->cache].dtype != dt || p->bufs[c->val].dtype != dt ||
+	    (pdt != KL_I32 && pdt != KL_I64))
+		return kl__plan_fail(err, cap, "step %d: cache write dtypes do not match", s);
+	const kl_buf *o = &p->bufs[c->out];
+	if ((o->role == KL_BUF_INPUT && c->out != c->cache) ||
+	    (o->role == KL_BUF_OUTPUT && o->alias >= 0 && o->alias != c->cache))
+		return kl__plan_fail(err, cap, "step %d: cache write into an input or view other "
+		                     "than its cache", s);
+	if (c->rows < 0 || c->R < 0 || c->outer < 0 || c->cap < 0 || c->s < 0 || c->inner < 0 ||
+	    c->rows > c->R || c->s > c->cap || c->axis < 1 || c->axis >= KL_MAX_DIMS)
+		return kl__plan_fail(err, cap, "step %d: cache write sizes out of range", s);
+	if (!in_ids(sp->writes, sp->nwrites, c->out) || !in_ids(sp->reads, sp->nreads, c->pos) ||
+	    !in_ids(sp->reads, sp->nreads, c->val) ||
+	    (c->out != c->cache && !in_ids(sp->reads, sp->nreads, c->cache)))
+		return kl__plan_fail(err, cap, "step %d: cache write operands not among its reads "
+		                     "and writes", s);
+	for (int i = 0; i < 4; i++) {
+		int64_t n = buf_numel(&p->bufs[ids[i]]), ext = kl__cw_extent(c, i);
+		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
+			return kl__plan_fail(err, cap, "step %d: cache write operand %d reaches element "
+			                     "%lld of %lld", s, i, (long long)ext, (long long)n);
+	}
+	return KL_OK;
 }
 
 static kl_status check_attention(const kl_program *p, int32_t s, char *err, size_t cap)
@@ -472,7 +538,9 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 				          "step %d reads temp buffer %d before any step writes it",
 				          s, b);
 			else if (i >= sp->nreads &&
-			         (p->bufs[b].role == KL_BUF_INPUT || p->bufs[b].alias >= 0))
+			         (p->bufs[b].role == KL_BUF_INPUT || p->bufs[b].alias >= 0) &&
+			         !(sp->kind == KL_STEP_CACHE_WRITE && b == sp->cw.out &&
+			           b == sp->cw.cache)) /* in place: checked below */
 				st = kl__plan_fail(err, cap, "step %d writes input or view buffer %d", s, b);
 		}
 		for (int i = 0; i < sp->nwrites && st == KL_OK; i++)
@@ -509,6 +577,10 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			st = check_attention(p, s, err, cap);
 			if (st == KL_OK)
 				written[sp->at.o] = true;
+		} else if (sp->kind == KL_STEP_CACHE_WRITE) {
+			st = check_cache_write(p, s, err, cap);
+			if (st == KL_OK)
+				written[sp->cw.out] = true;
 		} else
 			st = kl__plan_fail(err, cap, "step %d: unknown kind %d", s, (int)sp->kind);
 	}
@@ -675,6 +747,15 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 			w_f64(&w, a->scale);
 			w_i32(&w, a->causal);
 		}
+		if (sp->kind == KL_STEP_CACHE_WRITE) {
+			const kl_cw_step *c = &sp->cw;
+			int32_t ids[5] = {c->cache, c->pos, c->val, c->out, c->axis};
+			for (int i = 0; i < 5; i++)
+				w_i32(&w, ids[i]);
+			int64_t dims[6] = {c->rows, c->R, c->outer, c->cap, c->s, c->inner};
+			for (int i = 0; i < 6; i++)
+				w_i64(&w, dims[i]);
+		}
 		w_i32(&w, sp->nreads);
 		for (int i = 0; i < sp->nreads && i < KL_NODE_MAX_IN * 2; i++)
 			w_i32(&w, sp->reads[i]);
@@ -836,6 +917,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            : version < 4 ? " (written before row grids)"
 		            : version < 5 ? " (written before row kernels' waves)"
 		            : version < 6 ? " (written before symbolic library steps)"
+		            : version < 7 ? " (written before cache writes)"
 		                          : "");
 	kl_program p = {0};
 	bool null;
@@ -936,6 +1018,15 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 			}
 			a->scale = r_f64(&r);
 			a->causal = r_i32(&r);
+		}
+		if (sp->kind == KL_STEP_CACHE_WRITE) {
+			kl_cw_step *c = &sp->cw;
+			int32_t *ids[5] = {&c->cache, &c->pos, &c->val, &c->out, &c->axis};
+			for (int i = 0; i < 5; i++)
+				*ids[i] = r_i32(&r);
+			int64_t *dims[6] = {&c->rows, &c->R, &c->outer, &c->cap, &c->s, &c->inner};
+			for (int i = 0; i < 6; i++)
+				*dims[i] = r_i64(&r);
 		}
 		sp->nreads = r_count(&r, KL_NODE_MAX_IN * 2, 4);
 		for (int i = 0; i < sp->nreads; i++)

@@ -137,6 +137,9 @@ kl_status kl__cuda_rt_time_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
                                  const int64_t *syms, double *us);
 /* Whether the last run replayed a captured graph. */
 bool kl__cuda_rt_replaying(const kl_compiled *c);
+/* CUDA graphs captured for c so far and the milliseconds their captures
+ * took (0 without CUDA graphs). */
+long kl__cuda_rt_captures(const kl_compiled *c, double *ms);
 void kl__cuda_rt_free(kl_compiled *c);
 /* What the runtime lends a CUDA context (api/context.c passes it to
  * kl__cuda_ctx_init): its disk cache, and eager execution of nodes through

@@ -165,6 +165,22 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		               ? KL_OK
 		               : kl__err(ctx, KL_ENOMEM,
 		                         "kl_fn_call: out of memory for attention tiles");
+	if (sp->kind == KL_STEP_CACHE_WRITE) {
+		const kl_cw_step *w = &sp->cw;
+		kl_cw_geom g = {.rows = w->rows, .R = w->R, .outer = w->outer, .cap = w->cap,
+		                .s = w->s, .inner = w->inner};
+		size_t es = kl_dtype_size(p->bufs[w->out].dtype);
+		if (B[w->out] != B[w->cache])
+			memcpy(B[w->out], B[w->cache], (size_t)(w->R * w->outer * w->cap * w->inner) * es);
+		int64_t bad = kl__cpu_cache_rows(&g, es, p->bufs[w->pos].dtype, B[w->out], B[w->pos],
+		                                 B[w->val]);
+		if (bad < 0)
+			return KL_OK;
+		const void *pp = B[w->pos];
+		int64_t at = p->bufs[w->pos].dtype == KL_I32 ? ((const int32_t *)pp)[bad]
+		                                             : ((const int64_t *)pp)[bad];
+		return kl__cache_write_range_err(ctx, &g, w->axis, bad, at);
+	}
 	return kl__cpu_matmul_step(ctx, &sp->mm, p->bufs, (void *const *)B, &c->scratch,
 	                           &c->scratch_cap);
 }
@@ -318,8 +334,9 @@ static const char *step_label(const kl_program *p, const kl_step *sp, char *buf,
 {
 	snprintf(buf, cap, "%s %s",
 	         sp->kind == KL_STEP_KERNEL      ? p->kernel_names[sp->kernel]
-	         : sp->kind == KL_STEP_ATTENTION ? "attn"
-	                                         : "blas",
+	         : sp->kind == KL_STEP_ATTENTION   ? "attn"
+	         : sp->kind == KL_STEP_CACHE_WRITE ? "cache"
+	                                           : "blas",
 	         sp->what[0] ? sp->what : (sp->kind == KL_STEP_KERNEL ? "kernel" : "matmul"));
 	return buf;
 }

@@ -184,6 +184,20 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 				st = kl__plan_fail(err, cap, "step %d: a row grid of %lld rows over buffers of "
 				         "at most %lld elements", (int)s, (long long)rows,
 				         (long long)most);
+		} else if (sp->kind == KL_STEP_CACHE_WRITE) {
+			/* a cache write reads (and in place writes) inputs as dense */
+			int32_t ids[4] = {sp->cw.cache, sp->cw.pos, sp->cw.val, sp->cw.out};
+			for (int w = 0; w < 4 && st == KL_OK; w++) {
+				if (p->bufs[ids[w]].role != KL_BUF_INPUT)
+					continue;
+				int64_t ext = kl__cw_extent(&sp->cw, w);
+				int64_t reach = reach_of(g, &p->bufs[ids[w]], shapes[ids[w]]);
+				if (ext > reach)
+					st = kl__plan_fail(err, cap,
+					         "step %d: cache write operand %d reaches element %lld of "
+					         "input %d, which ends at %lld", (int)s, w, (long long)ext,
+					         (int)p->bufs[ids[w]].index, (long long)reach);
+			}
 		} else if (sp->kind != KL_STEP_KERNEL) {
 			/* library calls read an input through its traced strides:
 			 * a product's a, b, residual and bias (kl__mm_extent's 0, 1,

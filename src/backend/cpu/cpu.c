@@ -178,6 +178,8 @@ static kl_status cpu_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, k
 			return kl__cpu_sdpa(ctx, n, in, out);
 		if (n->op == KL_OP_INDEX_ADD)
 			return kl__cpu_index_add(ctx, n, in, out);
+		if (n->op == KL_OP_CACHE_WRITE)
+			return kl__cpu_cache_write(ctx, n, in, out);
 		return kl__cpu_rows(ctx, n, in, out);
 	case KL_CAT_SOURCE:
 		if (n->op == KL_OP_INPUT)

@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "core/sat.h"
 #include "graph/graph.h"
+#include "graph/optable.h"
 #include "plan/plan.h"
 
 extern const kl_backend kl__cpu_backend;
@@ -156,6 +157,19 @@ kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in
 kl_status kl__cpu_concat(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 /* out[i, ...] = table[idx[i], ...]; an index out of range is an error naming it */
 kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* cache_write (graph/ops.def) over dense buffers: values' rows into the
+ * cache at their positions (pdt i32/i64). Checks every position before it
+ * writes; returns -1, or the first row whose position is out of range
+ * (nothing written). */
+int64_t kl__cpu_cache_rows(const kl_cw_geom *g, size_t es, kl_dtype pdt, void *cache,
+                           const void *pos, const void *val);
+/* The error of a position out of range, naming kl_cache_write, the row,
+ * the position and the limit. */
+kl_status kl__cache_write_range_err(kl_ctx *ctx, const kl_cw_geom *g, int axis, int64_t row,
+                                    int64_t pos);
+/* eager cache_write: out is in[0] (in place) or a new tensor */
+kl_status kl__cpu_cache_write(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                              kl_tensor *out);
 kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                             kl_tensor *out);
 kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);

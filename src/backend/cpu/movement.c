@@ -373,3 +373,69 @@ kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	free(acc);
 	return KL_OK;
 }
+
+/* ---- cache_write ----------------------------------------------------------------- */
+
+static int64_t cw_pos(const void *pos, kl_dtype pdt, int64_t i)
+{
+	return pdt == KL_I32 ? ((const int32_t *)pos)[i] : ((const int64_t *)pos)[i];
+}
+
+int64_t kl__cpu_cache_rows(const kl_cw_geom *g, size_t es, kl_dtype pdt, void *cache,
+                           const void *pos, const void *val)
+{
+	/* every position first: a call that fails writes nothing */
+	for (int64_t i = 0; i < g->rows; i++) {
+		int64_t p = cw_pos(pos, pdt, i);
+		if (p < 0 || p > g->cap - g->s)
+			return i;
+	}
+	size_t run = (size_t)(g->s * g->inner) * es; /* one row's s positions: contiguous */
+	if (run == 0)
+		return -1;
+#pragma omp parallel for collapse(2) if (g->rows * g->outer > 64)
+	for (int64_t i = 0; i < g->rows; i++)
+		for (int64_t a = 0; a < g->outer; a++) {
+			int64_t p = cw_pos(pos, pdt, i);
+			memcpy((char *)cache + (size_t)(((i * g->outer + a) * g->cap + p) * g->inner) * es,
+			       (const char *)val + (size_t)((i * g->outer + a) * g->s * g->inner) * es, run);
+		}
+	return -1;
+}
+
+kl_status kl__cache_write_range_err(kl_ctx *ctx, const kl_cw_geom *g, int axis, int64_t row,
+                                    int64_t pos)
+{
+	return kl__err(ctx, KL_EINVAL, "kl_cache_write: row %lld writes %lld position%s at %lld, "
+	               "outside the cache: positions along dim %d must lie in [0, %lld] (capacity "
+	               "%lld)", (long long)row, (long long)g->s, g->s == 1 ? "" : "s",
+	               (long long)pos, axis, (long long)(g->cap - g->s), (long long)g->cap);
+}
+
+/* eager: every operand dense (the front end makes them so); out is the
+ * cache itself (kl_cache_write) or a new tensor (kl_cache_update) */
+kl_status kl__cpu_cache_write(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                              kl_tensor *out)
+{
+	kl_cw_geom g;
+	char why[400];
+	for (int i = 0; i < 3; i++)
+		if (!kl__strides_contiguous(in[i]->ndim, in[i]->shape, in[i]->strides))
+			return kl__err(ctx, KL_EINVAL, "kl_cache_write: operand %d is not dense", i);
+	if (!kl__cache_write_geom(n->a.axis, in[0]->ndim, in[0]->shape, in[1]->ndim, in[1]->shape,
+	                          in[2]->ndim, in[2]->shape, &g, why, sizeof why) ||
+	    in[2]->dtype != out->dtype || in[0]->dtype != out->dtype)
+		return kl__err(ctx, KL_EINVAL, "kl_cache_write: %s", why);
+	size_t es = kl_dtype_size(out->dtype);
+	void *o = kl__tensor_data(out);
+	const void *pos = kl__tensor_data(in[1]);
+	for (int64_t i = 0; i < g.rows; i++) {
+		int64_t p = cw_pos(pos, in[1]->dtype, i);
+		if (p < 0 || p > g.cap - g.s)
+			return kl__cache_write_range_err(ctx, &g, n->a.axis, i, p);
+	}
+	if (o != kl__tensor_data(in[0]))
+		memcpy(o, kl__tensor_data(in[0]), (size_t)kl__numel(out->ndim, out->shape) * es);
+	kl__cpu_cache_rows(&g, es, in[1]->dtype, o, pos, kl__tensor_data(in[2]));
+	return KL_OK;
+}

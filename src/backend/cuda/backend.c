@@ -141,6 +141,8 @@ static kl_status cuda_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, 
 				kl__tensor_discard(dense[i]);
 		return st;
 	}
+	if (n->op == KL_OP_CACHE_WRITE)
+		return kl__cuda_cache_write_eager(ctx, n, in, out);
 	return exec_generated(ctx, n, in, out);
 }
 

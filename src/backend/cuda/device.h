@@ -9,6 +9,7 @@
 #include "backend/cuda/backend.h"
 #include "backend/cuda/loader.h"
 #include "backend/cuda/pool.h"
+#include "graph/optable.h"
 #include "plan/plan.h"
 
 /* ---- errors ------------------------------------------------------------------ */
@@ -57,6 +58,7 @@ typedef struct kl_cuda_dev {
 	void *eager; /* hooks.exec_generated's state (runtime/cuda/eager_cuda.c) */
 	struct kl_cuda_attn *attn;    /* attention_cuda.c: compiled attention kernels, workspace */
 	struct kl_cuda_optim *optim;  /* optim_cuda.c: the fused optimizer's modules, table */
+	struct kl_cuda_cw *cw;        /* cache_write_cuda.c: its kernel, the error word */
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -180,6 +182,24 @@ char *kl__cuda_optim_source(kl_dtype dt);
  * first chunk of `chunk` elements; returns the chunks of all of them. */
 int64_t kl__optim_table(const kl_optim_launch *l, int64_t chunk, void *out);
 size_t kl__optim_table_entry(void);
+
+/* ---- cache writes (cache_write_cuda.c) ----------------------------------------------- */
+
+/* A KL_STEP_CACHE_WRITE on the stream: cache copied into out first unless
+ * they are one buffer, then the rows (capturable: a copy and one launch). */
+kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c,
+                                    kl_dtype dt, kl_dtype pdt, CUdeviceptr cache,
+                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out);
+/* After the stream ran cache writes: a position out of range is KL_EINVAL
+ * naming the row, the position and the limit (c gives the sizes). Waits
+ * for the stream. */
+kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c);
+/* eager cache_write (dense operands; out is in[0] or a new tensor) */
+kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                                     kl_tensor *out);
+void kl__cuda_cache_write_release(kl_cuda_dev *d);
+/* the kernel's source (malloc'd; NULL when out of memory) */
+char *kl__cuda_cache_write_source(void);
 
 /* ---- cuBLASLt -------------------------------------------------------------------- */
 

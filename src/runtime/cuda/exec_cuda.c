@@ -418,6 +418,16 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			        rt->has_algo[s] && !c->dynamic ? &rt->algo[s] : NULL);
 			continue;
 		}
+		if (sp->kind == KL_STEP_CACHE_WRITE) {
+			const kl_cw_step *cw = &sp->cw;
+			st = kl__cuda_cache_write_step(ctx, rt->dev, cw, p->bufs[cw->out].dtype,
+			                               p->bufs[cw->pos].dtype,
+			                               (CUdeviceptr)(uintptr_t)B[cw->cache],
+			                               (CUdeviceptr)(uintptr_t)B[cw->pos],
+			                               (CUdeviceptr)(uintptr_t)B[cw->val],
+			                               (CUdeviceptr)(uintptr_t)B[cw->out]);
+			continue;
+		}
 		if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *at = &sp->at;
 			st = kl__cuda_attention_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
@@ -515,6 +525,18 @@ static size_t stage_bytes(const kl_compiled *c, const kl_buf *bf, const int64_t 
 	return 0;
 }
 
+/* Does a cache write write input buffer b in place? Such a buffer is never
+ * staged (the write must land in the program's tensor): the graph holds its
+ * address, and is captured again when it moves. */
+static bool written_in_place(const kl_program *p, int32_t b)
+{
+	for (int32_t s = 0; s < p->nsteps; s++)
+		if (p->steps[s].kind == KL_STEP_CACHE_WRITE && p->steps[s].cw.out == b &&
+		    p->steps[s].cw.cache == b)
+			return true;
+	return false;
+}
+
 static const char *buf_what(const kl_buf *bf, char *buf, size_t cap)
 {
 	if (bf->role == KL_BUF_TEMP)
@@ -543,7 +565,8 @@ static kl_status classify(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 		bool view = bf->role == KL_BUF_OUTPUT && bf->alias >= 0;
 		if (n == 0 && !view)
 			continue; /* empty: no node reads its address */
-		if (n > 0 && (rt->must_stage[b] || rt->warm[b] != B[b]))
+		if (n > 0 && (rt->must_stage[b] || rt->warm[b] != B[b]) &&
+		    !written_in_place(p, b))
 			rt->how[b] = KL_GB_STAGED;
 		else
 			rt->how[b] = KL_GB_PINNED;
@@ -644,15 +667,17 @@ static void log_capture(kl_ctx *ctx, kl_compiled *c)
 	size_t nodes = 0;
 	kl__cu.cuGraphGetNodes(rt->graph.graph, NULL, &nodes);
 	kl__log(ctx, KL_LOG_CUDAGRAPHS,
-	        "captured %d steps into one graph (capture #%llu of this variant): %zu nodes, "
-	        "%d kernels, %d library calls, %d copies%s",
-	        (int)c->prog.nsteps, (unsigned long long)rt->captures, nodes, nk, nm, ncp, list);
+	        "captured %d steps into one graph (capture #%llu of this variant, %.3f ms of "
+	        "capture so far): %zu nodes, %d kernels, %d library calls, %d copies%s",
+	        (int)c->prog.nsteps, (unsigned long long)rt->captures, rt->capture_ms, nodes, nk,
+	        nm, ncp, list);
 }
 
 static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
+	double t0 = kl__now_ms();
 	kl_status st = classify(ctx, c, B, syms);
 	if (st != KL_OK)
 		return st;
@@ -683,9 +708,17 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	for (int32_t b = 0; b < p->nbufs; b++)
 		rt->bound[b] = B[b];
 	rt->captures++;
+	rt->capture_ms += kl__now_ms() - t0;
 	atomic_fetch_add(&n_captures, 1);
 	log_capture(ctx, c);
 	return KL_OK;
+}
+
+long kl__cuda_rt_captures(const kl_compiled *c, double *ms)
+{
+	const kl_cuda_rt *rt = c->cuda ? c->dev : NULL;
+	*ms = rt ? rt->capture_ms : 0;
+	return rt ? (long)rt->captures : 0;
 }
 
 static bool step_uses(const kl_step *sp, int32_t b)
@@ -719,6 +752,13 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 			continue;
 		char what[64];
 		buf_what(&p->bufs[b], what, sizeof what);
+		if (written_in_place(p, b)) {
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "re-capture: %s moved (%p -> %p) and a cache write writes it in place",
+			        what, rt->bound[b], B[b]);
+			*v = R_RECAPTURE;
+			continue;
+		}
 		if (stage_bytes(c, &p->bufs[b], syms) == 0) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS,
 			        "skip: %s moved (%p -> %p) and a matmul step holds its address; it "
@@ -804,6 +844,9 @@ static void log_replay(kl_ctx *ctx, kl_compiled *c, int nk, int ncp)
 	        (unsigned long long)r, (int)c->prog.nsteps, nk, ncp);
 }
 
+static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                    const int64_t *syms);
+
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
@@ -822,6 +865,22 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 			memset(rt->has_algo, 0, sizeof *rt->has_algo * (size_t)(ns > 0 ? ns : 1));
 		}
 	}
+	st = run_graph_or_steps(ctx, c, B, syms);
+	/* cache writes report a position out of range when the call ends */
+	for (int32_t s = 0; st == KL_OK && s < ns; s++)
+		if (c->prog.steps[s].kind == KL_STEP_CACHE_WRITE) {
+			st = kl__cuda_cache_write_check(ctx, rt->dev, &c->prog.steps[s].cw);
+			break;
+		}
+	return st;
+}
+
+static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
+                                    const int64_t *syms)
+{
+	kl_cuda_rt *rt = c->dev;
+	const int32_t ns = c->prog.nsteps;
+	kl_status st = KL_OK;
 	if (!graph_mode(c) || rt->gs == KL_G_OFF)
 		return launch_steps(ctx, c, B, syms, 0, ns);
 	if (c->dynamic) {

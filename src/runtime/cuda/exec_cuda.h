@@ -64,6 +64,7 @@ typedef struct kl_cuda_rt {
 	void **sb;              /* per buffer, scratch: the addresses the graph uses */
 	/* counters of this variant */
 	uint64_t captures, replays, kernel_updates, copy_updates;
+	double capture_ms; /* the captures' time, all of them */
 } kl_cuda_rt;
 
 /* Steps [s0, s1) on the stream with the variant's launch choices. */

@@ -1,0 +1,197 @@
+/* cache_write_cuda.c - cache writes on CUDA (graph/ops.def's cache_write,
+ * the plan's KL_STEP_CACHE_WRITE): rows of values copied into a cache at
+ * positions read from device memory, so a compiled decode step (and its
+ * CUDA graph) writes only the new rows, whatever the positions.
+ *
+ * One fixed kernel (kl__cuda_cache_write_source), compiled once through
+ * NVRTC and the disk cache like the optimizer's. It copies elements by their
+ * size (the dtype does not matter), one thread an element. A row whose
+ * position lies outside [0, cap - s] writes nothing: its first thread
+ * records the row and the position in a device error word, which
+ * kl__cuda_cache_write_check reads when the call ends (and clears).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "backend/cuda/device.h"
+
+#define CW_THREADS 256
+
+typedef struct kl_cuda_cw {
+	kl_cuda_module *mod;
+	CUfunction fn;
+	CUdeviceptr err; /* [0]: the first bad row + 1 (0: none), [1]: its position */
+} kl_cuda_cw;
+
+static const char cw_body[] =
+        "template <typename E>\n"
+        "__device__ __forceinline__ void kl_cw_copy(char *out, const char *val, long long d,\n"
+        "                                           long long e)\n"
+        "{ ((E *)out)[d] = ((const E *)val)[e]; }\n"
+        "extern \"C\" __global__ void __launch_bounds__(256)\n"
+        "kl_cache_write(char *out, const char *val, const void *pos, int pos64,\n"
+        "               long long rows, long long outer, long long cap, long long s,\n"
+        "               long long inner, int es, unsigned long long *err)\n"
+        "{\n"
+        "\tlong long n = rows * outer * s * inner;\n"
+        "\tfor (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;\n"
+        "\t     e += (long long)gridDim.x * blockDim.x) {\n"
+        "\t\tlong long k = e % inner, t = e / inner;\n"
+        "\t\tlong long j = t % s;\n"
+        "\t\tt /= s;\n"
+        "\t\tlong long a = t % outer, i = t / outer;\n"
+        "\t\tlong long p = pos64 ? ((const long long *)pos)[i] : (long long)((const int *)pos)[i];\n"
+        "\t\tif (p < 0 || p > cap - s) {\n"
+        "\t\t\tif (a == 0 && j == 0 && k == 0 &&\n"
+        "\t\t\t    atomicCAS(err, 0ull, (unsigned long long)(i + 1)) == 0ull)\n"
+        "\t\t\t\terr[1] = (unsigned long long)p;\n"
+        "\t\t\tcontinue;\n"
+        "\t\t}\n"
+        "\t\tlong long d = ((i * outer + a) * cap + p + j) * inner + k;\n"
+        "\t\tswitch (es) {\n"
+        "\t\tcase 1: kl_cw_copy<unsigned char>(out, val, d, e); break;\n"
+        "\t\tcase 2: kl_cw_copy<unsigned short>(out, val, d, e); break;\n"
+        "\t\tcase 4: kl_cw_copy<unsigned int>(out, val, d, e); break;\n"
+        "\t\tdefault: kl_cw_copy<unsigned long long>(out, val, d, e); break;\n"
+        "\t\t}\n"
+        "\t}\n"
+        "}\n";
+
+char *kl__cuda_cache_write_source(void)
+{
+	kl_sb sb = {0};
+	kl__sb_printf(&sb, "#include \"%s\"\n%s", KL_CUDA_PRELUDE_NAME, cw_body);
+	if (sb.oom) {
+		kl__sb_free(&sb);
+		return NULL;
+	}
+	return sb.s;
+}
+
+void kl__cuda_cache_write_release(kl_cuda_dev *d)
+{
+	kl_cuda_cw *W = d->cw;
+	if (!W)
+		return;
+	kl__cuda_module_free(W->mod);
+	if (W->err)
+		kl__cuda_free(NULL, d, W->err);
+	free(W);
+	d->cw = NULL;
+}
+
+static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_cw **out)
+{
+	if (!d->cw && !(d->cw = calloc(1, sizeof *d->cw)))
+		return kl__err(ctx, KL_ENOMEM, "kl_cache_write: out of memory");
+	kl_cuda_cw *W = d->cw;
+	if (!W->err) {
+		kl_status st = kl__cuda_malloc(ctx, d, 2 * sizeof(uint64_t), &W->err);
+		if (st == KL_OK)
+			st = kl__cuda_memset(ctx, d, W->err, 0, 2 * sizeof(uint64_t));
+		if (st != KL_OK)
+			return st;
+	}
+	if (!W->mod) {
+		char *src = kl__cuda_cache_write_source();
+		if (!src)
+			return kl__err(ctx, KL_ENOMEM, "kl_cache_write: out of memory");
+		kl_cuda_module *m = NULL;
+		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_cache_write.cu", false, &m);
+		free(src);
+		if (st == KL_OK)
+			st = kl__cuda_module_fn(ctx, m, "kl_cache_write", &W->fn);
+		if (st != KL_OK) {
+			kl__cuda_module_free(m);
+			return st;
+		}
+		W->mod = m;
+	}
+	*out = W;
+	return KL_OK;
+}
+
+kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c,
+                                    kl_dtype dt, kl_dtype pdt, CUdeviceptr cache,
+                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out)
+{
+	kl_cuda_cw *W = NULL;
+	kl_status st = get_fn(ctx, d, &W);
+	if (st != KL_OK)
+		return st;
+	int es = (int)kl_dtype_size(dt);
+	if (out != cache)
+		st = kl__cuda_d2d(ctx, d, out, cache,
+		                  (size_t)(c->R * c->outer * c->cap * c->inner) * (size_t)es);
+	int64_t n = c->rows * c->outer * c->s * c->inner;
+	if (st != KL_OK || n == 0)
+		return st;
+	struct {
+		CUdeviceptr out, val, pos;
+		int pos64;
+		long long rows, outer, cap, s, inner;
+		int es;
+		CUdeviceptr err;
+	} args;
+	void *argv[] = {&args.out, &args.val, &args.pos, &args.pos64, &args.rows, &args.outer,
+	                &args.cap, &args.s,   &args.inner, &args.es,  &args.err};
+	args.out = out;
+	args.val = val;
+	args.pos = pos;
+	args.pos64 = pdt == KL_I64;
+	args.rows = c->rows;
+	args.outer = c->outer;
+	args.cap = c->cap;
+	args.s = c->s;
+	args.inner = c->inner;
+	args.es = es;
+	args.err = W->err;
+	int64_t blocks = (n + CW_THREADS - 1) / CW_THREADS, most = (int64_t)d->sm_count * 32;
+	if (most > 0 && blocks > most)
+		blocks = most;
+	unsigned grid[3] = {(unsigned)(blocks > 0 ? blocks : 1), 1, 1};
+	unsigned block[3] = {CW_THREADS, 1, 1};
+	return kl__cuda_launch(ctx, d, W->fn, grid, block, 0, argv, 0);
+}
+
+kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c)
+{
+	kl_cuda_cw *W = d->cw;
+	if (!W || !W->err)
+		return KL_OK;
+	uint64_t e[2] = {0, 0};
+	kl_status st = kl__cuda_d2h(ctx, d, e, W->err, sizeof e);
+	if (st != KL_OK || e[0] == 0)
+		return st;
+	st = kl__cuda_memset(ctx, d, W->err, 0, sizeof e);
+	if (st != KL_OK)
+		return st;
+	return kl__err(ctx, KL_EINVAL, "kl_cache_write: row %lld writes %lld position%s at %lld, "
+	               "outside the cache: positions along dim %d must lie in [0, %lld] (capacity "
+	               "%lld); the row was not written",
+	               (long long)(e[0] - 1), (long long)c->s, c->s == 1 ? "" : "s",
+	               (long long)(int64_t)e[1], c->axis, (long long)(c->cap - c->s),
+	               (long long)c->cap);
+}
+
+kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                                     kl_tensor *out)
+{
+	kl_cw_geom g;
+	char why[400];
+	for (int i = 0; i < 3; i++)
+		if (!kl__strides_contiguous(in[i]->ndim, in[i]->shape, in[i]->strides))
+			return kl__err(ctx, KL_EINVAL, "kl_cache_write: operand %d is not dense", i);
+	if (!kl__cache_write_geom(n->a.axis, in[0]->ndim, in[0]->shape, in[1]->ndim, in[1]->shape,
+	                          in[2]->ndim, in[2]->shape, &g, why, sizeof why))
+		return kl__err(ctx, KL_EINVAL, "kl_cache_write: %s", why);
+	kl_cw_step c = {.rows = g.rows, .R = g.R, .outer = g.outer, .cap = g.cap, .s = g.s,
+	                .inner = g.inner, .axis = n->a.axis};
+	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+	kl_status st = kl__cuda_cache_write_step(
+	        ctx, d, &c, out->dtype, in[1]->dtype, (CUdeviceptr)(uintptr_t)kl__tensor_data(in[0]),
+	        (CUdeviceptr)(uintptr_t)kl__tensor_data(in[1]),
+	        (CUdeviceptr)(uintptr_t)kl__tensor_data(in[2]),
+	        (CUdeviceptr)(uintptr_t)kl__tensor_data(out));
+	return st == KL_OK ? kl__cuda_cache_write_check(ctx, d, &c) : st;
+}

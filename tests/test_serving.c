@@ -1,0 +1,510 @@
+/* test_serving.c - state that lives on the device (issue 23): KV-cache
+ * writes at run-time positions (kl_cache_write in place, kl_cache_update)
+ * eagerly and inside compiled graphs, where the step writes only the new
+ * rows into the cache's own memory and one variant serves every position
+ * and batch size; attention over caches with a valid length per row
+ * (kl_sdpa_lengths); bad positions and lengths as clear errors that write
+ * nothing. Every result is compared with a float64 model computed here.
+ * Runs on CUDA device 0 with KILN_TEST_DEVICE=cuda (test_serving_cuda).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kltest.h"
+
+static kl_ctx *ctx;
+
+/* ---- a float64 model ---------------------------------------------------------------- */
+
+enum { R = 4, H = 2, T = 8, D = 3 };
+
+/* cache [R, H, T, D]: rows 0..n-1 of val [n, H, s, D] at pos[i] */
+static void model_write(double *cache, const double *val, const int64_t *pos, int n, int s)
+{
+	for (int i = 0; i < n; i++)
+		for (int h = 0; h < H; h++)
+			for (int j = 0; j < s; j++)
+				for (int d = 0; d < D; d++)
+					cache[((i * H + h) * T + pos[i] + j) * D + d] =
+					        val[((i * H + h) * s + j) * D + d];
+}
+
+/* o [R, H, tq, D] = attention of q [R, H, tq, D] over kc, vc with lengths */
+static void model_attn(double *o, const double *q, const double *kc, const double *vc,
+                       const int64_t *len, int tq, bool causal)
+{
+	double sc = 1.0 / sqrt((double)D);
+	for (int b = 0; b < R; b++)
+		for (int h = 0; h < H; h++)
+			for (int i = 0; i < tq; i++) {
+				double s[T], m = -INFINITY, z = 0;
+				int n = 0;
+				for (int j = 0; j < T; j++) {
+					bool ok = j < len[b] && (!causal || j <= i + len[b] - tq);
+					s[j] = -INFINITY;
+					if (!ok)
+						continue;
+					double acc = 0;
+					for (int d = 0; d < D; d++)
+						acc += q[((b * H + h) * tq + i) * D + d] *
+						       kc[((b * H + h) * T + j) * D + d];
+					s[j] = acc * sc;
+					m = s[j] > m ? s[j] : m;
+					n++;
+				}
+				for (int j = 0; j < T; j++)
+					z += isinf(s[j]) ? 0 : exp(s[j] - m);
+				for (int d = 0; d < D; d++) {
+					double acc = 0;
+					for (int j = 0; n && j < T; j++)
+						acc += isinf(s[j]) ? 0
+						                   : exp(s[j] - m) / z *
+						                             vc[((b * H + h) * T + j) * D + d];
+					o[((b * H + h) * tq + i) * D + d] = acc;
+				}
+			}
+}
+
+static kl_tensor *from(kl_dtype dt, int nd, const int64_t *sh, const double *v)
+{
+	kl_tensor *t = kltest_from_values(ctx, dt, nd, sh, v, KLTEST_CONTIG);
+	assert_non_null(t);
+	return t;
+}
+
+static kl_tensor *positions(const int64_t *p, int n)
+{
+	double v[R];
+	for (int i = 0; i < n; i++)
+		v[i] = (double)p[i];
+	return from(KL_I64, 1, (int64_t[]){n}, v);
+}
+
+static bool same_values(kl_tensor *t, const double *ref, int64_t n, const char *what)
+{
+	double *v = kltest_read(t);
+	assert_non_null(v);
+	bool ok = kltest_compare(what, kl_tensor_dtype(t), 1, (int64_t[]){n}, v, ref, 2);
+	free(v);
+	return ok;
+}
+
+static void fill(double *v, int64_t n, uint64_t *seed)
+{
+	for (int64_t i = 0; i < n; i++)
+		v[i] = kltest_uniform(seed) * 2 - 1;
+}
+
+/* ---- eager ----------------------------------------------------------------------- */
+
+static void test_cache_write_eager(void **state)
+{
+	(void)state;
+	uint64_t seed = 7;
+	double ref[R * H * T * D], val[R * H * 2 * D];
+	fill(ref, R * H * T * D, &seed);
+	fill(val, R * H * 2 * D, &seed);
+	kl_tensor *cache = from(KL_F32, 4, (int64_t[]){R, H, T, D}, ref);
+	kl_tensor *v = from(KL_F32, 4, (int64_t[]){3, H, 2, D}, val);
+	int64_t pos[3] = {0, 6, 3};
+	kl_tensor *p = positions(pos, 3);
+	/* the functional form leaves the cache alone */
+	double want[R * H * T * D];
+	memcpy(want, ref, sizeof want);
+	model_write(want, val, pos, 3, 2);
+	kl_tensor *copy = kl_cache_update(cache, 2, p, v);
+	assert_non_null(copy);
+	assert_true(same_values(copy, want, R * H * T * D, "kl_cache_update"));
+	assert_true(same_values(cache, ref, R * H * T * D, "cache after kl_cache_update"));
+	/* in place, axis counted from the end */
+	assert_int_equal(kl_cache_write(cache, -2, p, v), KL_OK);
+	assert_true(same_values(cache, want, R * H * T * D, "kl_cache_write"));
+	kl_release(copy);
+	kl_release(cache);
+	kl_release(v);
+	kl_release(p);
+}
+
+/* ---- compiled: a decode step over caches reached through user state ---------------- */
+
+typedef struct decode {
+	kl_tensor *kc, *vc;
+	bool read_old; /* also return the sum of the k cache before the write */
+} decode;
+
+/* in: q [R, H, 1, D], k and v [n, H, 1, D] (n <= R new tokens), pos [n],
+ * lengths [R]; out: attention [R, H, 1, D] (and the old k cache's sum) */
+static kl_status decode_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)nin;
+	decode *d = user;
+	if (d->read_old && !(out[1] = kl_sum(d->kc, 0, NULL, false)))
+		return kl_last_status(c);
+	kl_status st = kl_cache_write(d->kc, 2, in[3], in[1]);
+	if (st == KL_OK)
+		st = kl_cache_write(d->vc, 2, in[3], in[2]);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_sdpa_lengths(in[0], d->kc, d->vc, in[4], false, 0);
+	(void)nout;
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static char *explain_str(kl_fn *f)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *m = open_memstream(&buf, &len);
+	assert_non_null(m);
+	assert_int_equal(kl_explain(f, m), KL_OK);
+	fclose(m);
+	return buf;
+}
+
+static void run_decode(bool read_old)
+{
+	uint64_t seed = 11 + read_old;
+	double kc[R * H * T * D] = {0}, vc[R * H * T * D] = {0};
+	decode d = {.kc = from(KL_F32, 4, (int64_t[]){R, H, T, D}, kc),
+	            .vc = from(KL_F32, 4, (int64_t[]){R, H, T, D}, vc),
+	            .read_old = read_old};
+	/* the new tokens' rows and the positions are dynamic: one variant */
+	kl_fn *f = kl_compile(ctx, decode_body, &d, 5, read_old ? 2 : 1,
+	                      &(kl_compile_opts){.ndynamic_dims = 4,
+	                                         .dynamic_dims = (uint32_t[]){0, 1, 1, 1}});
+	assert_non_null(f);
+	int64_t len[R] = {0, 0, 0, 0};
+	/* each step: rows 0..n-1 get one token at their current length */
+	static const int ns[] = {4, 3, 4, 2, 4, 1, 3};
+	for (size_t step = 0; step < sizeof ns / sizeof ns[0]; step++) {
+		int n = ns[step];
+		double q[R * H * D], k[R * H * D], v[R * H * D], o[R * H * D];
+		fill(q, R * H * D, &seed);
+		fill(k, n * H * D, &seed);
+		fill(v, n * H * D, &seed);
+		double old = 0;
+		for (int i = 0; i < R * H * T * D; i++)
+			old += kc[i];
+		int64_t pos[R];
+		memcpy(pos, len, sizeof pos);
+		model_write(kc, k, pos, n, 1);
+		model_write(vc, v, pos, n, 1);
+		for (int i = 0; i < n; i++)
+			len[i]++;
+		model_attn(o, q, kc, vc, len, 1, false);
+		kl_tensor *in[5] = {from(KL_F32, 4, (int64_t[]){R, H, 1, D}, q),
+		                    from(KL_F32, 4, (int64_t[]){n, H, 1, D}, k),
+		                    from(KL_F32, 4, (int64_t[]){n, H, 1, D}, v), positions(pos, n),
+		                    positions(len, R)};
+		kl_tensor *out[2] = {NULL, NULL};
+		assert_int_equal(kl_fn_call(f, in, out), KL_OK);
+		char what[64];
+		snprintf(what, sizeof what, "decode step %zu (%d new rows)", step, n);
+		assert_true(same_values(out[0], o, R * H * D, what));
+		assert_true(same_values(d.kc, kc, R * H * T * D, "k cache"));
+		assert_true(same_values(d.vc, vc, R * H * T * D, "v cache"));
+		if (read_old)
+			assert_true(same_values(out[1], &old, 1, "the k cache before the write"));
+		for (int i = 0; i < 5; i++)
+			kl_release(in[i]);
+		kl_release(out[0]);
+		kl_release(out[1]);
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.compiles, 1); /* every position and row count: one variant */
+	char *ex = explain_str(f);
+	if (!strstr(ex, "cache write") || !strstr(ex, "in place"))
+		fail_msg("the cache writes are not steps written in place:\n%s", ex);
+	free(ex);
+	kl_fn_free(f);
+	kl_release(d.kc);
+	kl_release(d.vc);
+}
+
+static void test_cache_write_compiled(void **state)
+{
+	(void)state;
+	run_decode(false);
+}
+
+/* reading the cache before the write in the same graph sees the old values
+ * (the write waits for that read, or copies) */
+static void test_cache_write_reads_old(void **state)
+{
+	(void)state;
+	run_decode(true);
+}
+
+/* ---- bad input -------------------------------------------------------------------- */
+
+typedef struct one_write {
+	kl_tensor *cache;
+} one_write;
+
+static kl_status write_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                            int nout, void *user)
+{
+	(void)nin, (void)nout;
+	one_write *w = user;
+	kl_status st = kl_cache_write(w->cache, 1, in[0], in[1]);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_sum(w->cache, 0, NULL, false);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void expect_msg(const char *what, const char *a, const char *b, const char *c2)
+{
+	const char *e = kl_last_error(ctx);
+	if (!strstr(e, a) || !strstr(e, b) || !strstr(e, c2))
+		fail_msg("%s: the error \"%s\" does not name %s, %s and %s", what, e, a, b, c2);
+}
+
+static void test_cache_write_errors(void **state)
+{
+	(void)state;
+	double zero[3 * 5 * 2] = {0}, ones[2 * 2 * 2];
+	for (int i = 0; i < 8; i++)
+		ones[i] = 1;
+	one_write w = {.cache = from(KL_F32, 3, (int64_t[]){3, 5, 2}, zero)};
+	kl_tensor *v = from(KL_F32, 3, (int64_t[]){2, 2, 2}, ones);
+	/* positions past capacity (5 - 2 = 3 is the last start) and negative */
+	const int64_t bad[][2] = {{1, 4}, {-1, 0}};
+	kl_fn *f = kl_compile(ctx, write_body, &w, 2, 1, NULL);
+	assert_non_null(f);
+	for (int k = 0; k < 2; k++) {
+		kl_tensor *p = positions(bad[k], 2);
+		char at[32];
+		snprintf(at, sizeof at, "at %lld", (long long)bad[k][k ? 0 : 1]);
+		kl_clear_error(ctx);
+		assert_int_equal(kl_cache_write(w.cache, 1, p, v), KL_EINVAL);
+		expect_msg("eager", "kl_cache_write", at, "[0, 3]");
+		assert_true(same_values(w.cache, zero, 30, "cache after a refused write"));
+		kl_tensor *out = NULL;
+		kl_clear_error(ctx);
+		assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_EINVAL);
+		assert_null(out);
+		expect_msg("compiled", "kl_cache_write", at, "[0, 3]");
+		kl_release(p);
+	}
+	/* nothing was written by either refused call, on any row */
+	assert_true(same_values(w.cache, zero, 30, "cache after refused compiled writes"));
+	/* a good call through the same compiled function still works */
+	kl_tensor *p = positions((int64_t[]){3, 0}, 2), *out = NULL;
+	assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_OK);
+	double eight = 8;
+	assert_true(same_values(out, &eight, 1, "the sum after a good write"));
+	kl_release(out);
+	/* shapes, dtypes and the cache itself */
+	kl_tensor *pf = kl_cast(p, KL_F32), *wide = from(KL_F32, 3, (int64_t[]){2, 6, 2}, zero),
+	          *rows = from(KL_F32, 3, (int64_t[]){4, 1, 2}, zero);
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.cache, 1, pf, v), KL_EINVAL);
+	expect_msg("float positions", "kl_cache_write", "positions", "i32 or i64");
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.cache, 1, p, wide), KL_EINVAL);
+	expect_msg("too many positions", "kl_cache_write", "[3,5,2]", "[2,6,2]");
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.cache, 1, p, rows), KL_EINVAL);
+	expect_msg("too many rows", "kl_cache_write", "[4,1,2]", "do not fit");
+	kl_tensor *view = kl_slice(w.cache, 1, 0, 5, 2);
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(view, 1, p, v), KL_EINVAL);
+	expect_msg("strided cache", "kl_cache_write", "not dense", "[3,3,2]");
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.cache, 0, p, v), KL_EINVAL);
+	expect_msg("position dim 0", "kl_cache_write", "position dim 0", "row dim first");
+	kl_release(view);
+	kl_release(pf);
+	kl_release(wide);
+	kl_release(rows);
+	kl_release(p);
+	kl_release(v);
+	kl_fn_free(f);
+	kl_release(w.cache);
+}
+
+/* ---- attention over caches with lengths ------------------------------------------- */
+
+static kl_tensor *sdpa_len_apply(kl_tensor *const *in, const void *param)
+{
+	return kl_sdpa_lengths(in[0], in[1], in[2], in[3], param != NULL, 0);
+}
+
+static kl_status sdpa_len_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = sdpa_len_apply(in, user);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_sdpa_lengths(void **state)
+{
+	(void)state;
+	uint64_t seed = 21;
+	for (int causal = 0; causal < 2; causal++) {
+		int tq = causal ? 2 : 1;
+		double q[R * H * 2 * D], k[R * H * T * D], v[R * H * T * D], o[R * H * 2 * D];
+		fill(q, R * H * tq * D, &seed);
+		fill(k, R * H * T * D, &seed);
+		fill(v, R * H * T * D, &seed);
+		/* a row with no key (zeros), a full one, two partial ones */
+		int64_t len[R] = {causal ? 2 : 0, T, 3, 5};
+		model_attn(o, q, k, v, len, tq, causal);
+		kl_tensor *in[4] = {from(KL_F32, 4, (int64_t[]){R, H, tq, D}, q),
+		                    from(KL_F32, 4, (int64_t[]){R, H, T, D}, k),
+		                    from(KL_F32, 4, (int64_t[]){R, H, T, D}, v), positions(len, R)};
+		const void *param = causal ? "causal" : NULL;
+		kl_tensor *e = sdpa_len_apply(in, param);
+		assert_non_null(e);
+		assert_true(same_values(e, o, R * H * tq * D, "kl_sdpa_lengths eager"));
+		kl_fn *f = kl_compile(ctx, sdpa_len_body, (void *)param, 4, 1, NULL);
+		kl_tensor *out = NULL;
+		assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+		assert_true(same_values(out, o, R * H * tq * D, "kl_sdpa_lengths compiled"));
+		/* the op's own graph against the float64 reference interpreter */
+		assert_true(kltest_check_op(ctx, "kl_sdpa_lengths", sdpa_len_apply, 4, in, param, 4));
+		kl_release(out);
+		kl_release(e);
+		kl_fn_free(f);
+		/* a length the cache cannot hold */
+		int64_t over[R] = {1, T + 1, 2, 2};
+		kl_tensor *l2 = positions(over, R);
+		kl_tensor *in2[4] = {in[0], in[1], in[2], l2};
+		char want[64];
+		snprintf(want, sizeof want, "holds %d keys", T);
+		assert_true(KLTEST_EXPECT_ERROR(ctx, sdpa_len_apply(in2, param), "kl_sdpa_lengths",
+		                                "lengths[1] = 9", want));
+		kl_release(l2);
+		for (int i = 0; i < 4; i++)
+			kl_release(in[i]);
+	}
+}
+
+/* ---- shape buckets ------------------------------------------------------------------ */
+
+typedef struct mlp {
+	kl_tensor *w, *bias;
+} mlp;
+
+/* rows independent of each other: y = softmax(x W^T + b), s = colsum(x2); and
+ * the weight returned whole */
+static kl_status mlp_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	mlp *m = user;
+	out[0] = kl_softmax(kl_linear(in[0], m->w, m->bias), -1);
+	out[1] = kl_sum(in[1], 1, (int[]){0}, false); /* [b] */
+	out[2] = kl_mul_scalar(m->bias, 2);
+	return out[0] && out[1] && out[2] ? KL_OK : kl_last_status(c);
+}
+
+static void test_bucket_padding(void **state)
+{
+	(void)state;
+	kl_scope_begin(ctx);
+	mlp m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 3),
+	         kltest_rand(ctx, KL_F32, 1, (int64_t[]){5}, KLTEST_NORMAL, KLTEST_CONTIG, 4)};
+	kl_fn *f = kl_compile(ctx, mlp_body, &m, 2, 3,
+	                      &(kl_compile_opts){.nbuckets = 4,
+	                                         .buckets = (int64_t[]){1, 2, 4, 8},
+	                                         .bucket_in_dims = (int[]){0, 1},
+	                                         .bucket_out_dims = (int[]){0, 0, -1}});
+	assert_non_null(f);
+	long padded = 0;
+	/* traced first at 8 (a dim first traced at 1 would be specialised) */
+	for (int64_t b = 8; b >= 1; b--) {
+		kl_tensor *in[2] = {
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){b, 6}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    10 + (uint64_t)b),
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, b}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    20 + (uint64_t)b)};
+		kl_tensor *want[3], *got[3];
+		assert_int_equal(mlp_body(ctx, in, 2, want, 3, &m), KL_OK); /* eager, unpadded */
+		if (kl_fn_call(f, in, got) != KL_OK)
+			fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+		padded += b != 1 && b != 2 && b != 4 && b != 8;
+		for (int j = 0; j < 3; j++) {
+			assert_int_equal(kl_ndim(got[j]), kl_ndim(want[j]));
+			for (int d = 0; d < kl_ndim(got[j]); d++)
+				assert_int_equal(kl_shape(got[j])[d], kl_shape(want[j])[d]);
+			double *w = kltest_read(want[j]);
+			char what[64];
+			snprintf(what, sizeof what, "output %d at batch %lld", j, (long long)b);
+			assert_true(same_values(got[j], w, kl_numel(want[j]), what));
+			free(w);
+			kl_release(got[j]);
+		}
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.padded_calls, padded);
+	assert_int_equal(fs.compiles, 1);
+	char *ex = explain_str(f);
+	if (!strstr(ex, "buckets (batch padded up to the nearest): 4 sizes, 1..8"))
+		fail_msg("kl_explain does not state the buckets:\n%s", ex);
+	free(ex);
+	/* above the largest bucket; batches that disagree */
+	kl_tensor *big[2] = {kl_zeros(ctx, KL_F32, 2, (int64_t[]){9, 6}),
+	                     kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 9})};
+	kl_tensor *out[3];
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_call(f, big, out), KL_EINVAL);
+	expect_msg("over the buckets", "batch 9", "input 0 dim 0", "largest bucket 8");
+	kl_tensor *odd[2] = {big[0], kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 4})};
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_call(f, odd, out), KL_EINVAL);
+	expect_msg("batches differ", "batch dims differ", "input 0 dim 0 is 9", "input 1 dim 1 is 4");
+	kl_fn_free(f);
+	/* the default list, and bad options */
+	f = kl_compile(ctx, mlp_body, &m, 2, 3,
+	               &(kl_compile_opts){.nbuckets = KL_BUCKETS_DEFAULT,
+	                                  .bucket_in_dims = (int[]){0, 1},
+	                                  .bucket_out_dims = (int[]){0, 0, -1}});
+	assert_non_null(f);
+	ex = explain_str(f);
+	if (!strstr(ex, "51 sizes, 1..512"))
+		fail_msg("the default buckets:\n%s", ex);
+	free(ex);
+	kl_fn_free(f);
+	kl_clear_error(ctx);
+	assert_null(kl_compile(ctx, mlp_body, &m, 2, 3,
+	                       &(kl_compile_opts){.nbuckets = 2, .buckets = (int64_t[]){4, 2},
+	                                          .bucket_in_dims = (int[]){0, 1},
+	                                          .bucket_out_dims = (int[]){0, 0, -1}}));
+	expect_msg("descending", "kl_compile", "buckets", "ascending");
+	kl_clear_error(ctx);
+	assert_null(kl_compile(ctx, mlp_body, &m, 2, 3,
+	                       &(kl_compile_opts){.nbuckets = 2, .buckets = (int64_t[]){2, 4}}));
+	expect_msg("no dims", "kl_compile", "bucket_in_dims", "batch dim");
+	kl_scope_end(ctx);
+}
+
+int main(void)
+{
+	ctx = kltest_ctx_from_env("test_serving");
+	if (!ctx)
+		return 1;
+	const struct CMUnitTest tests[] = {
+	        cmocka_unit_test(test_cache_write_eager),
+	        cmocka_unit_test(test_cache_write_compiled),
+	        cmocka_unit_test(test_cache_write_reads_old),
+	        cmocka_unit_test(test_cache_write_errors),
+	        cmocka_unit_test(test_sdpa_lengths),
+	        cmocka_unit_test(test_bucket_padding),
+	};
+	int rc = cmocka_run_group_tests(tests, NULL, NULL);
+	kl_ctx_free(ctx);
+	return rc;
+}
