@@ -154,12 +154,14 @@ fi
 stage test_cuda 60 "$build/tests/test_cuda" || status=1
 tail -25 "$logs/test_cuda.log"
 # the CUDA op tables are NVRTC-bound (a compile per op signature): spread them.
-# The benchmarks need about 200 s: the suite gets what is left beyond that
-# (at least 120 s, at most 300 s).
-# The sanitizer stage gets up to 275 s of its own out of the rest.
+# The benchmarks need about 200 s (none when bench, peer and jax are all
+# skipped): the suite gets what is left beyond that (at least 120 s, at most
+# 300 s). The sanitizer stage gets up to 275 s of its own out of the rest.
 san_reserve=275
 [[ $skip == *,sanitize,* ]] && san_reserve=0
-ctest_cap=$((deadline - SECONDS - 200 - san_reserve))
+bench_reserve=200
+[[ $skip == *,bench,* && $skip == *,peer,* && $skip == *,jax,* ]] && bench_reserve=0
+ctest_cap=$((deadline - SECONDS - bench_reserve - san_reserve))
 ((ctest_cap > 300)) && ctest_cap=300
 ((ctest_cap < 120)) && ctest_cap=120
 ctest_sel=()
