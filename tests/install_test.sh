@@ -34,7 +34,7 @@ fi
 
 # Nothing may reach back into the build or source tree: build from a copy.
 mkdir "$work/examples"
-cp "$src/examples/CMakeLists.txt" "$src/examples/eager.c" "$src/examples/decoder_stack.c" \
+cp "$src/examples/CMakeLists.txt" "$src/examples/eager.c" "$src/examples/decoder_stack.c" "$src/examples/generate.c" \
 	"$work/examples/"
 
 check_output() { # name file
