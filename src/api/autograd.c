@@ -399,6 +399,21 @@ static kl_status run_grad_nodes(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 	return st;
 }
 
+/* An INPUT node for materialized t (its dtype, shape and strides), added to
+ * g's inputs; its index, or -1 when out of memory. */
+static int32_t graph_input(kl_graph *g, const kl_tensor *t)
+{
+	kl_node c;
+	memset(&c, 0, sizeof c);
+	c.op = KL_OP_INPUT;
+	c.dtype = (uint8_t)t->dtype;
+	c.ndim = (uint8_t)t->ndim;
+	memcpy(c.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+	memcpy(c.strides, t->strides, sizeof(int64_t) * (size_t)t->ndim);
+	int32_t i = kl__graph_add(g, &c);
+	return i < 0 || kl__graph_add_input(g, i) ? -1 : i;
+}
+
 /* The backward of a compiled forward, as one compiled graph: the gradient
  * nodes [base, end) the leaves need, the forward values the forward did not
  * keep (computed again from what it kept), each leaf's existing .grad added
@@ -432,23 +447,18 @@ static kl_status run_grad_graph(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 		if (!need[i])
 			continue;
 		kl_tensor *t = tp->ts[i];
-		kl_node c = tp->g.nodes[i];
 		if (t && t->st) {
-			memset(&c, 0, sizeof c);
-			c.op = KL_OP_INPUT;
-			c.dtype = (uint8_t)t->dtype;
-			c.ndim = (uint8_t)t->ndim;
-			memcpy(c.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
-			memcpy(c.strides, t->strides, sizeof(int64_t) * (size_t)t->ndim);
-		} else {
-			for (int k = 0; k < c.nin; k++)
-				c.in[k] = map[c.in[k]];
+			if ((map[i] = graph_input(&g, t)) < 0)
+				st = KL_ENOMEM;
+			else
+				in[nin++] = t;
+			continue;
 		}
-		map[i] = kl__graph_add(&g, &c);
-		if (map[i] < 0 || (c.op == KL_OP_INPUT && kl__graph_add_input(&g, map[i])))
+		kl_node c = tp->g.nodes[i];
+		for (int k = 0; k < c.nin; k++)
+			c.in[k] = map[c.in[k]];
+		if ((map[i] = kl__graph_add(&g, &c)) < 0)
 			st = KL_ENOMEM;
-		else if (c.op == KL_OP_INPUT)
-			in[nin++] = t;
 	}
 	for (int j = 0; st == KL_OK && j < nl; j++) {
 		if (grads[j] < 0)
@@ -457,24 +467,15 @@ static kl_status run_grad_graph(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 		int32_t r = map[grads[j]];
 		if (old && old->st && old->dtype == leaf->dtype && old->ndim == leaf->ndim) {
 			/* accumulate: .grad + this gradient, in the graph */
-			kl_node a, b;
-			memset(&a, 0, sizeof a);
-			a.op = KL_OP_INPUT;
-			a.dtype = (uint8_t)old->dtype;
-			a.ndim = (uint8_t)old->ndim;
-			memcpy(a.shape, old->shape, sizeof(int64_t) * (size_t)old->ndim);
-			memcpy(a.strides, old->strides, sizeof(int64_t) * (size_t)old->ndim);
-			int32_t ai = kl__graph_add(&g, &a);
-			if (ai < 0 || kl__graph_add_input(&g, ai)) {
+			int32_t ai = graph_input(&g, old);
+			if (ai < 0) {
 				st = KL_ENOMEM;
 				break;
 			}
 			in[nin++] = old;
-			memset(&b, 0, sizeof b);
+			kl_node b = g.nodes[ai];
+			memset(b.strides, 0, sizeof b.strides);
 			b.op = KL_OP_ADD;
-			b.dtype = a.dtype;
-			b.ndim = a.ndim;
-			memcpy(b.shape, a.shape, sizeof b.shape);
 			b.nin = 2;
 			b.in[0] = ai;
 			b.in[1] = r;
