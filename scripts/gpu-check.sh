@@ -194,7 +194,8 @@ san_stage() { # san_stage TOOL NAME SECONDS CACHE-NAME [VAR=VALUE...] -- TEST-BI
 	stage "$name" "$secs" env KILN_CACHE_DIR="$build/tests/$cache" "${envs[@]}" \
 		"$sanitizer" --tool "$tool" --error-exitcode 99 --report-api-errors no "$@"
 	rc=$?
-	errs=$(grep -E "ERROR SUMMARY: [0-9]+" "$logs/$name.log" | tail -n 1 | sed 's/.*ERROR SUMMARY: //')
+	errs=$(grep -E "(ERROR|RACECHECK) SUMMARY: [0-9]+" "$logs/$name.log" | tail -n 1 |
+		sed -E 's/.*(ERROR|RACECHECK) SUMMARY: //')
 	say "$name: compute-sanitizer $tool: ${errs:-no summary (cut short?)}, exit $rc"
 	((rc == 99)) && status=1
 	return 0

