@@ -36,6 +36,18 @@ static void model_write(double *cache, const double *val, const int64_t *pos, in
 					        val[((i * H + h) * s + j) * D + d];
 }
 
+/* cache [r, h, t, d] gets scale * val [r, h, s, d] at pos[i] (any sizes) */
+static void model_rows(double *cache, const double *val, const int64_t *pos, double scale,
+                       int r, int h, int t, int s, int d)
+{
+	for (int i = 0; i < r; i++)
+		for (int a = 0; a < h; a++)
+			for (int j = 0; j < s; j++)
+				for (int k = 0; k < d; k++)
+					cache[((i * h + a) * t + pos[i] + j) * d + k] =
+					        scale * val[((i * h + a) * s + j) * d + k];
+}
+
 /* o [R, H, tq, D] = attention of q [R, H, tq, D] over kc, vc with lengths */
 static void model_attn(double *o, const double *q, const double *kc, const double *vc,
                        const int64_t *len, int tq, bool causal)
@@ -333,6 +345,102 @@ static void test_cache_write_errors(void **state)
 	kl_release(w.cache);
 }
 
+/* A refused write leaves every cache as it was, on every row, eagerly and
+ * compiled (two caches written in one graph; the values span several CUDA
+ * blocks and the bad position is on the last row, so no block or row may
+ * run ahead of the check). */
+typedef struct two_caches {
+	kl_tensor *a, *b;
+} two_caches;
+
+static kl_status two_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	two_caches *w = user;
+	kl_status st = kl_cache_write(w->a, 2, in[0], in[1]);
+	if (st == KL_OK)
+		st = kl_cache_write(w->b, 2, in[0], kl_mul_scalar(in[1], 2));
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_sum(w->b, 0, NULL, false);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_refused_write_untouched(void **state)
+{
+	(void)state;
+	enum { RR = 6, HH = 2, TT = 40, SS = 3, DD = 16, NC = RR * HH * TT * DD,
+	       NV = RR * HH * SS * DD };
+	uint64_t seed = 99;
+	double *ca = malloc(sizeof(double) * NC), *cb = malloc(sizeof(double) * NC),
+	       *val = malloc(sizeof(double) * NV);
+	assert_true(ca && cb && val);
+	fill(ca, NC, &seed);
+	fill(cb, NC, &seed);
+	fill(val, NV, &seed);
+	two_caches w = {from(KL_F32, 4, (int64_t[]){RR, HH, TT, DD}, ca),
+	                from(KL_F32, 4, (int64_t[]){RR, HH, TT, DD}, cb)};
+	kl_tensor *v = from(KL_F32, 4, (int64_t[]){RR, HH, SS, DD}, val);
+	/* rows 0..4 fit, row 5 starts past the last start TT - SS = 37 */
+	int64_t pos[RR] = {0, 5, 37, 12, 30, 38};
+	double pv[RR];
+	for (int i = 0; i < RR; i++)
+		pv[i] = (double)pos[i];
+	kl_tensor *p = from(KL_I64, 1, (int64_t[]){RR}, pv);
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.a, 2, p, v), KL_EINVAL);
+	expect_msg("eager, last row", "kl_cache_write", "row 5", "at 38");
+	assert_true(same_values(w.a, ca, NC, "cache a after a refused eager write"));
+	kl_clear_error(ctx);
+	assert_null(kl_cache_update(w.a, 2, p, v));
+	expect_msg("kl_cache_update", "kl_cache_update", "row 5", "[0, 37]");
+	for (int full = 0; full < 2; full++) {
+		kl_fn *f = kl_compile(ctx, two_body, &w, 2, 1, &(kl_compile_opts){.fullgraph = full});
+		assert_non_null(f);
+		kl_tensor *out = NULL;
+		kl_clear_error(ctx);
+		assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_EINVAL);
+		expect_msg("compiled", "kl_cache_write", "row 5", "at 38");
+		assert_null(out);
+		assert_true(same_values(w.a, ca, NC, "cache a after a refused compiled write"));
+		assert_true(same_values(w.b, cb, NC, "cache b after a refused compiled write"));
+		/* good positions through the same function write both caches,
+		 * and a refused call after good ones writes nothing */
+		int64_t good[RR] = {0, 5, 37, 12, 30, 1};
+		double gv[RR];
+		for (int i = 0; i < RR; i++)
+			gv[i] = (double)good[i];
+		kl_tensor *g = from(KL_I64, 1, (int64_t[]){RR}, gv);
+		for (int rep = 0; rep < 3; rep++) {
+			model_rows(ca, val, good, 1.0, RR, HH, TT, SS, DD);
+			model_rows(cb, val, good, 2.0, RR, HH, TT, SS, DD);
+			double sb = 0;
+			for (int i = 0; i < NC; i++)
+				sb += cb[i];
+			assert_int_equal(kl_fn_call(f, (kl_tensor *[]){g, v}, &out), KL_OK);
+			assert_true(same_values(out, &sb, 1, "the sum of cache b after a good write"));
+			kl_release(out);
+			out = NULL;
+			assert_true(same_values(w.a, ca, NC, "cache a after a good compiled write"));
+			kl_clear_error(ctx);
+			assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_EINVAL);
+			expect_msg("compiled after good calls", "kl_cache_write", "row 5", "at 38");
+			assert_true(same_values(w.a, ca, NC, "cache a after a refused call"));
+			assert_true(same_values(w.b, cb, NC, "cache b after a refused call"));
+		}
+		kl_release(g);
+		kl_fn_free(f);
+	}
+	kl_release(p);
+	kl_release(v);
+	kl_release(w.a);
+	kl_release(w.b);
+	free(ca);
+	free(cb);
+	free(val);
+}
+
 /* ---- attention over caches with lengths ------------------------------------------- */
 
 static kl_tensor *sdpa_len_apply(kl_tensor *const *in, const void *param)
@@ -501,6 +609,7 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_compiled),
 	        cmocka_unit_test(test_cache_write_reads_old),
 	        cmocka_unit_test(test_cache_write_errors),
+	        cmocka_unit_test(test_refused_write_untouched),
 	        cmocka_unit_test(test_sdpa_lengths),
 	        cmocka_unit_test(test_bucket_padding),
 	};
