@@ -499,6 +499,77 @@ static void test_sdpa_lengths(void **state)
 	}
 }
 
+/* ---- one-row products -------------------------------------------------------------- */
+
+/* A decode step's [b, 1, d] @ W^T is one product of b rows, not b products
+ * of one row: with a residual epilogue, and with A the last row of a
+ * [b, T, d] sequence (row stride T * d); b dynamic. */
+static kl_tensor *row_apply(kl_tensor *const *in, const void *param)
+{
+	if (param) { /* the last position of in[0] [b, T, d] */
+		int64_t t = kl_shape(in[0])[1];
+		return kl_linear(kl_slice(in[0], 1, t - 1, t, 1), in[1], in[2]);
+	}
+	return kl_add(kl_linear(kl_rms_norm(in[0], NULL, 1e-5), in[1], in[2]), in[3]);
+}
+
+static kl_status row_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = row_apply(in, user);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_one_row_fold(void **state)
+{
+	(void)state;
+	kl_scope_begin(ctx);
+	for (int sliced = 0; sliced < 2; sliced++) {
+		const void *param = sliced ? "sliced" : NULL;
+		kl_fn *f = kl_compile(ctx, row_body, (void *)param, sliced ? 3 : 4, 1,
+		                      &(kl_compile_opts){.ndynamic_dims = sliced ? 3 : 4,
+		                                         .dynamic_dims = (uint32_t[]){KL_DIM(0), 0, 0,
+		                                                                      KL_DIM(0)}});
+		assert_non_null(f);
+		for (int64_t b = 6; b >= 2; b -= 2) {
+			kl_tensor *in[4] = {
+			        kltest_rand(ctx, KL_F32, 3, (int64_t[]){b, sliced ? 5 : 1, 24},
+			                    KLTEST_NORMAL, KLTEST_CONTIG, 40 + (uint64_t)b),
+			        kltest_rand(ctx, KL_F32, 2, (int64_t[]){40, 24}, KLTEST_NORMAL,
+			                    KLTEST_CONTIG, 41),
+			        kltest_rand(ctx, KL_F32, 1, (int64_t[]){40}, KLTEST_NORMAL, KLTEST_CONTIG,
+			                    42),
+			        kltest_rand(ctx, KL_F32, 3, (int64_t[]){b, 1, 40}, KLTEST_NORMAL,
+			                    KLTEST_CONTIG, 43 + (uint64_t)b)};
+			int nd;
+			int64_t sh[KL_MAX_DIMS];
+			kl_dtype dt;
+			double *ref = kltest_reference(ctx, "one-row product", row_apply, in, param, &nd,
+			                               sh, &dt);
+			assert_non_null(ref);
+			kl_tensor *out = NULL;
+			if (kl_fn_call(f, in, &out) != KL_OK)
+				fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+			char what[64];
+			snprintf(what, sizeof what, "one-row product%s at batch %lld",
+			         sliced ? " (last row of a sequence)" : "", (long long)b);
+			assert_true(same_values(out, ref, b * 40, what));
+			free(ref);
+			kl_release(out);
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		char *ex = explain_str(f);
+		if (strstr(ex, "bmm") || !strstr(ex, "matmul 6x40x24"))
+			fail_msg("the one-row products are not one product of b rows:\n%s", ex);
+		free(ex);
+		kl_fn_free(f);
+	}
+	kl_scope_end(ctx);
+}
+
 /* ---- shape buckets ------------------------------------------------------------------ */
 
 typedef struct mlp {
@@ -611,6 +682,7 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_errors),
 	        cmocka_unit_test(test_refused_write_untouched),
 	        cmocka_unit_test(test_sdpa_lengths),
+	        cmocka_unit_test(test_one_row_fold),
 	        cmocka_unit_test(test_bucket_padding),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
