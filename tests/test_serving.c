@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -670,6 +671,114 @@ static void test_bucket_padding(void **state)
 	kl_scope_end(ctx);
 }
 
+/* ---- the recompile limit on bucket variants ------------------------------------------ */
+
+typedef struct rows_of {
+	kl_tensor *c; /* [16, 3] */
+} rows_of;
+
+/* x [b, 3] + the first b rows of c: the slice's bounds specialise the
+ * batch dim, so each bucket is a variant of its own */
+static kl_status rows_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin, (void)nout;
+	rows_of *r = user;
+	int64_t b = kl_shape(in[0])[0];
+	out[0] = kl_add(in[0], kl_slice(r->c, 0, 0, b, 1));
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* one call of f at batch b, checked against x + c's rows in float64 */
+static void rows_call(kl_fn *f, const double *cv, int64_t b)
+{
+	double x[16 * 3], want[16 * 3];
+	uint64_t seed = 300 + (uint64_t)b;
+	fill(x, b * 3, &seed);
+	for (int64_t i = 0; i < b * 3; i++)
+		want[i] = x[i] + cv[i];
+	kl_tensor *in = from(KL_F32, 2, (int64_t[]){b, 3}, x), *out = NULL;
+	if (kl_fn_call(f, &in, &out) != KL_OK)
+		fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+	char what[48];
+	snprintf(what, sizeof what, "bucketed call at batch %lld", (long long)b);
+	assert_true(same_values(out, want, b * 3, what));
+	kl_release(out);
+	kl_release(in);
+}
+
+static void test_bucket_recompile_limit(void **state)
+{
+	(void)state;
+	double cv[16 * 3];
+	uint64_t seed = 77;
+	fill(cv, 16 * 3, &seed);
+	rows_of r = {from(KL_F32, 2, (int64_t[]){16, 3}, cv)};
+	/* a limit below the bucket count: the warning names the dim, the
+	 * buckets and the limit that fits; compiled buckets keep serving */
+	kl_fn *f = kl_compile(ctx, rows_body, &r, 1, 1,
+	                      &(kl_compile_opts){.recompile_limit = 2, .nbuckets = 5,
+	                                         .buckets = (int64_t[]){1, 2, 4, 8, 16},
+	                                         .bucket_in_dims = (int[]){0},
+	                                         .bucket_out_dims = (int[]){0}});
+	assert_non_null(f);
+	rows_call(f, cv, 1);
+	rows_call(f, cv, 2);
+	const char *reason = kl_fn_recompile_reason(f, 0);
+	assert_non_null(reason);
+	if (!strstr(reason, "input 0 dim 0") || !strstr(reason, "buckets 1, 2, 4, 8, 16"))
+		fail_msg("the recompile reason does not name the bucket dim: %s", reason);
+	fflush(stderr);
+	FILE *tmp = tmpfile();
+	assert_non_null(tmp);
+	int saved = dup(2);
+	assert_true(saved >= 0 && dup2(fileno(tmp), 2) >= 0);
+	rows_call(f, cv, 3); /* bucket 4: past the limit, eager */
+	rows_call(f, cv, 5); /* bucket 8: eager, no second warning */
+	fflush(stderr);
+	assert_true(dup2(saved, 2) >= 0);
+	close(saved);
+	char msg[2048] = {0};
+	rewind(tmp);
+	size_t got = fread(msg, 1, sizeof msg - 1, tmp);
+	fclose(tmp);
+	msg[got] = 0;
+	const char *want[] = {"recompile limit (2 variants)", "input 0 dim 0",
+	                      "buckets 1, 2, 4, 8, 16 (5 sizes)", "specialises it",
+	                      "recompile_limit to at least 5"};
+	for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+		if (!strstr(msg, want[k]))
+			fail_msg("the recompile-limit warning does not say \"%s\":\n%s", want[k], msg);
+	if (strstr(strstr(msg, "warning") + 1, "warning"))
+		fail_msg("warned twice:\n%s", msg);
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_true(fs.over_limit);
+	assert_int_equal(fs.eager_calls, 2);
+	rows_call(f, cv, 2); /* a compiled bucket still serves */
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.eager_calls, 2);
+	assert_int_equal(fs.compiles, 2);
+	kl_fn_free(f);
+	/* the default limit leaves room for every bucket (12 > 8) */
+	int64_t bk[12];
+	for (int k = 0; k < 12; k++)
+		bk[k] = k + 1;
+	f = kl_compile(ctx, rows_body, &r, 1, 1,
+	               &(kl_compile_opts){.nbuckets = 12, .buckets = bk,
+	                                  .bucket_in_dims = (int[]){0},
+	                                  .bucket_out_dims = (int[]){0}});
+	assert_non_null(f);
+	for (int64_t b = 12; b >= 1; b--)
+		rows_call(f, cv, b);
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_false(fs.over_limit);
+	assert_int_equal(fs.compiles, 12);
+	assert_int_equal(fs.eager_calls, 0);
+	kl_fn_free(f);
+	kl_release(r.c);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -684,6 +793,7 @@ int main(void)
 	        cmocka_unit_test(test_sdpa_lengths),
 	        cmocka_unit_test(test_one_row_fold),
 	        cmocka_unit_test(test_bucket_padding),
+	        cmocka_unit_test(test_bucket_recompile_limit),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);

@@ -164,7 +164,9 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	f->dyn = dyn;
 	const char *nf = getenv("KILN_DISABLE_FUSION");
 	f->fusion = !(nf && *nf && strcmp(nf, "0") != 0);
-	f->limit = o.recompile_limit ? o.recompile_limit : 8;
+	/* a bucketed dim its graph specialises compiles one variant per bucket:
+	 * the default limit leaves room for every bucket */
+	f->limit = o.recompile_limit ? o.recompile_limit : f->nbk > 8 ? f->nbk : 8;
 	f->last_kernels = -1;
 	name_fn(f, fn);
 	return f;
@@ -378,15 +380,62 @@ static void note_recompile(kl_fn *f, const char *fmt, ...)
 	va_end(ap);
 }
 
+/* The bucket list of f, shortened: "1, 2, 4, 8, ..., 512 (51 sizes)". */
+static void bucket_list(const kl_fn *f, char *buf, size_t cap)
+{
+	size_t at = 0;
+	buf[0] = 0;
+	for (int k = 0; k < f->nbk && at < cap; k++) {
+		int w;
+		if (f->nbk > 8 && k == 6) {
+			w = snprintf(buf + at, cap - at, ", ...");
+			k = f->nbk - 2;
+		} else {
+			w = snprintf(buf + at, cap - at, "%s%lld", k ? ", " : "", (long long)f->bk[k]);
+		}
+		at += w > 0 ? (size_t)w : 0;
+	}
+	if (at < cap)
+		snprintf(buf + at, cap - at, " (%d size%s)", f->nbk, f->nbk == 1 ? "" : "s");
+}
+
+/* Why some variant of f specialised input i dim d ("" when none says). */
+static const char *spec_why(const kl_fn *f, int i, int d)
+{
+	for (int v = f->nvars - 1; v >= 0; v--)
+		for (int k = 0; k < f->vars[v]->nspec; k++)
+			if (f->vars[v]->spec[k].input == i && f->vars[v]->spec[k].dim == d &&
+			    f->vars[v]->spec[k].why[0])
+				return f->vars[v]->spec[k].why;
+	return "";
+}
+
 /* What to write to compile the dim of guard `name` once ("" when the
- * guard is no input dim). */
-static void dim_advice(const kl_fn *f, const char *name, char *buf, size_t cap)
+ * guard is no input dim). at_limit: the recompile-limit warning (a bucket
+ * dim then names the fix). */
+static void dim_advice(const kl_fn *f, const char *name, bool at_limit, char *buf, size_t cap)
 {
 	int i, d;
 	buf[0] = 0;
 	if (sscanf(name, "input %d dim %d", &i, &d) != 2 || i < 0 || i >= f->nin || d < 0 ||
 	    d >= KL_MAX_DIMS)
 		return;
+	if (f->nbk && f->bk_in[i] == d) {
+		char list[160];
+		const char *why = spec_why(f, i, d);
+		bucket_list(f, list, sizeof list);
+		if (at_limit)
+			snprintf(buf, cap,
+			         "; input %d dim %d is the batch dim of buckets %s and its graph "
+			         "specialises it%s%s%s, so each bucket compiles a variant of its own: "
+			         "set kl_compile_opts.recompile_limit to at least %d (the bucket "
+			         "count; 0 does so) or list fewer buckets",
+			         i, d, list, why[0] ? " (" : "", why, why[0] ? ")" : "", f->nbk);
+		else
+			snprintf(buf, cap, "; a bucket of input %d dim %d (buckets %s), which its graph "
+			         "specialises: one variant per bucket", i, d, list);
+		return;
+	}
 	if (f->dyn[i] >> d & 1)
 		snprintf(buf, cap,
 		         "; the dim is marked dynamic but its graph needs it static (kl_explain "
@@ -407,8 +456,8 @@ static void go_eager(kl_fn *f)
 	for (int i = 1; i < 8; i++)
 		if (f->tally[i].count > f->tally[best].count)
 			best = i;
-	char advice[160];
-	dim_advice(f, f->tally[best].name, advice, sizeof advice);
+	char advice[512];
+	dim_advice(f, f->tally[best].name, true, advice, sizeof advice);
 	fprintf(stderr,
 	        "kiln: warning: kl_fn_call: %s reached its recompile limit (%d variants); guard "
 	        "'%s' kept failing (%d times, last: %s)%s; its %d compiled variants keep serving "
@@ -1466,8 +1515,8 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 				fresh = true;
 				f->compiles++;
 				if (f->nvars > 1) {
-					char advice[160];
-					dim_advice(f, name, advice, sizeof advice);
+					char advice[400];
+					dim_advice(f, name, false, advice, sizeof advice);
 					kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: %s%s",
 					        f->compiles, f->name, why, advice);
 					note_recompile(f, "recompile #%d: %s%s", f->compiles, why, advice);
