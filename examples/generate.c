@@ -285,6 +285,7 @@ int main(int argc, char **argv)
 	                                          .dynamic_dims = (uint32_t[]){KL_DIM(1)}});
 	kl_fn *df = kl_compile(ctx, decode, &m, 3, 1,
 	                       &(kl_compile_opts){.mode = mode,
+	                                          .fullgraph = true,
 	                                          .recompile_limit = 64,
 	                                          .nbuckets = KL_BUCKETS_DEFAULT,
 	                                          .bucket_in_dims = (int[]){0, 0, 0},
@@ -456,8 +457,9 @@ int main(int argc, char **argv)
 	long recaptures = (d1.graph_captures - w0.graph_captures) +
 	                  (p1.graph_captures > 1 ? p1.graph_captures - 1 : 0);
 	printf("after warm-up: %ld recompiles, %ld CUDA graph re-captures, %ld of %ld decode calls "
-	       "padded to a bucket\n",
-	       recompiles, recaptures, d1.padded_calls - w0.padded_calls, (long)o.steps);
+	       "padded to a bucket, %ld replayed without tracing (fullgraph)\n",
+	       recompiles, recaptures, d1.padded_calls - w0.padded_calls, (long)o.steps,
+	       d1.replays - w0.replays);
 	rc = 0;
 	if (o.check && (bad || recompiles || recaptures || done == 0)) {
 		fprintf(stderr, "generate: --check failed: %d tokens differ, %ld recompiles, %ld "

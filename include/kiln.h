@@ -225,8 +225,8 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * function's return or at a graph break); until then the function reads
  * dst itself as the new value, and reading another tensor that overlaps
  * dst's memory is an error. dst must exist before the call (not a tensor
- * made inside it). A fullgraph function that writes runs its body on every
- * call (its graph is not recompiled). */
+ * made inside it). A fullgraph function that writes replays its plan and
+ * repeats the writes (see kl_fn_body: dst is state, not guarded by version). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
@@ -486,7 +486,12 @@ typedef enum kl_mode {
  *    than the compiled function's). Replacing it (kl_release the old one,
  *    store a new one in user) fails the guard;
  *  - version: the counter of its memory, bumped by every write in place
- *    (kl_copy). A write fails the guard.
+ *    (kl_copy, kl_cache_write). A write fails the guard, except to state:
+ *    a tensor whose memory fn itself writes in place (kl_copy,
+ *    kl_cache_write: a KV cache) is read from memory at every call, so
+ *    writes to it, the replay's own or anyone's (a row moved between
+ *    calls), keep the replay. A replay repeats fn's writes in place after
+ *    the plan ran (a cache write lands in the cache's memory during it).
  * A failed guard makes that call run fn again: when the graph it traces is
  * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
  * fn reads now, with no compile; otherwise the graph is recompiled, which

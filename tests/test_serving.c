@@ -182,7 +182,7 @@ static char *explain_str(kl_fn *f)
 	return buf;
 }
 
-static void run_decode(bool read_old)
+static void run_decode(bool read_old, bool full)
 {
 	uint64_t seed = 11 + read_old;
 	double kc[R * H * T * D] = {0}, vc[R * H * T * D] = {0};
@@ -191,7 +191,8 @@ static void run_decode(bool read_old)
 	            .read_old = read_old};
 	/* the new tokens' rows and the positions are dynamic: one variant */
 	kl_fn *f = kl_compile(ctx, decode_body, &d, 5, read_old ? 2 : 1,
-	                      &(kl_compile_opts){.ndynamic_dims = 4,
+	                      &(kl_compile_opts){.fullgraph = full,
+	                                         .ndynamic_dims = 4,
 	                                         .dynamic_dims = (uint32_t[]){0, 1, 1, 1}});
 	assert_non_null(f);
 	int64_t len[R] = {0, 0, 0, 0};
@@ -219,8 +220,9 @@ static void run_decode(bool read_old)
 		                    positions(len, R)};
 		kl_tensor *out[2] = {NULL, NULL};
 		assert_int_equal(kl_fn_call(f, in, out), KL_OK);
-		char what[64];
-		snprintf(what, sizeof what, "decode step %zu (%d new rows)", step, n);
+		char what[80];
+		snprintf(what, sizeof what, "decode step %zu (%d new rows)%s", step, n,
+		         full ? ", fullgraph" : "");
 		assert_true(same_values(out[0], o, R * H * D, what));
 		assert_true(same_values(d.kc, kc, R * H * T * D, "k cache"));
 		assert_true(same_values(d.vc, vc, R * H * T * D, "v cache"));
@@ -230,10 +232,27 @@ static void run_decode(bool read_old)
 			kl_release(in[i]);
 		kl_release(out[0]);
 		kl_release(out[1]);
+		if (step == 3) {
+			/* a write from outside (a row moved, as a server does when a
+			 * request leaves): the next calls read it, still replaying */
+			kl_tensor *src = kl_slice(d.vc, 0, 0, 1, 1), *dst = kl_slice(d.vc, 0, 3, 4, 1);
+			assert_int_equal(kl_copy(dst, src), KL_OK);
+			kl_release(src);
+			kl_release(dst);
+			memcpy(vc + 3 * H * T * D, vc, sizeof(double) * H * T * D);
+		}
 	}
 	kl_fn_stats fs;
 	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
 	assert_int_equal(fs.compiles, 1); /* every position and row count: one variant */
+	/* fullgraph: the writes in place are repeated by the replay, fn
+	 * traced once */
+	if (full)
+		assert_int_equal(fs.replays, (long)(sizeof ns / sizeof ns[0]) - 1);
+	char *ex0 = explain_str(f);
+	if (full && !strstr(ex0, "repeating its 2 writes in place"))
+		fail_msg("kl_explain does not say the replay repeats the writes:\n%s", ex0);
+	free(ex0);
 	char *ex = explain_str(f);
 	if (!strstr(ex, "cache write") || !strstr(ex, "in place"))
 		fail_msg("the cache writes are not steps written in place:\n%s", ex);
@@ -246,7 +265,16 @@ static void run_decode(bool read_old)
 static void test_cache_write_compiled(void **state)
 {
 	(void)state;
-	run_decode(false);
+	run_decode(false, false);
+}
+
+/* fullgraph: the plan replays without running fn although fn writes the
+ * caches in place (the replay repeats the writes) */
+static void test_cache_write_fullgraph(void **state)
+{
+	(void)state;
+	run_decode(false, true);
+	run_decode(true, true);
 }
 
 /* reading the cache before the write in the same graph sees the old values
@@ -254,7 +282,61 @@ static void test_cache_write_compiled(void **state)
 static void test_cache_write_reads_old(void **state)
 {
 	(void)state;
-	run_decode(true);
+	run_decode(true, false);
+}
+
+/* fullgraph with kl_copy: into a tensor fn reaches through user state and
+ * into one passed as an input; each call's replay writes it again */
+typedef struct acc {
+	kl_tensor *s; /* [4] */
+	bool as_input;
+} acc;
+
+static kl_status acc_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	acc *a = user;
+	kl_tensor *s = a->as_input ? in[1] : a->s;
+	kl_tensor *next = kl_add(s, in[0]);
+	kl_status st = kl_copy(s, next);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_mul_scalar(next, 2);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_copy_fullgraph(void **state)
+{
+	(void)state;
+	for (int as_input = 0; as_input < 2; as_input++) {
+		double zero[4] = {0}, sum[4] = {0}, x[4], twice[4];
+		uint64_t seed = 500;
+		acc a = {from(KL_F32, 1, (int64_t[]){4}, zero), as_input};
+		kl_fn *f = kl_compile(ctx, acc_body, &a, 1 + as_input, 1,
+		                      &(kl_compile_opts){.fullgraph = true});
+		assert_non_null(f);
+		for (int k = 0; k < 5; k++) {
+			fill(x, 4, &seed);
+			for (int i = 0; i < 4; i++) {
+				sum[i] += x[i];
+				twice[i] = 2 * sum[i];
+			}
+			kl_tensor *in[2] = {from(KL_F32, 1, (int64_t[]){4}, x), a.s}, *out = NULL;
+			if (kl_fn_call(f, in, &out) != KL_OK)
+				fail_msg("call %d: %s", k, kl_last_error(ctx));
+			assert_true(same_values(out, twice, 4, "the returned sum"));
+			assert_true(same_values(a.s, sum, 4, "the state written by kl_copy"));
+			kl_release(out);
+			kl_release(in[0]);
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		assert_int_equal(fs.replays, 4);
+		kl_fn_free(f);
+		kl_release(a.s);
+	}
 }
 
 /* ---- bad input -------------------------------------------------------------------- */
@@ -788,6 +870,8 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_eager),
 	        cmocka_unit_test(test_cache_write_compiled),
 	        cmocka_unit_test(test_cache_write_reads_old),
+	        cmocka_unit_test(test_cache_write_fullgraph),
+	        cmocka_unit_test(test_copy_fullgraph),
 	        cmocka_unit_test(test_cache_write_errors),
 	        cmocka_unit_test(test_refused_write_untouched),
 	        cmocka_unit_test(test_sdpa_lengths),

@@ -181,11 +181,17 @@ static void replay_reset(kl_variant *v)
 	}
 	free(v->captured);
 	free(v->cap_version);
+	free(v->cap_state);
+	v->cap_state = NULL;
 	free(v->in_src);
 	free(v->out_src);
+	free(v->w_src);
+	free(v->w_dst);
 	v->captured = NULL;
 	v->cap_version = NULL;
 	v->in_src = v->out_src = NULL;
+	v->w_src = v->w_dst = NULL;
+	v->nw = 0;
 	v->ncaptured = 0;
 	v->replay = false;
 }
@@ -531,7 +537,11 @@ typedef struct call {
 	bool over_limit;
 	bool taped; /* the call left values on the autograd tape: never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
-	bool wrote; /* fn wrote tensors in place (kl_copy): no replay without fn */
+	bool wrote; /* fn wrote tensors in place (kl_copy, kl_cache_write) */
+	/* fullgraph: the writes are recorded for replays (v->w_src, w_dst);
+	 * false when the graph also ran deferred actions (the fused optimizer
+	 * step), which only fn's trace can repeat */
+	bool writes_replay;
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -753,7 +763,7 @@ static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
 	for (int i = 0; i < v->ncaptured; i++) {
 		const kl_tensor *t = v->captured[i];
 		bool gone = t->refs <= t->capture_refs;
-		if (!gone && t->st->version == v->cap_version[i])
+		if (!gone && (t->st->version == v->cap_version[i] || (v->cap_state && v->cap_state[i])))
 			continue;
 		char sh[128], what[96];
 		if (gone)
@@ -792,6 +802,47 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 			return KL_ENOMEM;
 		v->in_src[i] = -1 - k;
 	}
+	return KL_OK;
+}
+
+/* Record how a replay repeats the writes in place of the graph tr, whose
+ * outputs are lazy[0..n): each write's value is one of them, and its
+ * destination an fn input or a tensor fn reached (captured: guarded like
+ * the tensors the graph reads). cs->writes_replay says whether every write
+ * was recorded. */
+static kl_status record_replay_writes(call *cs, const kl_trace *tr, kl_tensor *const *lazy,
+                                      int n)
+{
+	kl_variant *v = cs->v;
+	kl_fn *f = cs->f;
+	cs->writes_replay = false;
+	free(v->w_src);
+	free(v->w_dst);
+	v->nw = 0;
+	v->w_src = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_src);
+	v->w_dst = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_dst);
+	if (!v->w_src || !v->w_dst)
+		return KL_ENOMEM;
+	for (int w = 0; w < tr->nwrites; w++) {
+		int j = 0;
+		while (j < n && lazy[j] != tr->wsrc[w])
+			j++;
+		if (j == n)
+			return KL_OK; /* a value no graph output holds: fn must run */
+		int k = 0;
+		while (k < f->nin && cs->in[k] != tr->wdst[w])
+			k++;
+		if (k == f->nin) {
+			int c = capture(v, tr->wdst[w]);
+			if (c < 0)
+				return KL_ENOMEM;
+			k = f->nin + c;
+		}
+		v->w_src[w] = j;
+		v->w_dst[w] = -1 - k;
+		v->nw = w + 1;
+	}
+	cs->writes_replay = true;
 	return KL_OK;
 }
 
@@ -840,6 +891,7 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 	const kl_trace *cur = ctx->trace;
 	kl_tensor **all = NULL;
 	kl_status bad = KL_OK;
+	bool deferred = cur->ndefer > 0;
 	int more = cur->nwrites;
 	for (int q = 0; q < cur->ndefer; q++)
 		more += cur->defer[q].nreads;
@@ -907,6 +959,10 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__write_into(ctx, tr->wdst[w], tr->wsrc[w]);
 	if (st == KL_OK)
 		st = kl__trace_run_deferred(ctx, tr, &cs->launches);
+	/* the writes are done: the captured versions recorded next are theirs */
+	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay && !reason &&
+	    !deferred && tr->nwrites > 0 && record_replay_writes(cs, tr, lazy, n) != KL_OK)
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
 	    record_replay_inputs(cs, tr) != KL_OK)
@@ -1055,6 +1111,17 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 			j = f->nin + c;
 		}
 		v->out_src[k] = -1 - j;
+	}
+	/* the captured tensors whose memory fn writes in place are state */
+	free(v->cap_state);
+	v->cap_state = calloc((size_t)(v->ncaptured ? v->ncaptured : 1), sizeof *v->cap_state);
+	if (!v->cap_state)
+		return KL_ENOMEM;
+	for (int w = 0; w < v->nw; w++) {
+		int j = -1 - v->w_dst[w];
+		const kl_storage *ws = j < f->nin ? in[j]->st : v->captured[j - f->nin]->st;
+		for (int i = 0; i < v->ncaptured; i++)
+			v->cap_state[i] |= v->captured[i]->st == ws;
 	}
 	v->replay = true;
 	return KL_OK;
@@ -1241,9 +1308,10 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		v->nsegs = cs.seg + 1;
 		v->calls++;
-		/* a replay runs the plan alone; writes in place and the autograd
-		 * tape need fn's trace */
-		if (f->o.fullgraph && !v->replay && !cs.wrote && !cs.taped &&
+		/* a replay runs the plan alone and repeats the writes in place
+		 * it recorded; deferred actions and the autograd tape need fn's
+		 * trace */
+		if (f->o.fullgraph && !v->replay && (!cs.wrote || cs.writes_replay) && !cs.taped &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
@@ -1283,6 +1351,17 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 		ctx->profile_graph = 0;
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, gin, gout);
+		/* the writes in place, as the traced call made them (a cache
+		 * write's value is the cache's memory already: only its version
+		 * moves); the captured tensors they wrote keep their guard */
+		for (int w = 0; st == KL_OK && w < v->nw; w++) {
+			int j = -1 - v->w_dst[w];
+			kl_tensor *dst = j < f->nin ? in[j] : v->captured[j - f->nin];
+			st = kl__write_into(ctx, dst, gout[v->w_src[w]]);
+			for (int i = 0; st == KL_OK && i < v->ncaptured; i++)
+				if (v->captured[i]->st == dst->st)
+					v->cap_version[i] = dst->st->version;
+		}
 	}
 	if (st == KL_OK) {
 		for (int k = 0; k < f->nout; k++) {
