@@ -1223,6 +1223,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		st = check_outputs(f, out);
 	kl_tensor **lazy = NULL;
 	int nl = 0;
+	bool grads = false; /* the graph also computes .grad of tensors fn reaches */
 	if (st == KL_OK && ctx->trace) {
 		lazy = malloc(sizeof *lazy * (size_t)(f->nout ? f->nout : 1));
 		if (!lazy)
@@ -1256,6 +1257,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		 * the saved tensors of that backward) */
 		kl_trace *tr = ctx->trace;
 		int extra = tr->nwrites;
+		grads = false;
 		bool *keep = NULL;
 		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
 			if (!t->st && t->trace_id == tr->id && t->tape_node >= 0)
@@ -1292,8 +1294,10 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			for (int i = 0; st == KL_OK && i < tr->nwrites; i++)
 				lazy[nl++] = tr->wsrc[i];
 			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
-				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id)
+				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id) {
 					lazy[nl++] = t->grad;
+					grads = true;
+				}
 				if (!t->st && t->trace_id == tr->id && t->tape_node >= 0 &&
 				    (!v->bw_joint || keep[t->node] || t->tape_leaf))
 					lazy[nl++] = t;
@@ -1309,9 +1313,11 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		v->nsegs = cs.seg + 1;
 		v->calls++;
 		/* a replay runs the plan alone and repeats the writes in place
-		 * it recorded; deferred actions and the autograd tape need fn's
-		 * trace */
-		if (f->o.fullgraph && !v->replay && (!cs.wrote || cs.writes_replay) && !cs.taped &&
+		 * it recorded; deferred actions, the autograd tape and a step
+		 * that writes after computing gradients (a training step) need
+		 * fn's trace */
+		if (f->o.fullgraph && !v->replay && (!cs.wrote || (cs.writes_replay && !grads)) &&
+		    !cs.taped &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
