@@ -391,9 +391,12 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * iff j < lengths[b]; with causal also j <= i + lengths[b] - Tq (the
  * queries are the last Tq of the row's valid positions). A row with no
  * valid key gives zeros. scale 0: 1/sqrt(D). Lengths outside [0, Tk]
- * disagree with the cache: KL_EINVAL naming the row, its length and Tk
- * when the lengths are read eagerly; inside a compiled graph they are not
- * read on the host (a length above Tk then counts every key). Written with
+ * disagree with the cache: KL_EINVAL naming the row, its length and Tk,
+ * eagerly and in a compiled function (checked before each run of its
+ * graph, fullgraph replays included, when lengths is a tensor the call
+ * reads: an input or one reached through user state; lengths the graph
+ * computes itself are not checked, and a length above Tk then counts every
+ * key). The compiled check reads the lengths to the host. Written with
  * the ops above (a product, a where, a softmax, a product), so it runs on
  * every device and in every mode; not (yet) a fused attention step. */
 kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,

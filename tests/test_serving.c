@@ -576,6 +576,36 @@ static void test_sdpa_lengths(void **state)
 		snprintf(want, sizeof want, "holds %d keys", T);
 		assert_true(KLTEST_EXPECT_ERROR(ctx, sdpa_len_apply(in2, param), "kl_sdpa_lengths",
 		                                "lengths[1] = 9", want));
+		/* compiled: checked before the graph runs at every call, replays
+		 * included; a negative length too */
+		int64_t neg[R] = {1, 2, -1, 2};
+		kl_tensor *l3 = positions(neg, R);
+		kl_tensor *in3[4] = {in[0], in[1], in[2], l3};
+		for (int full = 0; full < 2; full++) {
+			f = kl_compile(ctx, sdpa_len_body, (void *)param, 4, 1,
+			               &(kl_compile_opts){.fullgraph = full});
+			for (int rep = 0; rep < 3; rep++) {
+				out = NULL;
+				assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+				assert_true(same_values(out, o, R * H * tq * D, "compiled, good lengths"));
+				kl_release(out);
+				kl_clear_error(ctx);
+				assert_int_equal(kl_fn_call(f, in2, &out), KL_EINVAL);
+				expect_msg("compiled, a length past the keys", "kl_sdpa_lengths",
+				           "lengths[1] = 9", want);
+				kl_clear_error(ctx);
+				assert_int_equal(kl_fn_call(f, in3, &out), KL_EINVAL);
+				expect_msg("compiled, a negative length", "kl_sdpa_lengths",
+				           "lengths[2] = -1", want);
+			}
+			kl_fn_stats fs;
+			assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+			assert_int_equal(fs.compiles, 1);
+			if (full)
+				assert_true(fs.replays >= 2);
+			kl_fn_free(f);
+		}
+		kl_release(l3);
 		kl_release(l2);
 		for (int i = 0; i < 4; i++)
 			kl_release(in[i]);

@@ -187,6 +187,9 @@ static void replay_reset(kl_variant *v)
 	free(v->out_src);
 	free(v->w_src);
 	free(v->w_dst);
+	free(v->chk);
+	v->chk = NULL;
+	v->nchk = 0;
 	v->captured = NULL;
 	v->cap_version = NULL;
 	v->in_src = v->out_src = NULL;
@@ -542,6 +545,7 @@ typedef struct call {
 	 * false when the graph also ran deferred actions (the fused optimizer
 	 * step), which only fn's trace can repeat */
 	bool writes_replay;
+	bool no_replay; /* something only fn's trace can repeat */
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -783,6 +787,22 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 {
 	kl_variant *v = cs->v;
 	int n = tr->nin_tensors;
+	free(v->chk);
+	v->nchk = 0;
+	v->chk = calloc((size_t)(tr->nchk ? tr->nchk : 1), sizeof *v->chk);
+	if (!v->chk)
+		return KL_ENOMEM;
+	for (int c = 0; c < tr->nchk; c++) {
+		int i = 0;
+		while (i < n && tr->in_tensors[i] != tr->chk[c].t)
+			i++;
+		if (i == n) {
+			cs->no_replay = true; /* a check of no graph input: fn must run */
+			continue;
+		}
+		v->chk[v->nchk++] = (struct kl_vcheck_rec){i, tr->chk[c].dim, tr->chk[c].hi,
+		                                           tr->chk[c].op, tr->chk[c].what};
+	}
 	free(v->in_src);
 	v->in_src = calloc((size_t)(n ? n : 1), sizeof *v->in_src);
 	if (!v->in_src)
@@ -939,6 +959,9 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
 			refine_guards(cs, tr, e->c);
 		ctx->profile_graph = cs->seg;
+		for (int c = 0; st == KL_OK && c < tr->nchk; c++)
+			st = kl__check_values(ctx, tr->chk[c].t, tr->chk[c].hi, tr->chk[c].dim,
+			                      tr->chk[c].op, tr->chk[c].what);
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
 		cs->run_ms += kl__now_ms() - t1;
@@ -1317,7 +1340,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		 * that writes after computing gradients (a training step) need
 		 * fn's trace */
 		if (f->o.fullgraph && !v->replay && (!cs.wrote || (cs.writes_replay && !grads)) &&
-		    !cs.taped &&
+		    !cs.taped && !cs.no_replay &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
@@ -1355,6 +1378,9 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
 			                           : v->captured[-1 - v->in_src[i]];
 		ctx->profile_graph = 0;
+		for (int c = 0; st == KL_OK && c < v->nchk; c++)
+			st = kl__check_values(ctx, gin[v->chk[c].in], v->chk[c].hi, v->chk[c].dim,
+			                      v->chk[c].op, v->chk[c].what);
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, gin, gout);
 		/* the writes in place, as the traced call made them (a cache

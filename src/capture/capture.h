@@ -67,6 +67,15 @@ typedef struct kl_variant {
 	 * (-1 - j: fn input j (j < nin) or captured[j - nin]) */
 	int nw;
 	int32_t *w_src, *w_dst;
+	/* and the value checks it runs first (kl_vcheck): chk[i].in is the graph
+	 * input whose values are checked */
+	struct kl_vcheck_rec {
+		int32_t in;
+		int dim;
+		int64_t hi;
+		const char *op, *what;
+	} *chk;
+	int nchk;
 	/* fn's forward left values on the autograd tape for a kl_backward after
 	 * the call: how many its last traced call kept (the min-cut partition of
 	 * the joint graph), their bytes, and how many the backward computes
