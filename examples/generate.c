@@ -21,9 +21,12 @@
  *    (kl_cache_write, in place) and attends over the cache's first rows
  *    with each row's valid length (kl_sdpa_lengths). One plan per bucket
  *    (on CUDA with reduce-overhead, one CUDA graph per bucket), all made
- *    in a warm-up before the first request.
+ *    in a warm-up before the first request. The decode is .fullgraph:
+ *    after warm-up a step replays its bucket's plan without running
+ *    decode() (the cache writes repeated by the replay; the caches are
+ *    state, so prefills and row moves between steps keep the replay).
  * Printed: tokens per second, per-step decode latency, and the counters
- * after warm-up: recompiles, CUDA graph captures, padded calls.
+ * after warm-up: recompiles, CUDA graph captures, padded calls, replays.
  * --check: every finished request's tokens must equal what a full eager
  * forward over its whole sequence (no cache) picks at each position, and
  * after warm-up no recompile and no capture may happen; else exit 1.
