@@ -220,7 +220,7 @@ static void run_decode(bool read_old, bool full)
 		                    positions(len, R)};
 		kl_tensor *out[2] = {NULL, NULL};
 		assert_int_equal(kl_fn_call(f, in, out), KL_OK);
-		char what[80];
+		char what[128];
 		snprintf(what, sizeof what, "decode step %zu (%d new rows)%s", step, n,
 		         full ? ", fullgraph" : "");
 		assert_true(same_values(out[0], o, R * H * D, what));
@@ -664,7 +664,7 @@ static void test_one_row_fold(void **state)
 			kl_tensor *out = NULL;
 			if (kl_fn_call(f, in, &out) != KL_OK)
 				fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
-			char what[64];
+			char what[128];
 			snprintf(what, sizeof what, "one-row product%s at batch %lld",
 			         sliced ? " (last row of a sequence)" : "", (long long)b);
 			assert_true(same_values(out, ref, b * 40, what));
@@ -812,7 +812,7 @@ static void rows_call(kl_fn *f, const double *cv, int64_t b)
 	kl_tensor *in = from(KL_F32, 2, (int64_t[]){b, 3}, x), *out = NULL;
 	if (kl_fn_call(f, &in, &out) != KL_OK)
 		fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
-	char what[48];
+	char what[96];
 	snprintf(what, sizeof what, "bucketed call at batch %lld", (long long)b);
 	assert_true(same_values(out, want, b * 3, what));
 	kl_release(out);
