@@ -289,7 +289,6 @@ int main(int argc, char **argv)
 	kl_fn *df = kl_compile(ctx, decode, &m, 3, 1,
 	                       &(kl_compile_opts){.mode = mode,
 	                                          .fullgraph = true,
-	                                          .recompile_limit = 64,
 	                                          .nbuckets = KL_BUCKETS_DEFAULT,
 	                                          .bucket_in_dims = (int[]){0, 0, 0},
 	                                          .bucket_out_dims = (int[]){0}});
