@@ -89,12 +89,18 @@ def fmt_us(us):
     return f"{us / 1e3:.3f} ms" if us >= 1000 else f"{us:.1f} us"
 
 
+# the CPU's rates read in GFLOP/s and GB/s (main sets it for --device cpu)
+SMALL_UNITS = [False]
+
+
 def fmt_rate(r):
     """TFLOP/s for the rows that report it (products), else TB/s."""
     tf = num(r, "tflops")
+    bw = num(r, "bw_tbs")
+    if SMALL_UNITS[0]:
+        return f"{tf * 1e3:.4g} GFLOP/s" if tf else (f"{bw * 1e3:.3g} GB/s" if bw else "")
     if tf:
         return f"{tf:.3g} TFLOP/s"
-    bw = num(r, "bw_tbs")
     return f"{bw:.2f} TB/s" if bw else ""
 
 
@@ -104,9 +110,9 @@ def cell(r):
     return f"{fmt_us(num(r, 'median_us'))} {r.get('mode', '')} {fmt_rate(r)}".rstrip()
 
 
-def check(key, kiln_rows, k_best, t_best, peer="torch"):
+def check(key, kiln_rows, k_best, t_best, peer="torch", device="cuda"):
     """(target text, mark) for one workload and shape."""
-    tgt = TARGETS.get(key)
+    tgt = TARGETS.get(key) if device == "cuda" else None  # the GPU's (ANCHORS.md)
     if tgt is None:
         if k_best is None or t_best is None:
             return "", ""
@@ -140,6 +146,7 @@ def main():
     p.add_argument("--peer", help="the peer set against kiln (default: torch; ort on cpu)")
     p.add_argument("files", nargs="+")
     opts = p.parse_args()
+    SMALL_UNITS[0] = opts.device == "cpu"
     main_peer = opts.peer or ("ort" if opts.device == "cpu" else "torch")
     rows, bad = load(opts.files)
     rows = [r for r in rows if r.get("device") == opts.device]
@@ -178,7 +185,7 @@ def main():
             text, mark = "(ANCHORS 4.26 TB/s)", ""
         else:
             k_best, t_best, j_best = best(k_rows), best(t_rows), best(j_rows)
-            text, mark = check(key, k_rows, k_best, t_best, main_peer)
+            text, mark = check(key, k_rows, k_best, t_best, main_peer, opts.device)
         dtype = next((r.get("dtype") for r in k_rows + t_rows + j_rows if r.get("dtype")), "")
 
         def ratio(peer_row):

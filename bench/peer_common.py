@@ -172,11 +172,11 @@ def row(peer, spec, device, mode, ms=None, iters=None, first_call_s=None, kernel
     if ms is not None:
         r["ms"] = round(ms, 6)
         r["iters"] = iters
-        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 4)
+        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 7)
         if spec.memory_bound:
             r["gbps"] = round(spec.bytes / (ms * 1e-3) * 1e-9, 1)
         elif spec.flops:
-            r["tflops"] = round(spec.flops / (ms * 1e-3) * 1e-12, 2)
+            r["tflops"] = round(spec.flops / (ms * 1e-3) * 1e-12, 6)
         if eager_ms:
             r["speedup"] = round(eager_ms / ms, 3)
     if extra:
