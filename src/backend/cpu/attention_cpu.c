@@ -5,15 +5,23 @@
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
  * softmax). Blocks a causal mask hides entirely are never visited. The two
  * products of a block (S = q k^T * scale, acc += P v) are single-threaded
- * BLAS calls inside the parallel region (blas.c). f16, bf16 and f32 compute
+ * BLAS calls inside the chunks of kiln's thread pool (blas.c, pool.c). f16, bf16 and f32 compute
  * in float, f64 in double; the result rounds once.
  */
 #include <cblas.h>
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
+
+typedef struct attn_job {
+	const kl_attn_step *a;
+	kl_dtype dt;
+	const void *q, *k, *v;
+	void *o;
+	_Atomic bool ok;
+} attn_job;
 
 #define BQ 64
 #define BK 128
@@ -44,30 +52,26 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			LOAD(dst + r * cols, at(src, dt, off + r * rs), dt, cs, cols);             \
 	}                                                                                          \
                                                                                                    \
-	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
-	                       const void *V, void *O)                                             \
+	static void chunk_##NAME(void *arg, int64_t lo, int64_t hi)                                \
 	{                                                                                          \
-		int64_t nb = 1;                                                                    \
-		for (int i = 0; i < a->nbatch; i++)                                                \
-			nb *= a->batch[i];                                                         \
-		int64_t nqb = (a->tq + BQ - 1) / BQ, ntask = nb * nqb;                             \
+		attn_job *job = arg;                                                                 \
+		const kl_attn_step *a = job->a;                                                      \
+		kl_dtype dt = job->dt;                                                            \
+		const void *Q = job->q, *K = job->k, *V = job->v;                                      \
+		void *O = job->o;                                                                 \
+		int64_t nqb = (a->tq + BQ - 1) / BQ;                                               \
 		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
-		bool ok = true;                                                                    \
-		_Pragma("omp parallel")                                                            \
 		{                                                                                  \
 			size_t n =                                                                 \
 			        (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ);  \
 			T *buf = malloc(sizeof(T) * n);                                            \
 			if (!buf) {                                                                \
-				_Pragma("omp atomic write") ok = false;                            \
+				atomic_store(&job->ok, false);                                     \
+				return;                                                            \
 			}                                                                          \
 			T *q = buf, *kb = q + BQ * D, *v = kb + BK * D, *s = v + BK * DV;          \
 			T *acc = s + BQ * BK, *m = acc + BQ * DV, *l = m + BQ;                     \
-			_Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < ntask;     \
-			                                             t++)                          \
-			{                                                                          \
-				if (!buf)                                                          \
-					continue;                                                  \
+			for (int64_t t = lo; t < hi; t++) {                                        \
 				int64_t b = t / nqb, q0 = (t % nqb) * BQ;                          \
 				int64_t nq = a->tq - q0 < BQ ? a->tq - q0 : BQ;                    \
 				int64_t qo = a->q_off + batch_off(a, a->q_bs, b),                  \
@@ -136,7 +140,17 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			}                                                                          \
 			free(buf);                                                                 \
 		}                                                                                  \
-		return ok;                                                                         \
+	}                                                                                          \
+                                                                                                   \
+	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
+	                       const void *V, void *O)                                             \
+	{                                                                                          \
+		int64_t nb = 1;                                                                    \
+		for (int i = 0; i < a->nbatch; i++)                                                \
+			nb *= a->batch[i];                                                         \
+		attn_job j = {.a = a, .dt = dt, .q = Q, .k = K, .v = V, .o = O, .ok = true};       \
+		kl__par_for_call(nb *((a->tq + BQ - 1) / BQ), chunk_##NAME, &j);                   \
+		return atomic_load(&j.ok);                                                         \
 	}
 
 static inline float exp_f32(float x)
@@ -195,8 +209,7 @@ kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_t
 		a.v_bs[i] = in[2]->strides[d];
 		a.o_bs[i] = os[d];
 	}
-	if (ctx->nthreads > 0)
-		omp_set_num_threads(ctx->nthreads);
+	kl__par_set_threads(ctx->nthreads);
 	if (!kl__cpu_attention(&a, (kl_dtype)n->dtype, kl__tensor_data(in[0]),
 	                       kl__tensor_data(in[1]), kl__tensor_data(in[2]),
 	                       kl__tensor_data(out)))

@@ -35,6 +35,26 @@ void kl__blas_release(void);
 
 int kl__cpu_threads(const kl_ctx *ctx);
 
+/* kiln's thread pool (pool.c): fn(arg, lo, hi) over chunks covering [0, n),
+ * on at most nt threads, the caller one of them; returns when every chunk has
+ * run. Workers spin briefly, then sleep; a chunk is claimed when a thread
+ * gets to it, so a thread the scheduler holds back leaves its share to the
+ * others. Inside a chunk (or while another thread's region runs) the loop
+ * runs inline on the calling thread. */
+typedef void (*kl_par_fn)(void *arg, int64_t lo, int64_t hi);
+void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg);
+/* whether this thread is running a chunk of a region */
+bool kl__par_active(void);
+/* The generated C's regions (kl__par_for_call, bound into each loaded
+ * binary) use the thread count the executor set for the running call. */
+void kl__par_set_threads(int nt);
+int kl__par_threads(void);
+void kl__par_for_call(int64_t n, kl_par_fn fn, void *arg);
+/* The cores this process may run on: its affinity mask, capped by a cgroup
+ * CPU quota (v2 cpu.max or v1 cfs), at most KL_MAX_THREADS; a context's
+ * default thread count. */
+int kl__cpu_cores(void);
+
 /* The fused optimizer step (optim_cpu.c): kl_backend.optim_step. */
 kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
 

@@ -8,7 +8,7 @@
  * plain arrays that the compiler vectorizes.
  */
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 
 #include "backend/cpu/cpu.h"
 #include "graph/optable.h"
@@ -551,6 +551,19 @@ static bool is_integral(double v)
 	return v == v && v >= -9.2e18 && v <= 9.2e18 && v == (double)(int64_t)v;
 }
 
+typedef struct pw_job {
+	const pw_plan *w;
+	_Atomic int st;
+} pw_job;
+
+static void pw_part(void *arg, int64_t lo, int64_t hi)
+{
+	pw_job *j = arg;
+	kl_status s = pw_range(j->w, lo, hi);
+	if (s != KL_OK)
+		atomic_store(&j->st, (int)s);
+}
+
 kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	const char *name = kl__cpu_opname(n);
@@ -636,15 +649,9 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	int nt = kl__cpu_threads(ctx);
 	kl_status st = KL_OK;
 	if (nt > 1 && total >= KL_CPU_PAR_MIN) {
-#pragma omp parallel num_threads(nt)
-		{
-			int t = omp_get_thread_num(), T = omp_get_num_threads();
-			kl_status s = pw_range(&w, total * t / T, total * (t + 1) / T);
-			if (s != KL_OK) {
-#pragma omp critical(kl_cpu_pw_err)
-				st = s;
-			}
-		}
+		pw_job j = {&w, KL_OK};
+		kl__par_for(nt, total, pw_part, &j);
+		st = (kl_status)atomic_load(&j.st);
 	} else {
 		st = pw_range(&w, 0, total);
 	}
