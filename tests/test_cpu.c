@@ -2,12 +2,15 @@
  * and tensors (strided, broadcast, every dtype) and checked against values
  * computed here in double: the corners the op-level tests reach rarely.
  */
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -1315,6 +1318,81 @@ static void test_backend(void **state)
 	assert_int_equal(bad, 0);
 }
 
+/* ---- the thread pool (pool.c) --------------------------------------------------- */
+
+typedef struct pool_probe {
+	_Atomic int *hits;
+	int nested_nt;
+	_Atomic int nested_bad;
+} pool_probe;
+
+static void count_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	pool_probe *p = arg;
+	for (int64_t i = lo; i < hi; i++)
+		atomic_fetch_add(&p->hits[i], 1);
+	if (p->nested_nt > 1) {
+		/* a region inside a chunk runs whole (inline, when the outer one
+		 * holds the pool) */
+		_Atomic int inner[5] = {0};
+		pool_probe q = {.hits = inner};
+		kl__par_for(p->nested_nt, 5, count_chunk, &q);
+		for (int i = 0; i < 5; i++)
+			if (atomic_load(&inner[i]) != 1)
+				atomic_store(&p->nested_bad, 1);
+	}
+}
+
+/* every index exactly once, for sizes around the chunk counts and thread
+ * counts from 1 to more than the cores; regions back to back (the workers
+ * catch them spinning) and after a pause (they sleep, and are woken) */
+static void pool_check(int nt, int64_t n, int nested)
+{
+	_Atomic int *hits = calloc((size_t)n + 1, sizeof *hits);
+	assert_non_null(hits);
+	pool_probe p = {.hits = hits, .nested_nt = nested};
+	kl__par_for(nt, n, count_chunk, &p);
+	for (int64_t i = 0; i < n; i++)
+		if (atomic_load(&hits[i]) != 1)
+			fail_msg("kl__par_for(%d, %lld): index %lld ran %d times", nt, (long long)n,
+			         (long long)i, atomic_load(&hits[i]));
+	assert_int_equal(atomic_load(&p.nested_bad), 0);
+	assert_false(kl__par_active());
+	free(hits);
+}
+
+static void *pool_caller(void *arg)
+{
+	(void)arg;
+	for (int r = 0; r < 200; r++)
+		pool_check(3, 1 + r % 37, 0);
+	return NULL;
+}
+
+static void test_pool(void **state)
+{
+	(void)state;
+	const int64_t sizes[] = {0, 1, 2, 3, 7, 12, 13, 100, 4097};
+	for (int nt = 1; nt <= 5; nt++)
+		for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+			pool_check(nt, sizes[i], 0);
+	for (int r = 0; r < 500; r++)
+		pool_check(2 + r % 3, 1 + r % 50, r % 7 == 0 ? 3 : 0);
+	struct timespec pause = {0, 2000000}; /* past the spin: workers sleep */
+	for (int r = 0; r < 5; r++) {
+		nanosleep(&pause, NULL);
+		pool_check(3, 64, 0);
+	}
+	/* two callers at once: one region runs, the other inline, both whole */
+	pthread_t t;
+	assert_int_equal(pthread_create(&t, NULL, pool_caller, NULL), 0);
+	pool_caller(NULL);
+	pthread_join(t, NULL);
+	/* the default thread count: the cores this process may use */
+	assert_true(kl__cpu_cores() >= 1 && kl__cpu_cores() <= KL_MAX_THREADS);
+	assert_int_equal(kl__cpu_threads(NULL), kl__cpu_cores());
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1334,6 +1412,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_norms, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_sources, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_backend, setup, teardown),
+		cmocka_unit_test(test_pool),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
