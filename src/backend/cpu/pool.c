@@ -37,6 +37,12 @@
  * before it sleeps: longer than the gap between the regions of one call (a
  * few microseconds of serial glue), short against a scheduler's time slice. */
 #define SPIN_NS 50000
+/* The back-off from the pool on a busy machine (kl__par_for): a wait for
+ * the last chunk past BACKOFF_MIN_NS (and twice the caller's own work)
+ * turns regions serial for BACKOFF_FIRST_NS, doubling to BACKOFF_MAX_NS. */
+#define BACKOFF_MIN_NS 200000
+#define BACKOFF_FIRST_NS 10000000
+#define BACKOFF_MAX_NS 160000000
 /* Chunks per thread of a region: late threads leave their share to others. */
 #define CHUNKS_PER_THREAD 4
 
@@ -51,7 +57,9 @@ static struct {
 	_Atomic uintptr_t fn, arg;
 	_Atomic int64_t n, nchunks;
 	_Atomic uint32_t done; /* chunks finished: the caller sleeps on it */
-	_Atomic int waiting;   /* the caller is asleep (or going to sleep) on done */
+	_Atomic int waiting;    /* the caller is asleep (or going to sleep) on done */
+	int64_t serial_until;   /* regions run on their caller until then (under busy) */
+	int64_t backoff;        /* the last back-off, ns (under busy) */
 } P = {.busy = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER};
 
 static _Thread_local int in_region;
@@ -197,6 +205,12 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 		fn(arg, 0, n);
 		return;
 	}
+	int64_t t0 = now_ns();
+	if (t0 < P.serial_until) { /* backing off: see below */
+		pthread_mutex_unlock(&P.busy);
+		fn(arg, 0, n);
+		return;
+	}
 	int w = grow(nt - 1);
 	if (w <= 0) {
 		pthread_mutex_unlock(&P.busy);
@@ -222,6 +236,7 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 	if (atomic_load(&P.sleepers) > 0)
 		futex_wake(&P.gen, INT_MAX);
 	run_chunks(g);
+	int64_t t1 = now_ns();
 	/* the chunks others claimed: spin, then sleep until the last is done */
 	uint32_t d;
 	while ((d = atomic_load(&P.done)) != (uint32_t)nch) {
@@ -232,6 +247,19 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 		if (d != (uint32_t)nch)
 			futex_wait(&P.done, d);
 		atomic_store(&P.waiting, 0);
+	}
+	/* A caller that waited for the others much longer than it worked is on
+	 * a machine whose cores are taken (a worker was preempted holding a
+	 * chunk): the next regions run on the caller alone for a while, the
+	 * while doubling as long as the machine stays busy, so that a loaded
+	 * machine costs at most about the single-thread time. */
+	int64_t t2 = now_ns(), waited = t2 - t1, worked = t1 - t0;
+	if (waited > BACKOFF_MIN_NS && waited > 2 * worked) {
+		P.backoff = P.backoff ? (P.backoff < BACKOFF_MAX_NS ? 2 * P.backoff : P.backoff)
+		                      : BACKOFF_FIRST_NS;
+		P.serial_until = t2 + P.backoff;
+	} else {
+		P.backoff = 0;
 	}
 	in_region = 0;
 	pthread_mutex_unlock(&P.busy);
