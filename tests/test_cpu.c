@@ -2,6 +2,7 @@
  * and tensors (strided, broadcast, every dtype) and checked against values
  * computed here in double: the corners the op-level tests reach rarely.
  */
+#include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdatomic.h>
@@ -16,6 +17,7 @@
 
 #include "backend/cpu/cpu.h"
 #include "core/core.h"
+#include "core/half.h"
 #include "graph/graph.h"
 
 #define SH(...) ((const int64_t[]){__VA_ARGS__})
@@ -1318,6 +1320,73 @@ static void test_backend(void **state)
 	assert_int_equal(bad, 0);
 }
 
+/* ---- the vectorizable exp and tanh (cpu.h) ------------------------------------------ */
+
+/* |got - want| in units of float's spacing at want (subnormal spacing below
+ * the normals); -1 when got is not the float want rounds to at an extreme
+ * (NaN, infinity, overflow) */
+static double ulps(float got, double want)
+{
+	if (isnan(want))
+		return isnan(got) ? 0 : -1;
+	if (fabs(want) > 0x1.fffffe8p127) /* rounds to infinity */
+		return isinf(got) && (got > 0) == (want > 0) ? 0 : -1;
+	if (isnan(got) || isinf(got))
+		return -1;
+	double a = fabs(want);
+	double spacing = a < 0x1p-126 ? 0x1p-149 : ldexp(1.0, ilogb(a) - 23);
+	return fabs((double)got - want) / spacing;
+}
+
+static void fast_check(const char *what, float (*f)(float), double (*ref)(double), float x,
+                       double max_ulps, double *worst)
+{
+	double u = ulps(f(x), ref((double)x));
+	if (u < 0 || u > max_ulps)
+		fail_msg("%s(%a) = %a, want %a (%g ulps)", what, (double)x, (double)f(x),
+		         ref((double)x), u);
+	if (u > *worst)
+		*worst = u;
+}
+
+static float cpu_expf(float x)
+{
+	return kl__cpu_expf(x);
+}
+
+static float cpu_tanhf(float x)
+{
+	return kl__cpu_tanhf(x);
+}
+
+/* every 61st float bit pattern (both signs, subnormals, the largest), then
+ * the special values: kl__cpu_expf within 2 ulps of e^x (down into the
+ * subnormals, inf past overflow), kl__cpu_tanhf within 3 ulps of tanh */
+static void test_fast_math(void **state)
+{
+	(void)state;
+	double we = 0, wt = 0;
+	for (uint64_t u = 0; u <= 0xffffffffu; u += 61) {
+		float x = kl__bits_f32((uint32_t)u);
+		fast_check("kl__cpu_expf", cpu_expf, exp, x, 2, &we);
+		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, x, 3, &wt);
+	}
+	const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 0x1p-149f, -0x1p-149f,
+	                         0x1p-127f, -0x1p-127f, 0x1p-126f, 0.55f, -0.55f, 0.5499999f,
+	                         9.01f, -9.5f, 88.72f, 88.73f, -87.3f, -103.9f, -104.5f, 3e38f,
+	                         -3e38f, 1e-30f};
+	for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) {
+		fast_check("kl__cpu_expf", cpu_expf, exp, special[i], 2, &we);
+		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, special[i], 3, &wt);
+	}
+	/* signs and exact values where they are exact */
+	assert_true(signbit(kl__cpu_tanhf(-0.0f)) && kl__cpu_tanhf(-0.0f) == 0.0f);
+	assert_true(kl__cpu_tanhf(INFINITY) == 1.0f && kl__cpu_tanhf(-INFINITY) == -1.0f);
+	assert_true(kl__cpu_expf(-INFINITY) == 0.0f && kl__cpu_expf(0.0f) == 1.0f);
+	assert_true(isnan(kl__cpu_expf(NAN)) && isnan(kl__cpu_tanhf(NAN)));
+	print_message("kl__cpu_expf worst %.2f ulps, kl__cpu_tanhf worst %.2f ulps\n", we, wt);
+}
+
 /* ---- the thread pool (pool.c) --------------------------------------------------- */
 
 typedef struct pool_probe {
@@ -1413,6 +1482,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_sources, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_backend, setup, teardown),
 		cmocka_unit_test(test_pool),
+		cmocka_unit_test(test_fast_math),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

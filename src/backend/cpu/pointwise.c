@@ -286,7 +286,7 @@ static bool un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t 
 	case KL_OP_RSQRT: UN_LOOP(float, 1.0f / sqrtf(a)); break;
 	case KL_OP_SIN: UN_LOOP(float, sinf(a)); break;
 	case KL_OP_COS: UN_LOOP(float, cosf(a)); break;
-	case KL_OP_TANH: UN_LOOP(float, tanhf(a)); break;
+	case KL_OP_TANH: UN_LOOP(float, kl__cpu_tanhf(a)); break;
 	case KL_OP_SIGMOID: UN_LOOP(float, sigmoidf_(a)); break;
 	case KL_OP_RELU: UN_LOOP(float, a < 0 ? 0.0f : a); break;
 	case KL_OP_GELU: UN_LOOP(float, 0.5f * a * erfcf(-a * c1)); break;
