@@ -103,23 +103,30 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 						T *si = s + i * BK;                                \
 						int64_t lim =                                      \
 						        a->causal ? q0 + i + lag - k0 : nk - 1;    \
-						T mx = m[i];                                       \
-						for (int64_t j = 0; j < nk; j++) {                 \
-							si[j] = j <= lim ? si[j] : -(T)INFINITY;   \
-							mx = si[j] > mx || si[j] != si[j] ? si[j]  \
-							                                  : mx;    \
-						}                                                  \
-						if (mx == -(T)INFINITY) {                          \
-							/* nothing allowed yet: no share of P v */ \
-							for (int64_t j = 0; j < nk; j++)           \
-								si[j] = 0;                         \
-							continue;                                  \
-						}                                                  \
-						T corr = EXP(m[i] - mx), sum = 0;                  \
-						for (int64_t j = 0; j < nk; j++) {                 \
-							si[j] = EXP(si[j] - mx);                   \
-							sum += si[j];                              \
-						}                                                  \
+						/* the row's max (NaN if any is NaN) and then its                                         \
+						 * exps and their sum, as vector loops */                                                 \
+						T bm = -(T)INFINITY;                                                                      \
+						int nan = 0;                                                                              \
+						_Pragma("omp simd reduction(max:bm) reduction(|:nan)")                                    \
+						for (int64_t j = 0; j < nk; j++) {                                                        \
+							T v_ = j <= lim ? si[j] : -(T)INFINITY;                                                  \
+							si[j] = v_;                                                                              \
+							bm = v_ > bm ? v_ : bm;                                                                  \
+							nan |= v_ != v_;                                                                         \
+						}                                                                                         \
+						T mx = nan ? (T)NAN : bm > m[i] ? bm : m[i];                                              \
+						if (mx == -(T)INFINITY) {                                                                 \
+							/* nothing allowed yet: no share of P v */                                               \
+							for (int64_t j = 0; j < nk; j++)                                                         \
+								si[j] = 0;                                                                              \
+							continue;                                                                                \
+						}                                                                                         \
+						T corr = EXP(m[i] - mx), sum = 0;                                                         \
+						_Pragma("omp simd reduction(+:sum)")                                                      \
+						for (int64_t j = 0; j < nk; j++) {                                                        \
+							si[j] = EXP(si[j] - mx);                                                                 \
+							sum += si[j];                                                                            \
+						}                                                                                         \
 						m[i] = mx;                                         \
 						l[i] = l[i] * corr + sum;                          \
 						T *ai = acc + i * DV;                              \
