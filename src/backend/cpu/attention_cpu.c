@@ -44,7 +44,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 
 /* rows x cols of (base + off) with strides rs, cs into a dense tile; with
  * transposed set the tile is cols x rows */
-#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, F64)                                                \
+#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, EXP_ROW, F64)                                                \
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
@@ -121,12 +121,8 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 								si[j] = 0;                                                                              \
 							continue;                                                                                \
 						}                                                                                         \
-						T corr = EXP(m[i] - mx), sum = 0;                                                         \
-						_Pragma("omp simd reduction(+:sum)")                                                      \
-						for (int64_t j = 0; j < nk; j++) {                                                        \
-							si[j] = EXP(si[j] - mx);                                                                 \
-							sum += si[j];                                                                            \
-						}                                                                                         \
+						T corr = EXP(m[i] - mx);                                                            \
+						T sum = EXP_ROW(si, nk, mx);                                                        \
 						m[i] = mx;                                         \
 						l[i] = l[i] * corr + sum;                          \
 						T *ai = acc + i * DV;                              \
@@ -165,10 +161,37 @@ static inline float exp_f32(float x)
 	return kl__cpu_expf(x);
 }
 
+/* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop:
+ * built for AVX-512 and AVX2+FMA beside the baseline the library is compiled
+ * for, the CPU picking one at load time (GCC's target_clones). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+static float exp_row_f32(float *s, int64_t n, float mx)
+{
+	float sum = 0;
+	_Pragma("omp simd reduction(+:sum)")
+	for (int64_t j = 0; j < n; j++) {
+		s[j] = kl__cpu_expf(s[j] - mx);
+		sum += s[j];
+	}
+	return sum;
+}
+
+static double exp_row_f64(double *s, int64_t n, double mx)
+{
+	double sum = 0;
+	for (int64_t j = 0; j < n; j++) {
+		s[j] = exp(s[j] - mx);
+		sum += s[j];
+	}
+	return sum;
+}
+
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, false)
-ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, true)
+ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, exp_row_f32, false)
+ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, exp_row_f64, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o)
