@@ -161,13 +161,9 @@ static inline float exp_f32(float x)
 	return kl__cpu_expf(x);
 }
 
-/* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop:
- * built for AVX-512 and AVX2+FMA beside the baseline the library is compiled
- * for, the CPU picking one at load time (GCC's target_clones). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-static float exp_row_f32(float *s, int64_t n, float mx)
+/* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop,
+ * built for the wider vector units too (KL_CPU_CLONES). */
+KL_CPU_CLONES static float exp_row_f32(float *s, int64_t n, float mx)
 {
 	float sum = 0;
 	_Pragma("omp simd reduction(+:sum)")

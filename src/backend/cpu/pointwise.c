@@ -273,7 +273,8 @@ static inline double sigmoid_(double a)
 	return a >= 0 ? r : e * r;
 }
 
-static bool un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t n)
+KL_CPU_CLONES static bool un_f32(const pw_plan *w, const float *A, float *restrict O,
+                                 int64_t n)
 {
 	const float c1 = (float)kl_sqrt1_2, c2 = (float)kl_sqrt2_pi;
 	float lo = w->sf[0], hi = w->sf[1];
