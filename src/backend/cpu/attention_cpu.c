@@ -44,7 +44,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 
 /* rows x cols of (base + off) with strides rs, cs into a dense tile; with
  * transposed set the tile is cols x rows */
-#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, EXP_ROW, F64)                                                \
+#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, EXP_ROW, F64)                                       \
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
@@ -54,11 +54,11 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
                                                                                                    \
 	static void chunk_##NAME(void *arg, int64_t lo, int64_t hi)                                \
 	{                                                                                          \
-		attn_job *job = arg;                                                                 \
-		const kl_attn_step *a = job->a;                                                      \
-		kl_dtype dt = job->dt;                                                            \
-		const void *Q = job->q, *K = job->k, *V = job->v;                                      \
-		void *O = job->o;                                                                 \
+		attn_job *job = arg;                                                               \
+		const kl_attn_step *a = job->a;                                                    \
+		kl_dtype dt = job->dt;                                                             \
+		const void *Q = job->q, *K = job->k, *V = job->v;                                  \
+		void *O = job->o;                                                                  \
 		int64_t nqb = (a->tq + BQ - 1) / BQ;                                               \
 		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
 		{                                                                                  \
@@ -103,26 +103,26 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 						T *si = s + i * BK;                                \
 						int64_t lim =                                      \
 						        a->causal ? q0 + i + lag - k0 : nk - 1;    \
-						/* the row's max (NaN if any is NaN) and then its                                         \
-						 * exps and their sum, as vector loops */                                                 \
-						T bm = -(T)INFINITY;                                                                      \
-						int nan = 0;                                                                              \
-						_Pragma("omp simd reduction(max:bm) reduction(|:nan)")                                    \
-						for (int64_t j = 0; j < nk; j++) {                                                        \
-							T v_ = j <= lim ? si[j] : -(T)INFINITY;                                                  \
-							si[j] = v_;                                                                              \
-							bm = v_ > bm ? v_ : bm;                                                                  \
-							nan |= v_ != v_;                                                                         \
-						}                                                                                         \
-						T mx = nan ? (T)NAN : bm > m[i] ? bm : m[i];                                              \
-						if (mx == -(T)INFINITY) {                                                                 \
-							/* nothing allowed yet: no share of P v */                                               \
-							for (int64_t j = 0; j < nk; j++)                                                         \
-								si[j] = 0;                                                                              \
-							continue;                                                                                \
-						}                                                                                         \
-						T corr = EXP(m[i] - mx);                                                            \
-						T sum = EXP_ROW(si, nk, mx);                                                        \
+						/* the row's max (NaN if any is NaN) and then its  \
+						 * exps and their sum, as vector loops */          \
+						T bm = -(T)INFINITY;                               \
+						int nan = 0;                                       \
+						_Pragma("omp simd reduction(max:bm) reduction(|:nan)") \
+						for (int64_t j = 0; j < nk; j++) {                 \
+							T v_ = j <= lim ? si[j] : -(T)INFINITY;    \
+							si[j] = v_;                                \
+							bm = v_ > bm ? v_ : bm;                    \
+							nan |= v_ != v_;                           \
+						}                                                  \
+						T mx = nan ? (T)NAN : bm > m[i] ? bm : m[i];       \
+						if (mx == -(T)INFINITY) {                          \
+							/* nothing allowed yet: no share of P v */ \
+							for (int64_t j = 0; j < nk; j++)           \
+								si[j] = 0;                         \
+							continue;                                  \
+						}                                                  \
+						T corr = EXP(m[i] - mx);                           \
+						T sum = EXP_ROW(si, nk, mx);                       \
 						m[i] = mx;                                         \
 						l[i] = l[i] * corr + sum;                          \
 						T *ai = acc + i * DV;                              \
