@@ -270,7 +270,7 @@ out:
  * in its own pair of processes with its own empty cache. */
 int kt_cold_main(const kt_opts *o)
 {
-	int n, failures = 0;
+	int n, failures = 0, printed = 0;
 	cold_workload(o, 0, &n);
 	for (int i = 0; i < n; i++) {
 		const kt_workload *w = cold_workload(o, i, &n);
@@ -280,9 +280,11 @@ int kt_cold_main(const kt_opts *o)
 			failures++;
 			continue;
 		}
-		if (i && !o->json)
+		if (printed && !o->json)
 			printf("\n");
-		failures += cold_one(o, w);
+		int rc = cold_one(o, w);
+		failures += rc;
+		printed += !rc;
 	}
 	return failures ? 1 : 0;
 }
