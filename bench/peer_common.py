@@ -22,7 +22,16 @@ MAX_BATCH = 1000
 BATCH_MS = 2.0
 
 MEMORY_BOUND = ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
-                "rms_norm", "rms_norm_prims", "decoder_token")
+                "rms_norm", "rms_norm_prims", "decoder_token", "adamw")
+# issue 21's rows: a training step, the optimizer alone, attention's backward
+TRAIN = ("train_decoder", "adamw", "attention_bwd", "attention_bwd_causal")
+TRAIN_LR = 1e-4  # the training step's AdamW learning rate (torch's other defaults)
+
+
+def decoder_params(d, f):
+    """The DecoderLayer's parameter count: in-projection and out-projection
+    with biases, two RMSNorm weights, the SwiGLU FeedForward."""
+    return 4 * d * d + 3 * d * f + 6 * d
 EPS = 1e-5
 
 
@@ -75,6 +84,32 @@ class Spec:
             self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
             self.bytes = (2 * n * dim + 4 * dim * dim + 3 * dim * f + 6 * dim) * es
             self.flops = 8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f
+        elif name == "train_decoder":
+            # the seed's step on decoder_layer's problem: three times the
+            # forward's products; x and the label read, and per parameter
+            # the forward's read, the gradient written, AdamW's 7 elements
+            b, t, dim, h, f = d
+            n = b * t
+            self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
+            self.bytes = (2 * n * dim + 9 * decoder_params(dim, f)) * es
+            self.flops = 3.0 * (8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f)
+        elif name == "adamw":
+            # AdamW alone over the DecoderLayer's parameters: parameter and two
+            # moments read and written, the gradient read
+            b, t, dim, h, f = d
+            p = decoder_params(dim, f)
+            self.shape = f"{p} params,d{dim},ffn{f}"
+            self.bytes, self.flops = 7 * p * es, 12.0 * p
+        elif name in ("attention_bwd", "attention_bwd_causal"):
+            # forward + backward: 3.5 times the forward's FLOPs; q, k, v, the
+            # output and its cotangent read, the output and three gradients
+            # written
+            b, h, t, hd = d
+            self.shape = f"{b}x{h}x{t}x{hd}"
+            qkv = b * h * t * hd
+            self.bytes = 9 * qkv * es
+            self.flops = (3.5 * (0.5 if name == "attention_bwd_causal" else 1.0) *
+                          4.0 * qkv * t)
         elif name == "mlp24":
             b, dim, layers = d
             self.shape = f"{layers}x({b}x{dim})"
@@ -106,6 +141,8 @@ def specs(quick):
     out += [Spec(n, "bf16", attn) for n in ("attention", "attention_causal")]
     out.append(Spec("decoder_layer", "bf16", layer))
     out.append(Spec("decoder_token", "bf16", token))
+    out += [Spec(n, "bf16", layer) for n in ("train_decoder", "adamw")]
+    out += [Spec(n, "bf16", attn) for n in ("attention_bwd", "attention_bwd_causal")]
     return out
 
 
