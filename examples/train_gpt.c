@@ -346,6 +346,17 @@ static int save_ckpt(gpt *m, kl_ctx *ctx, const char *path, int next_step)
 	return 0;
 }
 
+/* "f32 [256, 64]" */
+static void shape_text(const kl_tensor *t, char *buf, size_t cap)
+{
+	int at = snprintf(buf, cap, "%s [", kl_dtype_name(kl_tensor_dtype(t)));
+	for (int k = 0; k < kl_ndim(t) && at > 0 && (size_t)at < cap; k++)
+		at += snprintf(buf + at, cap - (size_t)at, "%s%lld", k ? ", " : "",
+		               (long long)kl_dim(t, k));
+	if (at > 0 && (size_t)at < cap)
+		snprintf(buf + at, cap - (size_t)at, "]");
+}
+
 /* Loads a checkpoint into m: every parameter present with this model's shape
  * and dtype, and a step in [0, steps], all checked before anything is
  * written. *next_step: the step to continue at. */
@@ -374,11 +385,12 @@ static int load_ckpt(gpt *m, kl_ctx *ctx, const char *path, int *next_step)
 		for (int k = 0; same && k < kl_ndim(got[i]); k++)
 			same = kl_dim(got[i], k) == kl_dim(m->p[i], k);
 		if (!same) {
-			fprintf(stderr, "train_gpt: --resume: %s in %s is %s [%lld, ...], this model's "
-			                "%s [%lld, ...] (check --d-model, --seq, --dtype)\n",
-			        m->names[i], path, kl_dtype_name(kl_tensor_dtype(got[i])),
-			        (long long)kl_dim(got[i], 0), kl_dtype_name(kl_tensor_dtype(m->p[i])),
-			        (long long)kl_dim(m->p[i], 0));
+			char have[64], want[64];
+			shape_text(got[i], have, sizeof have);
+			shape_text(m->p[i], want, sizeof want);
+			fprintf(stderr, "train_gpt: --resume: %s in %s is %s, this model's %s (check "
+			                "--d-model, --seq, --dtype)\n",
+			        m->names[i], path, have, want);
 			goto out;
 		}
 	}
