@@ -255,7 +255,7 @@ if [[ $skip != *,peer,* ]]; then
 	grep -h "skipped" "$logs/peer_torch.log" 2>/dev/null | head -1 | sed 's/^/[gpu-check] /'
 fi
 if [[ $skip != *,jax,* ]]; then
-	jsonl_stage peer_jax 90 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
+	jsonl_stage peer_jax 120 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
 		say "peer_jax did not complete: see peer_jax.log"
 fi
 
