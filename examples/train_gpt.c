@@ -5,7 +5,8 @@
  * wide, a last LayerNorm, the output head tied to the token embedding), the
  * loss cross-entropy over the next byte, AdamW with a linear warm-up and a
  * cosine decay of the learning rate and the gradients clipped to a global
- * norm. The whole step (forward, loss, backward, clipping, the update) is one
+ * norm (weight decay on every parameter: one parameter group). The whole
+ * step (forward, loss, backward, clipping, the update) is one
  * compiled function; the learning rate is a device scalar written before
  * each call, so the schedule never recompiles.
  *
