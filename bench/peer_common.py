@@ -24,7 +24,8 @@ BATCH_MS = 2.0
 MEMORY_BOUND = ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
                 "rms_norm", "rms_norm_prims", "decoder_token", "adamw")
 # issue 21's rows: a training step, the optimizer alone, attention's backward
-TRAIN = ("train_decoder", "adamw", "attention_bwd", "attention_bwd_causal")
+TRAIN = ("train_decoder", "adamw", "attention_bwd", "attention_bwd_causal", "train_gpt")
+GPT_VOCAB = 256  # examples/train_gpt.c: byte-level
 TRAIN_LR = 1e-4  # the training step's AdamW learning rate (torch's other defaults)
 
 
@@ -110,6 +111,17 @@ class Spec:
             self.bytes = 9 * qkv * es
             self.flops = (3.5 * (0.5 if name == "attention_bwd_causal" else 1.0) *
                           4.0 * qkv * t)
+        elif name == "train_gpt":
+            # examples/train_gpt.c's model (--json prints the same shape and
+            # FLOPs): layers, d_model, heads, seq, batch; a step's products
+            # (six FLOPs per block or head parameter a token) and causal
+            # attention's (6 B T^2 d a layer with the backward)
+            layers, dim, h, t, b = d
+            self.shape = f"L{layers},d{dim},h{h},seq{t},b{b}"
+            tok = b * t
+            self.bytes = None
+            self.flops = (6.0 * tok * (12 * layers * dim * dim + GPT_VOCAB * dim) +
+                          6.0 * layers * b * t * t * dim)
         elif name == "mlp24":
             b, dim, layers = d
             self.shape = f"{layers}x({b}x{dim})"
@@ -143,6 +155,8 @@ def specs(quick):
     out.append(Spec("decoder_token", "bf16", token))
     out += [Spec(n, "bf16", layer) for n in ("train_decoder", "adamw")]
     out += [Spec(n, "bf16", attn) for n in ("attention_bwd", "attention_bwd_causal")]
+    # GPT-2 small's shape, byte-level (examples/train_gpt.c)
+    out.append(Spec("train_gpt", "bf16", (2, 64, 4, 64, 4) if quick else (12, 768, 12, 1024, 8)))
     return out
 
 
@@ -192,7 +206,10 @@ def row(peer, spec, device, mode, ms=None, iters=None, first_call_s=None, kernel
     if ms is not None:
         r["ms"] = round(ms, 6)
         r["iters"] = iters
-        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 4)
+        if spec.bytes:
+            r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 4)
+        if spec.name == "train_gpt":
+            r["tokens_per_s"] = round(spec.dims[3] * spec.dims[4] / (ms * 1e-3), 1)
         if spec.memory_bound:
             r["gbps"] = round(spec.bytes / (ms * 1e-3) * 1e-9, 1)
         elif spec.flops:

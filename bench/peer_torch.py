@@ -27,7 +27,10 @@ torch.compile); adamw is the fused AdamW's step alone over the DecoderLayer's
 parameters with fixed gradients ("eager"); attention_bwd and
 attention_bwd_causal are F.scaled_dot_product_attention forward and
 backward (q, k, v leaves, the output's cotangent given), eager and with
-the forward under torch.compile (its backward compiled by AOTAutograd).
+the forward under torch.compile (its backward compiled by AOTAutograd);
+train_gpt is examples/train_gpt.c's GPT at GPT-2 small's shape (12 layers,
+d 768, 12 heads, seq 1024, batch 8, bytes as tokens), eager and
+torch.compile default, its tokens_per_s beside the row's time.
 
 Without PyTorch (or without CUDA, unless --device cpu) it says so on stderr
 and exits 0. --quick shrinks every size; --device cpu runs on the CPU with
@@ -48,6 +51,8 @@ def default_modes(spec):
         return ["copy"]
     if spec.name == "train_decoder":
         return ["eager", "default", "compiled-step"]
+    if spec.name == "train_gpt":
+        return ["eager", "default"]
     if spec.name == "adamw":
         return ["eager"]
     if spec.name in ("attention_bwd", "attention_bwd_causal"):
@@ -65,6 +70,8 @@ def mode_applies(spec, mode):
     eagerly (torch's fused AdamW); compiled-step is the training step's."""
     if spec.name == "adamw":
         return mode == "eager"
+    if spec.name == "train_gpt":
+        return mode in ("eager", "default", "reduce-overhead")
     return mode != "compiled-step" or spec.name == "train_decoder"
 
 
@@ -189,11 +196,13 @@ def make_train(torch, spec, dev, mode):
             o.backward(cot)
             return o
         return call
+    cuda = dev == "cuda"
+    if n == "train_gpt":
+        return make_gpt_step(torch, spec, dev, dt, mode, cuda)
     b, t, d, h, f = spec.dims
     _, DecoderLayer = seed_modules(torch, d, h, f)
     torch.manual_seed(0)
     model = DecoderLayer().to(device=dev, dtype=dt).train()
-    cuda = dev == "cuda"
     if n == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=pc.TRAIN_LR, fused=cuda)
         for p in model.parameters():
@@ -222,6 +231,63 @@ def make_train(torch, spec, dev, mode):
         loss = F.mse_loss(fwd(x), label)
         loss.backward()
         opt_step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return call
+
+
+def make_gpt_step(torch, spec, dev, dt, mode, cuda):
+    """examples/train_gpt.c's step in torch: the same GPT (token and position
+    embeddings, pre-norm blocks of LayerNorm with bias, causal SDPA over a
+    fused qkv product, a tanh-GELU MLP, the head tied to the embedding),
+    cross-entropy over bytes, gradients clipped to norm 1, fused AdamW
+    (weight decay 0.1, a constant lr: a schedule costs nothing a step)."""
+    nn, F = torch.nn, torch.nn.functional
+    layers, d, h, t, b = spec.dims
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (a.view(b, t, h, d // h).transpose(1, 2) for a in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(pc.GPT_VOCAB, d)
+            self.wpe = nn.Embedding(t, d)
+            self.h = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+            for blk in self.h:
+                x = blk(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.view(-1, pc.GPT_VOCAB), targets.view(-1))
+
+    torch.manual_seed(0)
+    model = GPT().to(device=dev, dtype=dt).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.randint(0, pc.GPT_VOCAB, (b, t), device=dev, generator=g)
+    tgt = torch.randint(0, pc.GPT_VOCAB, (b, t), device=dev, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=cuda)
+    fwd = model if mode == "eager" else torch.compile(
+        model, mode=None if mode == "default" else mode)
+
+    def call():
+        loss = fwd(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
     return call

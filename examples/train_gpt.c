@@ -14,7 +14,7 @@
  *             [--seq N] [--batch N] [--lr X] [--min-lr X] [--warmup N]
  *             [--clip X] [--weight-decay X] [--seed N] [--device cpu|cuda]
  *             [--dtype f32|bf16] [--print-every N] [--eager]
- *             [--save PATH] [--save-at N] [--resume PATH] [--check]
+ *             [--save PATH] [--save-at N] [--resume PATH] [--check] [--json]
  *
  * Batches are drawn at offsets that depend only on (seed, step, row), so a
  * run resumed at step k sees the batches the uninterrupted run saw.
@@ -27,6 +27,11 @@
  * checkpoint in a fresh context and train to the end; exit 1 unless the
  * resumed losses equal the uninterrupted run's bitwise and the loss fell (the
  * mean of the last 10 steps at most 0.8 of the first step's).
+ * --json: the progress lines go to stderr and stdout gets one JSON line with
+ * the keys of `kiln bench --json` (workload "train_gpt", the median step as
+ * median_us, tokens_per_s from it, the first step as first_call_s, the peak
+ * memory), which bench/compare.py sets beside bench/peer_torch.py's same
+ * model.
  */
 #include <kiln.h>
 
@@ -54,7 +59,7 @@ typedef struct opts {
 	uint64_t seed;
 	kl_device device;
 	kl_dtype dtype;
-	bool eager, check;
+	bool eager, check, json;
 } opts;
 
 /* The model: params[] in GPT-2's state-dict order; wte, wpe, then each
@@ -428,6 +433,44 @@ out:
 
 /* ---- the loop -------------------------------------------------------------- */
 
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* --json: one line with `kiln bench --json`'s keys. FLOPs of a step: six per
+ * parameter a token in the blocks' products and the tied head, and the
+ * causal attention's products (forward 2 B T^2 d a layer, three times with
+ * the backward). */
+static void print_json(const opts *o, kl_ctx *ctx, double *ms, int n, double first_loss,
+                       double last_loss)
+{
+	double first = ms[0];
+	double med = first;
+	if (n > 1) {
+		qsort(ms + 1, (size_t)n - 1, sizeof *ms, cmp_double);
+		int k = n - 1;
+		med = k % 2 ? ms[1 + k / 2] : 0.5 * (ms[k / 2] + ms[1 + k / 2]);
+	}
+	double tok = (double)o->batch * (double)o->seq, d = (double)o->d, l = (double)o->layers;
+	double flops = 6 * tok * (12 * l * d * d + VOCAB * d) +
+	               6 * l * (double)o->batch * (double)o->seq * (double)o->seq * d;
+	kl_memory_usage mu = {0};
+	kl_memory_stats(ctx, &mu);
+	printf("{\"workload\":\"train_gpt\",\"device\":\"%s\",\"dtype\":\"%s\","
+	       "\"shape\":\"L%lld,d%lld,h%lld,seq%lld,b%lld\",\"mode\":\"%s\","
+	       "\"median_us\":%.6g,\"ms\":%.6g,\"iters\":%d,\"first_call_s\":%.6g,"
+	       "\"kernels\":null,\"bytes\":null,\"flops\":%.0f,\"bw_tbs\":null,"
+	       "\"tflops\":%.6g,\"tokens_per_s\":%.6g,\"loss_first\":%.6g,\"loss_last\":%.6g,"
+	       "\"peak_bytes\":%zu}\n",
+	       o->device == KL_CUDA ? "cuda" : "cpu", kl_dtype_name(o->dtype), (long long)o->layers,
+	       (long long)o->d, (long long)o->heads, (long long)o->seq, (long long)o->batch,
+	       o->eager ? "eager" : "default", med * 1e3, med, n - 1, first * 1e-3, flops,
+	       flops / (med * 1e-3) * 1e-12, tok / (med * 1e-3), first_loss, last_loss, mu.peak);
+	fflush(stdout);
+}
+
 /* Train from step `from` (0, or the checkpoint's with resume) to `to`;
  * losses[s] for each step run. save: after step save_at - 1 (or at the end,
  * save_at <= 0). */
@@ -441,6 +484,7 @@ static int train(const opts *o, const text *data, const char *resume, const char
 	}
 	gpt m;
 	int rc = 1, from = 0;
+	double *step_ms = NULL;
 	kl_fn *f = NULL;
 	int64_t *x = malloc(sizeof *x * (size_t)(o->batch * o->seq));
 	int64_t *y = malloc(sizeof *y * (size_t)(o->batch * o->seq));
@@ -458,11 +502,12 @@ static int train(const opts *o, const text *data, const char *resume, const char
 		fprintf(stderr, "train_gpt: kl_compile: %s\n", kl_last_error(ctx));
 		goto free_model;
 	}
+	FILE *log = o->json ? stderr : stdout;
 	if (!quiet) {
 		int64_t np = 0;
 		for (int i = 0; i < m.n; i++)
 			np += kl_numel(m.p[i]);
-		printf("train_gpt: %lld parameters (%lld layers, d %lld, %lld heads, seq %lld), "
+		fprintf(log, "train_gpt: %lld parameters (%lld layers, d %lld, %lld heads, seq %lld), "
 		       "batch %lld, %s, %s; %zu bytes of text; steps %d to %d\n",
 		       (long long)np, (long long)o->layers, (long long)o->d, (long long)o->heads,
 		       (long long)o->seq, (long long)o->batch, kl_dtype_name(o->dtype),
@@ -470,8 +515,12 @@ static int train(const opts *o, const text *data, const char *resume, const char
 	}
 	int64_t xs[2] = {o->batch, o->seq}, ys = o->batch * o->seq;
 	size_t nb = sizeof *x * (size_t)ys;
-	double t0 = now_ms(), tw = t0;
+	double t0 = now_ms(), tw = t0, ts = t0;
 	int timed = 0;
+	if (!(step_ms = malloc(sizeof *step_ms * (size_t)(to - from + 1)))) {
+		fprintf(stderr, "train_gpt: out of memory\n");
+		goto free_model;
+	}
 	for (int s = from; s < to; s++) {
 		batch_at(data, o, s, x, y);
 		kl_tensor *in[2] = {kl_from_host(ctx, KL_I64, 2, xs, x, nb),
@@ -493,13 +542,16 @@ static int train(const opts *o, const text *data, const char *resume, const char
 			fprintf(stderr, "train_gpt: step %d: %s\n", s, kl_last_error(ctx));
 			goto free_model;
 		}
+		double te = now_ms();
+		step_ms[s - from] = te - ts;
+		ts = te;
 		if (s == from) /* the first step compiles: tokens/s from the second on */
-			tw = now_ms();
+			tw = te;
 		else
 			timed++;
 		if (!quiet && ((s - from) % o->print_every == 0 || s == to - 1)) {
 			double el = now_ms() - tw;
-			printf("step %5d  loss %.4f  grad norm %.3f  lr %.2e  %.0f tokens/s\n", s,
+			fprintf(log, "step %5d  loss %.4f  grad norm %.3f  lr %.2e  %.0f tokens/s\n", s,
 			       losses[s], norm, lr_at(o, s),
 			       timed ? (double)timed * (double)ys / (el * 1e-3) : 0.0);
 		}
@@ -509,10 +561,13 @@ static int train(const opts *o, const text *data, const char *resume, const char
 	if (save && save_at <= 0 && save_ckpt(&m, ctx, save, to))
 		goto free_model;
 	if (!quiet)
-		printf("%d steps in %.1f s (the first with its compile %.1f s)\n", to - from,
-		       (now_ms() - t0) * 1e-3, (tw - t0) * 1e-3);
+		fprintf(log, "%d steps in %.1f s (the first with its compile %.1f s)\n", to - from,
+		        (now_ms() - t0) * 1e-3, (tw - t0) * 1e-3);
+	if (!quiet && o->json)
+		print_json(o, ctx, step_ms, to - from, losses[from], losses[to - 1]);
 	rc = 0;
 free_model:
+	free(step_ms);
 	kl_fn_free(f);
 	gpt_free(&m);
 done:
@@ -556,7 +611,7 @@ static void usage(void)
 	                "  [--lr X] [--min-lr X] [--warmup N] [--clip X] [--weight-decay X] "
 	                "[--seed N]\n"
 	                "  [--device cpu|cuda] [--dtype f32|bf16] [--print-every N] [--eager]\n"
-	                "  [--save PATH] [--save-at N] [--resume PATH] [--check]\n");
+	                "  [--save PATH] [--save-at N] [--resume PATH] [--check] [--json]\n");
 }
 
 int main(int argc, char **argv)
@@ -566,8 +621,9 @@ int main(int argc, char **argv)
 	          .weight_decay = 0.1, .seed = 1, .device = KL_CPU, .dtype = KL_F32};
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-		if (!strcmp(a, "--eager") || !strcmp(a, "--check")) {
-			*(!strcmp(a, "--eager") ? &o.eager : &o.check) = true;
+		if (!strcmp(a, "--eager") || !strcmp(a, "--check") || !strcmp(a, "--json")) {
+			*(!strcmp(a, "--eager") ? &o.eager : !strcmp(a, "--check") ? &o.check : &o.json) =
+			        true;
 			continue;
 		}
 		if (!strcmp(a, "--help") || !strcmp(a, "-h")) {

@@ -21,7 +21,8 @@
 # to 275 s of the budget: GPU_CHECK_SKIP=sanitize gives them that time back.
 #
 # Environment: GPU_CHECK_QUICK=1 (peers at small sizes), GPU_CHECK_SKIP=
-# bench,cold,peer,jax,sanitize (stages to leave out), GPU_CHECK_JOBS (default 16),
+# bench,cold,gpt,peer,jax,sanitize (stages to leave out; gpt: examples/train_gpt
+# at GPT-2 small's shape, --json, beside the torch peer's train_gpt rows), GPU_CHECK_JOBS (default 16),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 460), GPU_CHECK_CMAKE_ARGS
 # (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit),
 # GPU_CHECK_PROBES=1 (also build and run each bench/probes/*.cu with nvcc,
@@ -246,6 +247,15 @@ if [[ $skip != *,cold,* ]]; then
 	jsonl_stage kiln_cold_cuda 90 "$build/kiln" bench --device cuda --cold --json ||
 		say "kiln bench --device cuda --cold did not complete: see kiln_cold_cuda.log"
 fi
+# the byte-level GPT at GPT-2 small's shape (12 layers, d 768, 12 heads,
+# seq 1024, batch 8, bf16): tokens/s, one JSON line (its progress in the log)
+if [[ $skip != *,gpt,* ]]; then
+	gpt_shape=(--layers 12 --d-model 768 --heads 12 --seq 1024 --batch 8)
+	[[ ${GPU_CHECK_QUICK:-0} == 1 ]] && gpt_shape=(--layers 2 --d-model 64 --heads 4 --seq 64 --batch 4)
+	jsonl_stage kiln_gpt_cuda 120 "$build/train_gpt" "$root/tests/data/tiny.txt" "${gpt_shape[@]}" --dtype bf16 \
+		--device cuda --steps 30 --warmup 5 --json ||
+		say "train_gpt did not complete: see kiln_gpt_cuda.log"
+fi
 [[ ${GPU_CHECK_QUICK:-0} == 1 ]] && peer_args+=(--quick)
 # torch: the training rows compile the DecoderLayer's step three ways
 # (torch.compile's default, and with the optimizer's step compiled): 360 s
@@ -287,7 +297,7 @@ fi
 	grep -E "\(Failed\)|\(Timeout\)" "$logs/ctest.log" 2>/dev/null | head -12
 	echo
 	jsonl=()
-	for f in kiln_bench_cuda kiln_cold_cuda peer_torch peer_jax; do
+	for f in kiln_bench_cuda kiln_cold_cuda kiln_gpt_cuda peer_torch peer_jax; do
 		[[ -s $logs/$f.jsonl ]] && jsonl+=("$logs/$f.jsonl")
 	done
 	if ((${#jsonl[@]})); then
