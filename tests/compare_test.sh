@@ -137,6 +137,7 @@ td='4x1024x2048,h16,ffn8192'
 	echo '{"workload":"adamw","device":"cuda","dtype":"bf16","shape":"67121152 params,d2048,ffn8192","mode":"eager","median_us":260.0,"first_call_s":0.01,"kernels":null,"bytes":939696128,"flops":1,"bw_tbs":3.61,"gbps":3614,"copy_gbps":4130,"bw_frac":0.875,"peak_bytes":3000000000}'
 	kiln_row attention_bwd 4x16x1024x128 bf16 default 300.0 0.5 400
 	kiln_row attention_bwd_causal 4x16x1024x128 bf16 default 200.0 0.7 300
+	echo '{"workload":"train_gpt","device":"cuda","dtype":"bf16","shape":"L12,d768,h12,seq1024,b8","mode":"default","median_us":50000,"ms":50,"iters":29,"first_call_s":3.0,"kernels":null,"bytes":null,"flops":1e15,"bw_tbs":null,"tflops":20,"tokens_per_s":163840,"peak_bytes":1}'
 	echo '{"workload":"train_decoder","device":"cuda","dtype":"bf16","shape":"'"$td"'","mode":"cold_compile","median_us":null,"first_call_s":0.8,"kernels":60}'
 	echo '{"workload":"train_decoder","device":"cuda","dtype":"bf16","shape":"'"$td"'","mode":"warm_process","median_us":null,"first_call_s":0.06,"kernels":60}'
 } >"$work/kiln_train.jsonl"
@@ -146,6 +147,7 @@ td='4x1024x2048,h16,ffn8192'
 	peer_row torch train_decoder "$td" bf16 compiled-step 3400.0 0.3
 	peer_row torch attention_bwd 4x16x1024x128 bf16 eager 290.0 0.5
 	peer_row torch attention_bwd_causal 4x16x1024x128 bf16 eager 180.0 0.8
+	peer_row torch train_gpt L12,d768,h12,seq1024,b8 bf16 default 60000.0 null
 } >"$work/torch_train.jsonl"
 "$py" "$cmp" "$work/kiln_train.jsonl" "$work/torch_train.jsonl" >"$work/out" || fail "exit $? (training)"
 has '^train_decoder +4x1024x2048,h16,ffn8192 +bf16 +2\.800 ms reduce-overhead 626 TFLOP/s +3\.400 ms compiled-step 0\.30 TB/s +1\.21x +<= 2\.9 ms +✔$'
@@ -153,6 +155,8 @@ has '^adamw +67121152 params,d2048,ffn8192 +bf16 +260\.0 us eager 3\.61 TB/s +- 
 has '^attention_bwd +4x16x1024x128 +bf16 +300\.0 us default 400 TFLOP/s +290\.0 us eager 0\.50 TB/s +0\.97x +>= 0\.95x torch +✔ \(0\.97x\)$'
 has '^attention_bwd_causal +4x16x1024x128 +bf16 +200\.0 us default 300 TFLOP/s +180\.0 us eager 0\.80 TB/s +0\.90x +>= 0\.95x torch +✘ \(0\.90x\)$'
 has '^train_decoder peak memory +4x1024x2048,h16,ffn8192 +bf16 +900 MiB reduce-overhead +983 MiB default +0\.92x +<= torch default +✔$'
+# examples/train_gpt.c --json beside the torch peer's same model: 1.2x its speed, met
+has '^train_gpt +L12,d768,h12,seq1024,b8 +bf16 +50\.000 ms default 20 TFLOP/s +60\.000 ms default +1\.20x +>= 1\.1x torch +✔ \(1\.20x\)$'
 has '^train_decoder cold compile +4x1024x2048,h16,ffn8192 +bf16 +800\.0 ms first call +9\.10 s default first call +11\.4x +<= 1 s +✔$'
 has '^train_decoder warm process +4x1024x2048,h16,ffn8192 +bf16 +60\.0 ms first call +- +- +<= 50 ms +✘$'
 # AdamW without bw_frac: its gbps over the run's copy row (3614 / 4130 GB/s)
