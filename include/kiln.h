@@ -225,8 +225,8 @@ kl_status kl_print(kl_tensor *t, FILE *f);
  * function's return or at a graph break); until then the function reads
  * dst itself as the new value, and reading another tensor that overlaps
  * dst's memory is an error. dst must exist before the call (not a tensor
- * made inside it). A fullgraph function that writes runs its body on every
- * call (its graph is not recompiled). */
+ * made inside it). A fullgraph function that writes replays its plan and
+ * repeats the writes (see kl_fn_body: dst is state, not guarded by version). */
 kl_status kl_copy(kl_tensor *dst, kl_tensor *src);
 
 /* ---- pointwise ops (numpy/torch broadcasting and type promotion) ---------
@@ -391,9 +391,12 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * iff j < lengths[b]; with causal also j <= i + lengths[b] - Tq (the
  * queries are the last Tq of the row's valid positions). A row with no
  * valid key gives zeros. scale 0: 1/sqrt(D). Lengths outside [0, Tk]
- * disagree with the cache: KL_EINVAL naming the row, its length and Tk
- * when the lengths are read eagerly; inside a compiled graph they are not
- * read on the host (a length above Tk then counts every key). Written with
+ * disagree with the cache: KL_EINVAL naming the row, its length and Tk,
+ * eagerly and in a compiled function (checked before each run of its
+ * graph, fullgraph replays included, when lengths is a tensor the call
+ * reads: an input or one reached through user state; lengths the graph
+ * computes itself are not checked, and a length above Tk then counts every
+ * key). The compiled check reads the lengths to the host. Written with
  * the ops above (a product, a where, a softmax, a product), so it runs on
  * every device and in every mode; not (yet) a fused attention step. */
 kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
@@ -486,7 +489,12 @@ typedef enum kl_mode {
  *    than the compiled function's). Replacing it (kl_release the old one,
  *    store a new one in user) fails the guard;
  *  - version: the counter of its memory, bumped by every write in place
- *    (kl_copy). A write fails the guard.
+ *    (kl_copy, kl_cache_write). A write fails the guard, except to state:
+ *    a tensor whose memory fn itself writes in place (kl_copy,
+ *    kl_cache_write: a KV cache) is read from memory at every call, so
+ *    writes to it, the replay's own or anyone's (a row moved between
+ *    calls), keep the replay. A replay repeats fn's writes in place after
+ *    the plan ran (a cache write lands in the cache's memory during it).
  * A failed guard makes that call run fn again: when the graph it traces is
  * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
  * fn reads now, with no compile; otherwise the graph is recompiled, which

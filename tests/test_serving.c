@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -34,6 +35,18 @@ static void model_write(double *cache, const double *val, const int64_t *pos, in
 				for (int d = 0; d < D; d++)
 					cache[((i * H + h) * T + pos[i] + j) * D + d] =
 					        val[((i * H + h) * s + j) * D + d];
+}
+
+/* cache [r, h, t, d] gets scale * val [r, h, s, d] at pos[i] (any sizes) */
+static void model_rows(double *cache, const double *val, const int64_t *pos, double scale,
+                       int r, int h, int t, int s, int d)
+{
+	for (int i = 0; i < r; i++)
+		for (int a = 0; a < h; a++)
+			for (int j = 0; j < s; j++)
+				for (int k = 0; k < d; k++)
+					cache[((i * h + a) * t + pos[i] + j) * d + k] =
+					        scale * val[((i * h + a) * s + j) * d + k];
 }
 
 /* o [R, H, tq, D] = attention of q [R, H, tq, D] over kc, vc with lengths */
@@ -169,7 +182,7 @@ static char *explain_str(kl_fn *f)
 	return buf;
 }
 
-static void run_decode(bool read_old)
+static void run_decode(bool read_old, bool full)
 {
 	uint64_t seed = 11 + read_old;
 	double kc[R * H * T * D] = {0}, vc[R * H * T * D] = {0};
@@ -178,7 +191,8 @@ static void run_decode(bool read_old)
 	            .read_old = read_old};
 	/* the new tokens' rows and the positions are dynamic: one variant */
 	kl_fn *f = kl_compile(ctx, decode_body, &d, 5, read_old ? 2 : 1,
-	                      &(kl_compile_opts){.ndynamic_dims = 4,
+	                      &(kl_compile_opts){.fullgraph = full,
+	                                         .ndynamic_dims = 4,
 	                                         .dynamic_dims = (uint32_t[]){0, 1, 1, 1}});
 	assert_non_null(f);
 	int64_t len[R] = {0, 0, 0, 0};
@@ -206,8 +220,9 @@ static void run_decode(bool read_old)
 		                    positions(len, R)};
 		kl_tensor *out[2] = {NULL, NULL};
 		assert_int_equal(kl_fn_call(f, in, out), KL_OK);
-		char what[64];
-		snprintf(what, sizeof what, "decode step %zu (%d new rows)", step, n);
+		char what[128];
+		snprintf(what, sizeof what, "decode step %zu (%d new rows)%s", step, n,
+		         full ? ", fullgraph" : "");
 		assert_true(same_values(out[0], o, R * H * D, what));
 		assert_true(same_values(d.kc, kc, R * H * T * D, "k cache"));
 		assert_true(same_values(d.vc, vc, R * H * T * D, "v cache"));
@@ -217,10 +232,27 @@ static void run_decode(bool read_old)
 			kl_release(in[i]);
 		kl_release(out[0]);
 		kl_release(out[1]);
+		if (step == 3) {
+			/* a write from outside (a row moved, as a server does when a
+			 * request leaves): the next calls read it, still replaying */
+			kl_tensor *src = kl_slice(d.vc, 0, 0, 1, 1), *dst = kl_slice(d.vc, 0, 3, 4, 1);
+			assert_int_equal(kl_copy(dst, src), KL_OK);
+			kl_release(src);
+			kl_release(dst);
+			memcpy(vc + 3 * H * T * D, vc, sizeof(double) * H * T * D);
+		}
 	}
 	kl_fn_stats fs;
 	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
 	assert_int_equal(fs.compiles, 1); /* every position and row count: one variant */
+	/* fullgraph: the writes in place are repeated by the replay, fn
+	 * traced once */
+	if (full)
+		assert_int_equal(fs.replays, (long)(sizeof ns / sizeof ns[0]) - 1);
+	char *ex0 = explain_str(f);
+	if (full && !strstr(ex0, "repeating its 2 writes in place"))
+		fail_msg("kl_explain does not say the replay repeats the writes:\n%s", ex0);
+	free(ex0);
 	char *ex = explain_str(f);
 	if (!strstr(ex, "cache write") || !strstr(ex, "in place"))
 		fail_msg("the cache writes are not steps written in place:\n%s", ex);
@@ -233,7 +265,16 @@ static void run_decode(bool read_old)
 static void test_cache_write_compiled(void **state)
 {
 	(void)state;
-	run_decode(false);
+	run_decode(false, false);
+}
+
+/* fullgraph: the plan replays without running fn although fn writes the
+ * caches in place (the replay repeats the writes) */
+static void test_cache_write_fullgraph(void **state)
+{
+	(void)state;
+	run_decode(false, true);
+	run_decode(true, true);
 }
 
 /* reading the cache before the write in the same graph sees the old values
@@ -241,7 +282,61 @@ static void test_cache_write_compiled(void **state)
 static void test_cache_write_reads_old(void **state)
 {
 	(void)state;
-	run_decode(true);
+	run_decode(true, false);
+}
+
+/* fullgraph with kl_copy: into a tensor fn reaches through user state and
+ * into one passed as an input; each call's replay writes it again */
+typedef struct acc {
+	kl_tensor *s; /* [4] */
+	bool as_input;
+} acc;
+
+static kl_status acc_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	acc *a = user;
+	kl_tensor *s = a->as_input ? in[1] : a->s;
+	kl_tensor *next = kl_add(s, in[0]);
+	kl_status st = kl_copy(s, next);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_mul_scalar(next, 2);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_copy_fullgraph(void **state)
+{
+	(void)state;
+	for (int as_input = 0; as_input < 2; as_input++) {
+		double zero[4] = {0}, sum[4] = {0}, x[4], twice[4];
+		uint64_t seed = 500;
+		acc a = {from(KL_F32, 1, (int64_t[]){4}, zero), as_input};
+		kl_fn *f = kl_compile(ctx, acc_body, &a, 1 + as_input, 1,
+		                      &(kl_compile_opts){.fullgraph = true});
+		assert_non_null(f);
+		for (int k = 0; k < 5; k++) {
+			fill(x, 4, &seed);
+			for (int i = 0; i < 4; i++) {
+				sum[i] += x[i];
+				twice[i] = 2 * sum[i];
+			}
+			kl_tensor *in[2] = {from(KL_F32, 1, (int64_t[]){4}, x), a.s}, *out = NULL;
+			if (kl_fn_call(f, in, &out) != KL_OK)
+				fail_msg("call %d: %s", k, kl_last_error(ctx));
+			assert_true(same_values(out, twice, 4, "the returned sum"));
+			assert_true(same_values(a.s, sum, 4, "the state written by kl_copy"));
+			kl_release(out);
+			kl_release(in[0]);
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		assert_int_equal(fs.replays, 4);
+		kl_fn_free(f);
+		kl_release(a.s);
+	}
 }
 
 /* ---- bad input -------------------------------------------------------------------- */
@@ -333,6 +428,102 @@ static void test_cache_write_errors(void **state)
 	kl_release(w.cache);
 }
 
+/* A refused write leaves every cache as it was, on every row, eagerly and
+ * compiled (two caches written in one graph; the values span several CUDA
+ * blocks and the bad position is on the last row, so no block or row may
+ * run ahead of the check). */
+typedef struct two_caches {
+	kl_tensor *a, *b;
+} two_caches;
+
+static kl_status two_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	two_caches *w = user;
+	kl_status st = kl_cache_write(w->a, 2, in[0], in[1]);
+	if (st == KL_OK)
+		st = kl_cache_write(w->b, 2, in[0], kl_mul_scalar(in[1], 2));
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_sum(w->b, 0, NULL, false);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_refused_write_untouched(void **state)
+{
+	(void)state;
+	enum { RR = 6, HH = 2, TT = 40, SS = 3, DD = 16, NC = RR * HH * TT * DD,
+	       NV = RR * HH * SS * DD };
+	uint64_t seed = 99;
+	double *ca = malloc(sizeof(double) * NC), *cb = malloc(sizeof(double) * NC),
+	       *val = malloc(sizeof(double) * NV);
+	assert_true(ca && cb && val);
+	fill(ca, NC, &seed);
+	fill(cb, NC, &seed);
+	fill(val, NV, &seed);
+	two_caches w = {from(KL_F32, 4, (int64_t[]){RR, HH, TT, DD}, ca),
+	                from(KL_F32, 4, (int64_t[]){RR, HH, TT, DD}, cb)};
+	kl_tensor *v = from(KL_F32, 4, (int64_t[]){RR, HH, SS, DD}, val);
+	/* rows 0..4 fit, row 5 starts past the last start TT - SS = 37 */
+	int64_t pos[RR] = {0, 5, 37, 12, 30, 38};
+	double pv[RR];
+	for (int i = 0; i < RR; i++)
+		pv[i] = (double)pos[i];
+	kl_tensor *p = from(KL_I64, 1, (int64_t[]){RR}, pv);
+	kl_clear_error(ctx);
+	assert_int_equal(kl_cache_write(w.a, 2, p, v), KL_EINVAL);
+	expect_msg("eager, last row", "kl_cache_write", "row 5", "at 38");
+	assert_true(same_values(w.a, ca, NC, "cache a after a refused eager write"));
+	kl_clear_error(ctx);
+	assert_null(kl_cache_update(w.a, 2, p, v));
+	expect_msg("kl_cache_update", "kl_cache_update", "row 5", "[0, 37]");
+	for (int full = 0; full < 2; full++) {
+		kl_fn *f = kl_compile(ctx, two_body, &w, 2, 1, &(kl_compile_opts){.fullgraph = full});
+		assert_non_null(f);
+		kl_tensor *out = NULL;
+		kl_clear_error(ctx);
+		assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_EINVAL);
+		expect_msg("compiled", "kl_cache_write", "row 5", "at 38");
+		assert_null(out);
+		assert_true(same_values(w.a, ca, NC, "cache a after a refused compiled write"));
+		assert_true(same_values(w.b, cb, NC, "cache b after a refused compiled write"));
+		/* good positions through the same function write both caches,
+		 * and a refused call after good ones writes nothing */
+		int64_t good[RR] = {0, 5, 37, 12, 30, 1};
+		double gv[RR];
+		for (int i = 0; i < RR; i++)
+			gv[i] = (double)good[i];
+		kl_tensor *g = from(KL_I64, 1, (int64_t[]){RR}, gv);
+		for (int rep = 0; rep < 3; rep++) {
+			model_rows(ca, val, good, 1.0, RR, HH, TT, SS, DD);
+			model_rows(cb, val, good, 2.0, RR, HH, TT, SS, DD);
+			double sb = 0;
+			for (int i = 0; i < NC; i++)
+				sb += cb[i];
+			assert_int_equal(kl_fn_call(f, (kl_tensor *[]){g, v}, &out), KL_OK);
+			assert_true(same_values(out, &sb, 1, "the sum of cache b after a good write"));
+			kl_release(out);
+			out = NULL;
+			assert_true(same_values(w.a, ca, NC, "cache a after a good compiled write"));
+			kl_clear_error(ctx);
+			assert_int_equal(kl_fn_call(f, (kl_tensor *[]){p, v}, &out), KL_EINVAL);
+			expect_msg("compiled after good calls", "kl_cache_write", "row 5", "at 38");
+			assert_true(same_values(w.a, ca, NC, "cache a after a refused call"));
+			assert_true(same_values(w.b, cb, NC, "cache b after a refused call"));
+		}
+		kl_release(g);
+		kl_fn_free(f);
+	}
+	kl_release(p);
+	kl_release(v);
+	kl_release(w.a);
+	kl_release(w.b);
+	free(ca);
+	free(cb);
+	free(val);
+}
+
 /* ---- attention over caches with lengths ------------------------------------------- */
 
 static kl_tensor *sdpa_len_apply(kl_tensor *const *in, const void *param)
@@ -385,10 +576,111 @@ static void test_sdpa_lengths(void **state)
 		snprintf(want, sizeof want, "holds %d keys", T);
 		assert_true(KLTEST_EXPECT_ERROR(ctx, sdpa_len_apply(in2, param), "kl_sdpa_lengths",
 		                                "lengths[1] = 9", want));
+		/* compiled: checked before the graph runs at every call, replays
+		 * included; a negative length too */
+		int64_t neg[R] = {1, 2, -1, 2};
+		kl_tensor *l3 = positions(neg, R);
+		kl_tensor *in3[4] = {in[0], in[1], in[2], l3};
+		for (int full = 0; full < 2; full++) {
+			f = kl_compile(ctx, sdpa_len_body, (void *)param, 4, 1,
+			               &(kl_compile_opts){.fullgraph = full});
+			for (int rep = 0; rep < 3; rep++) {
+				out = NULL;
+				assert_int_equal(kl_fn_call(f, in, &out), KL_OK);
+				assert_true(same_values(out, o, R * H * tq * D, "compiled, good lengths"));
+				kl_release(out);
+				kl_clear_error(ctx);
+				assert_int_equal(kl_fn_call(f, in2, &out), KL_EINVAL);
+				expect_msg("compiled, a length past the keys", "kl_sdpa_lengths",
+				           "lengths[1] = 9", want);
+				kl_clear_error(ctx);
+				assert_int_equal(kl_fn_call(f, in3, &out), KL_EINVAL);
+				expect_msg("compiled, a negative length", "kl_sdpa_lengths",
+				           "lengths[2] = -1", want);
+			}
+			kl_fn_stats fs;
+			assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+			assert_int_equal(fs.compiles, 1);
+			if (full)
+				assert_true(fs.replays >= 2);
+			kl_fn_free(f);
+		}
+		kl_release(l3);
 		kl_release(l2);
 		for (int i = 0; i < 4; i++)
 			kl_release(in[i]);
 	}
+}
+
+/* ---- one-row products -------------------------------------------------------------- */
+
+/* A decode step's [b, 1, d] @ W^T is one product of b rows, not b products
+ * of one row: with a residual epilogue, and with A the last row of a
+ * [b, T, d] sequence (row stride T * d); b dynamic. */
+static kl_tensor *row_apply(kl_tensor *const *in, const void *param)
+{
+	if (param) { /* the last position of in[0] [b, T, d] */
+		int64_t t = kl_shape(in[0])[1];
+		return kl_linear(kl_slice(in[0], 1, t - 1, t, 1), in[1], in[2]);
+	}
+	return kl_add(kl_linear(kl_rms_norm(in[0], NULL, 1e-5), in[1], in[2]), in[3]);
+}
+
+static kl_status row_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = row_apply(in, user);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_one_row_fold(void **state)
+{
+	(void)state;
+	kl_scope_begin(ctx);
+	for (int sliced = 0; sliced < 2; sliced++) {
+		const void *param = sliced ? "sliced" : NULL;
+		kl_fn *f = kl_compile(ctx, row_body, (void *)param, sliced ? 3 : 4, 1,
+		                      &(kl_compile_opts){.ndynamic_dims = sliced ? 3 : 4,
+		                                         .dynamic_dims = (uint32_t[]){KL_DIM(0), 0, 0,
+		                                                                      KL_DIM(0)}});
+		assert_non_null(f);
+		for (int64_t b = 6; b >= 2; b -= 2) {
+			kl_tensor *in[4] = {
+			        kltest_rand(ctx, KL_F32, 3, (int64_t[]){b, sliced ? 5 : 1, 24},
+			                    KLTEST_NORMAL, KLTEST_CONTIG, 40 + (uint64_t)b),
+			        kltest_rand(ctx, KL_F32, 2, (int64_t[]){40, 24}, KLTEST_NORMAL,
+			                    KLTEST_CONTIG, 41),
+			        kltest_rand(ctx, KL_F32, 1, (int64_t[]){40}, KLTEST_NORMAL, KLTEST_CONTIG,
+			                    42),
+			        kltest_rand(ctx, KL_F32, 3, (int64_t[]){b, 1, 40}, KLTEST_NORMAL,
+			                    KLTEST_CONTIG, 43 + (uint64_t)b)};
+			int nd;
+			int64_t sh[KL_MAX_DIMS];
+			kl_dtype dt;
+			double *ref = kltest_reference(ctx, "one-row product", row_apply, in, param, &nd,
+			                               sh, &dt);
+			assert_non_null(ref);
+			kl_tensor *out = NULL;
+			if (kl_fn_call(f, in, &out) != KL_OK)
+				fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+			char what[128];
+			snprintf(what, sizeof what, "one-row product%s at batch %lld",
+			         sliced ? " (last row of a sequence)" : "", (long long)b);
+			assert_true(same_values(out, ref, b * 40, what));
+			free(ref);
+			kl_release(out);
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		char *ex = explain_str(f);
+		if (strstr(ex, "bmm") || !strstr(ex, "matmul 6x40x24"))
+			fail_msg("the one-row products are not one product of b rows:\n%s", ex);
+		free(ex);
+		kl_fn_free(f);
+	}
+	kl_scope_end(ctx);
 }
 
 /* ---- shape buckets ------------------------------------------------------------------ */
@@ -491,6 +783,114 @@ static void test_bucket_padding(void **state)
 	kl_scope_end(ctx);
 }
 
+/* ---- the recompile limit on bucket variants ------------------------------------------ */
+
+typedef struct rows_of {
+	kl_tensor *c; /* [16, 3] */
+} rows_of;
+
+/* x [b, 3] + the first b rows of c: the slice's bounds specialise the
+ * batch dim, so each bucket is a variant of its own */
+static kl_status rows_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                           void *user)
+{
+	(void)nin, (void)nout;
+	rows_of *r = user;
+	int64_t b = kl_shape(in[0])[0];
+	out[0] = kl_add(in[0], kl_slice(r->c, 0, 0, b, 1));
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* one call of f at batch b, checked against x + c's rows in float64 */
+static void rows_call(kl_fn *f, const double *cv, int64_t b)
+{
+	double x[16 * 3], want[16 * 3];
+	uint64_t seed = 300 + (uint64_t)b;
+	fill(x, b * 3, &seed);
+	for (int64_t i = 0; i < b * 3; i++)
+		want[i] = x[i] + cv[i];
+	kl_tensor *in = from(KL_F32, 2, (int64_t[]){b, 3}, x), *out = NULL;
+	if (kl_fn_call(f, &in, &out) != KL_OK)
+		fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+	char what[96];
+	snprintf(what, sizeof what, "bucketed call at batch %lld", (long long)b);
+	assert_true(same_values(out, want, b * 3, what));
+	kl_release(out);
+	kl_release(in);
+}
+
+static void test_bucket_recompile_limit(void **state)
+{
+	(void)state;
+	double cv[16 * 3];
+	uint64_t seed = 77;
+	fill(cv, 16 * 3, &seed);
+	rows_of r = {from(KL_F32, 2, (int64_t[]){16, 3}, cv)};
+	/* a limit below the bucket count: the warning names the dim, the
+	 * buckets and the limit that fits; compiled buckets keep serving */
+	kl_fn *f = kl_compile(ctx, rows_body, &r, 1, 1,
+	                      &(kl_compile_opts){.recompile_limit = 2, .nbuckets = 5,
+	                                         .buckets = (int64_t[]){1, 2, 4, 8, 16},
+	                                         .bucket_in_dims = (int[]){0},
+	                                         .bucket_out_dims = (int[]){0}});
+	assert_non_null(f);
+	rows_call(f, cv, 1);
+	rows_call(f, cv, 2);
+	const char *reason = kl_fn_recompile_reason(f, 0);
+	assert_non_null(reason);
+	if (!strstr(reason, "input 0 dim 0") || !strstr(reason, "buckets 1, 2, 4, 8, 16"))
+		fail_msg("the recompile reason does not name the bucket dim: %s", reason);
+	fflush(stderr);
+	FILE *tmp = tmpfile();
+	assert_non_null(tmp);
+	int saved = dup(2);
+	assert_true(saved >= 0 && dup2(fileno(tmp), 2) >= 0);
+	rows_call(f, cv, 3); /* bucket 4: past the limit, eager */
+	rows_call(f, cv, 5); /* bucket 8: eager, no second warning */
+	fflush(stderr);
+	assert_true(dup2(saved, 2) >= 0);
+	close(saved);
+	char msg[2048] = {0};
+	rewind(tmp);
+	size_t got = fread(msg, 1, sizeof msg - 1, tmp);
+	fclose(tmp);
+	msg[got] = 0;
+	const char *want[] = {"recompile limit (2 variants)", "input 0 dim 0",
+	                      "buckets 1, 2, 4, 8, 16 (5 sizes)", "specialises it",
+	                      "recompile_limit to at least 5"};
+	for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+		if (!strstr(msg, want[k]))
+			fail_msg("the recompile-limit warning does not say \"%s\":\n%s", want[k], msg);
+	if (strstr(strstr(msg, "warning") + 1, "warning"))
+		fail_msg("warned twice:\n%s", msg);
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_true(fs.over_limit);
+	assert_int_equal(fs.eager_calls, 2);
+	rows_call(f, cv, 2); /* a compiled bucket still serves */
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.eager_calls, 2);
+	assert_int_equal(fs.compiles, 2);
+	kl_fn_free(f);
+	/* the default limit leaves room for every bucket (12 > 8) */
+	int64_t bk[12];
+	for (int k = 0; k < 12; k++)
+		bk[k] = k + 1;
+	f = kl_compile(ctx, rows_body, &r, 1, 1,
+	               &(kl_compile_opts){.nbuckets = 12, .buckets = bk,
+	                                  .bucket_in_dims = (int[]){0},
+	                                  .bucket_out_dims = (int[]){0}});
+	assert_non_null(f);
+	for (int64_t b = 12; b >= 1; b--)
+		rows_call(f, cv, b);
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_false(fs.over_limit);
+	assert_int_equal(fs.compiles, 12);
+	assert_int_equal(fs.eager_calls, 0);
+	kl_fn_free(f);
+	kl_release(r.c);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -500,9 +900,14 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_eager),
 	        cmocka_unit_test(test_cache_write_compiled),
 	        cmocka_unit_test(test_cache_write_reads_old),
+	        cmocka_unit_test(test_cache_write_fullgraph),
+	        cmocka_unit_test(test_copy_fullgraph),
 	        cmocka_unit_test(test_cache_write_errors),
+	        cmocka_unit_test(test_refused_write_untouched),
 	        cmocka_unit_test(test_sdpa_lengths),
+	        cmocka_unit_test(test_one_row_fold),
 	        cmocka_unit_test(test_bucket_padding),
+	        cmocka_unit_test(test_bucket_recompile_limit),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);

@@ -54,8 +54,9 @@ typedef struct model {
 
 /* max |got - want| / max |want| within f->tol; got released here. With
  * grad (the fixture's gradient of a parameter after AdamW steps), the
- * elements whose exact gradient is zero (|g| <= 1e-6 max |g|: the key bias,
- * to which softmax is invariant) are rounding noise on both sides, which
+ * elements whose exact gradient is zero or below the format's resolution
+ * (|g| <= 1e-6 max |g| in f32, 0.1 max |g| in bf16; the key bias, to which
+ * softmax is invariant, has none) are rounding noise on both sides, which
  * Adam's normalisation turns into steps of up to lr: those are held only to
  * Adam's bound, 3 steps of at most 3.2 lr (|m^ / sqrt(v^)| <= (1 - b1) /
  * sqrt(1 - b2) for the first step, less after). */
@@ -72,6 +73,12 @@ static void expect_rel_masked(const fixture *f, const char *what, kl_tensor *got
 	int64_t n = kl_numel(want);
 	double *g = kltest_read(got), *w = kltest_read(want), *gr = grad ? kltest_read(grad) : NULL;
 	assert_true(g && w && (!grad || gr));
+	/* a gradient the format does not resolve: 1e-6 of the largest in f32;
+	 * in bf16, where gradients match to 2e-2 of the largest, one below 0.1
+	 * of it may be 20% off, and Adam's normalisation makes a step of about
+	 * lr whatever its size, so those are held to Adam's bound too (the H100
+	 * gave the attention biases 2.0-2.7% off with the mask at 2e-2) */
+	double noise_frac = f->dt == KL_BF16 ? 0.1 : 1e-6;
 	double gmax = 0;
 	for (int64_t i = 0; gr && i < n; i++)
 		gmax = fabs(gr[i]) > gmax ? fabs(gr[i]) : gmax;
@@ -79,7 +86,7 @@ static void expect_rel_masked(const fixture *f, const char *what, kl_tensor *got
 	int64_t nnoise = 0;
 	for (int64_t i = 0; i < n; i++) {
 		double e = fabs(g[i] - w[i]);
-		if (gr && fabs(gr[i]) <= 1e-6 * gmax) {
+		if (gr && fabs(gr[i]) <= noise_frac * gmax) {
 			nnoise++;
 			if (!(e <= noise))
 				noise = e;
@@ -111,17 +118,18 @@ static void expect_rel(const fixture *f, const char *what, kl_tensor *got, kl_te
 	expect_rel_masked(f, what, got, want, NULL);
 }
 
-static void open_fixture(fixture *f)
+/* the f32 fixture on every device (float64 in PyTorch, rounded), the bf16
+ * one on CUDA too */
+static void open_fixture(fixture *f, kl_dtype dt)
 {
-	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
 	char path[512];
 	snprintf(path, sizeof path, "%s/decoder_train_%s.safetensors", KILN_FIXTURE_DIR,
-	         cuda ? "bf16" : "f32");
+	         dt == KL_BF16 ? "bf16" : "f32");
 	f->st = kl_safetensors_open(ctx, path);
 	if (!f->st)
 		fail_msg("%s: %s", path, kl_last_error(ctx));
-	f->dt = cuda ? KL_BF16 : KL_F32;
-	f->tol = cuda ? 2e-2 : 1e-4;
+	f->dt = dt;
+	f->tol = dt == KL_BF16 ? 2e-2 : 1e-4;
 	f->d = atoll(kl_safetensors_metadata(f->st, "d_model"));
 	f->heads = atoll(kl_safetensors_metadata(f->st, "n_heads"));
 	f->ffn = atoll(kl_safetensors_metadata(f->st, "ffn_dim"));
@@ -216,6 +224,8 @@ static void expect_params(const fixture *f, model *m, const char *prefix, bool g
 
 static void train(const fixture *f, int mode)
 {
+	char label[64];
+	snprintf(label, sizeof label, "%s %s", mode_name[mode], kl_dtype_name(f->dt));
 	model m;
 	model_init(&m, f);
 	kl_tensor *x0 = kl_safetensors_get(f->st, "x"), *x = kl_cast(x0, f->dt);
@@ -231,25 +241,25 @@ static void train(const fixture *f, int mode)
 		if (mode == EAGER) {
 			loss = loss_of(&m, x);
 		} else if (kl_fn_call(fn, &x, &loss) != KL_OK) {
-			fail_msg("%s: kl_fn_call: %s", mode_name[mode], kl_last_error(ctx));
+			fail_msg("%s: kl_fn_call: %s", label, kl_last_error(ctx));
 		}
 		assert_non_null(loss);
 		if (mode != WHOLE_STEP && kl_backward(loss, NULL) != KL_OK)
-			fail_msg("%s: kl_backward: %s", mode_name[mode], kl_last_error(ctx));
+			fail_msg("%s: kl_backward: %s", label, kl_last_error(ctx));
 		if (s == 0) {
 			char what[128];
-			snprintf(what, sizeof what, "%s: loss", mode_name[mode]);
+			snprintf(what, sizeof what, "%s: loss", label);
 			kl_tensor *want = kl_safetensors_get(f->st, "loss");
 			expect_rel(f, what, kl_reshape(loss, 1, (int64_t[]){1}), want);
 			kl_release(want);
-			expect_params(f, &m, "grad.", true, mode_name[mode]);
+			expect_params(f, &m, "grad.", true, label);
 		}
 		kl_release(loss);
 		if (mode != WHOLE_STEP && kl_optim_step(m.opt) != KL_OK)
-			fail_msg("%s: kl_optim_step: %s", mode_name[mode], kl_last_error(ctx));
+			fail_msg("%s: kl_optim_step: %s", label, kl_last_error(ctx));
 		kl_nn_grad_clear(&m.layer.base);
 	}
-	expect_params(f, &m, "adamw3.", false, mode_name[mode]);
+	expect_params(f, &m, "adamw3.", false, label);
 	if (fn) {
 		char *text = NULL;
 		size_t len = 0;
@@ -280,9 +290,21 @@ static void train(const fixture *f, int mode)
 			       "backward, which computes %d values again\n",
 			       n, bytes, again);
 			assert_true(n > 0 && bytes > 0 && again > 0);
-			/* the backward: one graph, compiled at the first kl_backward */
-			assert_non_null(strstr(text, "backward graphs compiled by kl_backward (1 "
-			                             "compiles, 2 reuses)"));
+			/* the backward: one graph, compiled at the first kl_backward
+			 * (the context's counts: one more compile, two more reuses than
+			 * after the previous fixture's run) */
+			static long seen_compiles, seen_reuses;
+			const char *bw = strstr(text, "backward graphs compiled by kl_backward (");
+			assert_non_null(bw);
+			long c = -1, r = -1;
+			assert_int_equal(sscanf(bw, "backward graphs compiled by kl_backward (%ld "
+			                            "compiles, %ld reuses)",
+			                        &c, &r),
+			                 2);
+			assert_int_equal(c - seen_compiles, 1);
+			assert_int_equal(r - seen_reuses, 2);
+			seen_compiles = c;
+			seen_reuses = r;
 		}
 		free(text);
 	}
@@ -291,37 +313,36 @@ static void train(const fixture *f, int mode)
 	model_free(&m);
 }
 
+static void run_mode(int mode)
+{
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	const kl_dtype dts[] = {KL_F32, KL_BF16};
+	fails = 0;
+	for (int i = 0; i < (cuda ? 2 : 1); i++) {
+		fixture f;
+		open_fixture(&f, dts[i]);
+		train(&f, mode);
+		kl_safetensors_close(f.st);
+	}
+	assert_int_equal(fails, 0);
+}
+
 static void test_decoder_eager(void **state)
 {
 	(void)state;
-	fixture f;
-	open_fixture(&f);
-	fails = 0;
-	train(&f, EAGER);
-	kl_safetensors_close(f.st);
-	assert_int_equal(fails, 0);
+	run_mode(EAGER);
 }
 
 static void test_decoder_compiled_forward(void **state)
 {
 	(void)state;
-	fixture f;
-	open_fixture(&f);
-	fails = 0;
-	train(&f, COMPILED_FORWARD);
-	kl_safetensors_close(f.st);
-	assert_int_equal(fails, 0);
+	run_mode(COMPILED_FORWARD);
 }
 
 static void test_decoder_whole_step(void **state)
 {
 	(void)state;
-	fixture f;
-	open_fixture(&f);
-	fails = 0;
-	train(&f, WHOLE_STEP);
-	kl_safetensors_close(f.st);
-	assert_int_equal(fails, 0);
+	run_mode(WHOLE_STEP);
 }
 
 static int setup(void **state)

@@ -1354,25 +1354,16 @@ kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *
 	int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2], rows = q->shape[0];
 	if (scale == 0)
 		scale = 1.0 / sqrt((double)q->shape[nd - 1]);
-	if (!ctx->trace && lengths->st && rows > 0) {
-		/* eagerly: the lengths on the host must fit the keys */
-		int64_t *h = malloc(sizeof(int64_t) * (size_t)rows);
-		kl_tensor *l64 = h ? kl_retain(kl_cast(lengths, KL_I64)) : NULL;
-		kl_status st = l64 ? kl_to_host(l64, h, sizeof(int64_t) * (size_t)rows) : KL_ENOMEM;
-		kl_release(l64);
-		for (int64_t b = 0; st == KL_OK && b < rows; b++)
-			if (h[b] < 0 || h[b] > tk) {
-				kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths[%lld] = %lld disagrees "
-				        "with the cache: k holds %lld keys (dim %d)", (long long)b,
-				        (long long)h[b], (long long)tk, nd - 2);
-				st = KL_EINVAL;
-			}
-		free(h);
-		if (st != KL_OK) {
-			if (st == KL_ENOMEM && ctx->status == KL_OK)
-				kl__err(ctx, KL_ENOMEM, "kl_sdpa_lengths: out of memory");
+	/* the lengths must fit the keys: checked now eagerly, and in a compiled
+	 * function before each run of the graph (replays too) when they are a
+	 * tensor the graph reads; lengths the graph computes are not checked */
+	if (lengths->st && rows > 0) {
+		kl_status st = ctx->trace ? kl__trace_check(ctx, lengths, tk, nd - 2,
+		                                            "kl_sdpa_lengths", "lengths")
+		                          : kl__check_values(ctx, lengths, tk, nd - 2,
+		                                             "kl_sdpa_lengths", "lengths");
+		if (st != KL_OK)
 			return NULL;
-		}
 	}
 	int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS];
 	for (int d = 0; d < nd; d++)

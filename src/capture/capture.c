@@ -164,7 +164,9 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	f->dyn = dyn;
 	const char *nf = getenv("KILN_DISABLE_FUSION");
 	f->fusion = !(nf && *nf && strcmp(nf, "0") != 0);
-	f->limit = o.recompile_limit ? o.recompile_limit : 8;
+	/* a bucketed dim its graph specialises compiles one variant per bucket:
+	 * the default limit leaves room for every bucket */
+	f->limit = o.recompile_limit ? o.recompile_limit : f->nbk > 8 ? f->nbk : 8;
 	f->last_kernels = -1;
 	name_fn(f, fn);
 	return f;
@@ -179,11 +181,20 @@ static void replay_reset(kl_variant *v)
 	}
 	free(v->captured);
 	free(v->cap_version);
+	free(v->cap_state);
+	v->cap_state = NULL;
 	free(v->in_src);
 	free(v->out_src);
+	free(v->w_src);
+	free(v->w_dst);
+	free(v->chk);
+	v->chk = NULL;
+	v->nchk = 0;
 	v->captured = NULL;
 	v->cap_version = NULL;
 	v->in_src = v->out_src = NULL;
+	v->w_src = v->w_dst = NULL;
+	v->nw = 0;
 	v->ncaptured = 0;
 	v->replay = false;
 }
@@ -378,15 +389,62 @@ static void note_recompile(kl_fn *f, const char *fmt, ...)
 	va_end(ap);
 }
 
+/* The bucket list of f, shortened: "1, 2, 4, 8, ..., 512 (51 sizes)". */
+static void bucket_list(const kl_fn *f, char *buf, size_t cap)
+{
+	size_t at = 0;
+	buf[0] = 0;
+	for (int k = 0; k < f->nbk && at < cap; k++) {
+		int w;
+		if (f->nbk > 8 && k == 6) {
+			w = snprintf(buf + at, cap - at, ", ...");
+			k = f->nbk - 2;
+		} else {
+			w = snprintf(buf + at, cap - at, "%s%lld", k ? ", " : "", (long long)f->bk[k]);
+		}
+		at += w > 0 ? (size_t)w : 0;
+	}
+	if (at < cap)
+		snprintf(buf + at, cap - at, " (%d size%s)", f->nbk, f->nbk == 1 ? "" : "s");
+}
+
+/* Why some variant of f specialised input i dim d ("" when none says). */
+static const char *spec_why(const kl_fn *f, int i, int d)
+{
+	for (int v = f->nvars - 1; v >= 0; v--)
+		for (int k = 0; k < f->vars[v]->nspec; k++)
+			if (f->vars[v]->spec[k].input == i && f->vars[v]->spec[k].dim == d &&
+			    f->vars[v]->spec[k].why[0])
+				return f->vars[v]->spec[k].why;
+	return "";
+}
+
 /* What to write to compile the dim of guard `name` once ("" when the
- * guard is no input dim). */
-static void dim_advice(const kl_fn *f, const char *name, char *buf, size_t cap)
+ * guard is no input dim). at_limit: the recompile-limit warning (a bucket
+ * dim then names the fix). */
+static void dim_advice(const kl_fn *f, const char *name, bool at_limit, char *buf, size_t cap)
 {
 	int i, d;
 	buf[0] = 0;
 	if (sscanf(name, "input %d dim %d", &i, &d) != 2 || i < 0 || i >= f->nin || d < 0 ||
 	    d >= KL_MAX_DIMS)
 		return;
+	if (f->nbk && f->bk_in[i] == d) {
+		char list[160];
+		const char *why = spec_why(f, i, d);
+		bucket_list(f, list, sizeof list);
+		if (at_limit)
+			snprintf(buf, cap,
+			         "; input %d dim %d is the batch dim of buckets %s and its graph "
+			         "specialises it%s%s%s, so each bucket compiles a variant of its own: "
+			         "set kl_compile_opts.recompile_limit to at least %d (the bucket "
+			         "count; 0 does so) or list fewer buckets",
+			         i, d, list, why[0] ? " (" : "", why, why[0] ? ")" : "", f->nbk);
+		else
+			snprintf(buf, cap, "; a bucket of input %d dim %d (buckets %s), which its graph "
+			         "specialises: one variant per bucket", i, d, list);
+		return;
+	}
 	if (f->dyn[i] >> d & 1)
 		snprintf(buf, cap,
 		         "; the dim is marked dynamic but its graph needs it static (kl_explain "
@@ -407,8 +465,8 @@ static void go_eager(kl_fn *f)
 	for (int i = 1; i < 8; i++)
 		if (f->tally[i].count > f->tally[best].count)
 			best = i;
-	char advice[160];
-	dim_advice(f, f->tally[best].name, advice, sizeof advice);
+	char advice[512];
+	dim_advice(f, f->tally[best].name, true, advice, sizeof advice);
 	fprintf(stderr,
 	        "kiln: warning: kl_fn_call: %s reached its recompile limit (%d variants); guard "
 	        "'%s' kept failing (%d times, last: %s)%s; its %d compiled variants keep serving "
@@ -482,7 +540,12 @@ typedef struct call {
 	bool over_limit;
 	bool taped; /* the call left values on the autograd tape: never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
-	bool wrote; /* fn wrote tensors in place (kl_copy): no replay without fn */
+	bool wrote; /* fn wrote tensors in place (kl_copy, kl_cache_write) */
+	/* fullgraph: the writes are recorded for replays (v->w_src, w_dst);
+	 * false when the graph also ran deferred actions (the fused optimizer
+	 * step), which only fn's trace can repeat */
+	bool writes_replay;
+	bool no_replay; /* something only fn's trace can repeat */
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -704,7 +767,7 @@ static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
 	for (int i = 0; i < v->ncaptured; i++) {
 		const kl_tensor *t = v->captured[i];
 		bool gone = t->refs <= t->capture_refs;
-		if (!gone && t->st->version == v->cap_version[i])
+		if (!gone && (t->st->version == v->cap_version[i] || (v->cap_state && v->cap_state[i])))
 			continue;
 		char sh[128], what[96];
 		if (gone)
@@ -724,6 +787,22 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 {
 	kl_variant *v = cs->v;
 	int n = tr->nin_tensors;
+	free(v->chk);
+	v->nchk = 0;
+	v->chk = calloc((size_t)(tr->nchk ? tr->nchk : 1), sizeof *v->chk);
+	if (!v->chk)
+		return KL_ENOMEM;
+	for (int c = 0; c < tr->nchk; c++) {
+		int i = 0;
+		while (i < n && tr->in_tensors[i] != tr->chk[c].t)
+			i++;
+		if (i == n) {
+			cs->no_replay = true; /* a check of no graph input: fn must run */
+			continue;
+		}
+		v->chk[v->nchk++] = (struct kl_vcheck_rec){i, tr->chk[c].dim, tr->chk[c].hi,
+		                                           tr->chk[c].op, tr->chk[c].what};
+	}
 	free(v->in_src);
 	v->in_src = calloc((size_t)(n ? n : 1), sizeof *v->in_src);
 	if (!v->in_src)
@@ -743,6 +822,47 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 			return KL_ENOMEM;
 		v->in_src[i] = -1 - k;
 	}
+	return KL_OK;
+}
+
+/* Record how a replay repeats the writes in place of the graph tr, whose
+ * outputs are lazy[0..n): each write's value is one of them, and its
+ * destination an fn input or a tensor fn reached (captured: guarded like
+ * the tensors the graph reads). cs->writes_replay says whether every write
+ * was recorded. */
+static kl_status record_replay_writes(call *cs, const kl_trace *tr, kl_tensor *const *lazy,
+                                      int n)
+{
+	kl_variant *v = cs->v;
+	kl_fn *f = cs->f;
+	cs->writes_replay = false;
+	free(v->w_src);
+	free(v->w_dst);
+	v->nw = 0;
+	v->w_src = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_src);
+	v->w_dst = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_dst);
+	if (!v->w_src || !v->w_dst)
+		return KL_ENOMEM;
+	for (int w = 0; w < tr->nwrites; w++) {
+		int j = 0;
+		while (j < n && lazy[j] != tr->wsrc[w])
+			j++;
+		if (j == n)
+			return KL_OK; /* a value no graph output holds: fn must run */
+		int k = 0;
+		while (k < f->nin && cs->in[k] != tr->wdst[w])
+			k++;
+		if (k == f->nin) {
+			int c = capture(v, tr->wdst[w]);
+			if (c < 0)
+				return KL_ENOMEM;
+			k = f->nin + c;
+		}
+		v->w_src[w] = j;
+		v->w_dst[w] = -1 - k;
+		v->nw = w + 1;
+	}
+	cs->writes_replay = true;
 	return KL_OK;
 }
 
@@ -791,6 +911,7 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 	const kl_trace *cur = ctx->trace;
 	kl_tensor **all = NULL;
 	kl_status bad = KL_OK;
+	bool deferred = cur->ndefer > 0;
 	int more = cur->nwrites;
 	for (int q = 0; q < cur->ndefer; q++)
 		more += cur->defer[q].nreads;
@@ -838,6 +959,9 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		if (st == KL_OK && cs->seg == 0 && cs->new_variant)
 			refine_guards(cs, tr, e->c);
 		ctx->profile_graph = cs->seg;
+		for (int c = 0; st == KL_OK && c < tr->nchk; c++)
+			st = kl__check_values(ctx, tr->chk[c].t, tr->chk[c].hi, tr->chk[c].dim,
+			                      tr->chk[c].op, tr->chk[c].what);
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, tr->in_tensors, outs);
 		cs->run_ms += kl__now_ms() - t1;
@@ -858,6 +982,10 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__write_into(ctx, tr->wdst[w], tr->wsrc[w]);
 	if (st == KL_OK)
 		st = kl__trace_run_deferred(ctx, tr, &cs->launches);
+	/* the writes are done: the captured versions recorded next are theirs */
+	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay && !reason &&
+	    !deferred && tr->nwrites > 0 && record_replay_writes(cs, tr, lazy, n) != KL_OK)
+		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
 	    record_replay_inputs(cs, tr) != KL_OK)
@@ -1007,6 +1135,17 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 		}
 		v->out_src[k] = -1 - j;
 	}
+	/* the captured tensors whose memory fn writes in place are state */
+	free(v->cap_state);
+	v->cap_state = calloc((size_t)(v->ncaptured ? v->ncaptured : 1), sizeof *v->cap_state);
+	if (!v->cap_state)
+		return KL_ENOMEM;
+	for (int w = 0; w < v->nw; w++) {
+		int j = -1 - v->w_dst[w];
+		const kl_storage *ws = j < f->nin ? in[j]->st : v->captured[j - f->nin]->st;
+		for (int i = 0; i < v->ncaptured; i++)
+			v->cap_state[i] |= v->captured[i]->st == ws;
+	}
 	v->replay = true;
 	return KL_OK;
 }
@@ -1107,6 +1246,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		st = check_outputs(f, out);
 	kl_tensor **lazy = NULL;
 	int nl = 0;
+	bool grads = false; /* the graph also computes .grad of tensors fn reaches */
 	if (st == KL_OK && ctx->trace) {
 		lazy = malloc(sizeof *lazy * (size_t)(f->nout ? f->nout : 1));
 		if (!lazy)
@@ -1140,6 +1280,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		 * the saved tensors of that backward) */
 		kl_trace *tr = ctx->trace;
 		int extra = tr->nwrites;
+		grads = false;
 		bool *keep = NULL;
 		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next)
 			if (!t->st && t->trace_id == tr->id && t->tape_node >= 0)
@@ -1176,8 +1317,10 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 			for (int i = 0; st == KL_OK && i < tr->nwrites; i++)
 				lazy[nl++] = tr->wsrc[i];
 			for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
-				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id)
+				if (t->grad && !t->grad->st && t->grad->trace_id == tr->id) {
 					lazy[nl++] = t->grad;
+					grads = true;
+				}
 				if (!t->st && t->trace_id == tr->id && t->tape_node >= 0 &&
 				    (!v->bw_joint || keep[t->node] || t->tape_leaf))
 					lazy[nl++] = t;
@@ -1192,9 +1335,12 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (st == KL_OK) {
 		v->nsegs = cs.seg + 1;
 		v->calls++;
-		/* a replay runs the plan alone; writes in place and the autograd
-		 * tape need fn's trace */
-		if (f->o.fullgraph && !v->replay && !cs.wrote && !cs.taped &&
+		/* a replay runs the plan alone and repeats the writes in place
+		 * it recorded; deferred actions, the autograd tape and a step
+		 * that writes after computing gradients (a training step) need
+		 * fn's trace */
+		if (f->o.fullgraph && !v->replay && (!cs.wrote || (cs.writes_replay && !grads)) &&
+		    !cs.taped && !cs.no_replay &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
@@ -1232,8 +1378,22 @@ static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor
 			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
 			                           : v->captured[-1 - v->in_src[i]];
 		ctx->profile_graph = 0;
+		for (int c = 0; st == KL_OK && c < v->nchk; c++)
+			st = kl__check_values(ctx, gin[v->chk[c].in], v->chk[c].hi, v->chk[c].dim,
+			                      v->chk[c].op, v->chk[c].what);
 		if (st == KL_OK)
 			st = kl__compiled_run(ctx, e->c, gin, gout);
+		/* the writes in place, as the traced call made them (a cache
+		 * write's value is the cache's memory already: only its version
+		 * moves); the captured tensors they wrote keep their guard */
+		for (int w = 0; st == KL_OK && w < v->nw; w++) {
+			int j = -1 - v->w_dst[w];
+			kl_tensor *dst = j < f->nin ? in[j] : v->captured[j - f->nin];
+			st = kl__write_into(ctx, dst, gout[v->w_src[w]]);
+			for (int i = 0; st == KL_OK && i < v->ncaptured; i++)
+				if (v->captured[i]->st == dst->st)
+					v->cap_version[i] = dst->st->version;
+		}
 	}
 	if (st == KL_OK) {
 		for (int k = 0; k < f->nout; k++) {
@@ -1466,8 +1626,8 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 				fresh = true;
 				f->compiles++;
 				if (f->nvars > 1) {
-					char advice[160];
-					dim_advice(f, name, advice, sizeof advice);
+					char advice[400];
+					dim_advice(f, name, false, advice, sizeof advice);
 					kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: %s%s",
 					        f->compiles, f->name, why, advice);
 					note_recompile(f, "recompile #%d: %s%s", f->compiles, why, advice);

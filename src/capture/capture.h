@@ -62,6 +62,20 @@ typedef struct kl_variant {
 	 * -1 - j: fn input j (j < nin) or captured[j - nin]. */
 	bool replay;
 	int32_t *in_src, *out_src;
+	/* and the writes in place it repeats after the plan ran (kl_copy,
+	 * kl_cache_write): write w stores graph output w_src[w] into w_dst[w]
+	 * (-1 - j: fn input j (j < nin) or captured[j - nin]) */
+	int nw;
+	int32_t *w_src, *w_dst;
+	/* and the value checks it runs first (kl_vcheck): chk[i].in is the graph
+	 * input whose values are checked */
+	struct kl_vcheck_rec {
+		int32_t in;
+		int dim;
+		int64_t hi;
+		const char *op, *what;
+	} *chk;
+	int nchk;
 	/* fn's forward left values on the autograd tape for a kl_backward after
 	 * the call: how many its last traced call kept (the min-cut partition of
 	 * the joint graph), their bytes, and how many the backward computes
@@ -72,6 +86,10 @@ typedef struct kl_variant {
 	bool bw_taped, bw_joint;
 	kl_tensor **captured; /* each holds one capture reference (capture_refs) */
 	uint64_t *cap_version; /* captured[i]'s storage version when captured */
+	/* captured[i]'s memory is state fn itself writes in place (a KV cache):
+	 * writes to it, fn's or anyone's, do not fail its guard (the plan reads
+	 * the memory at every call); identity still does */
+	bool *cap_state;
 	int ncaptured;
 } kl_variant;
 

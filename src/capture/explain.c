@@ -215,8 +215,11 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 	char buf[256];
 	for (int vi = 0; vi < f->nvars; vi++) {
 		const kl_variant *v = f->vars[vi];
-		fprintf(out, "  variant %d: %ld calls%s\n", v->id, v->calls,
+		fprintf(out, "  variant %d: %ld calls%s", v->id, v->calls,
 		        v->replay ? ", replays its plan without calling fn (fullgraph)" : "");
+		if (v->replay && v->nw > 0)
+			fprintf(out, ", repeating its %d write%s in place", v->nw, v->nw == 1 ? "" : "s");
+		fputc('\n', out);
 		fputs("    guards:\n", out);
 		for (int i = 0; i < f->nin; i++) {
 			kl__guard_str(&v->g[i], buf, sizeof buf);

@@ -70,6 +70,9 @@ void kl__trace_free(kl_trace *tr)
 		}
 		free(tr->wdst);
 		free(tr->wsrc);
+		for (int i = 0; i < tr->nchk; i++)
+			kl_release(tr->chk[i].t);
+		free(tr->chk);
 		for (int i = 0; i < tr->ndefer; i++) {
 			kl_deferred *d = &tr->defer[i];
 			if (!d->done)
@@ -309,6 +312,50 @@ kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *val)
 	tr->wsrc[tr->nwrites] = kl_retain(val);
 	tr->nwrites++;
 	return KL_OK;
+}
+
+kl_status kl__trace_check(kl_ctx *ctx, kl_tensor *t, int64_t hi, int dim, const char *op,
+                          const char *what)
+{
+	kl_trace *tr = ctx->trace;
+	if (!tr || !t->st)
+		return kl__err(ctx, KL_ESTATE, "%s: no value check to record in this trace", op);
+	if (tr->nchk == tr->cap_chk) {
+		int nc = tr->cap_chk ? tr->cap_chk * 2 : 4;
+		kl_vcheck *c = realloc(tr->chk, (size_t)nc * sizeof *c);
+		if (!c)
+			return kl__err(ctx, KL_ENOMEM, "%s: out of memory recording a check", op);
+		tr->chk = c;
+		tr->cap_chk = nc;
+	}
+	tr->chk[tr->nchk++] = (kl_vcheck){kl_retain(t), hi, dim, op, what};
+	return KL_OK;
+}
+
+kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
+                           const char *what)
+{
+	int64_t n = t->ndim == 1 ? t->shape[0] : 0;
+	if (n == 0 || !t->st)
+		return KL_OK;
+	int64_t lo, top;
+	kl__tensor_span(t, &lo, &top);
+	size_t es = kl_dtype_size(t->dtype), bytes = (size_t)(top - lo + 1) * es;
+	unsigned char *h = malloc(bytes);
+	if (!h)
+		return kl__err(ctx, KL_ENOMEM, "%s: out of memory reading %s", op, what);
+	kl_status st = ctx->be->to_host(ctx, h, (char *)t->st->data + (size_t)lo * es, bytes);
+	for (int64_t i = 0; st == KL_OK && i < n; i++) {
+		size_t at = (size_t)(t->offset - lo + i * t->strides[0]) * es;
+		int64_t v = t->dtype == KL_I32 ? (int64_t)*(const int32_t *)(h + at)
+		                               : *(const int64_t *)(h + at);
+		if (v < 0 || v > hi)
+			st = kl__err(ctx, KL_EINVAL, "%s: %s[%lld] = %lld disagrees with the cache: k "
+			             "holds %lld keys (dim %d)", op, what, (long long)i, (long long)v,
+			             (long long)hi, dim);
+	}
+	free(h);
+	return st;
 }
 
 /* Write dense host values into dst's memory through its strides: the span

@@ -25,6 +25,18 @@ typedef struct kl_deferred {
 	bool done;
 } kl_deferred;
 
+/* A range check on the values of a materialized tensor a graph reads
+ * (kl__trace_check): before the graph runs, every value of t must lie in
+ * [0, hi], else the call fails naming op, what, the index and the value
+ * (kl_sdpa_lengths: the lengths against the cache's keys). op and what are
+ * static strings. */
+typedef struct kl_vcheck {
+	kl_tensor *t; /* one reference held */
+	int64_t hi;
+	int dim;
+	const char *op, *what;
+} kl_vcheck;
+
 typedef struct kl_trace {
 	uint64_t id;
 	kl_graph g;
@@ -52,6 +64,9 @@ typedef struct kl_trace {
 	/* actions to run after the graph (kl__trace_defer), in order */
 	kl_deferred *defer;
 	int ndefer, cap_defer;
+	/* value checks before the graph runs (kl__trace_check) */
+	kl_vcheck *chk;
+	int nchk, cap_chk;
 } kl_trace;
 
 /* Start recording: ops on ctx append nodes instead of running. */
@@ -101,6 +116,17 @@ kl_status kl__trace_defer(kl_ctx *ctx, kl_status (*fn)(kl_ctx *, void *, bool, i
 kl_status kl__trace_check_deferred(kl_ctx *ctx, const kl_trace *tr);
 /* Run tr's deferred actions, in order; adds their launches to *launches. */
 kl_status kl__trace_run_deferred(kl_ctx *ctx, kl_trace *tr, int *launches);
+
+/* Record a value check (kl_vcheck) of materialized t (1-D, i32 or i64)
+ * in the active trace: run before its graph, at every call of the variant
+ * (replays included). */
+kl_status kl__trace_check(kl_ctx *ctx, kl_tensor *t, int64_t hi, int dim, const char *op,
+                          const char *what);
+/* Check now: every value of t (materialized, 1-D, i32 or i64) in [0, hi];
+ * else KL_EINVAL "<op>: <what>[i] = v disagrees with the cache: k holds
+ * <hi> keys (dim <dim>)". Reads t to the host. */
+kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
+                           const char *what);
 
 /* The smallest and largest element offset (from its storage's start) t covers. */
 void kl__tensor_span(const kl_tensor *t, int64_t *lo, int64_t *hi);

@@ -333,18 +333,27 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 		batch *= (double)x->shape[d];
 		b_shared &= sb[d] == 0;
 	}
-	/* [batch.., m, k] @ [k, n] whose A rows run on across batches: one product */
+	/* [batch.., m, k] @ [k, n] whose A rows run on across batches: one
+	 * product. A one-row matrix (m == 1: a decode step's [b, 1, d] @ W^T)
+	 * has no row stride of its own (a size-1 dim's stride is 0): its rows
+	 * are the innermost batch dim's, so b products of one row fold into
+	 * one product of b rows whenever the batch dims chain. */
 	if (mm->nbatch > 0 && b_shared && mm->a_cs == 1) {
-		bool rows = true;
-		int64_t want = mm->a_rs * mm->m, rwant = mm->r_ld * mm->m;
+		bool rows = true, one = mm->m == 1;
+		int64_t ars = one ? mm->a_bstride[mm->nbatch - 1] : mm->a_rs;
+		int64_t rld = one && mm->has_r ? mm->r_bstride[mm->nbatch - 1] : mm->r_ld;
+		int64_t want = ars * mm->m, rwant = rld * mm->m;
 		for (int i = mm->nbatch - 1; i >= 0 && rows; i--) {
 			rows = mm->a_bstride[i] == want && (!mm->has_r || mm->r_bstride[i] == rwant);
 			want *= mm->batch[i];
 			rwant *= mm->batch[i];
 		}
-		if (rows) {
+		if (rows && ars > 0 && (!mm->has_r || rld > 0)) {
 			mm->m = (int64_t)((double)mm->m * batch);
 			mm->nbatch = 0;
+			mm->a_rs = ars;
+			if (mm->has_r)
+				mm->r_ld = rld;
 		}
 	}
 	add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, mm->a);

@@ -5,10 +5,14 @@
  *
  * One fixed kernel (kl__cuda_cache_write_source), compiled once through
  * NVRTC and the disk cache like the optimizer's. It copies elements by their
- * size (the dtype does not matter), one thread an element. A row whose
- * position lies outside [0, cap - s] writes nothing: its first thread
- * records the row and the position in a device error word, which
- * kl__cuda_cache_write_check reads when the call ends (and clears).
+ * size (the dtype does not matter), one thread an element. Every block
+ * reads all the positions before it writes anything, so a write with one
+ * position outside [0, cap - s] writes nothing at all (no row, no block
+ * races ahead): the first bad row, its position and the step's tag go into
+ * a device error word, which kl__cuda_cache_write_check reads when the
+ * call ends (and clears). While the word is set, the later cache writes of
+ * the call write nothing either (the CPU stops at the refused step). The
+ * check is on the device so the step stays one launch inside a CUDA graph.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,7 +24,7 @@
 typedef struct kl_cuda_cw {
 	kl_cuda_module *mod;
 	CUfunction fn;
-	CUdeviceptr err; /* [0]: the first bad row + 1 (0: none), [1]: its position */
+	CUdeviceptr err; /* [0]: the first bad row + 1 (0: none), [1]: its position, [2]: tag */
 } kl_cuda_cw;
 
 static const char cw_body[] =
@@ -28,11 +32,39 @@ static const char cw_body[] =
         "__device__ __forceinline__ void kl_cw_copy(char *out, const char *val, long long d,\n"
         "                                           long long e)\n"
         "{ ((E *)out)[d] = ((const E *)val)[e]; }\n"
+        "__device__ __forceinline__ long long kl_cw_pos(const void *pos, int pos64, long long i)\n"
+        "{ return pos64 ? ((const long long *)pos)[i] : (long long)((const int *)pos)[i]; }\n"
         "extern \"C\" __global__ void __launch_bounds__(256)\n"
         "kl_cache_write(char *out, const char *val, const void *pos, int pos64,\n"
         "               long long rows, long long outer, long long cap, long long s,\n"
-        "               long long inner, int es, unsigned long long *err)\n"
+        "               long long inner, int es, unsigned long long *err,\n"
+        "               unsigned long long tag)\n"
         "{\n"
+        "\t/* every block reads every position before any element is written, and\n"
+        "\t * all blocks decide alike: a bad position writes nothing, on any row.\n"
+        "\t * A write refused earlier in this call (err set) stops this one too. */\n"
+        "\tint bad = 0;\n"
+        "\tfor (long long i = threadIdx.x; i < rows; i += blockDim.x) {\n"
+        "\t\tlong long p = kl_cw_pos(pos, pos64, i);\n"
+        "\t\tbad |= p < 0 || p > cap - s;\n"
+        "\t}\n"
+        "\tif (threadIdx.x == 0)\n"
+        "\t\tbad |= *(volatile unsigned long long *)err != 0ull;\n"
+        "\tif (__syncthreads_or(bad)) {\n"
+        "\t\tif (blockIdx.x != 0 || threadIdx.x != 0)\n"
+        "\t\t\treturn;\n"
+        "\t\tfor (long long i = 0; i < rows; i++) {\n"
+        "\t\t\tlong long p = kl_cw_pos(pos, pos64, i);\n"
+        "\t\t\tif (p < 0 || p > cap - s) {\n"
+        "\t\t\t\tif (atomicCAS(err, 0ull, (unsigned long long)(i + 1)) == 0ull) {\n"
+        "\t\t\t\t\terr[1] = (unsigned long long)p;\n"
+        "\t\t\t\t\terr[2] = tag;\n"
+        "\t\t\t\t}\n"
+        "\t\t\t\tbreak;\n"
+        "\t\t\t}\n"
+        "\t\t}\n"
+        "\t\treturn;\n"
+        "\t}\n"
         "\tlong long n = rows * outer * s * inner;\n"
         "\tfor (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;\n"
         "\t     e += (long long)gridDim.x * blockDim.x) {\n"
@@ -40,14 +72,7 @@ static const char cw_body[] =
         "\t\tlong long j = t % s;\n"
         "\t\tt /= s;\n"
         "\t\tlong long a = t % outer, i = t / outer;\n"
-        "\t\tlong long p = pos64 ? ((const long long *)pos)[i] : (long long)((const int *)pos)[i];\n"
-        "\t\tif (p < 0 || p > cap - s) {\n"
-        "\t\t\tif (a == 0 && j == 0 && k == 0 &&\n"
-        "\t\t\t    atomicCAS(err, 0ull, (unsigned long long)(i + 1)) == 0ull)\n"
-        "\t\t\t\terr[1] = (unsigned long long)p;\n"
-        "\t\t\tcontinue;\n"
-        "\t\t}\n"
-        "\t\tlong long d = ((i * outer + a) * cap + p + j) * inner + k;\n"
+        "\t\tlong long d = ((i * outer + a) * cap + kl_cw_pos(pos, pos64, i) + j) * inner + k;\n"
         "\t\tswitch (es) {\n"
         "\t\tcase 1: kl_cw_copy<unsigned char>(out, val, d, e); break;\n"
         "\t\tcase 2: kl_cw_copy<unsigned short>(out, val, d, e); break;\n"
@@ -86,9 +111,9 @@ static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_cw **out)
 		return kl__err(ctx, KL_ENOMEM, "kl_cache_write: out of memory");
 	kl_cuda_cw *W = d->cw;
 	if (!W->err) {
-		kl_status st = kl__cuda_malloc(ctx, d, 2 * sizeof(uint64_t), &W->err);
+		kl_status st = kl__cuda_malloc(ctx, d, 3 * sizeof(uint64_t), &W->err);
 		if (st == KL_OK)
-			st = kl__cuda_memset(ctx, d, W->err, 0, 2 * sizeof(uint64_t));
+			st = kl__cuda_memset(ctx, d, W->err, 0, 3 * sizeof(uint64_t));
 		if (st != KL_OK)
 			return st;
 	}
@@ -113,7 +138,8 @@ static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_cw **out)
 
 kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c,
                                     kl_dtype dt, kl_dtype pdt, CUdeviceptr cache,
-                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out)
+                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out,
+                                    uint64_t tag)
 {
 	kl_cuda_cw *W = NULL;
 	kl_status st = get_fn(ctx, d, &W);
@@ -132,9 +158,10 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 		long long rows, outer, cap, s, inner;
 		int es;
 		CUdeviceptr err;
+		unsigned long long tag;
 	} args;
 	void *argv[] = {&args.out, &args.val, &args.pos, &args.pos64, &args.rows, &args.outer,
-	                &args.cap, &args.s,   &args.inner, &args.es,  &args.err};
+	                &args.cap, &args.s,   &args.inner, &args.es,  &args.err, &args.tag};
 	args.out = out;
 	args.val = val;
 	args.pos = pos;
@@ -146,6 +173,7 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 	args.inner = c->inner;
 	args.es = es;
 	args.err = W->err;
+	args.tag = tag;
 	int64_t blocks = (n + CW_THREADS - 1) / CW_THREADS, most = (int64_t)d->sm_count * 32;
 	if (most > 0 && blocks > most)
 		blocks = most;
@@ -154,21 +182,31 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 	return kl__cuda_launch(ctx, d, W->fn, grid, block, 0, argv, 0);
 }
 
-kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c)
+kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_step *steps,
+                                     int32_t nsteps)
 {
 	kl_cuda_cw *W = d->cw;
 	if (!W || !W->err)
 		return KL_OK;
-	uint64_t e[2] = {0, 0};
+	uint64_t e[3] = {0, 0, 0};
 	kl_status st = kl__cuda_d2h(ctx, d, e, W->err, sizeof e);
 	if (st != KL_OK || e[0] == 0)
 		return st;
 	st = kl__cuda_memset(ctx, d, W->err, 0, sizeof e);
 	if (st != KL_OK)
 		return st;
+	/* the tag is the step's index + 1 */
+	const kl_cw_step *c = e[2] >= 1 && e[2] <= (uint64_t)nsteps &&
+	                                      steps[e[2] - 1].kind == KL_STEP_CACHE_WRITE
+	                              ? &steps[e[2] - 1].cw
+	                              : NULL;
+	if (!c)
+		return kl__err(ctx, KL_EINVAL, "kl_cache_write: row %lld writes at %lld, outside the "
+		               "cache; nothing was written", (long long)(e[0] - 1),
+		               (long long)(int64_t)e[1]);
 	return kl__err(ctx, KL_EINVAL, "kl_cache_write: row %lld writes %lld position%s at %lld, "
 	               "outside the cache: positions along dim %d must lie in [0, %lld] (capacity "
-	               "%lld); the row was not written",
+	               "%lld); nothing was written",
 	               (long long)(e[0] - 1), (long long)c->s, c->s == 1 ? "" : "s",
 	               (long long)(int64_t)e[1], c->axis, (long long)(c->cap - c->s),
 	               (long long)c->cap);
@@ -185,13 +223,15 @@ kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *c
 	if (!kl__cache_write_geom(n->a.axis, in[0]->ndim, in[0]->shape, in[1]->ndim, in[1]->shape,
 	                          in[2]->ndim, in[2]->shape, &g, why, sizeof why))
 		return kl__err(ctx, KL_EINVAL, "kl_cache_write: %s", why);
-	kl_cw_step c = {.rows = g.rows, .R = g.R, .outer = g.outer, .cap = g.cap, .s = g.s,
-	                .inner = g.inner, .axis = n->a.axis};
+	kl_step one = {.kind = KL_STEP_CACHE_WRITE,
+	               .cw = {.rows = g.rows, .R = g.R, .outer = g.outer, .cap = g.cap,
+	                      .s = g.s, .inner = g.inner, .axis = n->a.axis}};
+	const kl_cw_step *c = &one.cw;
 	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
 	kl_status st = kl__cuda_cache_write_step(
-	        ctx, d, &c, out->dtype, in[1]->dtype, (CUdeviceptr)(uintptr_t)kl__tensor_data(in[0]),
+	        ctx, d, c, out->dtype, in[1]->dtype, (CUdeviceptr)(uintptr_t)kl__tensor_data(in[0]),
 	        (CUdeviceptr)(uintptr_t)kl__tensor_data(in[1]),
 	        (CUdeviceptr)(uintptr_t)kl__tensor_data(in[2]),
-	        (CUdeviceptr)(uintptr_t)kl__tensor_data(out));
-	return st == KL_OK ? kl__cuda_cache_write_check(ctx, d, &c) : st;
+	        (CUdeviceptr)(uintptr_t)kl__tensor_data(out), 1);
+	return st == KL_OK ? kl__cuda_cache_write_check(ctx, d, &one, 1) : st;
 }

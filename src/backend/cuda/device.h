@@ -186,14 +186,19 @@ size_t kl__optim_table_entry(void);
 /* ---- cache writes (cache_write_cuda.c) ----------------------------------------------- */
 
 /* A KL_STEP_CACHE_WRITE on the stream: cache copied into out first unless
- * they are one buffer, then the rows (capturable: a copy and one launch). */
+ * they are one buffer, then the rows (capturable: a copy and one launch).
+ * All or nothing: one position out of range and no row is written; the
+ * device error word then holds the first bad row, its position and tag
+ * (the step's index + 1), and later writes write nothing until the check. */
 kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c,
                                     kl_dtype dt, kl_dtype pdt, CUdeviceptr cache,
-                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out);
+                                    CUdeviceptr pos, CUdeviceptr val, CUdeviceptr out,
+                                    uint64_t tag);
 /* After the stream ran cache writes: a position out of range is KL_EINVAL
- * naming the row, the position and the limit (c gives the sizes). Waits
- * for the stream. */
-kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_step *c);
+ * naming the row, the position and the limit (steps[tag - 1].cw gives the
+ * sizes); the error word is cleared. Waits for the stream. */
+kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_step *steps,
+                                     int32_t nsteps);
 /* eager cache_write (dense operands; out is in[0] or a new tensor) */
 kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                                      kl_tensor *out);

@@ -425,7 +425,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                               (CUdeviceptr)(uintptr_t)B[cw->cache],
 			                               (CUdeviceptr)(uintptr_t)B[cw->pos],
 			                               (CUdeviceptr)(uintptr_t)B[cw->val],
-			                               (CUdeviceptr)(uintptr_t)B[cw->out]);
+			                               (CUdeviceptr)(uintptr_t)B[cw->out],
+			                               (uint64_t)s + 1);
 			continue;
 		}
 		if (sp->kind == KL_STEP_ATTENTION) {
@@ -869,7 +870,7 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 	/* cache writes report a position out of range when the call ends */
 	for (int32_t s = 0; st == KL_OK && s < ns; s++)
 		if (c->prog.steps[s].kind == KL_STEP_CACHE_WRITE) {
-			st = kl__cuda_cache_write_check(ctx, rt->dev, &c->prog.steps[s].cw);
+			st = kl__cuda_cache_write_check(ctx, rt->dev, c->prog.steps, ns);
 			break;
 		}
 	return st;
