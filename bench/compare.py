@@ -9,10 +9,11 @@ one without is kiln's; unparsable lines and rows with an "error" are skipped
 and counted). For each kiln workload and shape: kiln's best mode (the lowest
 median), the main peer's best mode (--peer; default torch on cuda, ONNX
 Runtime "ort" on cpu, issue 22), peer/kiln (above 1: kiln is faster), JAX's
-when present, and the target of ANCHORS.md / issues 4 and 5 with ✔ or ✘ (where
-none was set: kiln's best at most the peer's). Rows whose sizes are not the
-ones a target was set for get no mark. Then the start-up rows (kiln --cold)
-against their targets and torch's first call (on cpu only when there are any).
+when present, and the target of ANCHORS.md / issues 4, 5 and 21 with ✔ or ✘
+(where none was set: kiln's best at most the peer's). Rows whose sizes are
+not the ones a target was set for get no mark. Then the training step's peak
+memory against torch.compile's, and the start-up rows (kiln --cold) against
+their targets and torch's first call (on cpu only when there are any).
 Exit status 0 when a table was printed, 2 when there was nothing to compare.
 """
 import argparse
@@ -23,7 +24,11 @@ import sys
 # value; "tf" kiln's best TFLOP/s at least value; "us" kiln's best median at
 # most value; "ro_us" the reduce-overhead row's median at most value; "torch"
 # kiln's best median at most torch's best in the same run (no mark without a
-# torch row). A row with no target: kiln's best at most the main peer's.
+# torch row); "torch_frac" kiln's speed at least value times torch's best
+# (torch's median / kiln's at least value; no mark without a torch row);
+# "bw_frac" kiln's best row at least value of the device's copy bandwidth
+# (the row's bw_frac, else its gbps over the run's memory_bandwidth copy row).
+# A row with no target: kiln's best at most the main peer's.
 TARGETS = {
     ("relu_fma", "8192x8192"): ("bw", 4.2, ">= 4.2 TB/s"),
     ("softmax", "16384x4096"): ("bw", 3.4, ">= 3.4 TB/s"),
@@ -35,13 +40,26 @@ TARGETS = {
     ("attention_causal", "4x16x1024x128"): ("torch", None, "<= torch"),
     ("decoder_layer", "4x1024x2048,h16,ffn8192"): ("us", 950.0, "<= 0.95 ms"),
     ("decoder_token", "1x1x2048,h16,ffn8192"): ("us", 50.0, "<= 50 us"),
+    # issue 21: training
+    ("train_decoder", "4x1024x2048,h16,ffn8192"): ("us", 2900.0, "<= 2.9 ms"),
+    ("attention_bwd", "4x16x1024x128"): ("torch_frac", 0.95, ">= 0.95x torch"),
+    ("attention_bwd_causal", "4x16x1024x128"): ("torch_frac", 0.95, ">= 0.95x torch"),
+    ("adamw", "67121152 params,d2048,ffn8192"): ("bw_frac", 0.85, ">= 85% of copy bw"),
+    # examples/train_gpt.c --json at GPT-2 small's shape: tokens/s >= 1.1x torch's
+    ("train_gpt", "L12,d768,h12,seq1024,b8"): ("torch_frac", 1.1, ">= 1.1x torch"),
 }
-# start-up: kiln --cold rows of the FeedForward, first_call_s at most value
-COLD_TARGETS = {
-    "cold_compile": (0.5, "< 0.5 s"),
-    "warm_process": (0.030, "< 30 ms"),
-}
-COLD_WORKLOAD = ("swiglu_ffn", "4x1024x2048->8192")
+# the training step's peak memory: kiln's best mode's at most torch.compile's
+# (torch's "default" row) in the same run (issue 21)
+PEAK_TARGETS = {("train_decoder", "4x1024x2048,h16,ffn8192"): "default"}
+# start-up: kiln --cold rows, first_call_s below (strict) or at most the limit:
+# (workload, shape, mode, limit s, strict, text); the torch row beside each is
+# the same problem's "default" first call (compile included)
+COLD_TARGETS = [
+    ("swiglu_ffn", "4x1024x2048->8192", "cold_compile", 0.5, True, "< 0.5 s"),
+    ("swiglu_ffn", "4x1024x2048->8192", "warm_process", 0.030, True, "< 30 ms"),
+    ("train_decoder", "4x1024x2048,h16,ffn8192", "cold_compile", 1.0, False, "<= 1 s"),
+    ("train_decoder", "4x1024x2048,h16,ffn8192", "warm_process", 0.050, False, "<= 50 ms"),
+]
 TIMED_SKIP = {"copy", "cold_compile", "warm_process"}
 OK, NO = "\u2714", "\u2718"
 
@@ -110,7 +128,16 @@ def cell(r):
     return f"{fmt_us(num(r, 'median_us'))} {r.get('mode', '')} {fmt_rate(r)}".rstrip()
 
 
-def check(key, kiln_rows, k_best, t_best, peer="torch", device="cuda"):
+def bw_frac(r, copy_gbps):
+    """r's share of the copy bandwidth: its bw_frac, else gbps / copy_gbps."""
+    f = num(r, "bw_frac")
+    if f is not None:
+        return f
+    g = num(r, "gbps")
+    return g / copy_gbps if g and copy_gbps else None
+
+
+def check(key, kiln_rows, k_best, t_best, copy_gbps=None, peer="torch", device="cuda"):
     """(target text, mark) for one workload and shape."""
     tgt = TARGETS.get(key) if device == "cuda" else None  # the GPU's (ANCHORS.md)
     if tgt is None:
@@ -131,6 +158,16 @@ def check(key, kiln_rows, k_best, t_best, peer="torch", device="cuda"):
         if t_best is None:
             return text, ""
         return text, OK if num(k_best, "median_us") <= num(t_best, "median_us") else NO
+    if kind == "torch_frac":
+        if t_best is None:
+            return text, ""
+        got = num(t_best, "median_us") / num(k_best, "median_us")
+        return text, (OK if got >= value else NO) + f" ({got:.2f}x)"
+    if kind == "bw_frac":
+        got = bw_frac(k_best, copy_gbps)
+        if got is None:
+            return text, NO + " (no copy bandwidth)"
+        return text, (OK if got >= value else NO) + f" ({100 * got:.0f}%)"
     if kind == "tf":
         got = num(k_best, "tflops")
         return text, OK if got is not None and got >= value else NO
@@ -170,6 +207,9 @@ def main():
     def of(rs, key):
         return [r for r in rs if (r["workload"], r.get("shape", "")) == key]
 
+    copy = next((r for r in kiln if r["workload"] == "memory_bandwidth" and
+                 r.get("mode") == "copy"), None)
+    copy_gbps = num(copy, "gbps") if copy else None
     head = ["workload", "shape", "dtype", "kiln best", f"{main_peer} best", f"{main_peer}/kiln"]
     if has_jax:
         head += ["jax jit", "jax/kiln"]
@@ -185,7 +225,7 @@ def main():
             text, mark = "(ANCHORS 4.26 TB/s)", ""
         else:
             k_best, t_best, j_best = best(k_rows), best(t_rows), best(j_rows)
-            text, mark = check(key, k_rows, k_best, t_best, main_peer, opts.device)
+            text, mark = check(key, k_rows, k_best, t_best, copy_gbps, main_peer, opts.device)
         dtype = next((r.get("dtype") for r in k_rows + t_rows + j_rows if r.get("dtype")), "")
 
         def ratio(peer_row):
@@ -201,24 +241,51 @@ def main():
             met += mark.startswith(OK)
         table.append(line)
 
+    def mib(r):
+        v = num(r, "peak_bytes")
+        return None if v is None else v / 2 ** 20
+
+    # the training step's peak memory beside torch.compile's
+    for key, t_mode in PEAK_TARGETS.items():
+        k_best = best(of(kiln, key))
+        t_row = next((r for r in of(peers.get("torch", []), key) if r.get("mode") == t_mode),
+                     None)
+        if k_best is None:
+            continue
+        k, t = mib(k_best), mib(t_row) if t_row else None
+        mark = "" if k is None or t is None else (OK if k <= t else NO)
+        line = [key[0] + " peak memory", key[1], k_best.get("dtype") or "-",
+                "-" if k is None else f"{k:.0f} MiB {k_best.get('mode', '')}",
+                "-" if t is None else f"{t:.0f} MiB {t_mode}",
+                f"{k / t:.2f}x" if k and t else "-"]
+        if has_jax:
+            line += ["-", "-"]
+        line += ["<= torch " + t_mode, mark]
+        if mark:
+            total += 1
+            met += mark.startswith(OK)
+        table.append(line)
+
     # start-up (kiln bench --cold) beside torch's first call of the same problem
-    t_first = [r for r in of(peers.get("torch", []), COLD_WORKLOAD)
-               if r.get("mode") == "default" and num(r, "first_call_s") is not None]
-    cold_rows = any(r.get("mode") in COLD_TARGETS for r in kiln)
-    for mode, (limit, text) in COLD_TARGETS.items():
+    cold_rows = any(r.get("mode") in {t[2] for t in COLD_TARGETS} for r in kiln)
+    for wl, shape, mode, limit, strict, text in COLD_TARGETS:
         if opts.device != "cuda" and not cold_rows:
             break  # the start-up targets are the GPU's (ANCHORS.md)
+        key = (wl, shape)
+        t_first = [r for r in of(peers.get("torch", []), key)
+                   if r.get("mode") == "default" and num(r, "first_call_s") is not None]
         rs = [r for r in kiln if r.get("mode") == mode and
-              (r["workload"], r.get("shape", "")) == COLD_WORKLOAD]
+              (r["workload"], r.get("shape", "")) == key]
         got = num(rs[0], "first_call_s") if rs else None
         k = "-" if got is None else (f"{got:.3f} s" if got >= 1 else f"{got * 1e3:.1f} ms")
         t = (f"{num(t_first[0], 'first_call_s'):.2f} s default first call" if t_first and
              mode == "cold_compile" else "-")
         ratio = (f"{num(t_first[0], 'first_call_s') / got:.1f}x" if t_first and got and
                  mode == "cold_compile" else "-")
-        mark = NO + " (no row)" if got is None else (OK if got < limit else NO)
-        line = [COLD_WORKLOAD[0] + " " + mode.replace("_", " "), COLD_WORKLOAD[1], "bf16",
-                k + " first call", t, ratio]
+        ok = got is not None and (got < limit if strict else got <= limit)
+        mark = NO + " (no row)" if got is None else (OK if ok else NO)
+        dtype = rs[0].get("dtype") if rs and rs[0].get("dtype") else "bf16"
+        line = [wl + " " + mode.replace("_", " "), shape, dtype, k + " first call", t, ratio]
         if has_jax:
             line += ["-", "-"]
         line += [text, mark]

@@ -22,7 +22,17 @@ MAX_BATCH = 1000
 BATCH_MS = 2.0
 
 MEMORY_BOUND = ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
-                "rms_norm", "rms_norm_prims", "decoder_token")
+                "rms_norm", "rms_norm_prims", "decoder_token", "adamw")
+# issue 21's rows: a training step, the optimizer alone, attention's backward
+TRAIN = ("train_decoder", "adamw", "attention_bwd", "attention_bwd_causal", "train_gpt")
+GPT_VOCAB = 256  # examples/train_gpt.c: byte-level
+TRAIN_LR = 1e-4  # the training step's AdamW learning rate (torch's other defaults)
+
+
+def decoder_params(d, f):
+    """The DecoderLayer's parameter count: in-projection and out-projection
+    with biases, two RMSNorm weights, the SwiGLU FeedForward."""
+    return 4 * d * d + 3 * d * f + 6 * d
 EPS = 1e-5
 
 
@@ -75,6 +85,43 @@ class Spec:
             self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
             self.bytes = (2 * n * dim + 4 * dim * dim + 3 * dim * f + 6 * dim) * es
             self.flops = 8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f
+        elif name == "train_decoder":
+            # the seed's step on decoder_layer's problem: three times the
+            # forward's products; x and the label read, and per parameter
+            # the forward's read, the gradient written, AdamW's 7 elements
+            b, t, dim, h, f = d
+            n = b * t
+            self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
+            self.bytes = (2 * n * dim + 9 * decoder_params(dim, f)) * es
+            self.flops = 3.0 * (8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f)
+        elif name == "adamw":
+            # AdamW alone over the DecoderLayer's parameters: parameter and two
+            # moments read and written, the gradient read
+            b, t, dim, h, f = d
+            p = decoder_params(dim, f)
+            self.shape = f"{p} params,d{dim},ffn{f}"
+            self.bytes, self.flops = 7 * p * es, 12.0 * p
+        elif name in ("attention_bwd", "attention_bwd_causal"):
+            # forward + backward: 3.5 times the forward's FLOPs; q, k, v, the
+            # output and its cotangent read, the output and three gradients
+            # written
+            b, h, t, hd = d
+            self.shape = f"{b}x{h}x{t}x{hd}"
+            qkv = b * h * t * hd
+            self.bytes = 9 * qkv * es
+            self.flops = (3.5 * (0.5 if name == "attention_bwd_causal" else 1.0) *
+                          4.0 * qkv * t)
+        elif name == "train_gpt":
+            # examples/train_gpt.c's model (--json prints the same shape and
+            # FLOPs): layers, d_model, heads, seq, batch; a step's products
+            # (six FLOPs per block or head parameter a token) and causal
+            # attention's (6 B T^2 d a layer with the backward)
+            layers, dim, h, t, b = d
+            self.shape = f"L{layers},d{dim},h{h},seq{t},b{b}"
+            tok = b * t
+            self.bytes = None
+            self.flops = (6.0 * tok * (12 * layers * dim * dim + GPT_VOCAB * dim) +
+                          6.0 * layers * b * t * t * dim)
         elif name == "mlp24":
             b, dim, layers = d
             self.shape = f"{layers}x({b}x{dim})"
@@ -106,6 +153,10 @@ def specs(quick):
     out += [Spec(n, "bf16", attn) for n in ("attention", "attention_causal")]
     out.append(Spec("decoder_layer", "bf16", layer))
     out.append(Spec("decoder_token", "bf16", token))
+    out += [Spec(n, "bf16", layer) for n in ("train_decoder", "adamw")]
+    out += [Spec(n, "bf16", attn) for n in ("attention_bwd", "attention_bwd_causal")]
+    # GPT-2 small's shape, byte-level (examples/train_gpt.c)
+    out.append(Spec("train_gpt", "bf16", (2, 64, 4, 64, 4) if quick else (12, 768, 12, 1024, 8)))
     return out
 
 
@@ -172,7 +223,10 @@ def row(peer, spec, device, mode, ms=None, iters=None, first_call_s=None, kernel
     if ms is not None:
         r["ms"] = round(ms, 6)
         r["iters"] = iters
-        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 7)
+        if spec.bytes:
+            r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 7)
+        if spec.name == "train_gpt":
+            r["tokens_per_s"] = round(spec.dims[3] * spec.dims[4] / (ms * 1e-3), 1)
         if spec.memory_bound:
             r["gbps"] = round(spec.bytes / (ms * 1e-3) * 1e-9, 1)
         elif spec.flops:

@@ -14,6 +14,15 @@ through jax.nn.dot_product_attention, not causal, the out-projection, the
 SwiGLU FeedForward, both residuals) with seeded random weights as arguments.
 kernels and peak_bytes are not measured (null).
 
+The training rows (issue 21): train_decoder is one jit over
+jax.value_and_grad of that layer's MSE loss against a fixed label and
+optax.adamw's update (lr 1e-4, weight decay 0.01 as torch's default), the
+parameters and optimizer state donated (updated in place); adamw is
+optax.adamw's update alone over the layer's parameters with fixed gradients
+(jit, donated); attention_bwd and attention_bwd_causal are the vjp of
+jax.nn.dot_product_attention (forward and backward in one jit). Without
+optax the two optimizer rows are skipped with a message (exit 0).
+
 Without JAX (or without a GPU backend, unless --device cpu) it says so on
 stderr and exits 0.
 """
@@ -107,8 +116,60 @@ def make(jax, jnp, spec):
     raise ValueError(n)
 
 
+def make_train(jax, jnp, optax, spec):
+    """A training row: (call, state), one call being state = call(state): a
+    jitted function whose first outputs are its next inputs (the parameters
+    and optimizer state donated, so updated in place)."""
+    n = spec.name
+    if n in ("attention_bwd", "attention_bwd_causal"):
+        b, h, t, hd = spec.dims
+        _, qkv = make(jax, jnp, pc.Spec("attention", spec.dtype, spec.dims))
+        cot = jax.random.normal(jax.random.PRNGKey(1), (b, t, h, hd),
+                                jnp.float32).astype(qkv[0].dtype)
+        causal = n == "attention_bwd_causal"
+
+        def fwd_bwd(q, k, v, cot):
+            o, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal), q, k, v)
+            return (q, k, v, cot, o) + tuple(vjp(cot))
+        f = jax.jit(fwd_bwd)
+        return (lambda st: f(*st[:4])), tuple(qkv) + (cot,)
+    layer, args = make(jax, jnp, pc.Spec("decoder_layer", spec.dtype, spec.dims))
+    # each parameter its own buffer (make's two norm weights are one array),
+    # as donation needs
+    x, params = args[0], tuple(jnp.array(p, copy=True) for p in args[1:])
+    tx = optax.adamw(pc.TRAIN_LR, weight_decay=0.01)
+    opt_state = tx.init(params)
+    if n == "adamw":
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), len(params)))
+        grads = tuple((jax.random.normal(next(keys), p.shape, jnp.float32) *
+                       1e-2).astype(p.dtype) for p in params)
+
+        def update(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, grads
+        f = jax.jit(update, donate_argnums=(0, 1))
+        return (lambda st: f(*st)), (params, opt_state, grads)
+    label = jax.random.normal(jax.random.PRNGKey(3), x.shape, jnp.float32).astype(x.dtype)
+
+    def loss_fn(params, x, label):
+        y = layer(x, *params)
+        return jnp.mean((y.astype(jnp.float32) - label.astype(jnp.float32)) ** 2)
+
+    def train_step(params, opt_state, x, label):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, label)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, x, label, loss
+    f = jax.jit(train_step, donate_argnums=(0, 1))
+    return (lambda st: f(*st[:4])), (params, opt_state, x, label)
+
+
 # what each row's implementation is, where the name does not say it
 IMPL = {"attention": "jax.nn.dot_product_attention",
+        "attention_bwd": "jit of the vjp of jax.nn.dot_product_attention",
+        "attention_bwd_causal": "jit of the vjp of jax.nn.dot_product_attention",
+        "train_decoder": "jit of value_and_grad of the written-out layer + optax.adamw, donated",
+        "adamw": "jit of optax.adamw's update + apply_updates, donated",
         "attention_causal": "jax.nn.dot_product_attention",
         "decoder_layer": "jit of the written-out layer, jax.nn.dot_product_attention",
         "decoder_token": "jit of the written-out layer, jax.nn.dot_product_attention"}
@@ -135,23 +196,44 @@ def main():
     except RuntimeError as e:
         return pc.skip("peer_jax", f"no {platform} backend ({e})")
     extra = {"jax": jax.__version__, "gpu": getattr(dev, "device_kind", str(dev))}
+    try:
+        import optax
+    except ImportError as e:
+        optax = None
+        print(f"peer_jax: the optimizer rows (train_decoder, adamw) skipped: optax is not "
+              f"importable ({e})", file=sys.stderr)
     failures = 0
     for spec in table:
         if only and spec.name not in only:
             continue
+        if optax is None and spec.name in ("train_decoder", "adamw"):
+            continue
+        if spec.name == "train_gpt":  # torch only (the issue compares those two)
+            continue
         mode = "copy" if spec.name == "memory_bandwidth" else "jit"
         try:
             with jax.default_device(dev):
-                fn, args = make(jax, jnp, spec)
-                f = jax.jit(fn)
-                t0 = time.perf_counter()
-                f(*args).block_until_ready()
-                first = time.perf_counter() - t0
-                last = [None]
+                if spec.name in pc.TRAIN:
+                    step, state = make_train(jax, jnp, optax, spec)
+                else:
+                    fn, args = make(jax, jnp, spec)
+                    f = jax.jit(fn)
+                    state = tuple(args)
+
+                    def step(st, f=f):
+                        return st[:len(args)] + (f(*st[:len(args)]),)
+                last = [state]
 
                 def call():
-                    last[0] = f(*args)
-                timer = pc.wall_timer(call, lambda: last[0].block_until_ready())
+                    last[0] = step(last[0])
+
+                def sync():
+                    jax.block_until_ready(last[0])
+                t0 = time.perf_counter()
+                call()
+                sync()
+                first = time.perf_counter() - t0
+                timer = pc.wall_timer(call, sync)
                 ms, iters = pc.time_calls(timer, warmup=opts.warmup, samples=opts.samples)
         except Exception as e:  # one failing row must not hide the others
             pc.emit(pc.row("jax", spec, opts.device, mode,

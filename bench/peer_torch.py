@@ -17,6 +17,21 @@ mode's calls (inputs included). One JSON object a line, with the keys of
   {"peer": "torch", "workload": "relu_fma", "device": "cuda", "dtype": "f16",
    "shape": "4096x4096", "mode": "default", "median_us": 34.4, ...}
 
+The training rows (issue 21) run with gradients on: train_decoder is the
+seed's step (the DecoderLayer in training mode, MSE loss against a fixed
+label, backward, AdamW lr 1e-4, the gradients set to None) in three modes:
+"eager" (fused AdamW), "default" (torch.compile default on the module, fused
+AdamW eager) and "compiled-step" (the same, with the optimizer's step
+compiled too, torch's recipe: AdamW's default implementation under
+torch.compile); adamw is the fused AdamW's step alone over the DecoderLayer's
+parameters with fixed gradients ("eager"); attention_bwd and
+attention_bwd_causal are F.scaled_dot_product_attention forward and
+backward (q, k, v leaves, the output's cotangent given), eager and with
+the forward under torch.compile (its backward compiled by AOTAutograd);
+train_gpt is examples/train_gpt.c's GPT at GPT-2 small's shape (12 layers,
+d 768, 12 heads, seq 1024, batch 8, bytes as tokens), eager and
+torch.compile default, its tokens_per_s beside the row's time.
+
 Without PyTorch (or without CUDA, unless --device cpu) it says so on stderr
 and exits 0. --quick shrinks every size; --device cpu runs on the CPU with
 wall-clock timing (a smoke test of this script, not a measurement).
@@ -27,18 +42,37 @@ import time
 
 import peer_common as pc
 
-MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
+         "compiled-step")
 
 
 def default_modes(spec):
     if spec.name == "memory_bandwidth":
         return ["copy"]
+    if spec.name == "train_decoder":
+        return ["eager", "default", "compiled-step"]
+    if spec.name == "train_gpt":
+        return ["eager", "default"]
+    if spec.name == "adamw":
+        return ["eager"]
+    if spec.name in ("attention_bwd", "attention_bwd_causal"):
+        return ["eager", "default"]
     if spec.name in ("attention", "attention_causal"):
         return ["eager", "default"]
     modes = ["eager", "default", "reduce-overhead"]
     if spec.name == "swiglu_ffn":
         modes.append("max-autotune-no-cudagraphs")
     return modes
+
+
+def mode_applies(spec, mode):
+    """Whether --modes' mode makes sense for spec: the optimizer alone runs
+    eagerly (torch's fused AdamW); compiled-step is the training step's."""
+    if spec.name == "adamw":
+        return mode == "eager"
+    if spec.name == "train_gpt":
+        return mode in ("eager", "default", "reduce-overhead")
+    return mode != "compiled-step" or spec.name == "train_decoder"
 
 
 def seed_modules(torch, d, h, f):
@@ -135,20 +169,148 @@ def make(torch, spec, dev):
     raise ValueError(n)
 
 
-def count_kernels(torch, f, args):
+def make_train(torch, spec, dev, mode):
+    """A training row: call() runs one step in mode (compiling on its first
+    call), with gradients on. The modules and tensors live in its closure."""
+    F = torch.nn.functional
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, device=dev, dtype=dt, generator=g) * scale
+
+    n = spec.name
+    if n in ("attention_bwd", "attention_bwd_causal"):
+        causal = n == "attention_bwd_causal"
+        q, k, v = (randn(*spec.dims).requires_grad_() for _ in range(3))
+        cot = randn(*spec.dims)
+
+        def attn(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        fwd = attn if mode == "eager" else torch.compile(
+            attn, mode=None if mode == "default" else mode)
+
+        def call():
+            q.grad = k.grad = v.grad = None
+            o = fwd(q, k, v)
+            o.backward(cot)
+            return o
+        return call
+    cuda = dev == "cuda"
+    if n == "train_gpt":
+        return make_gpt_step(torch, spec, dev, dt, mode, cuda)
+    b, t, d, h, f = spec.dims
+    _, DecoderLayer = seed_modules(torch, d, h, f)
+    torch.manual_seed(0)
+    model = DecoderLayer().to(device=dev, dtype=dt).train()
+    if n == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=pc.TRAIN_LR, fused=cuda)
+        for p in model.parameters():
+            p.grad = randn(*p.shape, scale=1e-2)
+
+        def call():
+            opt.step()
+            return None
+        return call
+    x, label = randn(b, t, d), randn(b, t, d)
+    if mode == "compiled-step":
+        # torch's recipe for a compiled optimizer: the default (foreach)
+        # implementation, its step under torch.compile
+        opt = torch.optim.AdamW(model.parameters(), lr=pc.TRAIN_LR)
+
+        @torch.compile(fullgraph=False)
+        def opt_step():
+            opt.step()
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=pc.TRAIN_LR, fused=cuda)
+        opt_step = opt.step
+    fwd = model if mode == "eager" else torch.compile(
+        model, mode=None if mode in ("default", "compiled-step") else mode)
+
+    def call():
+        loss = F.mse_loss(fwd(x), label)
+        loss.backward()
+        opt_step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return call
+
+
+def make_gpt_step(torch, spec, dev, dt, mode, cuda):
+    """examples/train_gpt.c's step in torch: the same GPT (token and position
+    embeddings, pre-norm blocks of LayerNorm with bias, causal SDPA over a
+    fused qkv product, a tanh-GELU MLP, the head tied to the embedding),
+    cross-entropy over bytes, gradients clipped to norm 1, fused AdamW
+    (weight decay 0.1, a constant lr: a schedule costs nothing a step)."""
+    nn, F = torch.nn, torch.nn.functional
+    layers, d, h, t, b = spec.dims
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (a.view(b, t, h, d // h).transpose(1, 2) for a in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(pc.GPT_VOCAB, d)
+            self.wpe = nn.Embedding(t, d)
+            self.h = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+            for blk in self.h:
+                x = blk(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.view(-1, pc.GPT_VOCAB), targets.view(-1))
+
+    torch.manual_seed(0)
+    model = GPT().to(device=dev, dtype=dt).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.randint(0, pc.GPT_VOCAB, (b, t), device=dev, generator=g)
+    tgt = torch.randint(0, pc.GPT_VOCAB, (b, t), device=dev, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=cuda)
+    fwd = model if mode == "eager" else torch.compile(
+        model, mode=None if mode == "default" else mode)
+
+    def call():
+        loss = fwd(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return call
+
+
+def count_kernels(torch, call):
     """CUDA activities (kernels and copies) of one call, by the profiler."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        f(*args)
+        call()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def measure(torch, spec, mode, fn, args, opts):
-    """(ms, iters, first_call_s, kernels, peak_bytes) of fn in mode."""
+    """(ms, iters, first_call_s, kernels, peak_bytes) of fn in mode; for a
+    training row (fn None) of make_train's step in mode."""
     cuda = opts.device == "cuda"
     torch._dynamo.reset()
-    f = fn if mode in ("eager", "copy") else torch.compile(fn, mode=mode)
+    if fn is None:
+        f, args = make_train(torch, spec, opts.device, mode), []
+    else:
+        f = fn if mode in ("eager", "copy") else torch.compile(fn, mode=mode)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         sync()
@@ -172,7 +334,7 @@ def measure(torch, spec, mode, fn, args, opts):
         timer = pc.wall_timer(lambda: f(*args), sync)
     ms, iters = pc.time_calls(timer, warmup=opts.warmup, samples=opts.samples)
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    kernels = count_kernels(torch, f, args) if cuda and opts.count_kernels else None
+    kernels = count_kernels(torch, lambda: f(*args)) if cuda and opts.count_kernels else None
     return ms, iters, first, kernels, peak
 
 
@@ -208,17 +370,21 @@ def main():
         if only and spec.name not in only:
             continue
         eager_ms = None
+        train = spec.name in pc.TRAIN
         try:
-            fn, args = make(torch, spec, opts.device)
+            # a training row makes its model per mode (measure), with gradients
+            fn, args = (None, None) if train else make(torch, spec, opts.device)
         except Exception as e:  # e.g. out of memory: the other rows still run
             pc.emit(pc.row("torch", spec, opts.device, "setup",
                            extra=dict(extra, error=f"{type(e).__name__}: {e}"[:500])))
             failures += 1
             continue
-        for mode in (modes if modes and spec.name != "memory_bandwidth"
-                     else default_modes(spec)):
+        row_modes = default_modes(spec)
+        if modes and spec.name != "memory_bandwidth":
+            row_modes = [m for m in modes if mode_applies(spec, m)]
+        for mode in row_modes:
             try:
-                with torch.no_grad():
+                with torch.set_grad_enabled(train):
                     ms, iters, first, kernels, peak = measure(torch, spec, mode, fn, args, opts)
             except Exception as e:  # one failing row must not hide the others
                 pc.emit(pc.row("torch", spec, opts.device, mode,

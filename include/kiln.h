@@ -421,7 +421,8 @@ kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *
  * them as extra outputs), so kl_backward may also be called after
  * kl_fn_call: it then runs the backward as one compiled graph that also
  * computes the values not kept; kl_explain shows both. Such a call always
- * runs the function's body (no fullgraph replay). The tape lets go of what no tensor the program holds
+ * runs the function's body (no fullgraph replay), and so does a call of a
+ * function whose kl_backward inside leaves gradients in .grad. The tape lets go of what no tensor the program holds
  * can reach; still, turn grad mode off for inference. Only floating-point
  * values carry gradients; integer and bool results (argmax, comparisons)
  * stop them.

@@ -21,13 +21,17 @@
 # to 275 s of the budget: GPU_CHECK_SKIP=sanitize gives them that time back.
 #
 # Environment: GPU_CHECK_QUICK=1 (peers at small sizes), GPU_CHECK_SKIP=
-# bench,cold,peer,jax,sanitize (stages to leave out), GPU_CHECK_JOBS (default 16),
+# bench,cold,gpt,peer,jax,sanitize (stages to leave out; gpt: examples/train_gpt
+# at GPT-2 small's shape, --json, beside the torch peer's train_gpt rows), GPU_CHECK_JOBS (default 16),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 460), GPU_CHECK_CMAKE_ARGS
 # (more cmake options, e.g. -DKILN_WERROR=OFF), CUDA_HOME (toolkit),
 # GPU_CHECK_PROBES=1 (also build and run each bench/probes/*.cu with nvcc,
 # where nvcc is found: stand-alone experiments, reported only),
 # GPU_CHECK_TESTS (a ctest -R regex: a targeted run tests only those; the
-# default runs the whole suite), GPU_CHECK_AFTER (a command run last, in this
+# default runs the whole suite), GPU_CHECK_WORKLOADS (a comma list: kiln bench
+# and the peers run only those workloads, the copy ceiling always; e.g.
+# train_decoder,adamw,attention_bwd,attention_bwd_causal for issue 21; --cold
+# always times swiglu_ffn and train_decoder), GPU_CHECK_AFTER (a command run last, in this
 # script's environment: the toolkit's libraries found, the build in build/;
 # its output goes to after.log).
 # Exit status: nonzero when configuring, building or a test fails; the
@@ -154,12 +158,12 @@ fi
 stage test_cuda 60 "$build/tests/test_cuda" || status=1
 tail -25 "$logs/test_cuda.log"
 # the CUDA op tables are NVRTC-bound (a compile per op signature): spread them.
-# The benchmarks need about 200 s (none when bench, peer and jax are all
-# skipped): the suite gets what is left beyond that (at least 120 s, at most
-# 300 s). The sanitizer stage gets up to 275 s of its own out of the rest.
+# The benchmarks need about 300 s (none when bench, peer and jax are all
+# skipped; the training rows' torch.compile runs are the long part): the
+# suite gets what is left beyond that (at least 120 s, at most 300 s). The sanitizer stage gets up to 275 s of its own out of the rest.
 san_reserve=275
 [[ $skip == *,sanitize,* ]] && san_reserve=0
-bench_reserve=200
+bench_reserve=300
 [[ $skip == *,bench,* && $skip == *,peer,* && $skip == *,jax,* ]] && bench_reserve=0
 ctest_cap=$((deadline - SECONDS - bench_reserve - san_reserve))
 ((ctest_cap > 300)) && ctest_cap=300
@@ -232,23 +236,41 @@ jsonl_stage() { # jsonl_stage NAME SECONDS CMD...: stdout to NAME.jsonl
 	# shellcheck disable=SC2016 # $0 and $@ are the inner shell's
 	stage "$name" "$secs" bash -c '"$@" >"$0"' "$logs/$name.jsonl" "$@"
 }
+kiln_args=()
+peer_args=()
+if [[ -n ${GPU_CHECK_WORKLOADS:-} ]]; then
+	kiln_args+=(--workload "$GPU_CHECK_WORKLOADS")
+	peer_args+=(--workload "memory_bandwidth,$GPU_CHECK_WORKLOADS")
+fi
 if [[ $skip != *,bench,* ]]; then
-	jsonl_stage kiln_bench_cuda 240 "$build/kiln" bench --device cuda --json ||
+	jsonl_stage kiln_bench_cuda 240 "$build/kiln" bench --device cuda --json "${kiln_args[@]}" ||
 		say "kiln bench --device cuda did not complete: see kiln_bench_cuda.log"
 fi
+# two workloads (the FeedForward, the training step), each a cold compile
+# (NVRTC) and a warm process
 if [[ $skip != *,cold,* ]]; then
-	jsonl_stage kiln_cold_cuda 40 "$build/kiln" bench --device cuda --cold --json ||
+	jsonl_stage kiln_cold_cuda 90 "$build/kiln" bench --device cuda --cold --json ||
 		say "kiln bench --device cuda --cold did not complete: see kiln_cold_cuda.log"
 fi
-peer_args=()
+# the byte-level GPT at GPT-2 small's shape (12 layers, d 768, 12 heads,
+# seq 1024, batch 8, bf16): tokens/s, one JSON line (its progress in the log)
+if [[ $skip != *,gpt,* ]]; then
+	gpt_shape=(--layers 12 --d-model 768 --heads 12 --seq 1024 --batch 8)
+	[[ ${GPU_CHECK_QUICK:-0} == 1 ]] && gpt_shape=(--layers 2 --d-model 64 --heads 4 --seq 64 --batch 4)
+	jsonl_stage kiln_gpt_cuda 120 "$build/train_gpt" "$root/tests/data/tiny.txt" "${gpt_shape[@]}" --dtype bf16 \
+		--device cuda --steps 30 --warmup 5 --json ||
+		say "train_gpt did not complete: see kiln_gpt_cuda.log"
+fi
 [[ ${GPU_CHECK_QUICK:-0} == 1 ]] && peer_args+=(--quick)
+# torch: the training rows compile the DecoderLayer's step three ways
+# (torch.compile's default, and with the optimizer's step compiled): 360 s
 if [[ $skip != *,peer,* ]]; then
-	jsonl_stage peer_torch 240 python3 "$root/bench/peer_torch.py" "${peer_args[@]}" ||
+	jsonl_stage peer_torch 360 python3 "$root/bench/peer_torch.py" "${peer_args[@]}" ||
 		say "peer_torch did not complete: see peer_torch.log"
 	grep -h "skipped" "$logs/peer_torch.log" 2>/dev/null | head -1 | sed 's/^/[gpu-check] /'
 fi
 if [[ $skip != *,jax,* ]]; then
-	jsonl_stage peer_jax 90 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
+	jsonl_stage peer_jax 120 python3 "$root/bench/peer_jax.py" "${peer_args[@]}" ||
 		say "peer_jax did not complete: see peer_jax.log"
 fi
 
@@ -280,7 +302,7 @@ fi
 	grep -E "\(Failed\)|\(Timeout\)" "$logs/ctest.log" 2>/dev/null | head -12
 	echo
 	jsonl=()
-	for f in kiln_bench_cuda kiln_cold_cuda peer_torch peer_jax; do
+	for f in kiln_bench_cuda kiln_cold_cuda kiln_gpt_cuda peer_torch peer_jax; do
 		[[ -s $logs/$f.jsonl ]] && jsonl+=("$logs/$f.jsonl")
 	done
 	if ((${#jsonl[@]})); then

@@ -97,6 +97,10 @@ for w in "${names[@]}"; do
 		match(l, /"ms":[^,]*/); ms = substr(l, RSTART + 5, RLENGTH - 5) + 0
 		exit !(us > 0 && (us - 1000 * ms) ^ 2 < (1e-4 * us) ^ 2) }' ||
 		fail "$w: median_us does not match ms: $line"
+	# the optimizer alone runs eagerly only (inside a compiled function its
+	# step is the same fused update, deferred; nothing after it may read the
+	# parameters it writes)
+	[[ $w == adamw ]] && continue
 	for mode in default reduce-overhead max-autotune; do
 		line=$(grep -F "$prefix" "$work/json" | grep -F "\"mode\":\"$mode\"") ||
 			fail "no $mode line for $w"
@@ -112,6 +116,23 @@ for w in "${names[@]}"; do
 				fail "$w $mode: not marked as default"
 		fi
 	done
+done
+# issue 21: the training rows. The step compiled whole (forward, loss,
+# backward, AdamW) and the forward alone compiled with kl_backward and the
+# optimizer after it; the optimizer alone against the copy bandwidth.
+line=$(grep -F '{"workload":"train_decoder","device":"cpu"' "$work/json" |
+	grep -F '"mode":"compiled-forward"') || fail "train_decoder: no compiled-forward line"
+for key in ms first_call_s speedup checksum tflops; do
+	grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "train_decoder compiled-forward: no $key"
+done
+grep -Eq '"kernels":[1-9][0-9]*[,}]' <<<"$line" || fail "train_decoder compiled-forward: kernels"
+grep -Eq '"peak_bytes":[1-9][0-9]*[,}]' <<<"$line" || fail "train_decoder compiled-forward: peak"
+grep -F '{"workload":"adamw","device":"cpu"' "$work/json" | grep -F '"mode":"eager"' |
+	grep -Eq "\"gbps\":${num},\"copy_gbps\":${num},\"bw_frac\":${num}" ||
+	fail "adamw: no bandwidth against the copy's"
+for w in attention_bwd attention_bwd_causal; do
+	grep -F "{\"workload\":\"$w\",\"device\":\"cpu\"" "$work/json" |
+		grep -F '"mode":"default"' | grep -Eq "\"tflops\":${num}[,}]" || fail "$w: no default row"
 done
 # issue 23: the dynamic plan beside the static one, same shape
 grep -F '{"workload":"gpt2_block","device":"cpu"' "$work/json" | grep -F '"mode":"dynamic"' |
@@ -153,6 +174,10 @@ for mode in cold_compile warm_process; do
 	done
 	grep -Fq '"dtype":"f32","shape":"4x128x512->1408"' <<<"$line" ||
 		fail "--cold $mode: no dtype and shape: $line"
+	# and the training step's (issue 21), in processes and a cache of its own
+	grep -F '{"workload":"train_decoder","device":"cpu",' "$work/cold" |
+		grep -F "\"mode\":\"$mode\"," | grep -Eq "\"first_call_s\":${num}," ||
+		fail "--cold: no train_decoder $mode line"
 done
 [[ -z $(ls -A "$work/tmp") ]] || fail "--cold left $(ls -A "$work/tmp") behind"
 # The table, with KILN_LOGS=startup: each process says what its first call's

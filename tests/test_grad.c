@@ -1077,6 +1077,67 @@ static void test_compiled_forward_eager_backward(void **state)
 	kl_release(m.b);
 }
 
+/* kl_backward inside the function, the gradients left in .grad for the
+ * caller (no optimizer inside): with fullgraph, a later call with new input
+ * values must compute them again, not replay a plan that leaves the first
+ * call's .grad behind. */
+static kl_status grads_left(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                            void *user)
+{
+	model *m = user;
+	kl_grad_clear(m->w);
+	kl_grad_clear(m->b);
+	kl_status st = forward_only(c, in, nin, out, nout, user);
+	return st == KL_OK ? kl_backward(out[0], NULL) : st;
+}
+
+static void test_grads_left_fullgraph(void **state)
+{
+	(void)state;
+	model m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){4, 3}, N, CG, 43),
+	           kltest_rand(ctx, KL_F32, 1, (int64_t[]){3}, N, CG, 44), 0};
+	/* the eager reference's own parameters (same values, other memory), so
+	 * that nothing but the compiled calls touches m */
+	model me = {kl_add_scalar(m.w, 0.0), kl_add_scalar(m.b, 0.0), 0};
+	kl_set_requires_grad(m.w, true);
+	kl_set_requires_grad(m.b, true);
+	kl_set_requires_grad(me.w, true);
+	kl_set_requires_grad(me.b, true);
+	kl_tensor *tgt = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 3}, N, CG, 42);
+	kl_fn *f = kl_compile(ctx, grads_left, &m, 2, 1, &(kl_compile_opts){.fullgraph = true});
+	for (int call = 0; call < 3; call++) {
+		kl_tensor *x = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 4}, N, CG, 45 + call);
+		kl_tensor *in[2] = {x, tgt}, *le = NULL, *lc = NULL;
+		/* the eager reference for this call's input */
+		kl_scope_begin(ctx);
+		assert_int_equal(grads_left(ctx, in, 2, &le, 1, &me), KL_OK);
+		kl_scope_end(ctx);
+		double *gw = kltest_read(kl_grad(me.w)), *gb = kltest_read(kl_grad(me.b));
+		if (kl_fn_call(f, in, &lc) != KL_OK)
+			fail_msg("kl_fn_call: %s", kl_last_error(ctx));
+		kl_release(lc);
+		double *cw = kltest_read(kl_grad(m.w)), *cb = kltest_read(kl_grad(m.b));
+		assert_true(kltest_compare("w.grad left by a fullgraph call", KL_F32, 2,
+		                           (int64_t[]){4, 3}, cw, gw, 1));
+		assert_true(kltest_compare("b.grad left by a fullgraph call", KL_F32, 1,
+		                           (int64_t[]){3}, cb, gb, 1));
+		free(gw);
+		free(gb);
+		free(cw);
+		free(cb);
+		kl_release(x);
+	}
+	kl_fn_free(f);
+	kl_release(tgt);
+	model *ms[2] = {&m, &me};
+	for (int i = 0; i < 2; i++) {
+		kl_grad_clear(ms[i]->w);
+		kl_grad_clear(ms[i]->b);
+		kl_release(ms[i]->w);
+		kl_release(ms[i]->b);
+	}
+}
+
 /* The min-cut partition on a small joint graph: x (input) -> e = exp(x)
  * (recomputable) -> m = e @ w (a product: only kept, never recomputed) ->
  * s = sigmoid(m); the backward reads e and s. e comes again from x for
@@ -1181,6 +1242,7 @@ int main(void)
 		cmocka_unit_test(test_copy_in_trace),
 		cmocka_unit_test(test_whole_step_compiled),
 		cmocka_unit_test(test_compiled_forward_eager_backward),
+		cmocka_unit_test(test_grads_left_fullgraph),
 		cmocka_unit_test(test_tape_pruned),
 		cmocka_unit_test(test_partition),
 		cmocka_unit_test(test_grad_f64),

@@ -1336,10 +1336,10 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		v->nsegs = cs.seg + 1;
 		v->calls++;
 		/* a replay runs the plan alone and repeats the writes in place
-		 * it recorded; deferred actions, the autograd tape and a step
-		 * that writes after computing gradients (a training step) need
-		 * fn's trace */
-		if (f->o.fullgraph && !v->replay && (!cs.wrote || (cs.writes_replay && !grads)) &&
+		 * it recorded; deferred actions, the autograd tape and gradients
+		 * left in .grad (kl_backward inside fn, a training step or not:
+		 * a replay would leave the first call's) need fn's trace */
+		if (f->o.fullgraph && !v->replay && (!cs.wrote || cs.writes_replay) && !grads &&
 		    !cs.taped && !cs.no_replay &&
 		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");

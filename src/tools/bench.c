@@ -89,6 +89,35 @@ static kl_status dynamic_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out)
 	return kl_fn_call(r->fn, r->in, out);
 }
 
+/* The training rows' "compiled forward": the workload's forward to the loss
+ * compiled (default mode), then, after the call, kl_backward on the loss (it
+ * runs the backward the partition left, as one graph compiled at the first
+ * kl_backward), the optimizer's fused step and the gradients cleared, as a
+ * program does that compiles its model but not its training loop
+ * (torch.compile on the module, the optimizer eager). */
+static kl_status compiled_forward_call(kt_run *r, const kt_mode_desc *m, kl_tensor **out)
+{
+	kt_state *state = kt_state_user(&r->state);
+	if (!r->w->forward || !state || !state->opt)
+		return kl_set_error(r->ctx, KL_EINVAL,
+		                    "bench %s: mode %s needs a training row (a forward body "
+		                    "and an optimizer)",
+		                    r->w->name, m->name);
+	if (!r->fn) {
+		kl_compile_opts co = {.mode = m->kmode, .fullgraph = true};
+		r->fn = kl_compile(r->ctx, r->w->forward, state, r->w->nin, r->w->nout, &co);
+		if (!r->fn)
+			return kl_last_status(r->ctx);
+	}
+	kl_status st = kl_fn_call(r->fn, r->in, out);
+	if (st == KL_OK)
+		st = kl_backward(out[0], NULL);
+	if (st == KL_OK)
+		st = kl_optim_step(state->opt);
+	kl_nn_grad_clear(&state->base);
+	return st;
+}
+
 const kt_mode_desc kt_modes[KT_NMODES] = {
 	[KT_MODE_EAGER] = {"eager", eager_call, false, KL_MODE_DEFAULT, false},
 	[KT_MODE_DEFAULT] = {"default", compiled_call, true, KL_MODE_DEFAULT, false},
@@ -96,6 +125,8 @@ const kt_mode_desc kt_modes[KT_NMODES] = {
 	                             KL_MODE_REDUCE_OVERHEAD, true},
 	[KT_MODE_MAX_AUTOTUNE] = {"max-autotune", compiled_call, true, KL_MODE_MAX_AUTOTUNE, true},
 	[KT_MODE_DYNAMIC] = {"dynamic", dynamic_call, true, KL_MODE_DEFAULT, false},
+	[KT_MODE_COMPILED_FORWARD] = {"compiled-forward", compiled_forward_call, true,
+	                              KL_MODE_DEFAULT, false},
 };
 
 /* One line of the report. Figures that do not apply are negative (kernels,
@@ -573,7 +604,7 @@ static void release_inputs(kt_run *r)
 			kl_release(r->in[i]);
 			r->in[i] = NULL;
 		}
-	kl_nn_free(&r->state.base);
+	kt_state_free(&r->state);
 }
 
 /* Runs workload w in every mode it supports; returns the number of failures. */

@@ -23,11 +23,19 @@
 
 #include "bench.h"
 
-static const kt_workload *cold_workload(const kt_opts *o)
+/* The workloads --cold measures without --workload: the FeedForward (issue
+ * 4's start-up target) and the training step (issue 21's). */
+static const char *const COLD_DEFAULT[] = {"swiglu_ffn", "train_decoder"};
+#define NCOLD_DEFAULT ((int)(sizeof COLD_DEFAULT / sizeof COLD_DEFAULT[0]))
+
+/* The i-th workload --cold measures, or NULL past the last; *n: how many. */
+static const kt_workload *cold_workload(const kt_opts *o, int i, int *n)
 {
-	const char *name = o->nonly ? o->only[0] : "swiglu_ffn";
-	const kt_workload *w = kt_find_workload(o->device, name, strlen(name));
-	return w ? w : kt_find_workload(o->device, "relu_fma", strlen("relu_fma"));
+	*n = o->nonly ? o->nonly : NCOLD_DEFAULT;
+	if (i >= *n)
+		return NULL;
+	const char *name = o->nonly ? o->only[i] : COLD_DEFAULT[i];
+	return kt_find_workload(o->device, name, strlen(name));
 }
 
 typedef struct kt_first {
@@ -85,7 +93,7 @@ static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 	for (int i = 0; i < w->nin; i++)
 		if (r.in[i])
 			kl_release(r.in[i]);
-	kl_nn_free(&r.state.base);
+	kt_state_free(&r.state);
 	kl_ctx_free(ctx);
 	return rc;
 }
@@ -93,7 +101,8 @@ static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 /* --first-call-only: what the child of --cold runs; one line for the parent. */
 int kt_first_call_child(const kt_opts *o)
 {
-	const kt_workload *w = cold_workload(o);
+	int n;
+	const kt_workload *w = cold_workload(o, 0, &n);
 	if (!w) {
 		fprintf(stderr, "kiln bench: no workload to time on %s\n", kt_device_name(o->device));
 		return 1;
@@ -206,18 +215,12 @@ static void print_cold_json(const kt_workload *w, const char *dev, const char *m
 	       f->second_ms, f->ctx_ms, f->kernels, f->peak, process_ms);
 }
 
-/* --cold: KILN_CACHE_DIR points at a new empty directory for both child
- * processes, so the first figure is a real compile (cc or NVRTC included)
- * and the second a real disk-cache hit in a process that has compiled
- * nothing. This process opens no device itself. */
-int kt_cold_main(const kt_opts *o)
+/* One workload's two processes. KILN_CACHE_DIR points at a new empty
+ * directory for both child processes, so the first figure is a real compile
+ * (cc or NVRTC included) and the second a real disk-cache hit in a process
+ * that has compiled nothing. This process opens no device itself. */
+static int cold_one(const kt_opts *o, const kt_workload *w)
 {
-	const kt_workload *w = cold_workload(o);
-	if (!w) {
-		fprintf(stderr, "kiln bench: --cold: no workload to time on %s\n",
-		        kt_device_name(o->device));
-		return 1;
-	}
 	const char *tmp = getenv("TMPDIR");
 	char dir[4096];
 	snprintf(dir, sizeof(dir), "%s/kiln-cold-XXXXXX", tmp && tmp[0] == '/' ? tmp : "/tmp");
@@ -256,8 +259,32 @@ int kt_cold_main(const kt_opts *o)
 		       "%.1f ms)\n",
 		       warm.ctx_ms, warm_wall);
 	}
+	fflush(stdout);
 	rc = 0;
 out:
 	nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 	return rc;
+}
+
+/* --cold: each workload (--workload's, else swiglu_ffn and train_decoder)
+ * in its own pair of processes with its own empty cache. */
+int kt_cold_main(const kt_opts *o)
+{
+	int n, failures = 0, printed = 0;
+	cold_workload(o, 0, &n);
+	for (int i = 0; i < n; i++) {
+		const kt_workload *w = cold_workload(o, i, &n);
+		if (!w) {
+			fprintf(stderr, "kiln bench: --cold: no workload %s on %s\n",
+			        o->nonly ? o->only[i] : COLD_DEFAULT[i], kt_device_name(o->device));
+			failures++;
+			continue;
+		}
+		if (printed && !o->json)
+			printf("\n");
+		int rc = cold_one(o, w);
+		failures += rc;
+		printed += !rc;
+	}
+	return failures ? 1 : 0;
 }

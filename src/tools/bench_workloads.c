@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "tools.h"
 
@@ -38,7 +39,19 @@ static kl_status setup_status(kl_ctx *ctx, kl_tensor **in, int n)
 
 void *kt_state_user(kt_state *state)
 {
-	return state && state->base.kind ? state : NULL;
+	return state && (state->base.kind || state->opt || state->leaf[0]) ? state : NULL;
+}
+
+void kt_state_free(kt_state *state)
+{
+	if (!state)
+		return;
+	kl_optim_free(state->opt);
+	for (int i = 0; i < 3; i++)
+		kl_release(state->leaf[i]);
+	if (state->base.kind)
+		kl_nn_free(&state->base);
+	memset(state, 0, sizeof *state);
 }
 
 static kl_status body_status(kl_ctx *ctx, kl_tensor **out)
@@ -419,6 +432,218 @@ static kl_status gpt2_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor
 	return body_status(ctx, out);
 }
 
+/* ---- training: the seed's step, its optimizer, attention's backward --------- */
+
+/* The seed's training step (its chapter, examples/train_decoder.c): the
+ * DecoderLayer of decoder_layer (not causal), an MSE loss against a fixed
+ * label, kl_backward, AdamW (lr 1e-4, torch's other defaults) over every
+ * parameter, the gradients cleared. Inputs x and label [batch, seq, d_model];
+ * out[0] the loss before the update. dims as decoder_layer's. FLOPs: three
+ * times the forward's products (the backward computes two products for each
+ * of the forward's); bytes: x and the label read, and per parameter the least
+ * a step moves: read by the forward, its gradient written, then the update
+ * (parameter, gradient and two moments read, parameter and moments written). */
+static const double TRAIN_LR = 1e-4;
+
+static int64_t decoder_nparams(int64_t d, int64_t f)
+{
+	return 4 * d * d + 3 * d * f + 6 * d;
+}
+
+static kl_status no_state(kl_ctx *ctx, const kt_workload *w)
+{
+	return kl_set_error(ctx, KL_EINVAL,
+	                    "bench %s: the harness keeps no state for this setup to make "
+	                    "(kt_cost.state is NULL)",
+	                    w->name);
+}
+
+/* The DecoderLayer with its parameters marked and AdamW over them. */
+static kl_status train_state(kl_ctx *ctx, const kt_workload *w, kt_state *state)
+{
+	int64_t d = w->dims[2], h = w->dims[3], f = w->dims[4];
+	kl_status st = kl_nn_decoder_init(&state->decoder, ctx, d, h, f, w->dtype, 1201);
+	if (st == KL_OK)
+		st = kl_nn_requires_grad(&state->base, true);
+	if (st != KL_OK)
+		return st;
+	kl_adamw_opts ao = kl_adamw_defaults();
+	ao.lr = TRAIN_LR;
+	state->opt = kl_nn_adamw(&state->base, NULL, &ao);
+	return state->opt ? KL_OK : kl_last_status(ctx);
+}
+
+static kl_status train_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
+	kt_state *state = cost->state;
+	if (!state)
+		return no_state(ctx, w);
+	kl_status st = train_state(ctx, w, state);
+	if (st != KL_OK)
+		return st;
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1202);
+	in[1] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1203);
+	double n = (double)b * (double)t, tt = (double)t, dd = (double)d, ff = (double)f;
+	double p = (double)decoder_nparams(d, f);
+	*cost = (kt_cost){.bytes = (2 * n * dd + 9 * p) * esize(w),
+	                  .flops = 3 * (8 * n * dd * dd + 4 * n * tt * dd + 6 * n * dd * ff),
+	                  .memory_bound = false,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld,ffn%lld", (long long)b,
+	         (long long)t, (long long)d, (long long)h, (long long)f);
+	return setup_status(ctx, in, 2);
+}
+
+static kl_status train_forward_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
+                                    kl_tensor **out, int nout, void *user)
+{
+	kt_state *state = user;
+	if (!state || !state->opt)
+		return kl_set_error(ctx, KL_EINVAL, "bench: the training body was given no model");
+	out[0] = kl_mse_loss(kl_nn_decoder_forward(&state->decoder, in[0], false), in[1]);
+	return body_status(ctx, out);
+}
+
+static kl_status train_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                            int nout, void *user)
+{
+	kl_status st = train_forward_body(ctx, in, nin, out, nout, user);
+	if (st == KL_OK)
+		st = kl_backward(out[0], NULL);
+	kt_state *state = user;
+	if (st == KL_OK)
+		st = kl_optim_step(state->opt);
+	kl_nn_grad_clear(&state->base);
+	return st;
+}
+
+/* The fused AdamW alone over the DecoderLayer's parameters, each with a
+ * fixed random gradient (inputs, in kl_nn_params' order): one step of
+ * kl_optim_step_grads. Memory-bound: per element the parameter and both
+ * moments read and written and the gradient read, 7 elements of the dtype.
+ * out[0]: a one-row view of the first parameter after the step (a wait on
+ * it waits for the step). */
+static kl_status adamw_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t d = w->dims[2], f = w->dims[4];
+	kt_state *state = cost->state;
+	if (!state)
+		return no_state(ctx, w);
+	kl_status st = train_state(ctx, w, state);
+	if (st != KL_OK)
+		return st;
+	int np = kl_optim_nparams(state->opt);
+	if (np != w->nin)
+		return kl_set_error(ctx, KL_EINVAL, "bench %s: the optimizer has %d parameters, "
+		                    "the row %d inputs", w->name, np, w->nin);
+	for (int i = 0; i < np; i++) {
+		kl_tensor *p = kl_optim_param(state->opt, i);
+		int64_t shape[8];
+		int nd = kl_ndim(p);
+		for (int k = 0; k < nd && k < 8; k++)
+			shape[k] = kl_dim(p, k);
+		kl_tensor *g = kl_randn(ctx, w->dtype, nd, shape, 1301 + (uint64_t)i);
+		in[i] = g ? kl_mul_scalar(g, 1e-2) : NULL;
+		kl_release(g);
+	}
+	double p = (double)decoder_nparams(d, f);
+	*cost = (kt_cost){.bytes = 7 * p * esize(w),
+	                  .flops = 12 * p,
+	                  .memory_bound = true,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%.0f params,d%lld,ffn%lld", p, (long long)d,
+	         (long long)f);
+	return setup_status(ctx, in, np);
+}
+
+static kl_status adamw_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                            int nout, void *user)
+{
+	kt_state *state = user;
+	if (!state || !state->opt)
+		return kl_set_error(ctx, KL_EINVAL, "bench: the AdamW body was given no optimizer");
+	kl_status st = kl_optim_step_grads(state->opt, in);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_slice(kl_optim_param(state->opt, 0), 0, 0, 1, 1);
+	return body_status(ctx, out);
+}
+
+/* Attention forward and backward: q, k, v [batch, heads, seq, head dim]
+ * leaves that require grad (kept in the state, as a model's parameters), the
+ * cotangent of the output the input; one call clears their gradients, runs
+ * kl_sdpa and kl_backward with that cotangent, and returns the output (the
+ * gradients are left in .grad). FLOPs: 3.5 times the forward's (the backward
+ * recomputes the scores and computes four products of the forward's size,
+ * FlashAttention-2's count), causal half. Bytes: q, k, v, the output and its
+ * cotangent read, the output and three gradients written. */
+static kl_status attention_bwd_setup_causal(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                            kt_cost *cost, bool causal)
+{
+	int64_t b = w->dims[0], h = w->dims[1], t = w->dims[2], d = w->dims[3];
+	int64_t shape[4] = {b, h, t, d};
+	kt_state *state = cost->state;
+	if (!state)
+		return no_state(ctx, w);
+	for (int i = 0; i < 3; i++) {
+		state->leaf[i] = kl_randn(ctx, w->dtype, 4, shape, 1401 + (uint64_t)i);
+		if (!state->leaf[i])
+			return kl_last_status(ctx);
+		kl_status st = kl_set_requires_grad(state->leaf[i], true);
+		if (st != KL_OK)
+			return st;
+	}
+	in[0] = kl_randn(ctx, w->dtype, 4, shape, 1404);
+	double qkv = (double)b * (double)h * (double)t * (double)d;
+	*cost = (kt_cost){.bytes = 9 * qkv * esize(w),
+	                  .flops = 3.5 * (causal ? 0.5 : 1.0) * 4 * qkv * (double)t,
+	                  .memory_bound = false,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lldx%lld", (long long)b,
+	         (long long)h, (long long)t, (long long)d);
+	return setup_status(ctx, in, 1);
+}
+
+static kl_status attention_bwd_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                     kt_cost *cost)
+{
+	return attention_bwd_setup_causal(ctx, w, in, cost, false);
+}
+
+static kl_status attention_bwd_causal_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
+                                            kt_cost *cost)
+{
+	return attention_bwd_setup_causal(ctx, w, in, cost, true);
+}
+
+static kl_status attention_bwd_run(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **out,
+                                   void *user, bool causal)
+{
+	kt_state *state = user;
+	if (!state || !state->leaf[0])
+		return kl_set_error(ctx, KL_EINVAL, "bench: the attention body was given no q, k, v");
+	for (int i = 0; i < 3; i++)
+		kl_grad_clear(state->leaf[i]);
+	kl_tensor *q = state->leaf[0];
+	out[0] = kl_sdpa(q, state->leaf[1], state->leaf[2], causal,
+	                 1.0 / sqrt((double)kl_dim(q, -1)));
+	kl_status st = body_status(ctx, out);
+	return st == KL_OK ? kl_backward(out[0], in[0]) : st;
+}
+
+static kl_status attention_bwd_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
+                                    kl_tensor **out, int nout, void *user)
+{
+	return attention_bwd_run(ctx, in, out, user, false);
+}
+
+static kl_status attention_bwd_causal_body(kl_ctx *ctx, kl_tensor *const *in, int nin,
+                                           kl_tensor **out, int nout, void *user)
+{
+	return attention_bwd_run(ctx, in, out, user, true);
+}
+
 /* ---- the device's copy ceiling ---------------------------------------------- */
 
 /* A one-input concat is a plain copy that no pass turns into a view (a
@@ -448,7 +673,7 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
                                       1,
                                       1,
                                       copy_setup,
-                                      copy_body};
+                                      copy_body, NULL};
 
 /* ---- the table ---------------------------------------------------------------- */
 
@@ -459,6 +684,7 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
 #define ALL (FUSED | KT_MODE_BIT(KT_MODE_MAX_AUTOTUNE))
 #define SDPA (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
 #define DYNAMIC (ALL | KT_MODE_BIT(KT_MODE_DYNAMIC))
+#define TRAIN (ALL | KT_MODE_BIT(KT_MODE_COMPILED_FORWARD))
 #define CPU KT_ON_CPU
 #define GPU KT_ON_CUDA
 
@@ -470,73 +696,101 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
  * seed's at a quarter of its width (ffn 4 * d_model as in the seed). */
 const kt_workload kt_workloads[] = {
 	{"relu_fma", "relu(a*b + c), 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 3, 1,
-	 relu_fma_setup, relu_fma_body},
+	 relu_fma_setup, relu_fma_body, NULL},
 	{"relu_fma", "relu(a*b + c), 4096x4096 f16", GPU, FUSED, KL_F16, {4096, 4096}, 3, 1,
-	 relu_fma_setup, relu_fma_body},
+	 relu_fma_setup, relu_fma_body, NULL},
 	{"relu_fma", "relu(a*b + c), 8192x8192 f16", GPU, FUSED, KL_F16, {8192, 8192}, 3, 1,
-	 relu_fma_setup, relu_fma_body},
+	 relu_fma_setup, relu_fma_body, NULL},
 	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f32", CPU, ALL,
-	 KL_F32, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	 KL_F32, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body, NULL},
 	{"pointwise8", "tanh(relu(x*1.1 + 0.5)*a - b)*0.5 + x: 8 ops, 4096x4096 f16", GPU, FUSED,
-	 KL_F16, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body},
+	 KL_F16, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body, NULL},
 	{"softmax", "softmax over rows, 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 1, 1,
-	 softmax_setup, softmax_body},
+	 softmax_setup, softmax_body, NULL},
 	{"softmax", "softmax over rows, 16384x4096 bf16", GPU, FUSED, KL_BF16, {16384, 4096}, 1, 1,
-	 softmax_setup, softmax_body},
+	 softmax_setup, softmax_body, NULL},
 	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", CPU, ALL, KL_F32,
-	 {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	 {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
 	{"layer_norm", "layer_norm over rows with weight and bias, 16384x4096 bf16", GPU, FUSED,
-	 KL_BF16, {16384, 4096}, 3, 1, layer_norm_setup, layer_norm_body},
+	 KL_BF16, {16384, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
 	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", CPU, ALL, KL_F32,
-	 {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	 {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_body, NULL},
 	{"rms_norm", "kl_rms_norm over rows with weight, 16384x4096 bf16", GPU, FUSED, KL_BF16,
-	 {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_body},
+	 {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_body, NULL},
 	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 4096x4096 f32", CPU,
-	 ALL, KL_F32, {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	 ALL, KL_F32, {4096, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body, NULL},
 	{"rms_norm_prims", "x * rsqrt(mean(x*x, -1) + eps) * w from primitives, 16384x4096 bf16",
-	 GPU, FUSED, KL_BF16, {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body},
+	 GPU, FUSED, KL_BF16, {16384, 4096}, 2, 1, rms_norm_setup, rms_norm_prims_body, NULL},
 	{"sgemm", "matmul 2048x2048 @ 2048x2048 f32", CPU, ALL, KL_F32, {2048, 2048, 2048}, 2, 1,
-	 gemm_setup, gemm_body},
+	 gemm_setup, gemm_body, NULL},
 	{"gemm", "matmul 8192x8192 @ 8192x8192 bf16 (the card's product ceiling)", GPU, ALL,
-	 KL_BF16, {8192, 8192, 8192}, 2, 1, gemm_setup, gemm_body},
+	 KL_BF16, {8192, 8192, 8192}, 2, 1, gemm_setup, gemm_body, NULL},
 	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", CPU, ALL, KL_F32,
-	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body},
+	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body, NULL},
 	{"swiglu_ffn", "SwiGLU feed-forward (the seed's FeedForward), x 4x1024x2048, hidden 8192, "
 	               "bf16",
-	 GPU, ALL, KL_BF16, {4, 1024, 2048, 8192}, 4, 1, swiglu_setup, swiglu_body},
+	 GPU, ALL, KL_BF16, {4, 1024, 2048, 8192}, 4, 1, swiglu_setup, swiglu_body, NULL},
 	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f32", CPU, ALL, KL_F32,
-	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body, NULL},
 	{"mlp24", "24 x (linear 256 + bias, exact gelu), batch 8, f16", GPU, ALL, KL_F16,
-	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body},
+	 {8, 256, 24}, 49, 1, mlp_setup, mlp_body, NULL},
 	{"attention", "kl_sdpa, batch 2, 4 heads, seq 256, head dim 64, f32", CPU, ALL, KL_F32,
-	 {2, 4, 256, 64}, 3, 1, attention_setup, attention_body},
+	 {2, 4, 256, 64}, 3, 1, attention_setup, attention_body, NULL},
 	{"attention", "kl_sdpa, batch 4, 16 heads, seq 1024, head dim 128, bf16", GPU, SDPA,
-	 KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_setup, attention_body},
+	 KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_setup, attention_body, NULL},
 	{"attention_causal", "kl_sdpa causal, batch 2, 4 heads, seq 256, head dim 64, f32", CPU,
-	 ALL, KL_F32, {2, 4, 256, 64}, 3, 1, attention_causal_setup, attention_causal_body},
+	 ALL, KL_F32, {2, 4, 256, 64}, 3, 1, attention_causal_setup, attention_causal_body, NULL},
 	{"attention_causal", "kl_sdpa causal, batch 4, 16 heads, seq 1024, head dim 128, bf16",
 	 GPU, SDPA, KL_BF16, {4, 16, 1024, 128}, 3, 1, attention_causal_setup,
-	 attention_causal_body},
+	 attention_causal_body, NULL},
 	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, f32",
-	 CPU, ALL, KL_F32, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body},
+	 CPU, ALL, KL_F32, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body, NULL},
 	{"decoder_layer", "the seed's DecoderLayer, x 4x1024x2048, 16 heads, ffn 8192, bf16", GPU,
-	 ALL, KL_BF16, {4, 1024, 2048, 16, 8192}, 1, 1, decoder_setup, decoder_body},
+	 ALL, KL_BF16, {4, 1024, 2048, 16, 8192}, 1, 1, decoder_setup, decoder_body, NULL},
 	{"decoder_token", "the DecoderLayer (small) on one token, x 1x1x256, 4 heads, ffn 1024, "
 	                  "f32",
-	 CPU, ALL, KL_F32, {1, 1, 256, 4, 1024}, 1, 1, decoder_token_setup, decoder_body},
+	 CPU, ALL, KL_F32, {1, 1, 256, 4, 1024}, 1, 1, decoder_token_setup, decoder_body, NULL},
 	{"decoder_token", "the seed's DecoderLayer on one token, x 1x1x2048, 16 heads, ffn 8192, "
 	                  "bf16",
-	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body},
+	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body, NULL},
 	/* issue 23: the dynamic plan (batch and sequence symbolic, traced at
 	 * another length) against the static plan at the same sizes */
 	{"gpt2_block", "GPT-2 block, x 2x128x768, 12 heads, f32: static vs dynamic plan", CPU,
-	 DYNAMIC, KL_F32, {2, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	 DYNAMIC, KL_F32, {2, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body, NULL},
 	{"gpt2_block", "GPT-2 block, x 2x33x768, 12 heads, f32: static vs dynamic plan", CPU,
-	 DYNAMIC, KL_F32, {2, 33, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	 DYNAMIC, KL_F32, {2, 33, 768, 12}, 13, 1, gpt2_setup, gpt2_body, NULL},
 	{"gpt2_block", "GPT-2 block, x 8x64x768, 12 heads, f32: static vs dynamic plan", CPU,
-	 DYNAMIC, KL_F32, {8, 64, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	 DYNAMIC, KL_F32, {8, 64, 768, 12}, 13, 1, gpt2_setup, gpt2_body, NULL},
 	{"gpt2_block", "GPT-2 block, x 8x128x768, 12 heads, bf16: static vs dynamic plan", GPU,
-	 DYNAMIC, KL_BF16, {8, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body},
+	 DYNAMIC, KL_BF16, {8, 128, 768, 12}, 13, 1, gpt2_setup, gpt2_body, NULL},
+	/* issue 21: training */
+	{"train_decoder", "the seed's training step: DecoderLayer (small) x 2x32x256, 4 heads, "
+	                  "ffn 1024, MSE loss, backward, AdamW lr 1e-4, f32",
+	 CPU, TRAIN, KL_F32, {2, 32, 256, 4, 1024}, 2, 1, train_setup, train_body,
+	 train_forward_body},
+	{"train_decoder", "the seed's training step: DecoderLayer x 4x1024x2048, 16 heads, "
+	                  "ffn 8192, MSE loss, backward, AdamW lr 1e-4, bf16",
+	 GPU, TRAIN, KL_BF16, {4, 1024, 2048, 16, 8192}, 2, 1, train_setup, train_body,
+	 train_forward_body},
+	{"adamw", "the fused AdamW alone over the small DecoderLayer's 9 parameters, f32", CPU,
+	 EAGER, KL_F32, {2, 32, 256, 4, 1024}, 9, 1, adamw_setup, adamw_body, NULL},
+	{"adamw", "the fused AdamW alone over the DecoderLayer's 9 parameters (d 2048, ffn "
+	          "8192), bf16",
+	 GPU, EAGER, KL_BF16, {4, 1024, 2048, 16, 8192}, 9, 1, adamw_setup, adamw_body, NULL},
+	{"attention_bwd", "kl_sdpa forward + backward, batch 2, 4 heads, seq 256, head dim 64, "
+	                  "f32",
+	 CPU, ALL, KL_F32, {2, 4, 256, 64}, 1, 1, attention_bwd_setup, attention_bwd_body, NULL},
+	{"attention_bwd", "kl_sdpa forward + backward, batch 4, 16 heads, seq 1024, head dim "
+	                  "128, bf16",
+	 GPU, SDPA, KL_BF16, {4, 16, 1024, 128}, 1, 1, attention_bwd_setup, attention_bwd_body, NULL},
+	{"attention_bwd_causal", "kl_sdpa causal forward + backward, batch 2, 4 heads, seq 256, "
+	                         "head dim 64, f32",
+	 CPU, ALL, KL_F32, {2, 4, 256, 64}, 1, 1, attention_bwd_causal_setup,
+	 attention_bwd_causal_body, NULL},
+	{"attention_bwd_causal", "kl_sdpa causal forward + backward, batch 4, 16 heads, seq 1024, "
+	                         "head dim 128, bf16",
+	 GPU, SDPA, KL_BF16, {4, 16, 1024, 128}, 1, 1, attention_bwd_causal_setup,
+	 attention_bwd_causal_body, NULL},
 };
 
 const int kt_nworkloads = (int)(sizeof(kt_workloads) / sizeof(kt_workloads[0]));

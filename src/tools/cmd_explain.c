@@ -47,7 +47,8 @@ static const kt_workload demo = {"graph_break",
                                  3,
                                  1,
                                  break_demo_setup,
-                                 break_demo};
+                                 break_demo,
+                                 NULL};
 
 static const struct {
 	const char *name;
@@ -103,7 +104,7 @@ done:
 		kl_release(out[i]);
 	}
 	kl_fn_free(f);
-	kl_nn_free(&state.base);
+	kt_state_free(&state);
 	printf("\n");
 	return rc;
 }

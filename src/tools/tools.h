@@ -27,24 +27,35 @@ typedef enum kt_mode {
 	KT_MODE_MAX_AUTOTUNE,    /* KL_MODE_MAX_AUTOTUNE: on the CPU, as default */
 	KT_MODE_DYNAMIC,         /* default with dims 0 and 1 of input 0 dynamic, the plan
 	                          * traced at another size first (issue 23) */
+	KT_MODE_COMPILED_FORWARD, /* training rows: the workload's forward (to the loss)
+	                           * compiled, then kl_backward and the optimizer's step
+	                           * called after it, as torch.compile on the model alone */
 	KT_NMODES
 } kt_mode;
 #define KT_MODE_BIT(m) (1u << (m))
 
 /* What a body reads besides its inputs: a kl_nn module (its structure and
- * weights, as a program holds them), made by the workload's setup and handed
- * to the body as user, eagerly and to kl_compile (which bakes the weights in,
- * as examples/decoder_stack.c does). The harness kl_nn_free's it after the
- * workload's last mode; an untouched (zeroed) state is no module, and the
- * body gets NULL. */
-typedef union kt_state {
-	kl_nn_module base;
-	kl_nn_decoder decoder;
+ * weights, as a program holds them), the training rows' optimizer over its
+ * parameters, and leaves that require grad (attention_bwd's q, k, v), made
+ * by the workload's setup and handed to the body as user, eagerly and to
+ * kl_compile (which bakes them in, as examples/decoder_stack.c does; a
+ * training step updates them in place). The harness frees it with
+ * kt_state_free after the workload's last mode; an untouched (zeroed) state
+ * holds nothing, and the body gets NULL. */
+typedef struct kt_state {
+	union {
+		kl_nn_module base;
+		kl_nn_decoder decoder;
+	};
+	kl_optim *opt;
+	kl_tensor *leaf[3];
 } kt_state;
 
-/* The body's user for a run whose module is state: state, or NULL when no
- * module was made there. */
+/* The body's user for a run whose state is state: state, or NULL when the
+ * setup made nothing there. */
 void *kt_state_user(kt_state *state);
+/* Release what state holds and zero it. */
+void kt_state_free(kt_state *state);
 
 /* The work one call of a workload does. bytes is the least traffic any
  * implementation needs (each input read once, each output written once), so
@@ -83,6 +94,11 @@ struct kt_workload {
 	 * kl_compile unchanged; eager mode runs it inside a scope, which frees
 	 * its intermediates and outputs. */
 	kl_fn_body body;
+	/* Training rows (KT_MODE_COMPILED_FORWARD): body's forward alone, to the
+	 * loss (out[0]); the harness compiles it, then calls kl_backward on the
+	 * loss, kl_optim_step on the state's optimizer and clears the module's
+	 * gradients. NULL elsewhere. */
+	kl_fn_body forward;
 };
 
 extern const kt_workload kt_workloads[];
