@@ -675,8 +675,11 @@ kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore
  * a new offset (the step number) each call. p == 0 or !training: x itself
  * (a new handle on it, no copy); p == 1: x * 0 (zeros; NaN stays NaN, as
  * torch). p outside [0, 1] or a non-float x is an error. Inside a compiled
- * function seed and offset are part of the graph: a new offset per call is a
- * new graph (recompile) until rand takes a device-scalar offset. */
+ * function the generator's key (of seed and offset) is a run-time input of
+ * the graph, not part of it: a training loop that passes a new offset every
+ * step compiles once, and each step's mask is bitwise the eager one. Such a
+ * function traces its body at every call (a fullgraph variant is not
+ * replayed: the body makes the key). */
 kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training);
 
 /* ---- optimizers (optim) ----------------------------------------------------

@@ -787,6 +787,8 @@ static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
 {
 	kl_variant *v = cs->v;
 	int n = tr->nin_tensors;
+	if (tr->per_call)
+		cs->no_replay = true; /* dropout's key: fn makes it anew each call */
 	free(v->chk);
 	v->nchk = 0;
 	v->chk = calloc((size_t)(tr->nchk ? tr->nchk : 1), sizeof *v->chk);
