@@ -611,6 +611,11 @@ typedef struct kl_fn_stats {
 	long graph_captures; /* CUDA graphs captured (reduce-overhead; each variant's
 	                      * first, and re-captures when an address moved) */
 	double capture_ms;   /* the time those captures took */
+	/* a forward recorded for a kl_backward after the call: the min-cut
+	 * partitions of its joint graph computed (one per graph structure) and
+	 * the calls that reused a remembered one instead */
+	int partitions;
+	long partition_reuses;
 } kl_fn_stats;
 kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
 /* The reason of recompile i (0 = the first recompile, i.e. the second

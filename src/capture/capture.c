@@ -13,8 +13,6 @@
 #include <stdlib.h>
 
 #include "capture/capture.h"
-#include "graph/autodiff.h"
-#include "graph/partition.h"
 
 static atomic_int fn_counter;
 
@@ -222,6 +220,7 @@ void kl_fn_free(kl_fn *f)
 		free(f->entries[i]);
 	}
 	free(f->entries);
+	kl__joint_free(f);
 	free(f->dyn);
 	free(f->reasons);
 	free(f->bk);
@@ -248,7 +247,9 @@ kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
 	                     .recompiles = f->compiles > 0 ? f->compiles - 1 : 0,
 	                     .variants = f->nvars,
 	                     .over_limit = f->eager,
-	                     .padded_calls = f->padded_calls};
+	                     .padded_calls = f->padded_calls,
+	                     .partitions = f->joint_cuts,
+	                     .partition_reuses = f->joint_reuses};
 	for (int i = 0; i < f->nentries; i++) {
 		double ms;
 		out->graph_captures += kl__cuda_rt_captures(f->entries[i]->c, &ms);
@@ -1152,78 +1153,6 @@ static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const
 	return KL_OK;
 }
 
-/* Which of the values fn's forward leaves on the autograd tape (for a
- * kl_backward after the call) the forward keeps: fn's joint graph (the
- * trace, a cotangent per output that requires grad, the gradient nodes of
- * every input that requires grad or is on the tape) and its min-cut
- * partition. keep[] per node of tr's graph; false when no joint graph can be
- * built (an op without a gradient rule: every taped value is kept). The
- * values not kept, kl_backward computes again in its backward graph. */
-static bool saved_for_backward(kl_fn *f, kl_trace *tr, kl_tensor *const *out, bool *keep)
-{
-	kl_graph j;
-	if (kl__graph_copy(&j, &tr->g) != 0)
-		return false;
-	int32_t nf = j.n, ni = tr->g.ninputs;
-	int32_t *roots = malloc(sizeof *roots * (size_t)(2 * f->nout + 2 * ni + 2));
-	bool *reads = calloc((size_t)nf + 1, sizeof *reads), *fr = calloc((size_t)nf + 1, 1);
-	bool *need = NULL;
-	bool ok = roots && reads && fr;
-	int32_t *cots = roots ? roots + f->nout + 1 : NULL;
-	int32_t *leaves = cots ? cots + f->nout + 1 : NULL, *grads = leaves ? leaves + ni : NULL;
-	int nr = 0, nl = 0;
-	for (int k = 0; ok && k < f->nout; k++) {
-		const kl_tensor *t = out[k];
-		if (t->st || t->trace_id != tr->id || t->node < 0 || t->tape_node < 0 ||
-		    !kl__differentiable(t->dtype))
-			continue;
-		fr[t->node] = true; /* returned: kept whatever the cut says */
-		kl_node c;
-		memset(&c, 0, sizeof c);
-		c.op = KL_OP_INPUT;
-		c.dtype = (uint8_t)t->dtype;
-		c.ndim = (uint8_t)t->ndim;
-		memcpy(c.shape, t->shape, sizeof c.shape);
-		roots[nr] = t->node;
-		cots[nr] = kl__graph_add(&j, &c);
-		ok = cots[nr++] >= 0;
-	}
-	for (int32_t i = 0; ok && i < ni; i++) {
-		const kl_tensor *t = tr->in_tensors[i];
-		if (kl__differentiable(t->dtype) && (t->requires_grad || t->tape_node >= 0))
-			leaves[nl++] = tr->g.inputs[i];
-	}
-	for (int i = 0; ok && i < tr->nwrites; i++)
-		if (tr->wsrc[i]->trace_id == tr->id && tr->wsrc[i]->node >= 0)
-			fr[tr->wsrc[i]->node] = true;
-	char err[256];
-	ok = ok && nr > 0 && nl > 0 &&
-	     kl__autodiff(&j, nf, nr, roots, cots, nl, leaves, grads, err, sizeof err) == KL_OK;
-	if (ok)
-		ok = (need = calloc((size_t)j.n, sizeof *need)) != NULL;
-	for (int q = 0; ok && q < nl; q++)
-		if (grads[q] >= 0)
-			need[grads[q]] = true;
-	for (int32_t i = ok ? j.n - 1 : -1; i >= 0; i--)
-		if (need[i] && (i >= nf || !reads[i])) {
-			if (i < nf) {
-				reads[i] = true; /* a gradient that is a forward value */
-				continue;
-			}
-			for (int q = 0; q < j.nodes[i].nin; q++)
-				need[j.nodes[i].in[q]] = true;
-		}
-	for (int32_t i = 0; ok && i < nf; i++)
-		reads[i] = need[i];
-	ok = ok && kl__partition(&j, nf, reads, fr, keep) >= 0;
-	free(need);
-	free(roots);
-	free(reads);
-	free(fr);
-	kl__graph_free(&j);
-	return ok;
-}
-
 static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *const *in,
                              kl_tensor **out)
 {
@@ -1293,7 +1222,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		v->bw_joint = false;
 		if (st == KL_OK && cs.taped) {
 			keep = calloc((size_t)tr->g.n + 1, sizeof *keep);
-			v->bw_joint = keep && saved_for_backward(f, tr, out, keep);
+			v->bw_joint = keep && kl__joint_keep(f, tr, out, keep);
 		}
 		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 			extra += t->grad && !t->grad->st && t->grad->trace_id == tr->id;

@@ -93,6 +93,15 @@ typedef struct kl_variant {
 	int ncaptured;
 } kl_variant;
 
+/* A partition of a joint graph remembered (capture/joint.c): keep[n] for
+ * the trace whose structure hashed to key. */
+typedef struct kl_joint_memo {
+	uint64_t key;
+	int32_t n;
+	bool ok;
+	bool *keep;
+} kl_joint_memo;
+
 typedef struct kl_guard_tally {
 	char name[48];
 	int count;
@@ -126,9 +135,22 @@ struct kl_fn {
 	int nbk;
 	int *bk_in, *bk_out;
 	long padded_calls;
+	/* the joint graphs' partitions (capture/joint.c): remembered ones, how
+	 * many min-cuts ran and how many calls reused one */
+	kl_joint_memo *joint;
+	int njoint, next_joint;
+	int joint_cuts;
+	long joint_reuses;
 	bool last_failed; /* the latest kl_fn_call returned an error */
 	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };
+
+/* joint.c: keep[] (tr->g.n entries) says which nodes of tr's graph the
+ * forward keeps for a kl_backward after the call (the min-cut partition of
+ * fn's joint graph, computed once per trace structure and remembered);
+ * false when no joint graph can be built (every taped value is kept). */
+bool kl__joint_keep(kl_fn *f, kl_trace *tr, kl_tensor *const *out, bool *keep);
+void kl__joint_free(kl_fn *f);
 
 /* explain.c */
 void kl__capture_explain(const kl_fn *f, FILE *out);
