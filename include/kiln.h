@@ -443,11 +443,25 @@ bool kl_requires_grad(const kl_tensor *t);
  * depends on. cotangent: d(something)/d loss, of loss's shape and dtype;
  * NULL means ones and then needs a loss of one element. The part of the
  * tape that loss depends on is consumed (freed): a second kl_backward
- * through it is an error (no retain_graph). The gradient ops themselves are
+ * through it is an error (unless the first was kl_backward_ex with
+ * retain_graph). The gradient ops themselves are
  * not recorded. Inside a compiled function the gradients are lazy tensors
  * of its graph; each .grad set there is computed by the graph and
  * materialized when the call returns. */
 kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent);
+/* torch's backward(retain_graph=, create_graph=) */
+typedef struct kl_backward_opts {
+	/* keep the loss's graph on the tape: a later kl_backward through it
+	 * (the same loss, or another that shares part of its forward) works
+	 * again and adds to the same .grad; the tape holds its tensors until a
+	 * backward without retain_graph consumes it or the program drops them */
+	bool retain_graph;
+	/* record the backward for higher derivatives: not supported, KL_EUNSUPPORTED
+	 * (nothing is computed, no .grad changes) */
+	bool create_graph;
+} kl_backward_opts;
+/* kl_backward with options (NULL: kl_backward's); errors name kl_backward_ex. */
+kl_status kl_backward_ex(kl_tensor *loss, kl_tensor *cotangent, const kl_backward_opts *opts);
 /* t's gradient, or NULL when it has none. A borrowed reference owned by t:
  * valid until kl_grad_clear(t), the next kl_backward that adds to it (which
  * replaces it with a new tensor), or t's release; kl_retain it to keep it
