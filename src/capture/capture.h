@@ -145,6 +145,29 @@ struct kl_fn {
 	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };
 
+/* capture.c: count a failed guard (name) toward the recompile-limit warning,
+ * and say why (KILN_LOGS=recompiles' tally). */
+void kl__fn_tally(kl_fn *f, const char *name, const char *why);
+
+/* replay.c: fullgraph replays. After v's first traced call (whose graph
+ * is tr, its outputs lazy[0..n)), record how a replay binds the graph's
+ * inputs (*no_replay set when fn must run: a value check of no graph
+ * input, a per-call value such as dropout's key), repeats the writes in
+ * place (*writes_replay: every write recorded) and finds fn's outputs (v
+ * replays from then on). kl__replay_stale: whether a captured tensor's
+ * guard fails (logged; v's replay state dropped, the call traces fn).
+ * kl__replay_run: the plan alone, the writes repeated, out[] filled. */
+void kl__replay_reset(kl_variant *v);
+kl_status kl__replay_record_inputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                   const kl_trace *tr, bool *no_replay);
+kl_status kl__replay_record_writes(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                   const kl_trace *tr, kl_tensor *const *lazy, int n,
+                                   bool *writes_replay);
+kl_status kl__replay_record_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                    kl_tensor **out, kl_tensor **lazy, int nl);
+bool kl__replay_stale(kl_fn *f, kl_variant *v);
+kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out);
+
 /* joint.c: keep[] (tr->g.n entries) says which nodes of tr's graph the
  * forward keeps for a kl_backward after the call (the min-cut partition of
  * fn's joint graph, computed once per trace structure and remembered);
