@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """compare.py - one table of kiln vs its peers from JSON-lines files.
 
-usage: compare.py [--device cuda] FILE.jsonl...
+usage: compare.py [--device cuda|cpu] [--peer NAME] FILE.jsonl...
 
-Reads rows of `kiln bench --json` (and --cold), bench/peer_torch.py and
-bench/peer_jax.py (a row with a "peer" key is a peer's, one without is
-kiln's; unparsable lines and rows with an "error" are skipped and counted).
-For each kiln workload and shape: kiln's best mode (the lowest median), the
-torch peer's best mode, torch/kiln (above 1: kiln is faster), JAX's when
-present, and the target of ANCHORS.md / issues 4 and 5 with ✔ or ✘. Rows whose
-sizes are not the ones a target was set for get no mark. Then the start-up
-rows (kiln --cold) against their targets and torch's first call.
+Reads rows of `kiln bench --json` (and --cold), bench/peer_torch.py,
+bench/peer_jax.py and bench/peer_ort.py (a row with a "peer" key is a peer's,
+one without is kiln's; unparsable lines and rows with an "error" are skipped
+and counted). For each kiln workload and shape: kiln's best mode (the lowest
+median), the main peer's best mode (--peer; default torch on cuda, ONNX
+Runtime "ort" on cpu, issue 22), peer/kiln (above 1: kiln is faster), JAX's
+when present, and the target of ANCHORS.md / issues 4 and 5 with ✔ or ✘ (where
+none was set: kiln's best at most the peer's). Rows whose sizes are not the
+ones a target was set for get no mark. Then the start-up rows (kiln --cold)
+against their targets and torch's first call (on cpu only when there are any).
 Exit status 0 when a table was printed, 2 when there was nothing to compare.
 """
 import argparse
@@ -21,7 +23,7 @@ import sys
 # value; "tf" kiln's best TFLOP/s at least value; "us" kiln's best median at
 # most value; "ro_us" the reduce-overhead row's median at most value; "torch"
 # kiln's best median at most torch's best in the same run (no mark without a
-# torch row).
+# torch row). A row with no target: kiln's best at most the main peer's.
 TARGETS = {
     ("relu_fma", "8192x8192"): ("bw", 4.2, ">= 4.2 TB/s"),
     ("softmax", "16384x4096"): ("bw", 3.4, ">= 3.4 TB/s"),
@@ -87,12 +89,18 @@ def fmt_us(us):
     return f"{us / 1e3:.3f} ms" if us >= 1000 else f"{us:.1f} us"
 
 
+# the CPU's rates read in GFLOP/s and GB/s (main sets it for --device cpu)
+SMALL_UNITS = [False]
+
+
 def fmt_rate(r):
     """TFLOP/s for the rows that report it (products), else TB/s."""
     tf = num(r, "tflops")
+    bw = num(r, "bw_tbs")
+    if SMALL_UNITS[0]:
+        return f"{tf * 1e3:.4g} GFLOP/s" if tf else (f"{bw * 1e3:.3g} GB/s" if bw else "")
     if tf:
         return f"{tf:.3g} TFLOP/s"
-    bw = num(r, "bw_tbs")
     return f"{bw:.2f} TB/s" if bw else ""
 
 
@@ -102,14 +110,14 @@ def cell(r):
     return f"{fmt_us(num(r, 'median_us'))} {r.get('mode', '')} {fmt_rate(r)}".rstrip()
 
 
-def check(key, kiln_rows, k_best, t_best):
+def check(key, kiln_rows, k_best, t_best, peer="torch", device="cuda"):
     """(target text, mark) for one workload and shape."""
-    tgt = TARGETS.get(key)
+    tgt = TARGETS.get(key) if device == "cuda" else None  # the GPU's (ANCHORS.md)
     if tgt is None:
         if k_best is None or t_best is None:
             return "", ""
         ok = num(k_best, "median_us") <= num(t_best, "median_us")
-        return "<= torch", OK if ok else NO
+        return f"<= {peer}", OK if ok else NO
     kind, value, text = tgt
     if kind == "ro_us":
         ro = [r for r in kiln_rows if r.get("mode") == "reduce-overhead" and num(r, "median_us")]
@@ -135,8 +143,11 @@ def check(key, kiln_rows, k_best, t_best):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--peer", help="the peer set against kiln (default: torch; ort on cpu)")
     p.add_argument("files", nargs="+")
     opts = p.parse_args()
+    SMALL_UNITS[0] = opts.device == "cpu"
+    main_peer = opts.peer or ("ort" if opts.device == "cpu" else "torch")
     rows, bad = load(opts.files)
     rows = [r for r in rows if r.get("device") == opts.device]
     kiln = [r for r in rows if "peer" not in r]
@@ -159,13 +170,13 @@ def main():
     def of(rs, key):
         return [r for r in rs if (r["workload"], r.get("shape", "")) == key]
 
-    head = ["workload", "shape", "dtype", "kiln best", "torch best", "torch/kiln"]
+    head = ["workload", "shape", "dtype", "kiln best", f"{main_peer} best", f"{main_peer}/kiln"]
     if has_jax:
         head += ["jax jit", "jax/kiln"]
     head += ["target", ""]
     table, met, total = [], 0, 0
     for key in keys:
-        k_rows, t_rows = of(kiln, key), of(peers.get("torch", []), key)
+        k_rows, t_rows = of(kiln, key), of(peers.get(main_peer, []), key)
         j_rows = of(peers.get("jax", []), key)
         if key[0] == "memory_bandwidth":  # the copy ceiling: its one row each
             k_best = next((r for r in k_rows if r.get("mode") == "copy"), None)
@@ -174,7 +185,7 @@ def main():
             text, mark = "(ANCHORS 4.26 TB/s)", ""
         else:
             k_best, t_best, j_best = best(k_rows), best(t_rows), best(j_rows)
-            text, mark = check(key, k_rows, k_best, t_best)
+            text, mark = check(key, k_rows, k_best, t_best, main_peer, opts.device)
         dtype = next((r.get("dtype") for r in k_rows + t_rows + j_rows if r.get("dtype")), "")
 
         def ratio(peer_row):
@@ -193,7 +204,10 @@ def main():
     # start-up (kiln bench --cold) beside torch's first call of the same problem
     t_first = [r for r in of(peers.get("torch", []), COLD_WORKLOAD)
                if r.get("mode") == "default" and num(r, "first_call_s") is not None]
+    cold_rows = any(r.get("mode") in COLD_TARGETS for r in kiln)
     for mode, (limit, text) in COLD_TARGETS.items():
+        if opts.device != "cuda" and not cold_rows:
+            break  # the start-up targets are the GPU's (ANCHORS.md)
         rs = [r for r in kiln if r.get("mode") == mode and
               (r["workload"], r.get("shape", "")) == COLD_WORKLOAD]
         got = num(rs[0], "first_call_s") if rs else None
@@ -213,8 +227,9 @@ def main():
         table.append(line)
 
     widths = [max(len(head[i]), *(len(r[i]) for r in table)) for i in range(len(head))]
-    print(f"kiln vs PyTorch on {opts.device}: best mode of each (lowest median); "
-          "torch/kiln above 1 means kiln is faster")
+    name = {"torch": "PyTorch", "ort": "ONNX Runtime", "jax": "JAX"}.get(main_peer, main_peer)
+    print(f"kiln vs {name} on {opts.device}: best mode of each (lowest median); "
+          f"{main_peer}/kiln above 1 means kiln is faster")
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
     print("  ".join("-" * w for w in widths[:-1]))
     for r in table:

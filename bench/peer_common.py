@@ -27,13 +27,13 @@ EPS = 1e-5
 
 
 class Spec:
-    """One workload at one size: name, dtype ("f16", "bf16"), dims, shape
-    string, bytes and flops of one call (each input read once, each output
-    written once; multiply-adds count two)."""
+    """One workload at one size: name, dtype ("f16", "bf16", "f32"), dims,
+    shape string, bytes and flops of one call (each input read once, each
+    output written once; multiply-adds count two)."""
 
     def __init__(self, name, dtype, dims):
         self.name, self.dtype, self.dims = name, dtype, tuple(dims)
-        es = 2  # f16 and bf16
+        es = 4 if dtype == "f32" else 2
         d = self.dims
         if name in ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
                     "rms_norm", "rms_norm_prims"):
@@ -49,7 +49,7 @@ class Spec:
                 "rms_norm": (2 * m + c * es, 4.0 * n),
                 "rms_norm_prims": (2 * m + c * es, 4.0 * n),
             }[name]
-        elif name == "gemm":
+        elif name in ("gemm", "sgemm"):
             m, k, n = d
             self.shape = f"{m}x{k}x{n}"
             self.bytes, self.flops = (m * k + k * n + m * n) * es, 2.0 * m * n * k
@@ -109,6 +109,23 @@ def specs(quick):
     return out
 
 
+def cpu_specs(quick):
+    """The CPU rows of kiln bench (src/tools/bench_workloads.c: f32, sizes a
+    two-core box holds), or tiny ones (--quick)."""
+    if quick:
+        n, gemm, ffn, mlp = 256, (128, 128, 128), (1, 32, 64, 128), (8, 32, 24)
+        attn, layer, token = (1, 2, 64, 32), (1, 16, 64, 4, 256), (1, 1, 64, 4, 256)
+    else:
+        n, gemm, ffn, mlp = 4096, (2048, 2048, 2048), (4, 128, 512, 1408), (8, 256, 24)
+        attn, layer, token = (2, 4, 256, 64), (2, 64, 256, 4, 1024), (1, 1, 256, 4, 1024)
+    out = [Spec("relu_fma", "f32", (n, n)), Spec("pointwise8", "f32", (n, n))]
+    out += [Spec(w, "f32", (n, n)) for w in ("softmax", "layer_norm", "rms_norm", "rms_norm_prims")]
+    out += [Spec("sgemm", "f32", gemm), Spec("swiglu_ffn", "f32", ffn), Spec("mlp24", "f32", mlp)]
+    out += [Spec(w, "f32", attn) for w in ("attention", "attention_causal")]
+    out += [Spec("decoder_layer", "f32", layer), Spec("decoder_token", "f32", token)]
+    return out
+
+
 def parse_list(text, known, what):
     items = [x for x in (text or "").split(",") if x]
     for x in items:
@@ -155,11 +172,11 @@ def row(peer, spec, device, mode, ms=None, iters=None, first_call_s=None, kernel
     if ms is not None:
         r["ms"] = round(ms, 6)
         r["iters"] = iters
-        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 4)
+        r["bw_tbs"] = round(spec.bytes / (ms * 1e-3) * 1e-12, 7)
         if spec.memory_bound:
             r["gbps"] = round(spec.bytes / (ms * 1e-3) * 1e-9, 1)
         elif spec.flops:
-            r["tflops"] = round(spec.flops / (ms * 1e-3) * 1e-12, 2)
+            r["tflops"] = round(spec.flops / (ms * 1e-3) * 1e-12, 6)
         if eager_ms:
             r["speedup"] = round(eager_ms / ms, 3)
     if extra:

@@ -93,7 +93,9 @@ typedef enum kl_device { KL_CPU = 0, KL_CUDA = 1 } kl_device;
 typedef struct kl_ctx_opts {
 	kl_device device; /* KL_CPU (default) or KL_CUDA */
 	int index;        /* device index */
-	int nthreads;     /* CPU worker threads; 0 = all cores; at most KL_MAX_THREADS */
+	int nthreads;     /* CPU worker threads; 0 = the cores this process may use (its
+	                   * affinity mask, capped by a cgroup CPU quota); at most
+	                   * KL_MAX_THREADS. Idle workers sleep after a brief spin. */
 } kl_ctx_opts;
 
 /* The most CPU worker threads a context takes (kl_ctx_opts.nthreads); more is

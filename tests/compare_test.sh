@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compare_test.sh - bench/compare.py, the last table of scripts/gpu-check.sh,
 # on rows made up here in the shapes `kiln bench --json`, bench/peer_torch.py
-# and bench/peer_jax.py print: best modes, ratios, targets met and missed,
+# bench/peer_jax.py and bench/peer_ort.py print: best modes, ratios, targets met and missed,
 # start-up rows, skipped lines, and the exit status with nothing to compare.
 # usage: compare_test.sh PATH_TO_REPO
 set -euo pipefail
@@ -121,6 +121,23 @@ grep -v '"mode":"reduce-overhead"' "$work/kiln.jsonl" >"$work/kiln_nro.jsonl"
 has '^mlp24 +24x\(8x256\) +f16 +300\.0 us default 0\.08 TFLOP/s +- +- +<= 45 us r-o +✘ \(no r-o row\)$'
 # without a torch row attention_causal's target cannot be judged: no mark
 has '^attention_causal +4x16x1024x128 +bf16 +52\.0 us default 330 TFLOP/s +- +- +<= torch$'
+
+# the CPU table (issue 22): ONNX Runtime is the peer, no GPU target applies
+# (mlp24 shares its shape with the CUDA row), no start-up rows, GB/s and GFLOP/s
+{
+	echo '{"workload":"mlp24","device":"cpu","dtype":"f32","shape":"24x(8x256)","mode":"default","median_us":500.0,"bw_tbs":0.01,"tflops":0.05}'
+	echo '{"workload":"softmax","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"default","median_us":9000.0,"bw_tbs":0.0149}'
+	echo '{"peer":"ort","workload":"mlp24","device":"cpu","dtype":"f32","shape":"24x(8x256)","mode":"ort-fused-op","median_us":300.0,"bw_tbs":0.02,"tflops":0.08}'
+	echo '{"peer":"ort","workload":"softmax","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"ort","median_us":9900.0,"bw_tbs":0.0136}'
+	echo '{"peer":"torch","workload":"softmax","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"eager","median_us":1.0,"bw_tbs":9}'
+} >"$work/cpu.jsonl"
+"$py" "$cmp" --device cpu "$work/cpu.jsonl" >"$work/out" || fail "exit $? on cpu rows"
+has '^kiln vs ONNX Runtime on cpu'
+has '^workload +shape +dtype +kiln best +ort best +ort/kiln +target'
+has '^mlp24 +24x\(8x256\) +f32 +500\.0 us default 50 GFLOP/s +300\.0 us ort-fused-op 80 GFLOP/s +0\.60x +<= ort +✘$'
+has '^softmax +4096x4096 +f32 +9\.000 ms default 14\.9 GB/s +9\.900 ms ort 13\.6 GB/s +1\.10x +<= ort +✔$'
+has '^targets met: 1/2$'
+grep -q 'cold compile' "$work/out" && fail "start-up rows in the cpu table"
 
 # nothing to compare: exit 2 with a reason
 rc=0

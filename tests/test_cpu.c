@@ -2,17 +2,22 @@
  * and tensors (strided, broadcast, every dtype) and checked against values
  * computed here in double: the corners the op-level tests reach rarely.
  */
+#include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include <cmocka.h>
 
 #include "backend/cpu/cpu.h"
 #include "core/core.h"
+#include "core/half.h"
 #include "graph/graph.h"
 
 #define SH(...) ((const int64_t[]){__VA_ARGS__})
@@ -1315,6 +1320,148 @@ static void test_backend(void **state)
 	assert_int_equal(bad, 0);
 }
 
+/* ---- the vectorizable exp and tanh (cpu.h) ------------------------------------------ */
+
+/* |got - want| in units of float's spacing at want (subnormal spacing below
+ * the normals); -1 when got is not the float want rounds to at an extreme
+ * (NaN, infinity, overflow) */
+static double ulps(float got, double want)
+{
+	if (isnan(want))
+		return isnan(got) ? 0 : -1;
+	if (fabs(want) > 0x1.fffffe8p127) /* rounds to infinity */
+		return isinf(got) && (got > 0) == (want > 0) ? 0 : -1;
+	if (isnan(got) || isinf(got))
+		return -1;
+	double a = fabs(want);
+	double spacing = a < 0x1p-126 ? 0x1p-149 : ldexp(1.0, ilogb(a) - 23);
+	return fabs((double)got - want) / spacing;
+}
+
+static void fast_check(const char *what, float (*f)(float), double (*ref)(double), float x,
+                       double max_ulps, double *worst)
+{
+	double u = ulps(f(x), ref((double)x));
+	if (u < 0 || u > max_ulps)
+		fail_msg("%s(%a) = %a, want %a (%g ulps)", what, (double)x, (double)f(x),
+		         ref((double)x), u);
+	if (u > *worst)
+		*worst = u;
+}
+
+static float cpu_expf(float x)
+{
+	return kl__cpu_expf(x);
+}
+
+static float cpu_tanhf(float x)
+{
+	return kl__cpu_tanhf(x);
+}
+
+/* every 61st float bit pattern (both signs, subnormals, the largest), then
+ * the special values: kl__cpu_expf within 2 ulps of e^x (down into the
+ * subnormals, inf past overflow), kl__cpu_tanhf within 3 ulps of tanh */
+static void test_fast_math(void **state)
+{
+	(void)state;
+	double we = 0, wt = 0;
+	for (uint64_t u = 0; u <= 0xffffffffu; u += 61) {
+		float x = kl__bits_f32((uint32_t)u);
+		fast_check("kl__cpu_expf", cpu_expf, exp, x, 2, &we);
+		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, x, 3, &wt);
+	}
+	const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 0x1p-149f, -0x1p-149f,
+	                         0x1p-127f, -0x1p-127f, 0x1p-126f, 0.55f, -0.55f, 0.5499999f,
+	                         9.01f, -9.5f, 88.72f, 88.73f, -87.3f, -103.9f, -104.5f, 3e38f,
+	                         -3e38f, 1e-30f};
+	for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) {
+		fast_check("kl__cpu_expf", cpu_expf, exp, special[i], 2, &we);
+		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, special[i], 3, &wt);
+	}
+	/* signs and exact values where they are exact */
+	assert_true(signbit(kl__cpu_tanhf(-0.0f)) && kl__cpu_tanhf(-0.0f) == 0.0f);
+	assert_true(kl__cpu_tanhf(INFINITY) == 1.0f && kl__cpu_tanhf(-INFINITY) == -1.0f);
+	assert_true(kl__cpu_expf(-INFINITY) == 0.0f && kl__cpu_expf(0.0f) == 1.0f);
+	assert_true(isnan(kl__cpu_expf(NAN)) && isnan(kl__cpu_tanhf(NAN)));
+	print_message("kl__cpu_expf worst %.2f ulps, kl__cpu_tanhf worst %.2f ulps\n", we, wt);
+}
+
+/* ---- the thread pool (pool.c) --------------------------------------------------- */
+
+typedef struct pool_probe {
+	_Atomic int *hits;
+	int nested_nt;
+	_Atomic int nested_bad;
+} pool_probe;
+
+static void count_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	pool_probe *p = arg;
+	for (int64_t i = lo; i < hi; i++)
+		atomic_fetch_add(&p->hits[i], 1);
+	if (p->nested_nt > 1) {
+		/* a region inside a chunk runs whole (inline, when the outer one
+		 * holds the pool) */
+		_Atomic int inner[5] = {0};
+		pool_probe q = {.hits = inner};
+		kl__par_for(p->nested_nt, 5, count_chunk, &q);
+		for (int i = 0; i < 5; i++)
+			if (atomic_load(&inner[i]) != 1)
+				atomic_store(&p->nested_bad, 1);
+	}
+}
+
+/* every index exactly once, for sizes around the chunk counts and thread
+ * counts from 1 to more than the cores; regions back to back (the workers
+ * catch them spinning) and after a pause (they sleep, and are woken) */
+static void pool_check(int nt, int64_t n, int nested)
+{
+	_Atomic int *hits = calloc((size_t)n + 1, sizeof *hits);
+	assert_non_null(hits);
+	pool_probe p = {.hits = hits, .nested_nt = nested};
+	kl__par_for(nt, n, count_chunk, &p);
+	for (int64_t i = 0; i < n; i++)
+		if (atomic_load(&hits[i]) != 1)
+			fail_msg("kl__par_for(%d, %lld): index %lld ran %d times", nt, (long long)n,
+			         (long long)i, atomic_load(&hits[i]));
+	assert_int_equal(atomic_load(&p.nested_bad), 0);
+	assert_false(kl__par_active());
+	free(hits);
+}
+
+static void *pool_caller(void *arg)
+{
+	(void)arg;
+	for (int r = 0; r < 200; r++)
+		pool_check(3, 1 + r % 37, 0);
+	return NULL;
+}
+
+static void test_pool(void **state)
+{
+	(void)state;
+	const int64_t sizes[] = {0, 1, 2, 3, 7, 12, 13, 100, 4097};
+	for (int nt = 1; nt <= 5; nt++)
+		for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+			pool_check(nt, sizes[i], 0);
+	for (int r = 0; r < 500; r++)
+		pool_check(2 + r % 3, 1 + r % 50, r % 7 == 0 ? 3 : 0);
+	struct timespec pause = {0, 2000000}; /* past the spin: workers sleep */
+	for (int r = 0; r < 5; r++) {
+		nanosleep(&pause, NULL);
+		pool_check(3, 64, 0);
+	}
+	/* two callers at once: one region runs, the other inline, both whole */
+	pthread_t t;
+	assert_int_equal(pthread_create(&t, NULL, pool_caller, NULL), 0);
+	pool_caller(NULL);
+	pthread_join(t, NULL);
+	/* the default thread count: the cores this process may use */
+	assert_true(kl__cpu_cores() >= 1 && kl__cpu_cores() <= KL_MAX_THREADS);
+	assert_int_equal(kl__cpu_threads(NULL), kl__cpu_cores());
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1334,6 +1481,8 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_norms, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_sources, setup, teardown),
 		cmocka_unit_test_setup_teardown(test_backend, setup, teardown),
+		cmocka_unit_test(test_pool),
+		cmocka_unit_test(test_fast_math),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,6 +7,7 @@
  * (dlopen'd kernels plus a naive product for MATMUL steps), independent of
  * the runtime, against the float64 reference.
  */
+#include <ctype.h>
 #include <dlfcn.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -130,7 +131,7 @@ static const char *find_cc(void)
 	return NULL;
 }
 
-/* cc -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -shared -fPIC -std=c11
+/* cc -O3 -march=native -fopenmp-simd -fno-math-errno -fno-trapping-math -shared -fPIC -std=c11
  * -Wall -Werror ... -lm, as the runtime (-lm also brings libmvec, whose vector expf and
  * tanhf the generated C declares) */
 static bool compile_c(const char *src, const char *name, char *so, size_t cap)
@@ -153,11 +154,11 @@ static bool compile_c(const char *src, const char *name, char *so, size_t cap)
 		(void)l;
 #if defined(__SANITIZE_ADDRESS__)
 		/* under the sanitizers the kernels are checked too: out of bounds, UB */
-		execl(cc, cc, "-O1", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
+		execl(cc, cc, "-O1", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
 		      "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-o", so,
 		      cpath, "-lm", (char *)NULL);
 #else
-		execl(cc, cc, "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+		execl(cc, cc, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
 		      "-fno-trapping-math", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror",
 		      "-o", so, cpath, "-lm", (char *)NULL);
 #endif
@@ -421,10 +422,14 @@ static char *combined_source(void)
 			const char *s = strstr(cases[i].P[k].source, kl__render_c.prelude);
 			assert_non_null(s);
 			s += strlen(kl__render_c.prelude);
+			const char *start = s;
 			while (*s) {
-				if (!strncmp(s, "void k", 6) && s[6] >= '0' && s[6] <= '9') {
-					kl__sb_printf(&sb, "void p%d_%d_k", i, k);
-					s += 6;
+				/* a kernel's name, k<N>, and its outlined nests',
+				 * k<N>_p<M> (render.c), wherever they appear */
+				bool tok = s == start || !(isalnum((unsigned char)s[-1]) || s[-1] == '_');
+				if (tok && s[0] == 'k' && s[1] >= '0' && s[1] <= '9') {
+					kl__sb_printf(&sb, "p%d_%d_k", i, k);
+					s += 1;
 				} else {
 					char ch[2] = {*s++, 0};
 					kl__sb_puts(&sb, ch);
@@ -464,6 +469,12 @@ static int run_cases(const char *name)
 	if (!so)
 		fprintf(stderr, "dlopen: %s\n", dlerror());
 	assert_non_null(so);
+	/* the parallel nests run on kiln's pool, as kl__jit_load binds it */
+	void *par = dlsym(so, "kl_jit_par_for");
+	assert_non_null(par);
+	void (*par_fn)(int64_t, kl_par_fn, void *) = kl__par_for_call;
+	memcpy(par, &par_fn, sizeof par_fn);
+	kl__par_set_threads(3);
 	for (int i = 0; i < ncases; i++) {
 		dcase *c = &cases[i];
 		const kl_trace *rt = c->run ? c->run : c->tr;

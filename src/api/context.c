@@ -3,12 +3,11 @@
  * CUDA device (backend/cuda/backend.h) when asked for, and at teardown the
  * active trace (capture) and the tensors (core).
  */
-#include <omp.h>
 #include <stdlib.h>
 
+#include "api/autograd.h"
 #include "backend/cpu/cpu.h"
 #include "backend/cuda/backend.h"
-#include "api/autograd.h"
 #include "capture/trace.h"
 #include "core/core.h"
 #include "runtime/compiled.h"
@@ -38,7 +37,7 @@ kl_ctx *kl_ctx_new(const kl_ctx_opts *opts)
 	}
 	ctx->device = KL_CPU;
 	ctx->index = o.index;
-	ctx->nthreads = o.nthreads ? o.nthreads : omp_get_max_threads();
+	ctx->nthreads = o.nthreads ? o.nthreads : kl__cpu_cores();
 	ctx->be = &kl__cpu_backend;
 	ctx->logs = kl__parse_logs(getenv("KILN_LOGS"));
 	if (o.device == KL_CUDA && kl__cuda_ctx_init(ctx, o.index, &kl__cuda_rt_hooks) != KL_OK) {

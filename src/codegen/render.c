@@ -110,6 +110,20 @@ typedef struct rctx {
 	int32_t stream[KIR_MAX_LOCAL];
 	int nstream;
 	int stream_var; /* the reduced dim the rows run along */
+	/* A parallel loop nest is outlined (kiln's thread pool runs it, not
+	 * OpenMP: pool.c): its text goes to a function of its own, appended to
+	 * pre, whose first loop runs over [kl_lo, kl_hi) of its range; the
+	 * kernel calls kl_jit_par_for with the range and that function. */
+	const char *name;   /* the kernel's */
+	kl_sb *pre;         /* outlined functions, emitted before the kernel */
+	int npar;           /* outlined so far */
+	kl_sb *outer_sb;    /* the kernel's text while a nest is outlined */
+	int outer_depth;    /* its depth there */
+	bool par_first;     /* the next loop opened is the outlined range */
+	const char *par_rest; /* then this pragma before the remaining loops */
+	int par_rest_n;     /* collapse of that pragma */
+	kl_sb par_range;    /* the range's extent (in tiles for a column tile loop) */
+	kl_sb par_cond;     /* the run-time condition to use the pool ("" always) */
 } rctx;
 
 static int stream_slot(const rctx *c, int32_t id)
@@ -374,11 +388,28 @@ void kl__render_dim(const kl_renderer *r, const kir_kernel *k, int d, kl_sb *sb)
 	put_extent(sb, r, k->dims[d]);
 }
 
+static void par_range_loop(rctx *c, int d)
+{
+	indent(c);
+	kl__sb_printf(c->sb, "for (%s i%d = kl_lo; i%d < kl_hi; i%d++)\n", c->r->index_t, d, d, d);
+	put_extent(&c->par_range, c->r, c->k->dims[d]);
+	c->par_first = false;
+	if (c->par_rest && c->par_rest_n > 0) {
+		indent(c);
+		kl__sb_printf(c->sb, c->par_rest, c->par_rest_n, "");
+		kl__sb_puts(c->sb, "\n");
+	}
+}
+
 static void open_loops(rctx *c, uint32_t dims)
 {
 	for (int d = 0; d < c->k->ndim; d++) {
 		if (!(dims & (1u << d)))
 			continue;
+		if (c->par_first) {
+			par_range_loop(c, d);
+			continue;
+		}
 		indent(c);
 		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
 		put_extent(c->sb, c->r, c->k->dims[d]);
@@ -390,11 +421,81 @@ static void open_loops(rctx *c, uint32_t dims)
 	c->depth++;
 }
 
+static void end_outline(rctx *c);
+
 static void close_loops(rctx *c)
 {
 	c->depth--;
 	indent(c);
 	kl__sb_puts(c->sb, "}\n");
+	if (c->outer_sb && c->depth == 1)
+		end_outline(c);
+}
+
+/* Start outlining the nest that follows: its text goes to a function of its
+ * own. cond: when to use the pool (NULL: always); rest: the pragma for the
+ * loops after the first (n of them), NULL for none. */
+static void begin_outline(rctx *c, const char *cond, const char *rest, int n)
+{
+	c->outer_sb = c->sb;
+	c->outer_depth = c->depth;
+	c->sb = malloc(sizeof *c->sb);
+	if (!c->sb) {
+		c->sb = c->outer_sb;
+		c->outer_sb = NULL;
+		c->sb->oom = true;
+		return;
+	}
+	*c->sb = (kl_sb){0};
+	c->depth = 1;
+	c->par_first = true;
+	c->par_rest = rest;
+	c->par_rest_n = n;
+	c->par_range = (kl_sb){0};
+	c->par_cond = (kl_sb){0};
+	kl__sb_puts(&c->par_cond, cond ? cond : "");
+}
+
+static void end_outline(rctx *c)
+{
+	kl_sb *body = c->sb;
+	int id = c->npar++;
+	kl_sb *pre = c->pre;
+	kl__sb_printf(pre, "static void %s_p%d(void *kl_arg, int64_t kl_lo, int64_t kl_hi)\n{\n",
+	              c->name, id);
+	kl__sb_puts(pre, "\tconst kl_penv *kl_e = kl_arg;\n\tvoid *const *B = kl_e->B;\n"
+	                 "\tconst int64_t *S = kl_e->S;\n");
+	kl__render_buf_decls(c->r, c->k, c->live, pre);
+	kl__sb_puts(pre, "\t(void)B;\n\t(void)S;\n");
+	kl__sb_puts(pre, kl__sb_str(body));
+	kl__sb_puts(pre, "}\n\n");
+	pre->oom |= body->oom;
+	kl__sb_free(body);
+	free(body);
+	c->sb = c->outer_sb;
+	c->outer_sb = NULL;
+	c->depth = c->outer_depth;
+	const char *n = c->par_range.n ? kl__sb_str(&c->par_range) : "1";
+	indent(c);
+	kl__sb_puts(c->sb, "{\n");
+	indent(c);
+	kl__sb_puts(c->sb, "\tkl_penv kl_e = {B, S};\n");
+	indent(c);
+	if (c->par_cond.n)
+		kl__sb_printf(c->sb, "\tif (%s)\n", kl__sb_str(&c->par_cond));
+	else
+		kl__sb_puts(c->sb, "\tif (1)\n");
+	indent(c);
+	kl__sb_printf(c->sb, "\t\tkl_jit_par_for(%s, %s_p%d, &kl_e);\n", n, c->name, id);
+	indent(c);
+	kl__sb_puts(c->sb, "\telse\n");
+	indent(c);
+	kl__sb_printf(c->sb, "\t\t%s_p%d(&kl_e, 0, %s);\n", c->name, id, n);
+	indent(c);
+	kl__sb_puts(c->sb, "}\n");
+	c->sb->oom |= c->par_range.oom || c->par_cond.oom;
+	kl__sb_free(&c->par_range);
+	kl__sb_free(&c->par_cond);
 }
 
 static int popc(uint32_t x)
@@ -419,6 +520,19 @@ static void pragma(rctx *c, bool par, const char *ifcond, int collapse, bool sim
                    const char *red)
 {
 	const kl_renderer *r = c->r;
+	/* a pass that is a reduction runs serially (the pool has no reduction
+	 * clause); a parallel nest is outlined, its first loop shared out */
+	if (par && red)
+		par = false;
+	if (par && c->pre && !c->outer_sb) {
+		if (simd && collapse == 1) {
+			begin_outline(c, ifcond, NULL, 0);
+			pragma(c, false, NULL, 1, true, NULL);
+		} else {
+			begin_outline(c, ifcond, simd ? r->simd_fmt : NULL, collapse - 1);
+		}
+		return;
+	}
 	kl_sb extra = {0};
 	if (ifcond && par)
 		kl__sb_printf(&extra, r->if_fmt, ifcond);
@@ -609,13 +723,26 @@ static void render_columns(rctx *c, int J)
 	for (int d = 0; d < k->ndim; d++) {
 		if (!(outer & (1u << d)))
 			continue;
+		if (c->par_first) {
+			par_range_loop(c, d);
+			continue;
+		}
 		indent(c);
 		kl__sb_printf(c->sb, "for (%s i%d = 0; i%d < ", c->r->index_t, d, d);
 		put_extent(c->sb, c->r, k->dims[d]);
 		kl__sb_printf(c->sb, "; i%d++)\n", d);
 	}
 	indent(c);
-	kl__sb_printf(c->sb, "for (int64_t jt = 0; jt < %s; jt += %d)\n", kl__sb_str(&ext), COL_TILE);
+	if (c->par_first) { /* the column tiles are the outlined range */
+		kl__sb_printf(c->sb, "for (int64_t jt = kl_lo * %d; jt < kl_hi * %d; jt += %d)\n",
+		              COL_TILE, COL_TILE, COL_TILE);
+		kl__sb_printf(&c->par_range, "((%s + %d) / %d)", kl__sb_str(&ext), COL_TILE - 1,
+		              COL_TILE);
+		c->par_first = false;
+	} else {
+		kl__sb_printf(c->sb, "for (int64_t jt = 0; jt < %s; jt += %d)\n", kl__sb_str(&ext),
+		              COL_TILE);
+	}
 	indent(c);
 	kl__sb_puts(c->sb, "{\n");
 	c->depth++;
@@ -753,7 +880,10 @@ static void render_reduction(rctx *c)
 		const char *rc = red.n ? kl__sb_str(&red) : NULL;
 		if (inner && sums && !no_rows)
 			/* no outer loop to share out: the pass itself runs in parallel */
-			pragma(c, !outer && par, ifc, popc(inner), true, rc);
+			/* no outer loop to share out: one thread (the pass's
+			 * statements read block 0's values, which an outlined nest
+			 * would not see) */
+			pragma(c, false, ifc, popc(inner), true, rc);
 		open_loops(c, inner); /* no dims: a plain block */
 		emit_block(c, 2 * p - 1);
 		close_loops(c);
@@ -773,11 +903,14 @@ kl_row_grid kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const c
 	if (r->walk)
 		return r->walk(r, k, name, sb);
 	kl_row_grid none = {0, 0};
-	rctx c = {.r = r, .k = k, .sb = sb, .depth = 1};
+	kl_sb pre = {0}, body = {0};
+	rctx c = {.r = r, .k = k, .sb = &body, .depth = 1, .name = name, .pre = &pre};
 	if (!(c.live = kl__render_live(k))) {
 		sb->oom = true;
 		return none;
 	}
+	kl_sb *out = sb;
+	sb = &body;
 	kl__sb_printf(sb, r->kernel_fmt, name);
 	kl__sb_puts(sb, ";\n");
 	kl__sb_printf(sb, r->kernel_fmt, name);
@@ -790,6 +923,10 @@ kl_row_grid kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const c
 	if (empty) { /* nothing to visit (and no loop a compiler could trip on) */
 		kl__sb_puts(sb, "\t(void)B;\n\t(void)S;\n}\n\n");
 		free(c.live);
+		kl__sb_puts(out, kl__sb_str(&body));
+		out->oom |= body.oom;
+		kl__sb_free(&body);
+		kl__sb_free(&pre);
 		return none;
 	}
 	kl__render_buf_decls(r, k, c.live, sb);
@@ -800,5 +937,11 @@ kl_row_grid kl__render_kernel(const kl_renderer *r, const kir_kernel *k, const c
 		render_reduction(&c);
 	kl__sb_puts(sb, "}\n\n");
 	free(c.live);
+	/* the outlined nests, then the kernel that calls them */
+	kl__sb_puts(out, kl__sb_str(&pre));
+	kl__sb_puts(out, kl__sb_str(&body));
+	out->oom |= pre.oom || body.oom;
+	kl__sb_free(&pre);
+	kl__sb_free(&body);
 	return none;
 }

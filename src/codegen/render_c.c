@@ -1,4 +1,5 @@
-/* render_c.c - the C renderer: spellings for OpenMP C and the helpers every
+/* render_c.c - the C renderer: spellings for C with OpenMP simd pragmas (the
+ * parallel nests are outlined for kiln's thread pool: render.c) and the helpers every
  * generated C translation unit begins with (half-precision conversions,
  * NaN-propagating max/min, saturating float->int casts, Philox).
  *
@@ -50,7 +51,7 @@ static const char prelude[] =
 	 * loops around them scalar: glibc declares the vector forms libmvec has
 	 * (within 4 ulp, NaN and inf as the scalar ones) only under -ffast-math,
 	 * so declare them here; the .so is linked with -lm, which brings libmvec. */
-	"#if defined(__x86_64__) && defined(__GLIBC__) && defined(_OPENMP)\n"
+	"#if defined(__x86_64__) && defined(__GLIBC__)\n"
 	"#if __GLIBC_PREREQ(2, 22)\n"
 	"#pragma omp declare simd notinbranch\n"
 	"float expf(float);\n"
@@ -60,6 +61,14 @@ static const char prelude[] =
 	"float tanhf(float);\n"
 	"#endif\n"
 	"#endif\n"
+	/* kiln's thread pool (pool.c), set when the binary is loaded: the
+	 * parallel nests are functions of an env and a range [lo, hi) of their
+	 * first loop (render.c outlines them) */
+	"typedef struct kl_penv {\n"
+	"\tvoid *const *B;\n"
+	"\tconst int64_t *S;\n"
+	"} kl_penv;\n"
+	"void (*kl_jit_par_for)(int64_t, void (*)(void *, int64_t, int64_t), void *);\n"
 	/* a row out with non-temporal stores (no read-for-ownership of the
 	 * destination), fenced so the stores are visible when the kernel returns */
 	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"

@@ -3,7 +3,6 @@
  * the error path (per-context message, thread-local for failures with no
  * context), scopes as autorelease pools, version and status names.
  */
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 

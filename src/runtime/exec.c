@@ -7,7 +7,6 @@
  */
 #include <inttypes.h>
 #include <limits.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -119,8 +118,10 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 		if (kl__program_bind(&c->prog, syms, err, sizeof err) != KL_OK) {
 			char e2[8];
 			kl__program_bind(&c->prog, c->plan_syms, e2, sizeof e2); /* as it was */
-			return kl__err(ctx, KL_EINVAL, "kl_fn_call: the compiled graph cannot run at "
-			               "these sizes: %s", err);
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_fn_call: the compiled graph cannot run at "
+			               "these sizes: %s",
+			               err);
 		}
 		if (kl__memplan_build(&c->prog, syms, &mp) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM,
@@ -167,13 +168,18 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		                         "kl_fn_call: out of memory for attention tiles");
 	if (sp->kind == KL_STEP_CACHE_WRITE) {
 		const kl_cw_step *w = &sp->cw;
-		kl_cw_geom g = {.rows = w->rows, .R = w->R, .outer = w->outer, .cap = w->cap,
-		                .s = w->s, .inner = w->inner};
+		kl_cw_geom g = {.rows = w->rows,
+		                .R = w->R,
+		                .outer = w->outer,
+		                .cap = w->cap,
+		                .s = w->s,
+		                .inner = w->inner};
 		size_t es = kl_dtype_size(p->bufs[w->out].dtype);
 		if (B[w->out] != B[w->cache])
-			memcpy(B[w->out], B[w->cache], (size_t)(w->R * w->outer * w->cap * w->inner) * es);
-		int64_t bad = kl__cpu_cache_rows(&g, es, p->bufs[w->pos].dtype, B[w->out], B[w->pos],
-		                                 B[w->val]);
+			memcpy(B[w->out], B[w->cache],
+			       (size_t)(w->R * w->outer * w->cap * w->inner) * es);
+		int64_t bad = kl__cpu_cache_rows(&g, es, p->bufs[w->pos].dtype, B[w->out],
+		                                 B[w->pos], B[w->val]);
 		if (bad < 0)
 			return KL_OK;
 		const void *pp = B[w->pos];
@@ -219,7 +225,8 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 		double total = 0;
 		for (int32_t s = 0; s < p->nsteps; s++)
 			total += us[s];
-		fprintf(f, "kiln profile: graph %d: %d steps, each timed alone (%s): %.1f us in all\n",
+		fprintf(f,
+		        "kiln profile: graph %d: %d steps, each timed alone (%s): %.1f us in all\n",
 		        ctx->profile_graph, (int)p->nsteps,
 		        c->cuda ? "device events, plain launches" : "host clock", total);
 		ctx->profile_segs++;
@@ -292,8 +299,7 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 	if (st == KL_OK && c->cuda) {
 		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms);
 	} else if (st == KL_OK) {
-		if (ctx->nthreads > 0)
-			omp_set_num_threads(ctx->nthreads);
+		kl__par_set_threads(ctx->nthreads);
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++)
 			st = cpu_step(ctx, c, &p->steps[s], B, syms);
 	}

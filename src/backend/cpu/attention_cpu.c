@@ -5,15 +5,23 @@
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
  * softmax). Blocks a causal mask hides entirely are never visited. The two
  * products of a block (S = q k^T * scale, acc += P v) are single-threaded
- * BLAS calls inside the parallel region (blas.c). f16, bf16 and f32 compute
+ * BLAS calls inside the chunks of kiln's thread pool (blas.c, pool.c). f16, bf16 and f32 compute
  * in float, f64 in double; the result rounds once.
  */
 #include <cblas.h>
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
+
+typedef struct attn_job {
+	const kl_attn_step *a;
+	kl_dtype dt;
+	const void *q, *k, *v;
+	void *o;
+	_Atomic bool ok;
+} attn_job;
 
 #define BQ 64
 #define BK 128
@@ -36,7 +44,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 
 /* rows x cols of (base + off) with strides rs, cs into a dense tile; with
  * transposed set the tile is cols x rows */
-#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, F64)                                                \
+#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, EXP_ROW, F64)                                       \
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
@@ -44,30 +52,26 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			LOAD(dst + r * cols, at(src, dt, off + r * rs), dt, cs, cols);             \
 	}                                                                                          \
                                                                                                    \
-	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
-	                       const void *V, void *O)                                             \
+	static void chunk_##NAME(void *arg, int64_t lo, int64_t hi)                                \
 	{                                                                                          \
-		int64_t nb = 1;                                                                    \
-		for (int i = 0; i < a->nbatch; i++)                                                \
-			nb *= a->batch[i];                                                         \
-		int64_t nqb = (a->tq + BQ - 1) / BQ, ntask = nb * nqb;                             \
+		attn_job *job = arg;                                                               \
+		const kl_attn_step *a = job->a;                                                    \
+		kl_dtype dt = job->dt;                                                             \
+		const void *Q = job->q, *K = job->k, *V = job->v;                                  \
+		void *O = job->o;                                                                  \
+		int64_t nqb = (a->tq + BQ - 1) / BQ;                                               \
 		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
-		bool ok = true;                                                                    \
-		_Pragma("omp parallel")                                                            \
 		{                                                                                  \
 			size_t n =                                                                 \
 			        (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ);  \
 			T *buf = malloc(sizeof(T) * n);                                            \
 			if (!buf) {                                                                \
-				_Pragma("omp atomic write") ok = false;                            \
+				atomic_store(&job->ok, false);                                     \
+				return;                                                            \
 			}                                                                          \
 			T *q = buf, *kb = q + BQ * D, *v = kb + BK * D, *s = v + BK * DV;          \
 			T *acc = s + BQ * BK, *m = acc + BQ * DV, *l = m + BQ;                     \
-			_Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < ntask;     \
-			                                             t++)                          \
-			{                                                                          \
-				if (!buf)                                                          \
-					continue;                                                  \
+			for (int64_t t = lo; t < hi; t++) {                                        \
 				int64_t b = t / nqb, q0 = (t % nqb) * BQ;                          \
 				int64_t nq = a->tq - q0 < BQ ? a->tq - q0 : BQ;                    \
 				int64_t qo = a->q_off + batch_off(a, a->q_bs, b),                  \
@@ -99,23 +103,26 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 						T *si = s + i * BK;                                \
 						int64_t lim =                                      \
 						        a->causal ? q0 + i + lag - k0 : nk - 1;    \
-						T mx = m[i];                                       \
+						/* the row's max (NaN if any is NaN) and then its  \
+						 * exps and their sum, as vector loops */          \
+						T bm = -(T)INFINITY;                               \
+						int nan = 0;                                       \
+						_Pragma("omp simd reduction(max:bm) reduction(|:nan)") \
 						for (int64_t j = 0; j < nk; j++) {                 \
-							si[j] = j <= lim ? si[j] : -(T)INFINITY;   \
-							mx = si[j] > mx || si[j] != si[j] ? si[j]  \
-							                                  : mx;    \
+							T v_ = j <= lim ? si[j] : -(T)INFINITY;    \
+							si[j] = v_;                                \
+							bm = v_ > bm ? v_ : bm;                    \
+							nan |= v_ != v_;                           \
 						}                                                  \
+						T mx = nan ? (T)NAN : bm > m[i] ? bm : m[i];       \
 						if (mx == -(T)INFINITY) {                          \
 							/* nothing allowed yet: no share of P v */ \
 							for (int64_t j = 0; j < nk; j++)           \
 								si[j] = 0;                         \
 							continue;                                  \
 						}                                                  \
-						T corr = EXP(m[i] - mx), sum = 0;                  \
-						for (int64_t j = 0; j < nk; j++) {                 \
-							si[j] = EXP(si[j] - mx);                   \
-							sum += si[j];                              \
-						}                                                  \
+						T corr = EXP(m[i] - mx);                           \
+						T sum = EXP_ROW(si, nk, mx);                       \
 						m[i] = mx;                                         \
 						l[i] = l[i] * corr + sum;                          \
 						T *ai = acc + i * DV;                              \
@@ -136,7 +143,17 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			}                                                                          \
 			free(buf);                                                                 \
 		}                                                                                  \
-		return ok;                                                                         \
+	}                                                                                          \
+                                                                                                   \
+	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
+	                       const void *V, void *O)                                             \
+	{                                                                                          \
+		int64_t nb = 1;                                                                    \
+		for (int i = 0; i < a->nbatch; i++)                                                \
+			nb *= a->batch[i];                                                         \
+		attn_job j = {.a = a, .dt = dt, .q = Q, .k = K, .v = V, .o = O, .ok = true};       \
+		kl__par_for_call(nb *((a->tq + BQ - 1) / BQ), chunk_##NAME, &j);                   \
+		return atomic_load(&j.ok);                                                         \
 	}
 
 static inline float exp_f32(float x)
@@ -144,10 +161,33 @@ static inline float exp_f32(float x)
 	return kl__cpu_expf(x);
 }
 
+/* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop,
+ * built for the wider vector units too (KL_CPU_CLONES). */
+KL_CPU_CLONES static float exp_row_f32(float *s, int64_t n, float mx)
+{
+	float sum = 0;
+	_Pragma("omp simd reduction(+:sum)")
+	for (int64_t j = 0; j < n; j++) {
+		s[j] = kl__cpu_expf(s[j] - mx);
+		sum += s[j];
+	}
+	return sum;
+}
+
+static double exp_row_f64(double *s, int64_t n, double mx)
+{
+	double sum = 0;
+	for (int64_t j = 0; j < n; j++) {
+		s[j] = exp(s[j] - mx);
+		sum += s[j];
+	}
+	return sum;
+}
+
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, false)
-ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, true)
+ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, exp_row_f32, false)
+ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, exp_row_f64, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o)
@@ -195,8 +235,7 @@ kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_t
 		a.v_bs[i] = in[2]->strides[d];
 		a.o_bs[i] = os[d];
 	}
-	if (ctx->nthreads > 0)
-		omp_set_num_threads(ctx->nthreads);
+	kl__par_set_threads(ctx->nthreads);
 	if (!kl__cpu_attention(&a, (kl_dtype)n->dtype, kl__tensor_data(in[0]),
 	                       kl__tensor_data(in[1]), kl__tensor_data(in[2]),
 	                       kl__tensor_data(out)))

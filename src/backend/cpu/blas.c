@@ -1,7 +1,7 @@
-/* blas.c - kiln's products through OpenBLAS, split over kiln's OpenMP team.
+/* blas.c - kiln's products through OpenBLAS, split over kiln's thread pool.
  *
- * OpenBLAS's pthreads build runs a thread pool of its own. Beside kiln's
- * OpenMP team, whose threads spin for a while after each parallel region, the
+ * OpenBLAS's pthreads build runs a thread pool of its own. Beside the
+ * OpenMP team kiln had then, whose threads spin for a while after each parallel region, the
  * two pools fight over the cores of a small machine: on 2 cores the CPU
  * DecoderLayer (2x64x256, f32, compiled) took 3.46 ms with both and 2.37 ms
  * with OpenMP's threads passive, and kl_profile put a 50-MFLOP product at
@@ -9,12 +9,11 @@
  * (kl__blas_hold / kl__blas_release: its thread count is set to 1 by the
  * first context and put back by the last one freed; setting it per product
  * cost about a millisecond a call, OpenBLAS resizing its buffers), and a
- * product is one call per thread of kiln's team on its own block of C's
- * rows (or columns, when it has few rows). Called inside a
+ * product is one call per thread of kiln's pool (pool.c) on its own block of
+ * C's rows (or columns, when it has few rows). Called inside a chunk of a
  * parallel region (the eager batched products), a product is one call.
  */
 #include <cblas.h>
-#include <omp.h>
 #include <pthread.h>
 
 #include "backend/cpu/cpu.h"
@@ -72,11 +71,33 @@ static void gemm_block(bool f64, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int k, 
 		            (float *)C + co, ldc);
 }
 
+typedef struct gemm_job {
+	bool f64, rows;
+	CBLAS_TRANSPOSE ta, tb;
+	int m, n, k, lda, ldb, ldc, pieces;
+	double alpha, beta;
+	const void *A, *B;
+	void *C;
+} gemm_job;
+
+static void gemm_chunk(void *arg, int64_t p0, int64_t p1)
+{
+	const gemm_job *j = arg;
+	for (int64_t p = p0; p < p1; p++) {
+		int lo, hi;
+		share(j->rows ? j->m : j->n, (int)p, j->pieces, j->rows ? 4 : 16, &lo, &hi);
+		if (lo < hi)
+			gemm_block(j->f64, j->ta, j->tb, j->k, j->alpha, j->A, j->lda, j->B, j->ldb,
+			           j->beta, j->C, j->ldc, j->rows ? lo : 0, j->rows ? hi : j->m,
+			           j->rows ? 0 : lo, j->rows ? j->n : hi);
+	}
+}
+
 void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, double alpha,
                    const void *A, int lda, const void *B, int ldb, double beta, void *C, int ldc)
 {
 	CBLAS_TRANSPOSE ta = (CBLAS_TRANSPOSE)ta_, tb = (CBLAS_TRANSPOSE)tb_;
-	if (nt <= 1 || omp_in_parallel() || (double)m * n * k < GEMM_PAR_MIN ||
+	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||
 	    (m < 2 * nt && n < 16 * nt)) {
 		gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);
 		return;
@@ -85,15 +106,54 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, doub
 	 * all of B, which the rows repay; the columns (each thread packing its
 	 * share of B) for fewer rows. On 2 cores: columns for every product
 	 * took the CPU FFN (512 rows) 13.2-13.6 ms against 11.4-12.1, rows for
-	 * every product took mlp24 (8 rows) 437 us against 376-385 */
-	bool rows = m >= 2 * nt && (m >= 64 || n < 16 * nt);
-#pragma omp parallel num_threads(nt)
-	{
-		int t = omp_get_thread_num(), lo, hi;
-		share(rows ? m : n, t, omp_get_num_threads(), rows ? 4 : 16, &lo, &hi);
-		if (lo < hi)
-			gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc,
-			           rows ? lo : 0, rows ? hi : m, rows ? 0 : lo, rows ? n : hi);
+	 * every product took mlp24 (8 rows) 437 us against 376-385. One piece
+	 * a thread, claimed by whichever thread gets to it (pool.c). */
+	gemm_job j = {.f64 = f64,
+	              .rows = m >= 2 * nt && (m >= 64 || n < 16 * nt),
+	              .ta = ta,
+	              .tb = tb,
+	              .m = m,
+	              .n = n,
+	              .k = k,
+	              .lda = lda,
+	              .ldb = ldb,
+	              .ldc = ldc,
+	              .pieces = nt,
+	              .alpha = alpha,
+	              .beta = beta,
+	              .A = A,
+	              .B = B,
+	              .C = C};
+	kl__par_for(nt, nt, gemm_chunk, &j);
+}
+
+typedef struct gemv_job {
+	bool f64;
+	CBLAS_TRANSPOSE tw;
+	int rows, cols, ldw, incx, ny, pieces;
+	double alpha, beta;
+	const void *W, *x;
+	void *y;
+} gemv_job;
+
+static void gemv_chunk(void *arg, int64_t p0, int64_t p1)
+{
+	const gemv_job *j = arg;
+	for (int64_t p = p0; p < p1; p++) {
+		int lo, hi;
+		share(j->ny, (int)p, j->pieces, 16, &lo, &hi);
+		if (lo >= hi)
+			continue;
+		bool plain = j->tw == CblasNoTrans;
+		size_t wo = plain ? (size_t)lo * (size_t)j->ldw : (size_t)lo;
+		int r = plain ? hi - lo : j->rows, c = plain ? j->cols : hi - lo;
+		if (j->f64)
+			cblas_dgemv(CblasRowMajor, j->tw, r, c, j->alpha, (const double *)j->W + wo,
+			            j->ldw, j->x, j->incx, j->beta, (double *)j->y + lo, 1);
+		else
+			cblas_sgemv(CblasRowMajor, j->tw, r, c, (float)j->alpha,
+			            (const float *)j->W + wo, j->ldw, j->x, j->incx, (float)j->beta,
+			            (float *)j->y + lo, 1);
 	}
 }
 
@@ -101,10 +161,11 @@ void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha, 
                    int ldw, const void *x, int incx, double beta, void *y)
 {
 	/* y (contiguous) = alpha op(W) x + beta y; W is rows x cols. Split over
-	 * y's elements: W's rows (no transpose) or columns (transposed). */
+	 * y's elements: W's rows (no transpose) or columns (transposed), in
+	 * pieces of 64 or more, a few a thread. */
 	CBLAS_TRANSPOSE tw = (CBLAS_TRANSPOSE)tw_;
 	int ny = tw == CblasNoTrans ? rows : cols;
-	if (nt <= 1 || omp_in_parallel() || (double)rows * cols < GEMM_PAR_MIN || ny < 64 * nt) {
+	if (nt <= 1 || kl__par_active() || (double)rows * cols < GEMM_PAR_MIN || ny < 64 * nt) {
 		if (f64)
 			cblas_dgemv(CblasRowMajor, tw, rows, cols, alpha, W, ldw, x, incx, beta, y,
 			            1);
@@ -113,21 +174,19 @@ void kl__blas_gemv(int nt, bool f64, int tw_, int rows, int cols, double alpha, 
 			            (float)beta, y, 1);
 		return;
 	}
-#pragma omp parallel num_threads(nt)
-	{
-		int t = omp_get_thread_num(), lo, hi;
-		share(ny, t, omp_get_num_threads(), 16, &lo, &hi);
-		if (lo < hi) {
-			bool plain = tw == CblasNoTrans;
-			size_t wo = plain ? (size_t)lo * (size_t)ldw : (size_t)lo;
-			int r = plain ? hi - lo : rows, c = plain ? cols : hi - lo;
-			if (f64)
-				cblas_dgemv(CblasRowMajor, tw, r, c, alpha, (const double *)W + wo,
-				            ldw, x, incx, beta, (double *)y + lo, 1);
-			else
-				cblas_sgemv(CblasRowMajor, tw, r, c, (float)alpha,
-				            (const float *)W + wo, ldw, x, incx, (float)beta,
-				            (float *)y + lo, 1);
-		}
-	}
+	int pieces = ny / 64 < 4 * nt ? ny / 64 : 4 * nt;
+	gemv_job j = {.f64 = f64,
+	              .tw = tw,
+	              .rows = rows,
+	              .cols = cols,
+	              .ldw = ldw,
+	              .incx = incx,
+	              .ny = ny,
+	              .pieces = pieces,
+	              .alpha = alpha,
+	              .beta = beta,
+	              .W = W,
+	              .x = x,
+	              .y = y};
+	kl__par_for(nt, pieces, gemv_chunk, &j);
 }

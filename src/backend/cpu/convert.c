@@ -2,15 +2,13 @@
  * loads of any dtype into a dense compute-type chunk and stores back, dim
  * coalescing, the thread count.
  */
-#include <omp.h>
-
 #include "backend/cpu/cpu.h"
 
 int kl__cpu_threads(const kl_ctx *ctx)
 {
 	int nt = ctx ? ctx->nthreads : 0;
 	if (nt <= 0)
-		nt = omp_get_max_threads();
+		nt = kl__cpu_cores();
 	return nt > 0 ? nt : 1;
 }
 
@@ -98,8 +96,11 @@ void kl__cpu_load_f64(double *dst, const void *src, kl_dtype dt, int64_t stride,
 }
 
 /* floats reach int64 only through casts and odd mixes: saturate like kl__store */
-#define KL_TO_I64(v) (_Generic((v), float: kl__f2i64((double)(v)), \
-	double: kl__f2i64((double)(v)), default: (int64_t)(v)))
+#define KL_TO_I64(v)                                \
+	(_Generic((v), float                        \
+	          : kl__f2i64((double)(v)), double  \
+	          : kl__f2i64((double)(v)), default \
+	          : (int64_t)(v)))
 
 void kl__cpu_load_i64(int64_t *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n)
 {

@@ -28,12 +28,42 @@ void kl__blas_release(void);
  * chunk buffers live on the stack and in L1. */
 #define KL_CPU_CHUNK 512
 
+/* A hot function built for AVX-512 and AVX2+FMA beside the baseline x86-64
+ * the library is compiled for, the CPU picking one when the library loads
+ * (GCC's target_clones; elsewhere nothing): the vector exp and tanh loops
+ * run 2-4 times the SSE2 width. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KL_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KL_CPU_CLONES
+#endif
+
 /* Mark a loop for vectorization. The build is -O2, whose cost model leaves
  * most loops scalar; an OpenMP simd loop is vectorized regardless, and every
  * loop marked so has independent iterations. */
 #define KL_SIMD _Pragma("omp simd")
 
 int kl__cpu_threads(const kl_ctx *ctx);
+
+/* kiln's thread pool (pool.c): fn(arg, lo, hi) over chunks covering [0, n),
+ * on at most nt threads, the caller one of them; returns when every chunk has
+ * run. Workers spin briefly, then sleep; a chunk is claimed when a thread
+ * gets to it, so a thread the scheduler holds back leaves its share to the
+ * others. Inside a chunk (or while another thread's region runs) the loop
+ * runs inline on the calling thread. */
+typedef void (*kl_par_fn)(void *arg, int64_t lo, int64_t hi);
+void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg);
+/* whether this thread is running a chunk of a region */
+bool kl__par_active(void);
+/* The generated C's regions (kl__par_for_call, bound into each loaded
+ * binary) use the thread count the executor set for the running call. */
+void kl__par_set_threads(int nt);
+int kl__par_threads(void);
+void kl__par_for_call(int64_t n, kl_par_fn fn, void *arg);
+/* The cores this process may run on: its affinity mask, capped by a cgroup
+ * CPU quota (v2 cpu.max or v1 cfs), at most KL_MAX_THREADS; a context's
+ * default thread count. */
+int kl__cpu_cores(void);
 
 /* The fused optimizer step (optim_cpu.c): kl_backend.optim_step. */
 kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
@@ -77,6 +107,31 @@ static inline float kl__cpu_expf(float x)
 	float s1 = kl__bits_f32((uint32_t)(n1 + 127) << 23);
 	float s2 = kl__bits_f32((uint32_t)(n2 + 127) << 23);
 	return p * s1 * s2;
+}
+
+/* tanh in float, branch-free (libm's tanhf is a call per element: 4096^2
+ * took 139 ms on 2 threads). |x| < 0.55: the odd Taylor series to x^17, whose
+ * remainder there is below 1e-8 relative; above: 1 - 2 / (e^2|x| + 1), no
+ * worse than the exp's error since tanh >= 0.5 there, with |x| capped at 9.5
+ * (tanh is 1 in float from 9.01). The sign is x's (so -0 stays -0); NaN gives
+ * NaN, +-inf gives +-1, subnormals themselves. */
+static inline float kl__cpu_tanhf(float x)
+{
+	float ax = x < 0 ? -x : x;
+	float z = x * x;
+	float p = 6404582.0f / 10854718875.0f;
+	p = p * z - 929569.0f / 638512875.0f;
+	p = p * z + 21844.0f / 6081075.0f;
+	p = p * z - 1382.0f / 155925.0f;
+	p = p * z + 62.0f / 2835.0f;
+	p = p * z - 17.0f / 315.0f;
+	p = p * z + 2.0f / 15.0f;
+	p = p * z - 1.0f / 3.0f;
+	float small = x == 0 ? x : x + x * (z * p); /* -0 stays -0 */
+	float ac = ax > 9.5f ? 9.5f : ax; /* NaN stays NaN */
+	float big = 1.0f - 2.0f / (kl__cpu_expf(2.0f * ac) + 1.0f);
+	big = x < 0 ? -big : big;
+	return ax < 0.55f ? small : big;
 }
 
 /* Integers narrow by wrapping (two's complement), as torch does. */

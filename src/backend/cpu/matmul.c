@@ -5,7 +5,7 @@
  */
 #include <cblas.h>
 #include <limits.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -36,8 +36,7 @@ typedef struct mm_plan {
 /* Can BLAS read a rows x cols matrix with these strides in place? Row-major
  * gemm reads it untransposed when columns are unit-stride, transposed when
  * rows are; a dim of size 1 is never stepped along, so its stride is free. */
-static bool mat_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans,
-                       int64_t *ld)
+static bool mat_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool *trans, int64_t *ld)
 {
 	int64_t mc = cols > 1 ? cols : 1, mr = rows > 1 ? rows : 1;
 	if ((cols <= 1 || cs == 1) && (rows <= 1 || rs >= mc)) {
@@ -129,6 +128,7 @@ static void mm_batch(const mm_plan *p, int64_t bi, mm_scratch *s)
 		kl__cpu_store_ct(p->ct, out, p->odt, 1, C, M * N);
 }
 
+
 static bool scratch_alloc(const mm_plan *p, mm_scratch *s)
 {
 	size_t es = kl__cpu_ct_size(p->ct);
@@ -151,11 +151,32 @@ static void scratch_free(mm_scratch *s)
 	free(s->c);
 }
 
+typedef struct mm_job {
+	const mm_plan *p;
+	_Atomic bool oom;
+} mm_job;
+
+/* batch entries [lo, hi), with scratch of their own */
+static void batch_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	mm_job *j = arg;
+	mm_scratch s;
+	if (!scratch_alloc(j->p, &s)) {
+		atomic_store(&j->oom, true);
+		scratch_free(&s);
+		return;
+	}
+	for (int64_t bi = lo; bi < hi; bi++)
+		mm_batch(j->p, bi, &s);
+	scratch_free(&s);
+}
+
 kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	char b1[96], b2[96], b3[96];
 	if (n->nin != 2 || !in[0] || !in[1] || !in[0]->st || !in[1]->st)
-		return kl__err(ctx, KL_EINVAL, "kl_matmul: cpu kernel expects two materialized "
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_matmul: cpu kernel expects two materialized "
 		               "inputs");
 	const kl_tensor *a = in[0], *b = in[1];
 	int nd = n->ndim;
@@ -186,8 +207,10 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	p.odt = (kl_dtype)n->dtype;
 	p.ct = kl__cpu_ct(p.odt);
 	if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
-		return kl__err(ctx, KL_EUNSUPPORTED, "kl_matmul: %lldx%lldx%lld exceeds the BLAS "
-		               "int range", (long long)p.M, (long long)p.N, (long long)p.K);
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_matmul: %lldx%lldx%lld exceeds the BLAS "
+		               "int range",
+		               (long long)p.M, (long long)p.N, (long long)p.K);
 	int64_t total = p.batch * p.M * p.N;
 	if (total == 0)
 		return KL_OK;
@@ -207,20 +230,9 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	double per = (double)p.M * (double)p.N * (double)p.K;
 	bool oom = false;
 	if (nt > 1 && p.batch > 1 && per <= MM_SMALL && per * (double)p.batch >= KL_CPU_PAR_MIN) {
-#pragma omp parallel num_threads(nt)
-		{
-			mm_scratch s;
-			bool got = scratch_alloc(&p, &s);
-			if (!got) {
-#pragma omp atomic write
-				oom = true;
-			}
-#pragma omp for schedule(static)
-			for (int64_t bi = 0; bi < p.batch; bi++)
-				if (got)
-					mm_batch(&p, bi, &s);
-			scratch_free(&s);
-		}
+		mm_job j = {&p, false};
+		kl__par_for(nt, p.batch, batch_chunk, &j);
+		oom = atomic_load(&j.oom);
 	} else {
 		mm_scratch s;
 		if (scratch_alloc(&p, &s)) {
@@ -232,7 +244,9 @@ kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 		scratch_free(&s);
 	}
 	if (oom)
-		return kl__err(ctx, KL_ENOMEM, "kl_matmul: out of memory for %lldx%lldx%lld "
-		               "scratch", (long long)p.M, (long long)p.N, (long long)p.K);
+		return kl__err(ctx, KL_ENOMEM,
+		               "kl_matmul: out of memory for %lldx%lldx%lld "
+		               "scratch",
+		               (long long)p.M, (long long)p.N, (long long)p.K);
 	return KL_OK;
 }

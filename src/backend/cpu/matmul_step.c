@@ -6,7 +6,6 @@
 #include <cblas.h>
 #include <inttypes.h>
 #include <limits.h>
-#include <omp.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -179,16 +178,17 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
 			/* one row (a decode step): a matrix-vector product reads the
 			 * weight once, where a GEMM packs all of it first */
 			CBLAS_TRANSPOSE tv = trb == CblasTrans ? CblasNoTrans : CblasTrans;
-			int vr = (int)(trb == CblasTrans ? n : k), vc = (int)(trb == CblasTrans ? k : n);
+			int vr = (int)(trb == CblasTrans ? n : k),
+			    vc = (int)(trb == CblasTrans ? k : n);
 			size_t es = kl_dtype_size(x->tc);
-			kl__blas_gemv(omp_get_max_threads(), x->tc == KL_F64, tv, vr, vc, mm->alpha,
+			kl__blas_gemv(kl__par_threads(), x->tc == KL_F64, tv, vr, vc, mm->alpha,
 			              (const char *)x->b + (size_t)x->bo * es, (int)ldb,
-			              (const char *)x->a + (size_t)x->ao * es, (int)mm->a_cs, mm->beta,
-			              (char *)x->c + (size_t)x->co * es);
+			              (const char *)x->a + (size_t)x->ao * es, (int)mm->a_cs,
+			              mm->beta, (char *)x->c + (size_t)x->co * es);
 			return KL_OK;
 		}
 		size_t es = kl_dtype_size(x->tc);
-		kl__blas_gemm(omp_get_max_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
+		kl__blas_gemm(kl__par_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
 		              mm->alpha, (const char *)x->a + (size_t)x->ao * es, (int)lda,
 		              (const char *)x->b + (size_t)x->bo * es, (int)ldb, mm->beta,
 		              (char *)x->c + (size_t)x->co * es, ldc);
@@ -205,7 +205,7 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
 		pack_f32(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
 		if (mm->beta != 0)
 			pack_f32(sc, x->c, x->tc, x->co, m, n, mm->ldc, 1);
-		kl__blas_gemm(omp_get_max_threads(), false, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		kl__blas_gemm(kl__par_threads(), false, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
 		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
 		              mm->beta, sc, (int)(n > 1 ? n : 1));
 		unpack_f32(x->c, x->tc, x->co, m, n, mm->ldc, sc);
@@ -219,7 +219,7 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
 		double *sb = sa + na;
 		pack_f64(sa, x->a, x->ta, x->ao, m, k, mm->a_rs, mm->a_cs);
 		pack_f64(sb, x->b, x->tb, x->bo, k, n, mm->b_rs, mm->b_cs);
-		kl__blas_gemm(omp_get_max_threads(), true, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
+		kl__blas_gemm(kl__par_threads(), true, CblasNoTrans, CblasNoTrans, (int)m, (int)n,
 		              (int)k, mm->alpha, sa, (int)(k > 1 ? k : 1), sb, (int)(n > 1 ? n : 1),
 		              mm->beta, (double *)x->c + x->co, (int)(mm->ldc > 1 ? mm->ldc : 1));
 		return KL_OK;
@@ -326,7 +326,8 @@ static void epi_row_any(const epi_args *e, int64_t i)
 		for (int64_t j = 0; j < len; j++) {
 			double v = kl__load(e->c, e->dt, ci + j);
 			if (mm->has_r)
-				v += mm->beta * kl__load(e->r, e->dt, e->ro + i * mm->r_ld + j0 + j);
+				v += mm->beta *
+				     kl__load(e->r, e->dt, e->ro + i * mm->r_ld + j0 + j);
 			if (mm->has_bias)
 				v += kl__load(e->bias, e->dt, mm->bias_off + j0 + j);
 			t[j] = v;
@@ -338,12 +339,10 @@ static void epi_row_any(const epi_args *e, int64_t i)
 	}
 }
 
-static void epilogue_rows(const epi_args *e)
+static void epilogue_chunk(void *arg, int64_t lo, int64_t hi)
 {
-	int64_t m = e->mm->m;
-	bool par = (double)m * (double)e->mm->n >= KL_CPU_PAR_MIN;
-#pragma omp parallel for schedule(static) if (par)
-	for (int64_t i = 0; i < m; i++) {
+	const epi_args *e = arg;
+	for (int64_t i = lo; i < hi; i++) {
 		if (e->dt == KL_F32)
 			epi_row_f32(e, i);
 		else if (e->dt == KL_F64)
@@ -351,6 +350,13 @@ static void epilogue_rows(const epi_args *e)
 		else
 			epi_row_any(e, i);
 	}
+}
+
+static void epilogue_rows(const epi_args *e, int nt)
+{
+	int64_t m = e->mm->m;
+	bool par = (double)m * (double)e->mm->n >= KL_CPU_PAR_MIN;
+	kl__par_for(par ? nt : 1, m, epilogue_chunk, (void *)e);
 }
 
 kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
@@ -399,7 +405,7 @@ kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_
 			               mm->m, mm->n, mm->k);
 		if (epi) {
 			e.co = x.co;
-			epilogue_rows(&e);
+			epilogue_rows(&e, kl__par_threads());
 		}
 		int i = mm->nbatch - 1;
 		for (; i >= 0; i--) {

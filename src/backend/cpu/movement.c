@@ -4,7 +4,6 @@
  * both sides are contiguous along them. GATHER (rows of a table by index) and
  * INDEX_ADD (its adjoint: rows added into a copy of a base) read indices.
  */
-#include <omp.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -48,10 +47,18 @@ static void copy_row(const cp_plan *p, int64_t row)
 			return;
 		}
 		switch (des) {
-		case 1: COPY_ELEMS(uint8_t); break;
-		case 2: COPY_ELEMS(uint16_t); break;
-		case 4: COPY_ELEMS(uint32_t); break;
-		default: COPY_ELEMS(uint64_t); break;
+		case 1:
+			COPY_ELEMS(uint8_t);
+			break;
+		case 2:
+			COPY_ELEMS(uint16_t);
+			break;
+		case 4:
+			COPY_ELEMS(uint32_t);
+			break;
+		default:
+			COPY_ELEMS(uint64_t);
+			break;
 		}
 		return;
 	}
@@ -111,10 +118,18 @@ static void copy_band(const cp_plan *p, int64_t t)
 	for (int64_t j0 = 0; j0 < C; j0 += T) {
 		int64_t j1 = j0 + T < C ? j0 + T : C;
 		switch (es) {
-		case 1: COPY_TILE(uint8_t); break;
-		case 2: COPY_TILE(uint16_t); break;
-		case 4: COPY_TILE(uint32_t); break;
-		default: COPY_TILE(uint64_t); break;
+		case 1:
+			COPY_TILE(uint8_t);
+			break;
+		case 2:
+			COPY_TILE(uint16_t);
+			break;
+		case 4:
+			COPY_TILE(uint32_t);
+			break;
+		default:
+			COPY_TILE(uint64_t);
+			break;
 		}
 	}
 }
@@ -145,11 +160,32 @@ static bool make_transposed(cp_plan *p)
 	return true;
 }
 
+static void bands_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	for (int64_t t = lo; t < hi; t++)
+		copy_band(arg, t);
+}
+
+static void rows_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	for (int64_t r = lo; r < hi; r++)
+		copy_row(arg, r);
+}
+
+/* elements [lo, hi) of a plan that is one row */
+static void long_row_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	cp_plan q = *(const cp_plan *)arg;
+	q.shape[q.nd - 1] = hi - lo;
+	q.dst += lo * q.st[0][q.nd - 1] * (int64_t)kl_dtype_size(q.ddt);
+	q.src += lo * q.st[1][q.nd - 1] * (int64_t)kl_dtype_size(q.sdt);
+	copy_row(&q, 0);
+}
+
 /* Copy (converting if the dtypes differ) the elements of shape from src
  * (strides sst) to dst (strides dstr). */
-static void strided_copy(kl_ctx *ctx, void *dst, kl_dtype ddt, const int64_t *dstr,
-                         const void *src, kl_dtype sdt, const int64_t *sst, int ndim,
-                         const int64_t *shape)
+static void strided_copy(kl_ctx *ctx, void *dst, kl_dtype ddt, const int64_t *dstr, const void *src,
+                         kl_dtype sdt, const int64_t *sst, int ndim, const int64_t *shape)
 {
 	int64_t total = kl__numel(ndim, shape);
 	if (total == 0)
@@ -167,30 +203,15 @@ static void strided_copy(kl_ctx *ctx, void *dst, kl_dtype ddt, const int64_t *ds
 	if (make_transposed(&p)) {
 		int64_t R = p.shape[p.nd - 2], T = tile_of(kl_dtype_size(ddt));
 		int64_t tasks = total / (R * p.shape[p.nd - 1]) * ((R + T - 1) / T);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && total >= KL_CPU_PAR_MIN)
-		for (int64_t t = 0; t < tasks; t++)
-			copy_band(&p, t);
+		kl__par_for(nt > 1 && total >= KL_CPU_PAR_MIN ? nt : 1, tasks, bands_chunk, &p);
 		return;
 	}
 	int64_t rows = total / p.shape[p.nd - 1];
 	if (nt > 1 && total >= KL_CPU_PAR_MIN && rows > 1) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-		for (int64_t r = 0; r < rows; r++)
-			copy_row(&p, r);
+		kl__par_for(nt, rows, rows_chunk, &p);
 	} else if (nt > 1 && total >= 4 * KL_CPU_PAR_MIN && rows == 1) {
 		/* one long row: split it */
-		int64_t len = p.shape[p.nd - 1];
-#pragma omp parallel num_threads(nt)
-		{
-			int t = omp_get_thread_num(), T = omp_get_num_threads();
-			int64_t lo = len * t / T, hi = len * (t + 1) / T;
-			cp_plan q = p;
-			q.shape[q.nd - 1] = hi - lo;
-			q.dst += lo * q.st[0][q.nd - 1] * (int64_t)kl_dtype_size(ddt);
-			q.src += lo * q.st[1][q.nd - 1] * (int64_t)kl_dtype_size(sdt);
-			if (hi > lo)
-				copy_row(&q, 0);
-		}
+		kl__par_for(nt, p.shape[p.nd - 1], long_row_chunk, &p);
 	} else {
 		for (int64_t r = 0; r < rows; r++)
 			copy_row(&p, r);
@@ -200,7 +221,8 @@ static void strided_copy(kl_ctx *ctx, void *dst, kl_dtype ddt, const int64_t *ds
 kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	if (n->nin != 1 || !in[0] || !in[0]->st)
-		return kl__err(ctx, KL_EINVAL, "kl_contiguous: cpu kernel expects one materialized "
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_contiguous: cpu kernel expects one materialized "
 		               "input");
 	const kl_tensor *x = in[0];
 	if (!kl__shape_eq(x->ndim, x->shape, n->ndim, n->shape)) {
@@ -233,14 +255,18 @@ kl_status kl__cpu_concat(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 		for (int d = 0; ok && d < n->ndim; d++)
 			ok = d == ax || x->shape[d] == n->shape[d];
 		if (!ok)
-			return kl__err(ctx, KL_EINVAL, "kl_concat: input %d shape %s does not fit "
-			               "%s", i, kl__shape_str(b1, sizeof b1, x->ndim, x->shape),
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_concat: input %d shape %s does not fit "
+			               "%s",
+			               i, kl__shape_str(b1, sizeof b1, x->ndim, x->shape),
 			               kl__shape_str(b2, sizeof b2, n->ndim, n->shape));
 		at += x->shape[ax];
 	}
 	if (at != n->shape[ax])
-		return kl__err(ctx, KL_EINVAL, "kl_concat: inputs add up to %lld along axis %d, "
-		               "node has %lld", (long long)at, ax, (long long)n->shape[ax]);
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_concat: inputs add up to %lld along axis %d, "
+		               "node has %lld",
+		               (long long)at, ax, (long long)n->shape[ax]);
 	char *o = kl__tensor_data(out);
 	size_t oes = kl_dtype_size(out->dtype);
 	int64_t ost[KL_MAX_DIMS];
@@ -274,7 +300,8 @@ kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 {
 	char b1[96], b2[96], b3[96];
 	if (n->nin != 2 || !in[0] || !in[1] || !in[0]->st || !in[1]->st)
-		return kl__err(ctx, KL_EINVAL, "kl_gather: cpu kernel expects two materialized "
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_gather: cpu kernel expects two materialized "
 		               "inputs");
 	const kl_tensor *tab = in[0], *idx = in[1];
 	bool ok = tab->ndim >= 1 && (idx->dtype == KL_I32 || idx->dtype == KL_I64) &&
@@ -284,8 +311,10 @@ kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	for (int d = 1; ok && d < tab->ndim; d++)
 		ok = tab->shape[d] == n->shape[idx->ndim + d - 1];
 	if (!ok)
-		return kl__err(ctx, KL_EINVAL, "kl_gather: table %s %s and indices %s %s do not "
-		               "give %s", kl__shape_str(b1, sizeof b1, tab->ndim, tab->shape),
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_gather: table %s %s and indices %s %s do not "
+		               "give %s",
+		               kl__shape_str(b1, sizeof b1, tab->ndim, tab->shape),
 		               kl_dtype_name(tab->dtype),
 		               kl__shape_str(b2, sizeof b2, idx->ndim, idx->shape),
 		               kl_dtype_name(idx->dtype),
@@ -295,9 +324,10 @@ kl_status kl__cpu_gather(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	for (int64_t e = 0; e < nidx; e++) {
 		int64_t v = gather_index(idx, e);
 		if (v < 0 || v >= rows)
-			return kl__err(ctx, KL_EINVAL, "kl_gather: index %lld (element %lld) out of "
-			               "range for a table of %lld rows", (long long)v, (long long)e,
-			               (long long)rows);
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_gather: index %lld (element %lld) out of "
+			               "range for a table of %lld rows",
+			               (long long)v, (long long)e, (long long)rows);
 	}
 	/* one row of the table: shape [1] for a 1-D table (strided_copy of one element) */
 	int rnd = tab->ndim - 1 > 0 ? tab->ndim - 1 : 1;
@@ -331,8 +361,10 @@ kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	    src->dtype != out->dtype || (idx->dtype != KL_I32 && idx->dtype != KL_I64) ||
 	    !kl__index_add_shapes_ok(out->ndim, out->shape, base->ndim, base->shape, idx->ndim,
 	                             idx->shape, src->ndim, src->shape))
-		return kl__err(ctx, KL_EINVAL, "kl_index_add: base %s, indices %s and source %s do "
-		               "not match", kl__shape_str(b1, sizeof b1, base->ndim, base->shape),
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_index_add: base %s, indices %s and source %s do "
+		               "not match",
+		               kl__shape_str(b1, sizeof b1, base->ndim, base->shape),
 		               kl__shape_str(b2, sizeof b2, idx->ndim, idx->shape),
 		               kl__shape_str(b3, sizeof b3, src->ndim, src->shape));
 	int64_t rows = base->shape[0], total = kl__numel(base->ndim, base->shape);
@@ -340,9 +372,10 @@ kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	for (int64_t e = 0; e < nidx; e++) {
 		int64_t v = gather_index(idx, e);
 		if (v < 0 || v >= rows)
-			return kl__err(ctx, KL_EINVAL, "kl_index_add: index %lld (element %lld) out "
-			               "of range for a base of %lld rows", (long long)v, (long long)e,
-			               (long long)rows);
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_index_add: index %lld (element %lld) out "
+			               "of range for a base of %lld rows",
+			               (long long)v, (long long)e, (long long)rows);
 	}
 	double *acc = malloc(sizeof(double) * (size_t)(total > 0 ? total : 1));
 	if (!acc)
@@ -381,6 +414,27 @@ static int64_t cw_pos(const void *pos, kl_dtype pdt, int64_t i)
 	return pdt == KL_I32 ? ((const int32_t *)pos)[i] : ((const int64_t *)pos)[i];
 }
 
+typedef struct cw_job {
+	const kl_cw_geom *g;
+	size_t es;
+	kl_dtype pdt;
+	void *cache;
+	const void *pos, *val;
+	size_t run;
+} cw_job;
+
+/* (row, outer) pairs [lo, hi): each one run of s positions */
+static void cw_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	const cw_job *j = arg;
+	const kl_cw_geom *g = j->g;
+	for (int64_t f = lo; f < hi; f++) {
+		int64_t i = f / g->outer, p = cw_pos(j->pos, j->pdt, i);
+		memcpy((char *)j->cache + (size_t)((f * g->cap + p) * g->inner) * j->es,
+		       (const char *)j->val + (size_t)(f * g->s * g->inner) * j->es, j->run);
+	}
+}
+
 int64_t kl__cpu_cache_rows(const kl_cw_geom *g, size_t es, kl_dtype pdt, void *cache,
                            const void *pos, const void *val)
 {
@@ -393,35 +447,33 @@ int64_t kl__cpu_cache_rows(const kl_cw_geom *g, size_t es, kl_dtype pdt, void *c
 	size_t run = (size_t)(g->s * g->inner) * es; /* one row's s positions: contiguous */
 	if (run == 0)
 		return -1;
-#pragma omp parallel for collapse(2) if (g->rows * g->outer > 64)
-	for (int64_t i = 0; i < g->rows; i++)
-		for (int64_t a = 0; a < g->outer; a++) {
-			int64_t p = cw_pos(pos, pdt, i);
-			memcpy((char *)cache + (size_t)(((i * g->outer + a) * g->cap + p) * g->inner) * es,
-			       (const char *)val + (size_t)((i * g->outer + a) * g->s * g->inner) * es, run);
-		}
+	cw_job j = {g, es, pdt, cache, pos, val, run};
+	kl__par_for(g->rows * g->outer > 64 ? kl__par_threads() : 1, g->rows * g->outer, cw_chunk,
+	            &j);
 	return -1;
 }
 
 kl_status kl__cache_write_range_err(kl_ctx *ctx, const kl_cw_geom *g, int axis, int64_t row,
                                     int64_t pos)
 {
-	return kl__err(ctx, KL_EINVAL, "kl_cache_write: row %lld writes %lld position%s at %lld, "
+	return kl__err(ctx, KL_EINVAL,
+	               "kl_cache_write: row %lld writes %lld position%s at %lld, "
 	               "outside the cache: positions along dim %d must lie in [0, %lld] (capacity "
-	               "%lld)", (long long)row, (long long)g->s, g->s == 1 ? "" : "s",
-	               (long long)pos, axis, (long long)(g->cap - g->s), (long long)g->cap);
+	               "%lld)",
+	               (long long)row, (long long)g->s, g->s == 1 ? "" : "s", (long long)pos, axis,
+	               (long long)(g->cap - g->s), (long long)g->cap);
 }
 
 /* eager: every operand dense (the front end makes them so); out is the
  * cache itself (kl_cache_write) or a new tensor (kl_cache_update) */
-kl_status kl__cpu_cache_write(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
-                              kl_tensor *out)
+kl_status kl__cpu_cache_write(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	kl_cw_geom g;
 	char why[400];
 	for (int i = 0; i < 3; i++)
 		if (!kl__strides_contiguous(in[i]->ndim, in[i]->shape, in[i]->strides))
-			return kl__err(ctx, KL_EINVAL, "kl_cache_write: operand %d is not dense", i);
+			return kl__err(ctx, KL_EINVAL, "kl_cache_write: operand %d is not dense",
+			               i);
 	if (!kl__cache_write_geom(n->a.axis, in[0]->ndim, in[0]->shape, in[1]->ndim, in[1]->shape,
 	                          in[2]->ndim, in[2]->shape, &g, why, sizeof why) ||
 	    in[2]->dtype != out->dtype || in[0]->dtype != out->dtype)

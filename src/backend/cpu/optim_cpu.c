@@ -5,7 +5,6 @@
  * for f64 parameters); f16/bf16 chunks are widened into local f32 arrays,
  * updated and rounded back once, as torch's fused kernels do (opmath).
  */
-#include <omp.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -127,6 +126,32 @@ static void update(const kl_optim_launch *l, const opt_coef *c, const kl_optim_i
 				((uint16_t *)arr[a] + off)[i] = st16(l->dtype, buf[a][i]);
 }
 
+typedef struct opt_job {
+	const kl_optim_launch *l;
+	const opt_coef *c;
+	const int64_t *first;
+} opt_job;
+
+static void opt_chunks(void *arg, int64_t k0, int64_t k1)
+{
+	const opt_job *j = arg;
+	const kl_optim_launch *l = j->l;
+	for (int64_t k = k0; k < k1; k++) {
+		int lo = 0, hi = l->n - 1; /* the last item whose first chunk is <= k */
+		while (lo < hi) {
+			int mid = (lo + hi + 1) / 2;
+			if (j->first[mid] <= k)
+				lo = mid;
+			else
+				hi = mid - 1;
+		}
+		const kl_optim_item *it = &l->items[lo];
+		int64_t off = (k - j->first[lo]) * OPT_CHUNK;
+		int64_t n = it->n - off < OPT_CHUNK ? it->n - off : OPT_CHUNK;
+		update(l, &j->c[lo], it, off, n);
+	}
+}
+
 kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
 {
 	if (l->n <= 0)
@@ -165,21 +190,8 @@ kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
 	int nt = kl__cpu_threads(ctx);
 	if (chunks * OPT_CHUNK < KL_CPU_PAR_MIN)
 		nt = 1;
-#pragma omp parallel for schedule(static) num_threads(nt)
-	for (int64_t k = 0; k < chunks; k++) {
-		int lo = 0, hi = l->n - 1; /* the last item whose first chunk is <= k */
-		while (lo < hi) {
-			int mid = (lo + hi + 1) / 2;
-			if (first[mid] <= k)
-				lo = mid;
-			else
-				hi = mid - 1;
-		}
-		const kl_optim_item *it = &l->items[lo];
-		int64_t off = (k - first[lo]) * OPT_CHUNK;
-		int64_t n = it->n - off < OPT_CHUNK ? it->n - off : OPT_CHUNK;
-		update(l, &c[lo], it, off, n);
-	}
+	opt_job j = {l, c, first};
+	kl__par_for(nt, chunks, opt_chunks, &j);
 	free(c);
 	free(first);
 	return KL_OK;

@@ -8,7 +8,7 @@
  * plain arrays that the compiler vectorizes.
  */
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 
 #include "backend/cpu/cpu.h"
 #include "graph/optable.h"
@@ -273,7 +273,8 @@ static inline double sigmoid_(double a)
 	return a >= 0 ? r : e * r;
 }
 
-static bool un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t n)
+KL_CPU_CLONES static bool un_f32(const pw_plan *w, const float *A, float *restrict O,
+                                 int64_t n)
 {
 	const float c1 = (float)kl_sqrt1_2, c2 = (float)kl_sqrt2_pi;
 	float lo = w->sf[0], hi = w->sf[1];
@@ -286,7 +287,7 @@ static bool un_f32(const pw_plan *w, const float *A, float *restrict O, int64_t 
 	case KL_OP_RSQRT: UN_LOOP(float, 1.0f / sqrtf(a)); break;
 	case KL_OP_SIN: UN_LOOP(float, sinf(a)); break;
 	case KL_OP_COS: UN_LOOP(float, cosf(a)); break;
-	case KL_OP_TANH: UN_LOOP(float, tanhf(a)); break;
+	case KL_OP_TANH: UN_LOOP(float, kl__cpu_tanhf(a)); break;
 	case KL_OP_SIGMOID: UN_LOOP(float, sigmoidf_(a)); break;
 	case KL_OP_RELU: UN_LOOP(float, a < 0 ? 0.0f : a); break;
 	case KL_OP_GELU: UN_LOOP(float, 0.5f * a * erfcf(-a * c1)); break;
@@ -551,6 +552,19 @@ static bool is_integral(double v)
 	return v == v && v >= -9.2e18 && v <= 9.2e18 && v == (double)(int64_t)v;
 }
 
+typedef struct pw_job {
+	const pw_plan *w;
+	_Atomic int st;
+} pw_job;
+
+static void pw_part(void *arg, int64_t lo, int64_t hi)
+{
+	pw_job *j = arg;
+	kl_status s = pw_range(j->w, lo, hi);
+	if (s != KL_OK)
+		atomic_store(&j->st, (int)s);
+}
+
 kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	const char *name = kl__cpu_opname(n);
@@ -636,15 +650,9 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 	int nt = kl__cpu_threads(ctx);
 	kl_status st = KL_OK;
 	if (nt > 1 && total >= KL_CPU_PAR_MIN) {
-#pragma omp parallel num_threads(nt)
-		{
-			int t = omp_get_thread_num(), T = omp_get_num_threads();
-			kl_status s = pw_range(&w, total * t / T, total * (t + 1) / T);
-			if (s != KL_OK) {
-#pragma omp critical(kl_cpu_pw_err)
-				st = s;
-			}
-		}
+		pw_job j = {&w, KL_OK};
+		kl__par_for(nt, total, pw_part, &j);
+		st = (kl_status)atomic_load(&j.st);
 	} else {
 		st = pw_range(&w, 0, total);
 	}

@@ -9,7 +9,6 @@
  * Float inputs accumulate in double; integer sum/max/min in int64, wrapping.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -94,8 +93,8 @@ static inline bool better_d(double b, double a)
 		double s = 0, m = p->op == KL_OP_MIN ? INFINITY : -INFINITY;                   \
 		int nan = 0;                                                                   \
 		if (pass == 1) {                                                               \
-			_Pragma("omp simd reduction(+:s)")                                     \
-			for (int64_t i = 0; i < n; i++) {                                      \
+			_Pragma("omp simd reduction(+:s)") for (int64_t i = 0; i < n; i++)        \
+			{                                                                         \
 				double dv = (double)x[i] - mean;                               \
 				s += dv * dv;                                                  \
 			}                                                                      \
@@ -104,8 +103,9 @@ static inline bool better_d(double b, double a)
 		}                                                                              \
 		switch (p->op) {                                                               \
 		case KL_OP_MAX:                                                                \
-			_Pragma("omp simd reduction(max:m) reduction(|:nan)")                  \
-			for (int64_t i = 0; i < n; i++) {                                      \
+			_Pragma("omp simd reduction(max:m) reduction(|:nan)") for (int64_t i = 0; \
+			                                                           i < n; i++)    \
+			{                                                                         \
 				double v = x[i];                                               \
 				m = v > m ? v : m;                                             \
 				nan |= v != v;                                                 \
@@ -113,8 +113,9 @@ static inline bool better_d(double b, double a)
 			a->d[0] = KL_FMAX(a->d[0], nan ? NAN : m);                             \
 			break;                                                                 \
 		case KL_OP_MIN:                                                                \
-			_Pragma("omp simd reduction(min:m) reduction(|:nan)")                  \
-			for (int64_t i = 0; i < n; i++) {                                      \
+			_Pragma("omp simd reduction(min:m) reduction(|:nan)") for (int64_t i = 0; \
+			                                                           i < n; i++)    \
+			{                                                                         \
 				double v = x[i];                                               \
 				m = v < m ? v : m;                                             \
 				nan |= v != v;                                                 \
@@ -130,17 +131,16 @@ static inline bool better_d(double b, double a)
 			}                                                                      \
 			break;                                                                 \
 		default:                                                                       \
-			_Pragma("omp simd reduction(+:s)")                                     \
-			for (int64_t i = 0; i < n; i++)                                        \
-				s += (double)x[i];                                             \
+			_Pragma("omp simd reduction(+:s)") for (int64_t i = 0; i < n; i++) s +=   \
+			        (double)x[i];                                                     \
 			a->d[0] += s;                                                          \
 			break;                                                                 \
 		}                                                                              \
 	}
 
 #define COL_D(NAME, TX)                                                                        \
-	static void NAME(const rd_plan *p, int pass, const double *mean, const TX *x,          \
-	                 int64_t w, int64_t pos, rd_acc *a)                                    \
+	static void NAME(const rd_plan *p, int pass, const double *mean, const TX *x, int64_t w, \
+	                 int64_t pos, rd_acc *a)                                                 \
 	{                                                                                      \
 		double *d = a->d;                                                              \
 		if (pass == 1) {                                                               \
@@ -193,17 +193,15 @@ static void row_i64(const rd_plan *p, const int64_t *x, int64_t n, int64_t pos, 
 	switch (p->op) {
 	case KL_OP_MAX: {
 		int64_t m = a->i[0];
-		_Pragma("omp simd reduction(max:m)")
-		for (int64_t i = 0; i < n; i++)
-			m = x[i] > m ? x[i] : m;
+		_Pragma("omp simd reduction(max:m)") for (int64_t i = 0; i < n; i++) m =
+		        x[i] > m ? x[i] : m;
 		a->i[0] = m;
 		break;
 	}
 	case KL_OP_MIN: {
 		int64_t m = a->i[0];
-		_Pragma("omp simd reduction(min:m)")
-		for (int64_t i = 0; i < n; i++)
-			m = x[i] < m ? x[i] : m;
+		_Pragma("omp simd reduction(min:m)") for (int64_t i = 0; i < n; i++) m =
+		        x[i] < m ? x[i] : m;
 		a->i[0] = m;
 		break;
 	}
@@ -217,9 +215,8 @@ static void row_i64(const rd_plan *p, const int64_t *x, int64_t n, int64_t pos, 
 		break;
 	default: {
 		uint64_t s = 0; /* unsigned: wraps without UB */
-		_Pragma("omp simd reduction(+:s)")
-		for (int64_t i = 0; i < n; i++)
-			s += (uint64_t)x[i];
+		_Pragma("omp simd reduction(+:s)") for (int64_t i = 0; i < n; i++) s +=
+		        (uint64_t)x[i];
 		a->i[0] = (int64_t)((uint64_t)a->i[0] + s);
 		break;
 	}
@@ -292,8 +289,8 @@ static void row_chunk(const rd_plan *p, rd_read mode, int pass, double mean, con
 		row_d64(p, pass, mean, v, n, pos, a);
 }
 
-static void col_chunk(const rd_plan *p, rd_read mode, int pass, const double *mean,
-                      const void *v, int64_t w, int64_t pos, rd_acc *a)
+static void col_chunk(const rd_plan *p, rd_read mode, int pass, const double *mean, const void *v,
+                      int64_t w, int64_t pos, rd_acc *a)
 {
 	if (p->idom)
 		col_i64(p, v, w, pos, a);
@@ -329,8 +326,8 @@ static void acc_merge(const rd_plan *p, int pass, rd_acc *a, const rd_acc *b, in
 }
 
 /* reduced indices [lo, hi) of the row at input offset koff */
-static void row_span(const rd_plan *p, int64_t koff, int64_t lo, int64_t hi, int pass,
-                     double mean, rd_acc *a)
+static void row_span(const rd_plan *p, int64_t koff, int64_t lo, int64_t hi, int pass, double mean,
+                     rd_acc *a)
 {
 	if (lo >= hi)
 		return;
@@ -433,6 +430,27 @@ static void span(const rd_plan *p, int64_t koff, int64_t w, int64_t lo, int64_t 
 
 /* One pass of task t over all reduced indices into a; with part != NULL
  * the reduced range is split over nt threads (part: nt partial accs). */
+typedef struct pass_job {
+	const rd_plan *p;
+	int64_t koff, w;
+	int pass;
+	const double *mean;
+	rd_acc *part;
+	int nt;
+} pass_job;
+
+/* parts [t0, t1) of nt: each its share of the reduced range, its own acc */
+static void pass_chunk(void *arg, int64_t t0, int64_t t1)
+{
+	const pass_job *j = arg;
+	const rd_plan *p = j->p;
+	for (int64_t t = t0; t < t1; t++) {
+		acc_init(p, &j->part[t], j->w, j->pass);
+		span(p, j->koff, j->w, p->nred * t / j->nt, p->nred * (t + 1) / j->nt, j->pass,
+		     j->mean, &j->part[t]);
+	}
+}
+
 static void task_pass(const rd_plan *p, int64_t koff, int64_t w, int pass, const double *mean,
                       rd_acc *a, rd_acc *part, int nt)
 {
@@ -441,16 +459,9 @@ static void task_pass(const rd_plan *p, int64_t koff, int64_t w, int pass, const
 		span(p, koff, w, 0, p->nred, pass, mean, a);
 		return;
 	}
-	int used = 1;
-#pragma omp parallel num_threads(nt)
-	{
-		int t = omp_get_thread_num(), T = omp_get_num_threads();
-		if (t == 0)
-			used = T;
-		acc_init(p, &part[t], w, pass);
-		span(p, koff, w, p->nred * t / T, p->nred * (t + 1) / T, pass, mean, &part[t]);
-	}
-	for (int t = 0; t < used; t++)
+	pass_job j = {p, koff, w, pass, mean, part, nt};
+	kl__par_for(nt, nt, pass_chunk, &j);
+	for (int t = 0; t < nt; t++)
 		acc_merge(p, pass, a, &part[t], w);
 }
 
@@ -493,6 +504,12 @@ static void task_run(const rd_plan *p, int64_t t, rd_acc *part, int nt)
 	kl__cpu_store_f64(o, p->odt, ostride, res, w);
 }
 
+static void tasks_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	for (int64_t t = lo; t < hi; t++)
+		task_run(arg, t, NULL, 1);
+}
+
 /* Any reduction through the op table's row function, in double: the eager
  * path of a reduction the loops above do not know (a new reduction runs
  * before it gets a loop of its own), and every reduction while
@@ -529,7 +546,8 @@ static kl_status rd_generic(kl_ctx *ctx, const rd_plan *p, const kl_node *n, con
 				roff += q % p->rs[k] * p->rst[k];
 				q /= p->rs[k];
 			}
-			kl__cpu_load_f64(row + j, p->base + roff * (int64_t)p->es, p->dt, ist, inner);
+			kl__cpu_load_f64(row + j, p->base + roff * (int64_t)p->es, p->dt, ist,
+			                 inner);
 		}
 		double v = d->row(n, row, p->nred);
 		kl__cpu_store_f64(p->out + o * (int64_t)p->oes, p->odt, 1, &v, 1);
@@ -656,9 +674,7 @@ kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	int nt = kl__cpu_threads(ctx);
 	double work = (double)p.nout * (double)p.nred;
 	if (nt > 1 && work >= KL_CPU_PAR_MIN && ntasks >= nt) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-		for (int64_t t = 0; t < ntasks; t++)
-			task_run(&p, t, NULL, 1);
+		kl__par_for(nt, ntasks, tasks_chunk, &p);
 	} else if (nt > 1 && p.nred >= KL_CPU_PAR_MIN) {
 		rd_acc *part = malloc(sizeof(rd_acc) * (size_t)nt);
 		if (!part)

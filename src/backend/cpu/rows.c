@@ -7,7 +7,7 @@
  * result scattered with the output's stride.
  */
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "backend/cpu/cpu.h"
@@ -95,16 +95,17 @@ NORM_SCALED_FN(row_f64, double)
 		if (p->op == KL_OP_SOFTMAX || p->op == KL_OP_LOG_SOFTMAX) {                    \
 			T m = -INFINITY;                                                       \
 			int nan = 0;                                                           \
-			_Pragma("omp simd reduction(max:m) reduction(|:nan)")                  \
-			for (int64_t i = 0; i < L; i++) {                                      \
+			_Pragma("omp simd reduction(max:m) reduction(|:nan)") for (int64_t i = 0;  \
+			                                                           i < L; i++)     \
+			{                                                                          \
 				m = x[i] > m ? x[i] : m;                                       \
 				nan |= x[i] != x[i];                                           \
 			}                                                                      \
 			if (nan)                                                               \
 				m = NAN;                                                       \
 			double s = 0;                                                          \
-			_Pragma("omp simd reduction(+:s)")                                     \
-			for (int64_t i = 0; i < L; i++) {                                      \
+			_Pragma("omp simd reduction(+:s)") for (int64_t i = 0; i < L; i++)         \
+			{                                                                          \
 				T e = EXPF(x[i] - m);                                          \
 				y[i] = e;                                                      \
 				s += e;                                                        \
@@ -124,13 +125,12 @@ NORM_SCALED_FN(row_f64, double)
 			double mean = 0, ss = 0;                                               \
 			if (p->op == KL_OP_LAYER_NORM) {                                       \
 				double s = 0;                                                  \
-				_Pragma("omp simd reduction(+:s)")                             \
-				for (int64_t i = 0; i < L; i++)                                \
+				_Pragma("omp simd reduction(+:s)") for (int64_t i = 0; i < L; i++) \
 					s += x[i];                                             \
 				mean = s / (double)L;                                          \
 			}                                                                      \
-			_Pragma("omp simd reduction(+:ss)")                                    \
-			for (int64_t i = 0; i < L; i++) {                                      \
+			_Pragma("omp simd reduction(+:ss)") for (int64_t i = 0; i < L; i++)        \
+			{                                                                          \
 				double dv = x[i] - mean;                                       \
 				ss += dv * dv;                                                 \
 			}                                                                      \
@@ -175,6 +175,24 @@ static void run_rows(const rw_plan *p, int64_t lo, int64_t hi, void *scratch)
 		else
 			row_f64(p, r, (double *)(void *)xb, (double *)(void *)yb);
 	}
+}
+
+typedef struct rows_job {
+	const rw_plan *p;
+	size_t scratch;
+	_Atomic bool oom;
+} rows_job;
+
+static void rows_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	rows_job *j = arg;
+	void *sc = malloc(j->scratch);
+	if (!sc) {
+		atomic_store(&j->oom, true);
+		return;
+	}
+	run_rows(j->p, lo, hi, sc);
+	free(sc);
 }
 
 /* weight or bias t ([L], any float dtype and stride) as L compute-type values */
@@ -273,19 +291,9 @@ kl_status kl__cpu_rows(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_t
 	int nt = kl__cpu_threads(ctx);
 	bool oom = false;
 	if (nt > 1 && p.nrows > 1 && p.nrows * p.L >= KL_CPU_PAR_MIN) {
-#pragma omp parallel num_threads(nt)
-		{
-			void *sc = malloc(scratch);
-			if (!sc) {
-#pragma omp atomic write
-				oom = true;
-			}
-#pragma omp for schedule(static)
-			for (int64_t r = 0; r < p.nrows; r++)
-				if (sc)
-					run_rows(&p, r, r + 1, sc);
-			free(sc);
-		}
+		rows_job j = {&p, scratch, false};
+		kl__par_for(nt, p.nrows, rows_chunk, &j);
+		oom = atomic_load(&j.oom);
 	} else {
 		void *sc = malloc(scratch);
 		if (sc)

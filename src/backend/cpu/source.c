@@ -2,11 +2,24 @@
  * full, arange, rand and randn. Element i of rand/randn is a function of
  * (seed, i) only, so the fill splits over threads freely.
  */
-#include <omp.h>
 
 #include "backend/cpu/cpu.h"
 
 /* elements [lo, hi) of a source into out */
+typedef struct fill_job {
+	const kl_node *n;
+	uint64_t seed; /* rand/randn: the key (the attribute or the key inputs) */
+	char *out;
+} fill_job;
+
+static void fill(const kl_node *n, uint64_t seed, char *out, int64_t lo, int64_t hi);
+
+static void fill_chunk(void *arg, int64_t lo, int64_t hi)
+{
+	const fill_job *j = arg;
+	fill(j->n, j->seed, j->out, lo, hi);
+}
+
 static void fill(const kl_node *n, uint64_t seed, char *out, int64_t lo, int64_t hi)
 {
 	kl_dtype dt = (kl_dtype)n->dtype;
@@ -101,11 +114,8 @@ kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl
 	/* rand/randn cost a Philox round per element: parallel pays earlier */
 	int64_t par = (n->op == KL_OP_RAND || n->op == KL_OP_RANDN) ? 4096 : KL_CPU_PAR_MIN;
 	if (nt > 1 && total >= par) {
-#pragma omp parallel num_threads(nt)
-		{
-			int t = omp_get_thread_num(), T = omp_get_num_threads();
-			fill(n, seed, o, total * t / T, total * (t + 1) / T);
-		}
+		fill_job j = {n, seed, o};
+		kl__par_for(nt, total, fill_chunk, &j);
 	} else {
 		fill(n, seed, o, 0, total);
 	}

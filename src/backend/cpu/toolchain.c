@@ -33,8 +33,9 @@ extern char **environ;
  * -fno-trapping-math lets if-conversion blend selects whose arms could trap,
  * so more simd loops vectorize; neither changes a value, and libkiln is built
  * with both. -lm (after the source) also links libmvec, whose vector expf
- * and tanhf the generated C declares. */
-static const char *const cc_flags[] = {"-O3",    "-march=native",   "-fopenmp", "-fno-math-errno",
+ * and tanhf the generated C declares. -fopenmp-simd: OpenMP's simd pragmas
+ * only; the parallel nests call kiln's thread pool (pool.c), not libgomp. */
+static const char *const cc_flags[] = {"-O3",    "-march=native",   "-fopenmp-simd", "-fno-math-errno",
                                        "-fno-trapping-math", "-shared", "-fPIC",    "-std=c11"};
 #define NFLAGS ((int)(sizeof cc_flags / sizeof cc_flags[0]))
 
@@ -364,6 +365,13 @@ kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int
 		/* POSIX guarantees object and function pointers convert; C does not,
 		 * so go through memcpy rather than a cast the compiler flags */
 		memcpy(&fns[i], &sym, sizeof sym);
+	}
+	/* the generated C's parallel nests run on kiln's thread pool (pool.c):
+	 * its entry point goes into the binary's kl_jit_par_for */
+	void *par = dlsym(h, "kl_jit_par_for");
+	if (par) {
+		void (*fn)(int64_t, kl_par_fn, void *) = kl__par_for_call;
+		memcpy(par, &fn, sizeof fn);
 	}
 	*dl = h;
 	return KL_OK;
