@@ -446,11 +446,25 @@ bool kl_requires_grad(const kl_tensor *t);
  * depends on. cotangent: d(something)/d loss, of loss's shape and dtype;
  * NULL means ones and then needs a loss of one element. The part of the
  * tape that loss depends on is consumed (freed): a second kl_backward
- * through it is an error (no retain_graph). The gradient ops themselves are
+ * through it is an error (unless the first was kl_backward_ex with
+ * retain_graph). The gradient ops themselves are
  * not recorded. Inside a compiled function the gradients are lazy tensors
  * of its graph; each .grad set there is computed by the graph and
  * materialized when the call returns. */
 kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent);
+/* torch's backward(retain_graph=, create_graph=) */
+typedef struct kl_backward_opts {
+	/* keep the loss's graph on the tape: a later kl_backward through it
+	 * (the same loss, or another that shares part of its forward) works
+	 * again and adds to the same .grad; the tape holds its tensors until a
+	 * backward without retain_graph consumes it or the program drops them */
+	bool retain_graph;
+	/* record the backward for higher derivatives: not supported, KL_EUNSUPPORTED
+	 * (nothing is computed, no .grad changes) */
+	bool create_graph;
+} kl_backward_opts;
+/* kl_backward with options (NULL: kl_backward's); errors name kl_backward_ex. */
+kl_status kl_backward_ex(kl_tensor *loss, kl_tensor *cotangent, const kl_backward_opts *opts);
 /* t's gradient, or NULL when it has none. A borrowed reference owned by t:
  * valid until kl_grad_clear(t), the next kl_backward that adds to it (which
  * replaces it with a new tensor), or t's release; kl_retain it to keep it
@@ -614,6 +628,11 @@ typedef struct kl_fn_stats {
 	long graph_captures; /* CUDA graphs captured (reduce-overhead; each variant's
 	                      * first, and re-captures when an address moved) */
 	double capture_ms;   /* the time those captures took */
+	/* a forward recorded for a kl_backward after the call: the min-cut
+	 * partitions of its joint graph computed (one per graph structure) and
+	 * the calls that reused a remembered one instead */
+	int partitions;
+	long partition_reuses;
 } kl_fn_stats;
 kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out);
 /* The reason of recompile i (0 = the first recompile, i.e. the second
@@ -678,8 +697,11 @@ kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore
  * a new offset (the step number) each call. p == 0 or !training: x itself
  * (a new handle on it, no copy); p == 1: x * 0 (zeros; NaN stays NaN, as
  * torch). p outside [0, 1] or a non-float x is an error. Inside a compiled
- * function seed and offset are part of the graph: a new offset per call is a
- * new graph (recompile) until rand takes a device-scalar offset. */
+ * function the generator's key (of seed and offset) is a run-time input of
+ * the graph, not part of it: a training loop that passes a new offset every
+ * step compiles once, and each step's mask is bitwise the eager one. Such a
+ * function traces its body at every call (a fullgraph variant is not
+ * replayed: the body makes the key). */
 kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training);
 
 /* ---- optimizers (optim) ----------------------------------------------------

@@ -249,6 +249,15 @@ static int b_create(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 4;
 }
 
+/* dropout in a trace: rand keyed at run time by two i32 inputs (the
+ * generated kernel reads the key), fused with the scaling into one kernel */
+static int b_dropout(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	out[0] = kl_dropout(in[0], 0.3, 1234, 77, true);
+	return 1;
+}
+
 /* embedding-style lookups: computed indices, a view as the table, a reduction after */
 static int b_gather(kl_tensor *const *in, kl_tensor **out, const void *p)
 {
@@ -309,6 +318,7 @@ static const gcase CASES[] = {
         {"index_add", b_index_add, 2, {2, 2}, {{8, 12}, {10, 12}}, true, false, 1, 0, 0, 0,
          false},
         {"create", b_create, 1, {2}, {{37, 45}}, true, false, 0, 0, 0, 0, false},
+        {"dropout", b_dropout, 1, {2}, {{37, 45}}, true, false, 1, 0, 0, 0, false},
         /* the chunked paths (16-byte loads and stores, rows in registers):
          * broadcasts along rows, flat chunks with a scalar tail, views at
          * aligned and misaligned offsets, rows whose last chunk slot is

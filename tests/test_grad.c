@@ -1136,6 +1136,87 @@ static void test_grads_left_fullgraph(void **state)
 		kl_release(ms[i]->w);
 		kl_release(ms[i]->b);
 	}
+/* retain_graph: a second backward through the same graph adds the same
+ * gradient again (against float64), a second loss over a shared forward
+ * works after the first, the graph is consumed by the first backward
+ * without it; eager and compiled forward + backward after. create_graph is
+ * refused (KL_EUNSUPPORTED) and changes nothing. */
+static void test_retain_graph(void **state)
+{
+	(void)state;
+	kl_scope_begin(ctx);
+	const kl_backward_opts keep = {.retain_graph = true};
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 1, (int64_t[]){7}, N, CG, 41);
+	kl_tensor *w = kltest_rand(ctx, KL_F32, 1, (int64_t[]){7}, N, CG, 42);
+	double *xv = kltest_read(x), *wv = kltest_read(w);
+	kl_set_requires_grad(x, true);
+	/* d sum(x*x*w)/dx = 2xw: twice retained, then once more consuming */
+	kl_tensor *l = kl_sum(kl_mul(kl_mul(x, x), w), 0, NULL, false);
+	EXPECT(kl_backward_ex(l, NULL, &(kl_backward_opts){.create_graph = true}),
+	       KL_EUNSUPPORTED, "kl_backward_ex: create_graph", "[] f32");
+	assert_null(kl_grad(x));
+	for (int k = 1; k <= 3; k++) {
+		assert_int_equal(k < 3 ? kl_backward_ex(l, NULL, &keep) : kl_backward(l, NULL), KL_OK);
+		double *g = grad_values(x);
+		for (int i = 0; i < 7; i++) {
+			double want = k * 2.0 * xv[i] * wv[i];
+			if (!(fabs(g[i] - want) <= 1e-5 * fabs(want) + 1e-30))
+				fail_msg("retain_graph backward %d: grad[%d] = %.9g, float64 %.9g", k, i,
+				         g[i], want);
+		}
+		free(g);
+	}
+	/* consumed: the loss is off the tape, as after any backward */
+	EXPECT(kl_backward(l, NULL), KL_EINVAL, "kl_backward: no tensor that requires grad");
+	EXPECT(kl_backward_ex(l, NULL, &keep), KL_EINVAL, "kl_backward_ex: no tensor");
+	kl_grad_clear(x);
+	/* two losses sharing h = x*w: d(sum(h*h) + sum(h))/dx = (2h + 1)w */
+	kl_tensor *h = kl_mul(x, w);
+	kl_tensor *l1 = kl_sum(kl_mul(h, h), 0, NULL, false), *l2 = kl_sum(h, 0, NULL, false);
+	assert_int_equal(kl_backward_ex(l1, NULL, &keep), KL_OK);
+	assert_int_equal(kl_backward(l2, NULL), KL_OK);
+	double *g = grad_values(x);
+	for (int i = 0; i < 7; i++) {
+		double hv = xv[i] * wv[i], want = (2 * hv + 1) * wv[i];
+		if (!(fabs(g[i] - want) <= 1e-5 * fabs(want) + 1e-30))
+			fail_msg("shared forward: grad[%d] = %.9g, float64 %.9g", i, g[i], want);
+	}
+	free(g);
+	kl_grad_clear(x);
+	free(xv);
+	free(wv);
+	/* compiled forward, backward after it twice (retained), then once: the
+	 * gradients of one backward, three times */
+	kl_tensor *cx = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 4}, N, CG, 43);
+	kl_tensor *tgt = kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 3}, N, CG, 44);
+	model m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){4, 3}, N, CG, 45),
+	           kltest_rand(ctx, KL_F32, 1, (int64_t[]){3}, N, CG, 46), 0};
+	kl_set_requires_grad(m.w, true);
+	kl_fn *f = kl_compile(ctx, forward_only, &m, 2, 1, NULL);
+	assert_non_null(f);
+	double *once = NULL;
+	for (int pass = 0; pass < 2; pass++) {
+		kl_tensor *loss = NULL;
+		assert_int_equal(kl_fn_call(f, (kl_tensor *[]){cx, tgt}, &loss), KL_OK);
+		for (int k = 0; k < (pass ? 3 : 1); k++)
+			assert_int_equal(k < 2 && pass ? kl_backward_ex(loss, NULL, &keep)
+			                              : kl_backward(loss, NULL),
+			                 KL_OK);
+		double *gw = grad_values(m.w);
+		if (!pass)
+			once = gw;
+		for (int i = 0; pass && i < 12; i++)
+			if (!(fabs(gw[i] - 3 * once[i]) <= 1e-5 * fabs(3 * once[i]) + 1e-30))
+				fail_msg("compiled forward, 3 backwards: grad[%d] = %.9g, want %.9g", i,
+				         gw[i], 3 * once[i]);
+		if (pass)
+			free(gw);
+		kl_grad_clear(m.w);
+		kl_release(loss);
+	}
+	free(once);
+	kl_fn_free(f);
+	kl_scope_end(ctx);
 }
 
 /* The min-cut partition on a small joint graph: x (input) -> e = exp(x)
@@ -1243,6 +1324,7 @@ int main(void)
 		cmocka_unit_test(test_whole_step_compiled),
 		cmocka_unit_test(test_compiled_forward_eager_backward),
 		cmocka_unit_test(test_grads_left_fullgraph),
+		cmocka_unit_test(test_retain_graph),
 		cmocka_unit_test(test_tape_pruned),
 		cmocka_unit_test(test_partition),
 		cmocka_unit_test(test_grad_f64),

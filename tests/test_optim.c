@@ -792,6 +792,140 @@ static void test_dropout(void **state)
 	assert_true(ok);
 }
 
+/* Dropout in a compiled training loop: the mask's Philox key is a value of
+ * the call (two i32 inputs of the graph), not of the graph, so a loop that
+ * moves the offset every step compiles once. Every step's dropout output is
+ * bitwise the eager one for the same (seed, offset), and the gradient
+ * d sum(dropout(x * w) * g) / dw = x * g * mask / (1 - p) matches float64,
+ * with backward inside the function (one graph), after it (compiled forward
+ * + kl_backward: the backward recomputes the mask from the same key), and
+ * fullgraph calls (never replayed: the key is the call's). */
+typedef struct drop_step {
+	double p;
+	uint64_t seed, offset;
+	kl_tensor *w;
+	bool backward; /* kl_backward inside the body */
+} drop_step;
+
+static kl_status body_drop_step(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                                int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	drop_step *b = user;
+	kl_tensor *h = kl_dropout(kl_mul(in[0], b->w), b->p, b->seed, b->offset, true);
+	kl_tensor *loss = kl_sum(kl_mul(h, in[1]), 0, NULL, false);
+	if (!h || !loss)
+		return kl_last_status(ctx);
+	if (b->backward) {
+		kl_status st = kl_backward(loss, NULL);
+		if (st != KL_OK)
+			return st;
+	}
+	out[0] = loss;
+	out[1] = h;
+	return KL_OK;
+}
+
+static void check_drop_step(kl_ctx *ctx, drop_step *b, kl_tensor *x, kl_tensor *g, kl_tensor *h,
+                            bool grads, const char *what)
+{
+	int64_t n = kl_numel(x);
+	kl_tensor *xw = kl_mul(x, b->w);
+	kl_tensor *want = kl_dropout(xw, b->p, b->seed, b->offset, true);
+	if (!same_bits(h, want))
+		fail_msg("%s, offset %llu: dropout differs from eager", what,
+		         (unsigned long long)b->offset);
+	if (grads) {
+		double *xv = kltest_read(x), *gv = kltest_read(g);
+		/* the mask alone: dropout of ones */
+		kl_tensor *ones = kl_full(ctx, KL_F32, kl_ndim(x), kl_shape(x), 1.0);
+		kl_tensor *m = kl_dropout(ones, b->p, b->seed, b->offset, true);
+		double *dw = kltest_read(kl_grad(b->w)), *mv = kltest_read(m);
+		int64_t kept = 0;
+		for (int64_t i = 0; i < n; i++) {
+			bool k = mv[i] != 0;
+			kept += k;
+			double ref = k ? xv[i] * gv[i] / (1.0 - b->p) : 0.0;
+			if (!(fabs(dw[i] - ref) <= 1e-5 * fabs(ref) + 1e-30))
+				fail_msg("%s, offset %llu: dw[%lld] = %.9g, float64 %.9g", what,
+				         (unsigned long long)b->offset, (long long)i, dw[i], ref);
+		}
+		assert_true(kept > 0 && kept < n);
+		free(xv);
+		free(gv);
+		free(dw);
+		free(mv);
+		kl_release(ones);
+		kl_release(m);
+	}
+	kl_release(xw);
+	kl_release(want);
+}
+
+static kl_tensor *apply_drop(kl_tensor *const *in, const void *param)
+{
+	const drop_step *b = param;
+	return kl_dropout(in[0], b->p, b->seed, b->offset, true);
+}
+
+static void test_dropout_compiled_loop(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = g_ctx;
+	const int steps = 12; /* past the default recompile limit (8) */
+	kl_tensor *x = kltest_rand(ctx, KL_F32, 2, (int64_t[]){33, 65}, KLTEST_POS, KLTEST_CONTIG,
+	                           21);
+	kl_tensor *g = kltest_rand(ctx, KL_F32, 2, (int64_t[]){33, 65}, KLTEST_NORMAL, KLTEST_CONTIG,
+	                           22);
+	kl_tensor *w = kltest_rand(ctx, KL_F32, 2, (int64_t[]){33, 65}, KLTEST_NORMAL, KLTEST_CONTIG,
+	                           23);
+	/* traced, the key is two inputs of the graph: the float64 reference
+	 * evaluates that graph as eager dropout computes it */
+	drop_step rb = {0.4, UINT64_C(0xfedcba9876543210), 5, NULL, false};
+	assert_true(kltest_check_op(ctx, "dropout keyed at run time", apply_drop, 1, &x, &rb, 1.0));
+	assert_int_equal(kl_set_requires_grad(w, true), KL_OK);
+	for (int mode = 0; mode < 3; mode++) {
+		/* 0: backward inside; 1: compiled forward, kl_backward after;
+		 * 2: fullgraph, forward only */
+		drop_step b = {0.4, 1234, 0, w, mode == 0};
+		kl_compile_opts o = {.fullgraph = mode == 2};
+		kl_fn *f = kl_compile(ctx, body_drop_step, &b, 2, 2, &o);
+		assert_non_null(f);
+		const char *what = mode == 0 ? "backward inside" : mode == 1 ? "backward after"
+		                                                             : "fullgraph";
+		for (int s = 0; s < steps; s++) {
+			b.offset = (uint64_t)s * 977 + 3;
+			kl_grad_clear(w);
+			kl_tensor *out[2] = {NULL, NULL};
+			kl_tensor *in[2] = {x, g};
+			if (mode == 2)
+				kl_set_grad_enabled(ctx, false);
+			assert_int_equal(kl_fn_call(f, in, out), KL_OK);
+			if (mode == 1)
+				assert_int_equal(kl_backward(out[0], NULL), KL_OK);
+			if (mode == 2)
+				kl_set_grad_enabled(ctx, true);
+			check_drop_step(ctx, &b, x, g, out[1], mode != 2, what);
+			kl_release(out[0]);
+			kl_release(out[1]);
+		}
+		kl_fn_stats st;
+		assert_int_equal(kl_fn_get_stats(f, &st), KL_OK);
+		if (st.compiles != 1 || st.eager_calls != 0 || st.over_limit)
+			fail_msg("%s: %d steps with new offsets: %d compiles, %ld eager calls "
+			         "(want 1 and 0); first reason: %s",
+			         what, steps, st.compiles, st.eager_calls,
+			         kl_fn_recompile_reason(f, 0) ? kl_fn_recompile_reason(f, 0) : "-");
+		assert_int_equal(st.replays, 0);
+		kl_fn_free(f);
+	}
+	kl_grad_clear(w);
+	kl_release(x);
+	kl_release(g);
+	kl_release(w);
+}
+
 /* ---- nn parameters ---------------------------------------------------------------------- */
 
 static void test_nn_parameters(void **state)
@@ -881,6 +1015,7 @@ int main(void)
 	        cmocka_unit_test(test_adamw_reference), cmocka_unit_test(test_sgd_reference),
 	        cmocka_unit_test(test_save_load_resume), cmocka_unit_test(test_optim_errors),
 	        cmocka_unit_test(test_losses),          cmocka_unit_test(test_dropout),
+	        cmocka_unit_test(test_dropout_compiled_loop),
 	        cmocka_unit_test(test_nn_parameters),     cmocka_unit_test(test_step_in_graph),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);

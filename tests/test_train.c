@@ -290,6 +290,11 @@ static void train(const fixture *f, int mode)
 			       "backward, which computes %d values again\n",
 			       n, bytes, again);
 			assert_true(n > 0 && bytes > 0 && again > 0);
+			/* the min-cut ran at the first call; the next two reused it */
+			kl_fn_stats fs;
+			assert_int_equal(kl_fn_get_stats(fn, &fs), KL_OK);
+			assert_int_equal(fs.partitions, 1);
+			assert_int_equal(fs.partition_reuses, 2);
 			/* the backward: one graph, compiled at the first kl_backward
 			 * (the context's counts: one more compile, two more reuses than
 			 * after the previous fixture's run) */

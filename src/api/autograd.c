@@ -541,9 +541,10 @@ static kl_status run_grad_graph(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 	return st;
 }
 
-kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
+/* kl_backward and kl_backward_ex (the public frame names the errors);
+ * retain: the loss's graph stays on the tape for another backward */
+static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain)
 {
-	KL_API("kl_backward");
 	if (!loss)
 		return kl__err(cotangent ? cotangent->ctx : NULL, KL_EINVAL, "kl_backward: loss is NULL");
 	kl_ctx *ctx = loss->ctx;
@@ -641,7 +642,7 @@ kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
 		tp->ts[i] = NULL;
 	}
 	tp->g.n = base;
-	if (st == KL_OK)
+	if (st == KL_OK && !retain)
 		for (int32_t i = 0; i < base; i++)
 			if (anc[i])
 				consume(tp, i);
@@ -653,6 +654,27 @@ kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
 	free(leaves);
 	free(grads);
 	return st;
+}
+
+kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
+{
+	KL_API("kl_backward");
+	return backward(loss, cotangent, false);
+}
+
+kl_status kl_backward_ex(kl_tensor *loss, kl_tensor *cotangent, const kl_backward_opts *opts)
+{
+	KL_API("kl_backward_ex");
+	kl_backward_opts o = opts ? *opts : (kl_backward_opts){0};
+	if (o.create_graph) {
+		char a[256];
+		return kl__err(loss ? loss->ctx : NULL, KL_EUNSUPPORTED,
+		               "kl_backward_ex: create_graph (recording the backward for higher "
+		               "derivatives) is not supported: the gradients of loss %s are "
+		               "computed without a graph of their own",
+		               loss ? desc(loss, a, sizeof a) : "(NULL)");
+	}
+	return backward(loss, cotangent, o.retain_graph);
 }
 
 /* ---- the rest of the public API ------------------------------------------------------ */

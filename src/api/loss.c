@@ -156,9 +156,13 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
 	kl__philox(seed, offset, k);
 	uint64_t key = (uint64_t)k[0] | (uint64_t)k[1] << 32;
 	kl_scope_begin(ctx);
-	kl_tensor *r = kl_rand(ctx, KL_F32, x->ndim, x->shape, key);
+	/* in a trace the key is an input of the graph, not an attribute: every
+	 * (seed, offset) runs the same compiled graph */
+	kl_tensor *r = ctx->trace ? kl__rand_keyed(ctx, KL_OP_RAND, KL_F32, x->ndim, x->shape, key)
+	                          : kl_retain(kl_rand(ctx, KL_F32, x->ndim, x->shape, key));
 	/* torch: input * (bernoulli(1 - p) / (1 - p)) */
 	kl_tensor *noise = kl_retain(kl_div_scalar(kl_cast(kl_ge_scalar(r, p), x->dtype), 1.0 - p));
+	kl_release(r);
 	kl_scope_end(ctx);
 	kl_tensor *y = noise ? kl_mul(x, noise) : NULL;
 	kl_release(noise);

@@ -186,6 +186,27 @@ kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, ui
 	return source(ctx, KL_OP_RANDN, dt, ndim, shape, &a);
 }
 
+kl_tensor *kl__rand_keyed(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int64_t *shape,
+                          uint64_t key)
+{
+	int32_t w[2] = {(int32_t)(uint32_t)key, (int32_t)(uint32_t)(key >> 32)};
+	kl_tensor *r = NULL;
+	kl_scope_begin(ctx);
+	kl_tensor *k[2] = {kl_from_host(ctx, KL_I32, 0, NULL, &w[0], sizeof w[0]),
+	                   kl_from_host(ctx, KL_I32, 0, NULL, &w[1], sizeof w[1])};
+	if (k[0] && k[1]) {
+		kl_node nd;
+		node_init(&nd, op, dt, ndim, shape, 2);
+		r = kl_retain(kl__dispatch(ctx, &nd, k));
+	}
+	kl_scope_end(ctx);
+	/* the graph reads values of this call: a fullgraph replay could not
+	 * repeat it with the next call's key */
+	if (r && ctx->trace)
+		ctx->trace->per_call = true;
+	return r;
+}
+
 /* ---- pointwise --------------------------------------------------------------- */
 
 /* The op table's dtype rule for the tensors ts[0..n) and numbers sc[0..ns);

@@ -13,8 +13,6 @@
 #include <stdlib.h>
 
 #include "capture/capture.h"
-#include "graph/autodiff.h"
-#include "graph/partition.h"
 
 static atomic_int fn_counter;
 
@@ -172,38 +170,11 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
 	return f;
 }
 
-/* Forget how a fullgraph variant replays (its captured tensors go back). */
-static void replay_reset(kl_variant *v)
-{
-	for (int i = 0; i < v->ncaptured; i++) {
-		v->captured[i]->capture_refs--;
-		kl_release(v->captured[i]);
-	}
-	free(v->captured);
-	free(v->cap_version);
-	free(v->cap_state);
-	v->cap_state = NULL;
-	free(v->in_src);
-	free(v->out_src);
-	free(v->w_src);
-	free(v->w_dst);
-	free(v->chk);
-	v->chk = NULL;
-	v->nchk = 0;
-	v->captured = NULL;
-	v->cap_version = NULL;
-	v->in_src = v->out_src = NULL;
-	v->w_src = v->w_dst = NULL;
-	v->nw = 0;
-	v->ncaptured = 0;
-	v->replay = false;
-}
-
 static void variant_free(kl_variant *v)
 {
 	if (!v)
 		return;
-	replay_reset(v);
+	kl__replay_reset(v);
 	free(v->segs);
 	free(v->g);
 	free(v->spec);
@@ -222,6 +193,7 @@ void kl_fn_free(kl_fn *f)
 		free(f->entries[i]);
 	}
 	free(f->entries);
+	kl__joint_free(f);
 	free(f->dyn);
 	free(f->reasons);
 	free(f->bk);
@@ -248,7 +220,9 @@ kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
 	                     .recompiles = f->compiles > 0 ? f->compiles - 1 : 0,
 	                     .variants = f->nvars,
 	                     .over_limit = f->eager,
-	                     .padded_calls = f->padded_calls};
+	                     .padded_calls = f->padded_calls,
+	                     .partitions = f->joint_cuts,
+	                     .partition_reuses = f->joint_reuses};
 	for (int i = 0; i < f->nentries; i++) {
 		double ms;
 		out->graph_captures += kl__cuda_rt_captures(f->entries[i]->c, &ms);
@@ -359,7 +333,7 @@ static void explain_miss(kl_fn *f, kl_tensor *const *in, char *why, size_t cap, 
 			return;
 }
 
-static void tally(kl_fn *f, const char *name, const char *why)
+void kl__fn_tally(kl_fn *f, const char *name, const char *why)
 {
 	snprintf(f->last_fail, sizeof f->last_fail, "%s", why);
 	int low = 0;
@@ -628,7 +602,7 @@ static kl_status graph_entry(call *cs, kl_trace *tr, int nops, kl_gentry **out)
 			f->compiles++;
 			char name[48];
 			snprintf(name, sizeof name, "graph %d", cs->seg);
-			tally(f, name, why);
+			kl__fn_tally(f, name, why);
 			kl__log(ctx, KL_LOG_RECOMPILES, "recompile #%d of %s: graph %d: %s",
 			        f->compiles, f->name, cs->seg, why);
 			note_recompile(f, "recompile #%d: graph %d changed: %s", f->compiles, cs->seg,
@@ -736,134 +710,6 @@ static void refine_guards(call *cs, const kl_trace *tr, const kl_compiled *c)
 			}
 		}
 	}
-}
-
-/* Capture t (a tensor fn reached through user state) for replays: its index
- * in v->captured, or -1 when out of memory. */
-static int capture(kl_variant *v, kl_tensor *t)
-{
-	for (int i = 0; i < v->ncaptured; i++)
-		if (v->captured[i] == t)
-			return i;
-	kl_tensor **p = realloc(v->captured, (size_t)(v->ncaptured + 1) * sizeof *p);
-	if (!p)
-		return -1;
-	v->captured = p;
-	uint64_t *q = realloc(v->cap_version, (size_t)(v->ncaptured + 1) * sizeof *q);
-	if (!q)
-		return -1;
-	v->cap_version = q;
-	v->captured[v->ncaptured] = kl_retain(t);
-	t->capture_refs++;
-	v->cap_version[v->ncaptured] = t->st->version;
-	return v->ncaptured++;
-}
-
-/* Why a replay of v would compute with tensors the program no longer means
- * (the guards on captured tensors, see kl_fn_body in kiln.h); NULL if none. */
-static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
-{
-	/* on every replay: two compares a tensor, words only on a failure */
-	for (int i = 0; i < v->ncaptured; i++) {
-		const kl_tensor *t = v->captured[i];
-		bool gone = t->refs <= t->capture_refs;
-		if (!gone && (t->st->version == v->cap_version[i] || (v->cap_state && v->cap_state[i])))
-			continue;
-		char sh[128], what[96];
-		if (gone)
-			snprintf(what, sizeof what, "is no longer held by the program");
-		else
-			snprintf(what, sizeof what, "was written in place (version %" PRIu64
-			         " -> %" PRIu64 ")", v->cap_version[i], t->st->version);
-		snprintf(why, cap, "captured tensor %d (%s %s, reached through user state) %s", i,
-		         kl_dtype_name(t->dtype), kl__shape_str(sh, sizeof sh, t->ndim, t->shape),
-		         what);
-		return why;
-	}
-	return NULL;
-}
-
-static kl_status record_replay_inputs(call *cs, const kl_trace *tr)
-{
-	kl_variant *v = cs->v;
-	int n = tr->nin_tensors;
-	free(v->chk);
-	v->nchk = 0;
-	v->chk = calloc((size_t)(tr->nchk ? tr->nchk : 1), sizeof *v->chk);
-	if (!v->chk)
-		return KL_ENOMEM;
-	for (int c = 0; c < tr->nchk; c++) {
-		int i = 0;
-		while (i < n && tr->in_tensors[i] != tr->chk[c].t)
-			i++;
-		if (i == n) {
-			cs->no_replay = true; /* a check of no graph input: fn must run */
-			continue;
-		}
-		v->chk[v->nchk++] = (struct kl_vcheck_rec){i, tr->chk[c].dim, tr->chk[c].hi,
-		                                           tr->chk[c].op, tr->chk[c].what};
-	}
-	free(v->in_src);
-	v->in_src = calloc((size_t)(n ? n : 1), sizeof *v->in_src);
-	if (!v->in_src)
-		return KL_ENOMEM;
-	for (int i = 0; i < n; i++) {
-		kl_tensor *t = tr->in_tensors[i];
-		int j = 0;
-		while (j < cs->f->nin && cs->in[j] != t)
-			j++;
-		if (j < cs->f->nin) {
-			v->in_src[i] = j;
-			continue;
-		}
-		/* a tensor fn reached through user state: bound as traced */
-		int k = capture(v, t);
-		if (k < 0)
-			return KL_ENOMEM;
-		v->in_src[i] = -1 - k;
-	}
-	return KL_OK;
-}
-
-/* Record how a replay repeats the writes in place of the graph tr, whose
- * outputs are lazy[0..n): each write's value is one of them, and its
- * destination an fn input or a tensor fn reached (captured: guarded like
- * the tensors the graph reads). cs->writes_replay says whether every write
- * was recorded. */
-static kl_status record_replay_writes(call *cs, const kl_trace *tr, kl_tensor *const *lazy,
-                                      int n)
-{
-	kl_variant *v = cs->v;
-	kl_fn *f = cs->f;
-	cs->writes_replay = false;
-	free(v->w_src);
-	free(v->w_dst);
-	v->nw = 0;
-	v->w_src = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_src);
-	v->w_dst = calloc((size_t)(tr->nwrites ? tr->nwrites : 1), sizeof *v->w_dst);
-	if (!v->w_src || !v->w_dst)
-		return KL_ENOMEM;
-	for (int w = 0; w < tr->nwrites; w++) {
-		int j = 0;
-		while (j < n && lazy[j] != tr->wsrc[w])
-			j++;
-		if (j == n)
-			return KL_OK; /* a value no graph output holds: fn must run */
-		int k = 0;
-		while (k < f->nin && cs->in[k] != tr->wdst[w])
-			k++;
-		if (k == f->nin) {
-			int c = capture(v, tr->wdst[w]);
-			if (c < 0)
-				return KL_ENOMEM;
-			k = f->nin + c;
-		}
-		v->w_src[w] = j;
-		v->w_dst[w] = -1 - k;
-		v->nw = w + 1;
-	}
-	cs->writes_replay = true;
-	return KL_OK;
 }
 
 static kl_status record_seg(call *cs, kl_gentry *e, const char *reason, int nops, int last_op,
@@ -984,11 +830,12 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__trace_run_deferred(ctx, tr, &cs->launches);
 	/* the writes are done: the captured versions recorded next are theirs */
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay && !reason &&
-	    !deferred && tr->nwrites > 0 && record_replay_writes(cs, tr, lazy, n) != KL_OK)
+	    !deferred && tr->nwrites > 0 &&
+	    kl__replay_record_writes(f, cs->v, cs->in, tr, lazy, n, &cs->writes_replay) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
-	    record_replay_inputs(cs, tr) != KL_OK)
+	    kl__replay_record_inputs(f, cs->v, cs->in, tr, &cs->no_replay) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	if (st == KL_OK && record_seg(cs, e, reason, nops, last_op, last_node) != KL_OK)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
@@ -1110,118 +957,6 @@ static kl_status check_outputs(kl_fn *f, kl_tensor **out)
 	return KL_OK;
 }
 
-static kl_status record_replay_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
-                                       kl_tensor **out, kl_tensor **lazy, int nl)
-{
-	free(v->out_src);
-	v->out_src = calloc((size_t)(f->nout ? f->nout : 1), sizeof *v->out_src);
-	if (!v->out_src)
-		return KL_ENOMEM;
-	for (int k = 0; k < f->nout; k++) {
-		int j;
-		for (j = 0; j < nl && lazy[j] != out[k]; j++)
-			;
-		if (j < nl) {
-			v->out_src[k] = j;
-			continue;
-		}
-		for (j = 0; j < f->nin && in[j] != out[k]; j++)
-			;
-		if (j == f->nin) {
-			int c = capture(v, out[k]);
-			if (c < 0)
-				return KL_ENOMEM;
-			j = f->nin + c;
-		}
-		v->out_src[k] = -1 - j;
-	}
-	/* the captured tensors whose memory fn writes in place are state */
-	free(v->cap_state);
-	v->cap_state = calloc((size_t)(v->ncaptured ? v->ncaptured : 1), sizeof *v->cap_state);
-	if (!v->cap_state)
-		return KL_ENOMEM;
-	for (int w = 0; w < v->nw; w++) {
-		int j = -1 - v->w_dst[w];
-		const kl_storage *ws = j < f->nin ? in[j]->st : v->captured[j - f->nin]->st;
-		for (int i = 0; i < v->ncaptured; i++)
-			v->cap_state[i] |= v->captured[i]->st == ws;
-	}
-	v->replay = true;
-	return KL_OK;
-}
-
-/* Which of the values fn's forward leaves on the autograd tape (for a
- * kl_backward after the call) the forward keeps: fn's joint graph (the
- * trace, a cotangent per output that requires grad, the gradient nodes of
- * every input that requires grad or is on the tape) and its min-cut
- * partition. keep[] per node of tr's graph; false when no joint graph can be
- * built (an op without a gradient rule: every taped value is kept). The
- * values not kept, kl_backward computes again in its backward graph. */
-static bool saved_for_backward(kl_fn *f, kl_trace *tr, kl_tensor *const *out, bool *keep)
-{
-	kl_graph j;
-	if (kl__graph_copy(&j, &tr->g) != 0)
-		return false;
-	int32_t nf = j.n, ni = tr->g.ninputs;
-	int32_t *roots = malloc(sizeof *roots * (size_t)(2 * f->nout + 2 * ni + 2));
-	bool *reads = calloc((size_t)nf + 1, sizeof *reads), *fr = calloc((size_t)nf + 1, 1);
-	bool *need = NULL;
-	bool ok = roots && reads && fr;
-	int32_t *cots = roots ? roots + f->nout + 1 : NULL;
-	int32_t *leaves = cots ? cots + f->nout + 1 : NULL, *grads = leaves ? leaves + ni : NULL;
-	int nr = 0, nl = 0;
-	for (int k = 0; ok && k < f->nout; k++) {
-		const kl_tensor *t = out[k];
-		if (t->st || t->trace_id != tr->id || t->node < 0 || t->tape_node < 0 ||
-		    !kl__differentiable(t->dtype))
-			continue;
-		fr[t->node] = true; /* returned: kept whatever the cut says */
-		kl_node c;
-		memset(&c, 0, sizeof c);
-		c.op = KL_OP_INPUT;
-		c.dtype = (uint8_t)t->dtype;
-		c.ndim = (uint8_t)t->ndim;
-		memcpy(c.shape, t->shape, sizeof c.shape);
-		roots[nr] = t->node;
-		cots[nr] = kl__graph_add(&j, &c);
-		ok = cots[nr++] >= 0;
-	}
-	for (int32_t i = 0; ok && i < ni; i++) {
-		const kl_tensor *t = tr->in_tensors[i];
-		if (kl__differentiable(t->dtype) && (t->requires_grad || t->tape_node >= 0))
-			leaves[nl++] = tr->g.inputs[i];
-	}
-	for (int i = 0; ok && i < tr->nwrites; i++)
-		if (tr->wsrc[i]->trace_id == tr->id && tr->wsrc[i]->node >= 0)
-			fr[tr->wsrc[i]->node] = true;
-	char err[256];
-	ok = ok && nr > 0 && nl > 0 &&
-	     kl__autodiff(&j, nf, nr, roots, cots, nl, leaves, grads, err, sizeof err) == KL_OK;
-	if (ok)
-		ok = (need = calloc((size_t)j.n, sizeof *need)) != NULL;
-	for (int q = 0; ok && q < nl; q++)
-		if (grads[q] >= 0)
-			need[grads[q]] = true;
-	for (int32_t i = ok ? j.n - 1 : -1; i >= 0; i--)
-		if (need[i] && (i >= nf || !reads[i])) {
-			if (i < nf) {
-				reads[i] = true; /* a gradient that is a forward value */
-				continue;
-			}
-			for (int q = 0; q < j.nodes[i].nin; q++)
-				need[j.nodes[i].in[q]] = true;
-		}
-	for (int32_t i = 0; ok && i < nf; i++)
-		reads[i] = need[i];
-	ok = ok && kl__partition(&j, nf, reads, fr, keep) >= 0;
-	free(need);
-	free(roots);
-	free(reads);
-	free(fr);
-	kl__graph_free(&j);
-	return ok;
-}
-
 static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *const *in,
                              kl_tensor **out)
 {
@@ -1291,7 +1026,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		v->bw_joint = false;
 		if (st == KL_OK && cs.taped) {
 			keep = calloc((size_t)tr->g.n + 1, sizeof *keep);
-			v->bw_joint = keep && saved_for_backward(f, tr, out, keep);
+			v->bw_joint = keep && kl__joint_keep(f, tr, out, keep);
 		}
 		for (kl_tensor *t = ctx->live; st == KL_OK && t; t = t->next) {
 			extra += t->grad && !t->grad->st && t->grad->trace_id == tr->id;
@@ -1341,7 +1076,7 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 		 * a replay would leave the first call's) need fn's trace */
 		if (f->o.fullgraph && !v->replay && (!cs.wrote || cs.writes_replay) && !grads &&
 		    !cs.taped && !cs.no_replay &&
-		    record_replay_outputs(f, v, in, out, lazy, nl) != KL_OK)
+		    kl__replay_record_outputs(f, v, in, out, lazy, nl) != KL_OK)
 			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
 	}
 	free(lazy);
@@ -1361,72 +1096,6 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	if (cs.over_limit)
 		go_eager(f);
 	return st;
-}
-
-static kl_status replay(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out)
-{
-	kl_ctx *ctx = f->ctx;
-	kl_gentry *e = v->nsegs > 0 ? v->segs[0].e : NULL;
-	kl_tensor **gin = NULL, **gout = NULL;
-	kl_status st = KL_OK;
-	if (e) {
-		gin = malloc(sizeof *gin * (size_t)(e->c->nin ? e->c->nin : 1));
-		gout = calloc((size_t)(e->c->nout ? e->c->nout : 1), sizeof *gout);
-		if (!gin || !gout)
-			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
-		for (int i = 0; st == KL_OK && i < e->c->nin; i++)
-			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
-			                           : v->captured[-1 - v->in_src[i]];
-		ctx->profile_graph = 0;
-		for (int c = 0; st == KL_OK && c < v->nchk; c++)
-			st = kl__check_values(ctx, gin[v->chk[c].in], v->chk[c].hi, v->chk[c].dim,
-			                      v->chk[c].op, v->chk[c].what);
-		if (st == KL_OK)
-			st = kl__compiled_run(ctx, e->c, gin, gout);
-		/* the writes in place, as the traced call made them (a cache
-		 * write's value is the cache's memory already: only its version
-		 * moves); the captured tensors they wrote keep their guard */
-		for (int w = 0; st == KL_OK && w < v->nw; w++) {
-			int j = -1 - v->w_dst[w];
-			kl_tensor *dst = j < f->nin ? in[j] : v->captured[j - f->nin];
-			st = kl__write_into(ctx, dst, gout[v->w_src[w]]);
-			for (int i = 0; st == KL_OK && i < v->ncaptured; i++)
-				if (v->captured[i]->st == dst->st)
-					v->cap_version[i] = dst->st->version;
-		}
-	}
-	if (st == KL_OK) {
-		for (int k = 0; k < f->nout; k++) {
-			int32_t s = v->out_src[k];
-			int j = -1 - s;
-			out[k] = kl_retain(s >= 0       ? gout[s]
-			                   : j < f->nin ? in[j]
-			                                : v->captured[j - f->nin]);
-		}
-		f->last_kernels = e ? e->c->last_launches : 0;
-		f->last = v;
-		v->calls++;
-		f->replays++;
-	}
-	for (int j = 0; gout && e && j < e->c->nout; j++)
-		kl_release(gout[j]);
-	free(gin);
-	free(gout);
-	return st;
-}
-
-/* Check v's captured-tensor guards before a replay; when one fails, log it
- * and drop the replay state (the call traces fn again). */
-static bool stale_replay(kl_fn *f, kl_variant *v)
-{
-	char why[256];
-	if (!captured_stale(v, why, sizeof why))
-		return false;
-	tally(f, "captured tensor", why);
-	kl__log(f->ctx, KL_LOG_RECOMPILES, "%s: variant %d: %s: tracing fn again", f->name, v->id,
-	        why);
-	replay_reset(v);
-	return true;
 }
 
 static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, bool count)
@@ -1617,7 +1286,7 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 			char why[160], name[48];
 			explain_miss(f, pin, why, sizeof why, name, sizeof name);
 			if (f->nvars > 0)
-				tally(f, name, why);
+				kl__fn_tally(f, name, why);
 			if (f->nvars > 0 && f->compiles >= f->limit) {
 				go_eager(f);
 			} else if (!(v = new_variant(f, pin))) {
@@ -1639,9 +1308,9 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 		} else if (!v) {
 			f->eager_calls++;
 			st = eager_call(f, pin, out, true);
-		} else if (v->replay && !(stale = stale_replay(f, v))) {
+		} else if (v->replay && !(stale = kl__replay_stale(f, v))) {
 			/* replay hands out references of its own, not the scope's */
-			st = replay(f, v, pin, out);
+			st = kl__replay_run(f, v, pin, out);
 			owned = true;
 		} else if (stale) {
 			/* a captured tensor changed: fn runs again to read the program's

@@ -93,6 +93,15 @@ typedef struct kl_variant {
 	int ncaptured;
 } kl_variant;
 
+/* A partition of a joint graph remembered (capture/joint.c): keep[n] for
+ * the trace whose structure hashed to key. */
+typedef struct kl_joint_memo {
+	uint64_t key;
+	int32_t n;
+	bool ok;
+	bool *keep;
+} kl_joint_memo;
+
 typedef struct kl_guard_tally {
 	char name[48];
 	int count;
@@ -126,9 +135,45 @@ struct kl_fn {
 	int nbk;
 	int *bk_in, *bk_out;
 	long padded_calls;
+	/* the joint graphs' partitions (capture/joint.c): remembered ones, how
+	 * many min-cuts ran and how many calls reused one */
+	kl_joint_memo *joint;
+	int njoint, next_joint;
+	int joint_cuts;
+	long joint_reuses;
 	bool last_failed; /* the latest kl_fn_call returned an error */
 	int last_kernels; /* of the latest call that succeeded; -1 before one */
 };
+
+/* capture.c: count a failed guard (name) toward the recompile-limit warning,
+ * and say why (KILN_LOGS=recompiles' tally). */
+void kl__fn_tally(kl_fn *f, const char *name, const char *why);
+
+/* replay.c: fullgraph replays. After v's first traced call (whose graph
+ * is tr, its outputs lazy[0..n)), record how a replay binds the graph's
+ * inputs (*no_replay set when fn must run: a value check of no graph
+ * input, a per-call value such as dropout's key), repeats the writes in
+ * place (*writes_replay: every write recorded) and finds fn's outputs (v
+ * replays from then on). kl__replay_stale: whether a captured tensor's
+ * guard fails (logged; v's replay state dropped, the call traces fn).
+ * kl__replay_run: the plan alone, the writes repeated, out[] filled. */
+void kl__replay_reset(kl_variant *v);
+kl_status kl__replay_record_inputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                   const kl_trace *tr, bool *no_replay);
+kl_status kl__replay_record_writes(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                   const kl_trace *tr, kl_tensor *const *lazy, int n,
+                                   bool *writes_replay);
+kl_status kl__replay_record_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
+                                    kl_tensor **out, kl_tensor **lazy, int nl);
+bool kl__replay_stale(kl_fn *f, kl_variant *v);
+kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out);
+
+/* joint.c: keep[] (tr->g.n entries) says which nodes of tr's graph the
+ * forward keeps for a kl_backward after the call (the min-cut partition of
+ * fn's joint graph, computed once per trace structure and remembered);
+ * false when no joint graph can be built (every taped value is kept). */
+bool kl__joint_keep(kl_fn *f, kl_trace *tr, kl_tensor *const *out, bool *keep);
+void kl__joint_free(kl_fn *f);
 
 /* explain.c */
 void kl__capture_explain(const kl_fn *f, FILE *out);

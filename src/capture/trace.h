@@ -64,6 +64,9 @@ typedef struct kl_trace {
 	/* actions to run after the graph (kl__trace_defer), in order */
 	kl_deferred *defer;
 	int ndefer, cap_defer;
+	/* the graph reads values made for this call only (a run-time rng key,
+	 * kl__rand_keyed): a fullgraph replay would reuse them */
+	bool per_call;
 	/* value checks before the graph runs (kl__trace_check) */
 	kl_vcheck *chk;
 	int nchk, cap_chk;

@@ -127,6 +127,10 @@
 	"\to[2] = c2;\n" \
 	"\to[3] = c3;\n" \
 	"}\n" \
+	"KL_FN uint64_t kl_rand_key(int32_t lo, int32_t hi)\n" \
+	"{\n" \
+	"\treturn (uint64_t)(uint32_t)lo | (uint64_t)(uint32_t)hi << 32;\n" \
+	"}\n" \
 	"KL_FN double kl_rand_uniform(uint64_t seed, uint64_t i)\n" \
 	"{\n" \
 	"\tuint32_t o[4];\n" \

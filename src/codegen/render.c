@@ -222,7 +222,13 @@ static void emit_ins(rctx *c, int32_t id)
 		break;
 	case KIR_RAND:
 		kl__sb_printf(sb, "%s %s = ", r->ctype[KL_F64], t);
-		r->rand(sb, (kl_op)in->op, in->seed, a);
+		if (in->b >= 0) { /* keyed at run time by two i32 words */
+			char key[64];
+			snprintf(key, sizeof key, "kl_rand_key(%s, %s)", b, cc);
+			r->rand(sb, (kl_op)in->op, 0, key, a);
+		} else {
+			r->rand(sb, (kl_op)in->op, in->seed, NULL, a);
+		}
 		break;
 	case KIR_ACC_INIT: {
 		kl_accvar v[2];

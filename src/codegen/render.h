@@ -56,7 +56,9 @@ typedef struct kl_renderer {
 	void (*cast)(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a);
 	void (*unary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a);
 	void (*binary)(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char *b);
-	void (*rand)(kl_sb *sb, kl_op op, uint64_t seed, const char *index);
+	/* key: NULL for the constant seed, else the expression of a key known
+	 * at run time (a uint64_t) */
+	void (*rand)(kl_sb *sb, kl_op op, uint64_t seed, const char *key, const char *index);
 	/* Accumulators. A reduction keeps up to two variables (the value and a
 	 * NaN flag or position), named acc + suffix + ix, where ix is "" for a
 	 * scalar or "[j]" for one of an array (a column of reductions):

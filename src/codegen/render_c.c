@@ -238,10 +238,14 @@ static void c_binary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const char
 	c_expr(sb, op, dt, a, b);
 }
 
-static void c_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *index)
+static void c_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *key, const char *index)
 {
-	kl__sb_printf(sb, "kl_rand_%s(UINT64_C(%llu), (uint64_t)%s)",
-	              op == KL_OP_RANDN ? "normal" : "uniform", (unsigned long long)seed, index);
+	kl__sb_printf(sb, "kl_rand_%s(", op == KL_OP_RANDN ? "normal" : "uniform");
+	if (key)
+		kl__sb_puts(sb, key);
+	else
+		kl__sb_printf(sb, "UINT64_C(%llu)", (unsigned long long)seed);
+	kl__sb_printf(sb, ", (uint64_t)%s)", index);
 }
 
 static bool int_like(kl_dtype dt)

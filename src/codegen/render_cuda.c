@@ -49,9 +49,9 @@ static void cu_binary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a, const cha
 	kl__render_c.binary(sb, op, dt, a, b);
 }
 
-static void cu_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *index)
+static void cu_rand(kl_sb *sb, kl_op op, uint64_t seed, const char *key, const char *index)
 {
-	kl__render_c.rand(sb, op, seed, index);
+	kl__render_c.rand(sb, op, seed, key, index);
 }
 
 /* float max and min: NaN is folded into the value (kl_maxn/kl_minn let a

@@ -284,6 +284,12 @@ double kl__round_to(kl_dtype dt, double v);
  * of randn(seed), kl__rand_normal(seed, i). Every backend must match. */
 void kl__philox(uint64_t seed, uint64_t counter, uint32_t out[4]);
 double kl__rand_uniform(uint64_t seed, uint64_t i); /* [0, 1) with 24-bit resolution */
+/* A rand/randn node keyed at run time (two inputs, see ops.def) reads its
+ * key as two 0-dim i32 words; the key is their bits, lo | hi << 32. */
+static inline uint64_t kl__rand_key(int32_t lo, int32_t hi)
+{
+	return (uint64_t)(uint32_t)lo | (uint64_t)(uint32_t)hi << 32;
+}
 double kl__rand_normal(uint64_t seed, uint64_t i);  /* Box-Muller */
 /* What element i of rand(seed) of float dtype dt holds: kl__rand_uniform
  * rounded to dt, except that values that round up to 1 (possible in f16 and

@@ -148,6 +148,8 @@ static void print_attrs(const kl_node *n, FILE *f)
 			fprintf(f, " value=%.9g", a->s[0]);
 		else if (n->op == KL_OP_ARANGE)
 			fprintf(f, " start=%.9g step=%.9g", a->s[0], a->s[1]);
+		else if ((n->op == KL_OP_RAND || n->op == KL_OP_RANDN) && n->nin == 2)
+			fputs(" key=inputs", f); /* keyed at run time */
 		else if (n->op == KL_OP_RAND || n->op == KL_OP_RANDN)
 			fprintf(f, " seed=%" PRIu64, a->seed);
 		break;

@@ -60,7 +60,7 @@ static inline bool kl__op_pointwise(kl_op op)
 typedef struct kl_attrs {
 	double s[2];             /* scalars: rhs scalar, clamp lo/hi, eps, fill, arange start/step, sdpa scale */
 	int64_t v[KL_MAX_DIMS];  /* perm, slice start/stop/step */
-	uint64_t seed;           /* rand, randn */
+	uint64_t seed;           /* rand, randn (0 when keyed by inputs) */
 	uint32_t axes;           /* reductions: bit i = input dim i */
 	int32_t axis;            /* softmax, log_softmax, argmax, slice, concat (normalized, >= 0) */
 	int32_t correction;      /* var */

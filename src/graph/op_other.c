@@ -75,6 +75,10 @@ static bool sh_same(const kl_node *n, const int *ndim, const int64_t *const *sha
 static bool sh_source(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
                       size_t cap)
 {
+	/* rand, randn keyed at run time: two 0-dim key words */
+	for (int i = 0; i < n->nin; i++)
+		if (ndim[i] != 0)
+			return sh_fail(n, ndim, shape, why, cap, "the key words must be 0-dim");
 	if (n->op != KL_OP_ARANGE || n->ndim == 1)
 		return true;
 	return sh_fail(n, ndim, shape, why, cap, "arange gives one dim");

@@ -653,14 +653,17 @@ kl_status kl__ref_norm(ref_state *st, const kl_node *n, double *out)
 kl_status kl__ref_source(ref_state *st, const kl_node *n, double *out)
 {
 	int64_t total = node_numel(n);
+	uint64_t seed = n->a.seed;
+	if (n->nin == 2) /* keyed at run time: i32 words, exact in a double */
+		seed = kl__rand_key((int32_t)st->val[n->in[0]][0], (int32_t)st->val[n->in[1]][0]);
 	for (int64_t i = 0; i < total; i++) {
 		switch ((kl_op)n->op) {
 		case KL_OP_FULL: out[i] = n->a.s[0]; break;
 		case KL_OP_ARANGE: out[i] = n->a.s[0] + (double)i * n->a.s[1]; break;
 		case KL_OP_RAND:
-			out[i] = kl__rand_uniform_as((kl_dtype)n->dtype, n->a.seed, (uint64_t)i);
+			out[i] = kl__rand_uniform_as((kl_dtype)n->dtype, seed, (uint64_t)i);
 			break;
-		case KL_OP_RANDN: out[i] = kl__rand_normal(n->a.seed, (uint64_t)i); break;
+		case KL_OP_RANDN: out[i] = kl__rand_normal(seed, (uint64_t)i); break;
 		default: return ref_fail(st, KL_EINVAL, "not a source op");
 		}
 	}
@@ -717,6 +720,8 @@ static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs
 			want = 1;
 		if (want < 0) /* concat: any number */
 			want = n->nin;
+		if ((n->op == KL_OP_RAND || n->op == KL_OP_RANDN) && n->nin == 2)
+			want = 2; /* keyed at run time */
 		if (n->op == KL_OP_LAYER_NORM || n->op == KL_OP_RMS_NORM) /* flags say which follow */
 			want = 1 + !!(n->a.flags & KL_F_HAS_WEIGHT) + !!(n->a.flags & KL_F_HAS_BIAS);
 		if (n->nin != want)

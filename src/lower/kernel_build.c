@@ -412,6 +412,12 @@ static int32_t eval_source(kb *b, int32_t n, const int32_t *I)
 		in.op = x->op;
 		in.seed = x->a.seed;
 		in.a = i;
+		if (x->nin == 2) { /* keyed at run time: the two 0-dim i32 words */
+			in.b = want(b, eval(b, x->in[0], I), KL_I32);
+			in.c = want(b, eval(b, x->in[1], I), KL_I32);
+			if (in.b < 0 || in.c < 0)
+				return -1;
+		}
 		int32_t v = emit(b, in);
 		if (x->dtype != KL_F16 && x->dtype != KL_BF16)
 			return want(b, v, cd);

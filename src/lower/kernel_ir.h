@@ -112,7 +112,8 @@ typedef enum kir_opc {
 	KIR_BINARY,   /* op(a, b) in dt (a, b already dt); compares: a, b in in_dt, dt BOOL */
 	KIR_WHERE,    /* a (bool) ? b : c */
 	KIR_CAST,     /* a from in_dt to dt (to f16/bf16: rounded, still held as f32) */
-	KIR_RAND,     /* f64 uniform (op RAND) or normal (op RANDN) of (seed, a) */
+	KIR_RAND,     /* f64 uniform (op RAND) or normal (op RANDN) of (seed, a); b, c >= 0:
+	               * the key is kl__rand_key(b, c) (i32 values), not seed */
 	KIR_ACC_INIT, /* accumulator acc of reduction op over values of in_dt */
 	KIR_ACC,      /* accumulate a into acc; b: the element's position (ARGMAX) */
 	KIR_ACC_READ, /* the reduction's result as dt */

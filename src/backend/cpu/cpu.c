@@ -184,7 +184,7 @@ static kl_status cpu_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, k
 	case KL_CAT_SOURCE:
 		if (n->op == KL_OP_INPUT)
 			break;
-		return kl__cpu_source(ctx, n, out);
+		return kl__cpu_source(ctx, n, in, out);
 	case KL_CAT_MOVEMENT:
 		if (n->op == KL_OP_CONTIGUOUS)
 			return kl__cpu_contiguous(ctx, n, in, out);

@@ -229,7 +229,7 @@ kl_status kl__cpu_index_add(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                             kl_tensor *out);
 kl_status kl__cpu_matmul(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_rows(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
-kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out);
+kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 
 /* A unary float op without attributes (relu, gelu, gelu_tanh, exp, ...) over
  * n dense values, as the eager kernels compute it; o must not overlap a.

@@ -8,18 +8,19 @@
 /* elements [lo, hi) of a source into out */
 typedef struct fill_job {
 	const kl_node *n;
+	uint64_t seed; /* rand/randn: the key (the attribute or the key inputs) */
 	char *out;
 } fill_job;
 
-static void fill(const kl_node *n, char *out, int64_t lo, int64_t hi);
+static void fill(const kl_node *n, uint64_t seed, char *out, int64_t lo, int64_t hi);
 
 static void fill_chunk(void *arg, int64_t lo, int64_t hi)
 {
 	const fill_job *j = arg;
-	fill(j->n, j->out, lo, hi);
+	fill(j->n, j->seed, j->out, lo, hi);
 }
 
-static void fill(const kl_node *n, char *out, int64_t lo, int64_t hi)
+static void fill(const kl_node *n, uint64_t seed, char *out, int64_t lo, int64_t hi)
 {
 	kl_dtype dt = (kl_dtype)n->dtype;
 	switch ((kl_op)n->op) {
@@ -63,7 +64,6 @@ static void fill(const kl_node *n, char *out, int64_t lo, int64_t hi)
 	}
 	case KL_OP_RAND: {
 		/* kl__rand_uniform_as keeps [0, 1) in the 16-bit floats too */
-		uint64_t seed = n->a.seed;
 		if (dt == KL_F32) {
 			float *o = (float *)(void *)out;
 			for (int64_t i = lo; i < hi; i++)
@@ -78,10 +78,10 @@ static void fill(const kl_node *n, char *out, int64_t lo, int64_t hi)
 		if (dt == KL_F32) {
 			float *o = (float *)(void *)out;
 			for (int64_t i = lo; i < hi; i++)
-				o[i] = (float)kl__rand_normal(n->a.seed, (uint64_t)i);
+				o[i] = (float)kl__rand_normal(seed, (uint64_t)i);
 		} else {
 			for (int64_t i = lo; i < hi; i++)
-				kl__store(out, dt, i, kl__rand_normal(n->a.seed, (uint64_t)i));
+				kl__store(out, dt, i, kl__rand_normal(seed, (uint64_t)i));
 		}
 		break;
 	default:
@@ -89,7 +89,7 @@ static void fill(const kl_node *n, char *out, int64_t lo, int64_t hi)
 	}
 }
 
-kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out)
+kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	if (n->op != KL_OP_FULL && n->op != KL_OP_ARANGE && n->op != KL_OP_RAND &&
 	    n->op != KL_OP_RANDN)
@@ -100,14 +100,24 @@ kl_status kl__cpu_source(kl_ctx *ctx, const kl_node *n, kl_tensor *out)
 		               (int)n->dtype);
 	int64_t total = kl__numel(n->ndim, n->shape);
 	char *o = kl__tensor_data(out);
+	uint64_t seed = n->a.seed;
+	if (n->nin == 2) { /* rand/randn keyed at run time: two 0-dim i32 words */
+		if (in[0]->dtype != KL_I32 || in[1]->dtype != KL_I32 || in[0]->ndim || in[1]->ndim)
+			return kl__err(ctx, KL_EINVAL, "kl_%s: the key must be two 0-dim i32 words",
+			               kl__cpu_opname(n));
+		int32_t lo, hi;
+		memcpy(&lo, kl__tensor_data(in[0]), 4);
+		memcpy(&hi, kl__tensor_data(in[1]), 4);
+		seed = kl__rand_key(lo, hi);
+	}
 	int nt = kl__cpu_threads(ctx);
 	/* rand/randn cost a Philox round per element: parallel pays earlier */
 	int64_t par = (n->op == KL_OP_RAND || n->op == KL_OP_RANDN) ? 4096 : KL_CPU_PAR_MIN;
 	if (nt > 1 && total >= par) {
-		fill_job j = {n, o};
+		fill_job j = {n, seed, o};
 		kl__par_for(nt, total, fill_chunk, &j);
 	} else {
-		fill(n, o, 0, total);
+		fill(n, seed, o, 0, total);
 	}
 	return KL_OK;
 }
