@@ -1136,6 +1136,8 @@ static void test_grads_left_fullgraph(void **state)
 		kl_release(ms[i]->w);
 		kl_release(ms[i]->b);
 	}
+}
+
 /* retain_graph: a second backward through the same graph adds the same
  * gradient again (against float64), a second loss over a shared forward
  * works after the first, the graph is consumed by the first backward
