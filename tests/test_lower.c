@@ -1060,6 +1060,16 @@ static void test_diff_reduce(void **state)
 	big.nax = 0;
 	in[0] = rnd(KL_F32, SHP(70000), KLTEST_NORMAL, KLTEST_CONTIG);
 	add_case("mean f32 of all (parallel pass)", b_reduce, &big, 1, in, 16.0, NULL);
+	/* whole-tensor float sums split into partial rows (decompose.c's
+	 * split_sum): bf16 through f32 partials, keepdim, a strided input, and
+	 * a count that only 16 divides */
+	opp all = {.op = KL_OP_SUM, .nax = 0, .keep = true};
+	in[0] = rnd(KL_BF16, SHP(8, 64, 130), KLTEST_NORMAL, (kltest_layout)1);
+	add_case("sum bf16 of all, keepdim, strided (split)", b_reduce, &all, 1, in, 16.0, NULL);
+	all.op = KL_OP_MEAN;
+	all.keep = false;
+	in[0] = rnd(KL_F64, SHP(16, 1031), KLTEST_NORMAL, KLTEST_CONTIG);
+	add_case("mean f64 of all (split in 16)", b_reduce, &all, 1, in, 16.0, NULL);
 	int f = run_cases("reduce");
 	assert_int_equal(f, 0);
 }

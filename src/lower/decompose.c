@@ -142,9 +142,75 @@ static kl_dtype work_dt(kl_dtype dt)
 	return (dt == KL_F16 || dt == KL_BF16 || !kl_dtype_is_float(dt)) ? KL_F32 : dt;
 }
 
+static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape);
+
+/* any dim of the source node being decomposed, or of its first input,
+ * dynamic (the runtime binds its size per call) */
+static bool sym_node(dctx *d, const kl_node *s)
+{
+	const int32_t *sym = d->L->src_sym;
+	if (!sym)
+		return false;
+	int32_t ids[2] = {d->cur, s->nin > 0 ? s->in[0] : d->cur};
+	for (int i = 0; i < 2; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (sym[ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+/* A float sum over every element of a large tensor (a loss's mean, a
+ * gradient norm) as partial sums of nb rows, then their sum: as one row it
+ * is one block of a CUDA kernel (one SM for 8M elements: a 25 ms training
+ * step spent most of its time there) and one thread of the generated C.
+ * nb is the largest power of two from 256 down to 16 that divides the
+ * count into rows at least 1024 long; the partials are in x's dtype, which callers make f32 or f64.
+ * -2: not such a sum (the caller reduces as usual). */
+static int64_t split_rows(dctx *d, const kl_node *src, const kl_node *a, uint32_t axes)
+{
+	if (sym_node(d, src) || a->ndim == 0 || axes != (1u << a->ndim) - 1)
+		return 0;
+	int64_t n = kl__numel(a->ndim, a->shape);
+	for (int64_t nb = 256; nb >= 16; nb /= 2)
+		if (n % nb == 0 && n / nb >= 1024)
+			return nb;
+	return 0;
+}
+
+static int32_t split_sum(dctx *d, const kl_node *src, int32_t x, uint32_t axes, bool keepdim)
+{
+	if (x < 0)
+		return -1;
+	int64_t nb = split_rows(d, src, nd(d, x), axes);
+	const kl_node *a = nd(d, x);
+	kl_dtype dt = (kl_dtype)a->dtype;
+	if (nb == 0 || (dt != KL_F32 && dt != KL_F64))
+		return -2;
+	int64_t n = kl__numel(a->ndim, a->shape);
+	int ndim = a->ndim;
+	int64_t rows[2] = {nb, n / nb}, ones[KL_MAX_DIMS];
+	for (int i = 0; i < ndim; i++)
+		ones[i] = 1;
+	kl_node c = mk(KL_OP_CONTIGUOUS, dt, ndim, a->shape, 1);
+	c.in[0] = x;
+	int32_t r = view(d, KL_OP_RESHAPE, add(d, &c), 2, rows);
+	int32_t part = red(d, KL_OP_SUM, r, 1u << 1, false);
+	int32_t t = red(d, KL_OP_SUM, part, 1u << 0, false);
+	return keepdim ? view(d, KL_OP_RESHAPE, t, ndim, ones) : t;
+}
+
 static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
 {
 	int32_t s = red(d, KL_OP_SUM, x, axes, keepdim);
+	return bin_s(d, KL_OP_MUL, s, 1.0 / count(nd(d, x), axes));
+}
+
+/* mean for a MEAN node src: a whole-tensor one split as split_sum says */
+static int32_t mean_of(dctx *d, const kl_node *src, int32_t x, uint32_t axes, bool keepdim)
+{
+	int32_t s = split_sum(d, src, x, axes, keepdim);
+	if (s == -2)
+		return mean(d, x, axes, keepdim);
 	return bin_s(d, KL_OP_MUL, s, 1.0 / count(nd(d, x), axes));
 }
 
@@ -515,7 +581,16 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 	}
 	case KL_OP_MEAN: {
 		int32_t x = cast(d, in[0], C);
-		return cast(d, mean(d, x, s->a.axes, s->a.keepdim), D);
+		return cast(d, mean_of(d, s, x, s->a.axes, s->a.keepdim), D);
+	}
+	case KL_OP_SUM: {
+		/* a float whole-tensor sum in partials (split_sum), in f32 for
+		 * f16/bf16 so that the partials are not rounded to 16 bits */
+		if (kl_dtype_is_float(D) && in[0] >= 0 && split_rows(d, s, nd(d, in[0]), s->a.axes))
+			return cast(d, split_sum(d, s, cast(d, in[0], C), s->a.axes, s->a.keepdim), D);
+		kl_node n = *s;
+		n.in[0] = in[0];
+		return add(d, &n);
 	}
 	case KL_OP_VAR: {
 		int32_t x = cast(d, in[0], C);
