@@ -1,0 +1,104 @@
+/* jit_load.c - loading the CPU kernels' shared object: from a path (the
+ * disk cache) or from bytes in memory (a package), then one function
+ * pointer per kernel. No compiler here: the runtime library (libkiln_rt)
+ * carries this file and not toolchain.c.
+ */
+#define _GNU_SOURCE /* memfd_create */
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "backend/cpu/cpu.h"
+
+kl_status kl__jit_symbols(kl_ctx *ctx, void *h, char *const *names, int32_t n, kl_kernel_fn *fns)
+{
+	for (int32_t i = 0; i < n; i++) {
+		void *sym = dlsym(h, names[i]);
+		if (!sym)
+			return kl__err(ctx, KL_EFORMAT, "kiln: kernel %s is missing from its binary",
+			               names[i]);
+		/* POSIX guarantees object and function pointers convert; C does not,
+		 * so go through memcpy rather than a cast the compiler flags */
+		memcpy(&fns[i], &sym, sizeof sym);
+	}
+	return KL_OK;
+}
+
+kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int32_t n, void **dl,
+                       kl_kernel_fn *fns)
+{
+	*dl = NULL;
+	void *h = dlopen(so_path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		const char *e = dlerror();
+		return kl__err(ctx, KL_ECOMPILE, "kl_compile: cannot load %s: %s", so_path,
+		               e ? e : "dlopen failed");
+	}
+	if (kl__jit_symbols(ctx, h, names, n, fns) != KL_OK) {
+		dlclose(h);
+		return KL_ECOMPILE;
+	}
+	*dl = h;
+	return KL_OK;
+}
+
+bool kl__jit_plan_digest(void *dl, uint64_t *out)
+{
+	void *sym = dl ? dlsym(dl, "kl_plan_digest") : NULL;
+	if (!sym)
+		return false;
+	unsigned long long (*fn)(void);
+	memcpy(&fn, &sym, sizeof sym); /* as kl__jit_load does */
+	*out = (uint64_t)fn();
+	return true;
+}
+
+void kl__jit_unload(void *dl)
+{
+	if (dl)
+		dlclose(dl);
+}
+
+static bool write_fd(int fd, const uint8_t *p, size_t n)
+{
+	while (n > 0) {
+		ssize_t w = write(fd, p, n);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return false;
+		p += w;
+		n -= (size_t)w;
+	}
+	return true;
+}
+
+kl_status kl__jit_load_image(kl_ctx *ctx, const void *bytes, size_t len, void **dl)
+{
+	*dl = NULL;
+	char path[64];
+	int fd = memfd_create("kiln-kernels", MFD_CLOEXEC);
+	if (fd < 0)
+		return kl__err(ctx, KL_EIO, "kl_package_load: cannot create an in-memory file: %s",
+		               strerror(errno));
+	snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+	if (!write_fd(fd, bytes, len)) {
+		int e = errno;
+		close(fd);
+		return kl__err(ctx, KL_EIO, "kl_package_load: cannot write the kernels: %s",
+		               strerror(e));
+	}
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	close(fd); /* the mapping keeps the image */
+	if (!h) {
+		const char *e = dlerror();
+		return kl__err(ctx, KL_EFORMAT, "kl_package_load: cannot load the kernels: %s",
+		               e ? e : "dlopen failed");
+	}
+	*dl = h;
+	return KL_OK;
+}
