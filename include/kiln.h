@@ -654,7 +654,7 @@ kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, 
  * would a shared library. */
 
 /* Input `input`'s dim `dim` is dynamic, named `name` (1-63 bytes of
- * [A-Za-z0-9_.:/-]) over [min, max]; the same name ties dims of several
+ * [A-Za-z0-9_.:/+-]) over [min, max]; the same name ties dims of several
  * inputs (they must be equal at every call). The example's size must lie in
  * the range and be at least 2 (a size of 0 or 1 would be specialised). */
 typedef struct kl_dim_spec {

@@ -58,7 +58,7 @@ static kl_status take_dims(kl_ctx *ctx, int nin, kl_tensor *const *ex, const kl_
 		if (!s->name || !kl__pkg_name_ok(s->name) || strlen(s->name) >= 64)
 			return kl__err(ctx, KL_EINVAL,
 			               "kl_export: dims[%d]'s name must be 1-63 bytes of "
-			               "[A-Za-z0-9_.:/-]",
+			               "[A-Za-z0-9_.:/+-]",
 			               k);
 		int64_t v = ex[s->input]->shape[s->dim];
 		if (s->min < 0 || s->max < s->min || v < s->min || v > s->max || v < 2)
@@ -87,12 +87,27 @@ static kl_status take_dims(kl_ctx *ctx, int nin, kl_tensor *const *ex, const kl_
 	return KL_OK;
 }
 
-static const char *param_name(const kl_export_opts *o, const kl_tensor *t)
+/* t's name: the one given for it, else (a buffer that named parameters are
+ * views of, e.g. a FeedForward's packed gate and up weights) their names
+ * joined by '+', into buf; NULL when neither. */
+static const char *param_name(const kl_export_opts *o, const kl_tensor *t, char *buf, size_t cap)
 {
-	for (int i = 0; o && i < o->nparams && o->params && o->param_names; i++)
+	if (!o || !o->params || !o->param_names)
+		return NULL;
+	for (int i = 0; i < o->nparams; i++)
 		if (o->params[i] == t)
 			return o->param_names[i];
-	return NULL;
+	size_t n = 0;
+	buf[0] = '\0';
+	for (int i = 0; i < o->nparams; i++)
+		if (o->params[i] && o->params[i]->st && o->params[i]->st == t->st &&
+		    o->param_names[i]) {
+			int w = snprintf(buf + n, cap - n, "%s%s", n ? "+" : "", o->param_names[i]);
+			if (w < 0 || (size_t)w >= cap - n)
+				return NULL;
+			n += (size_t)w;
+		}
+	return n ? buf : NULL;
 }
 
 static void fill_tensor(kl_pkg_tensor *pt, const char *name, kl_dtype dt, int ndim,
@@ -159,7 +174,7 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		}
 		if (!kl__pkg_name_ok(name)) {
 			free(masks);
-			kl__err(ctx, KL_EINVAL, "kl_export: input %d's name must be [A-Za-z0-9_.:/-]", i);
+			kl__err(ctx, KL_EINVAL, "kl_export: input %d's name must be [A-Za-z0-9_.:/+-]", i);
 			return fail(e);
 		}
 		fill_tensor(&m->in[i], name, x->dtype, x->ndim, x->shape);
@@ -259,13 +274,14 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		kl_tensor *t = v->captured[k];
 		char nm[32];
 		snprintf(nm, sizeof nm, "captured.%d", k);
-		const char *name = param_name(o, t);
+		char joined[KL_PKG_NAME_MAX];
+		const char *name = param_name(o, t, joined, sizeof joined);
 		if (!name)
 			name = nm;
 		if (!kl__pkg_name_ok(name)) {
 			kl__err(ctx, KL_EINVAL,
 			        "kl_export: parameter name '%.40s' must be 1-127 bytes of "
-			        "[A-Za-z0-9_.:/-]",
+			        "[A-Za-z0-9_.:/+-]",
 			        name);
 			return fail(e);
 		}
@@ -298,7 +314,7 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 			return fail(e);
 		}
 		if (!kl__pkg_name_ok(name)) {
-			kl__err(ctx, KL_EINVAL, "kl_export: output %d's name must be [A-Za-z0-9_.:/-]", k);
+			kl__err(ctx, KL_EINVAL, "kl_export: output %d's name must be [A-Za-z0-9_.:/+-]", k);
 			return fail(e);
 		}
 		m->outsrc[k] = v->out_src[k];

@@ -619,8 +619,10 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int
 				in = &c->prog.bufs[b];
 		c->plan_syms[k] = in ? in->shape[c->prog.sym_dim[k]].v : 0;
 	}
+	/* static plans too: the check that every library step stays inside its
+	 * buffers (a package's plan has no graph to be checked against) */
 	char berr[160];
-	if (c->dynamic && kl__program_bind(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
+	if (kl__program_bind(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
 		kl__err(ctx, KL_EFORMAT, "kl_package_load: the plan does not fit its sizes: %s", berr);
 		kl__compiled_free(c);
 		return NULL;

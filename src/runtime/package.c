@@ -186,7 +186,7 @@ static uint64_t r_u64(rbuf *r)
 	return v;
 }
 
-/* A name of [A-Za-z0-9_.:/-], 1..cap-1 bytes (names reach text output
+/* A name of [A-Za-z0-9_.:/+-], 1..cap-1 bytes (names reach text output
  * only, never generated source). */
 static bool r_name(rbuf *r, char *out, size_t cap)
 {
@@ -211,7 +211,7 @@ bool kl__pkg_name_ok(const char *s)
 		return false;
 	for (; *s; s++)
 		if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') ||
-		      strchr("_.:/-", *s)))
+		      strchr("_.:/+-", *s)))
 			return false;
 	return true;
 }
@@ -390,7 +390,7 @@ static kl_status weights_write(kl_ctx *ctx, wbuf *w, kl_pkg_manifest *m, kl_tens
 		t->off = off;
 		off += t->nbytes;
 	}
-	/* JSON: names are [A-Za-z0-9_.:/-] (checked at export), no escaping */
+	/* JSON: names are [A-Za-z0-9_.:/+-] (checked at export), no escaping */
 	wbuf js = {0};
 	const char *head = "{\"__metadata__\":{\"format\":\"kiln-package\"}";
 	w_bytes(&js, head, strlen(head));
@@ -1021,6 +1021,11 @@ kl_package *kl_package_load_buffer(kl_ctx *ctx, const void *data, size_t len)
 	}
 	return wrap(ctx, kl__pkg_open(ctx, "kl_package_load_buffer", (void *)(uintptr_t)data, len,
 	                              false));
+}
+
+const kl_pkg_manifest *kl__package_manifest(const kl_package *p)
+{
+	return &p->p->m;
 }
 
 int kl_package_ninputs(const kl_package *p)

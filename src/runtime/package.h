@@ -44,7 +44,7 @@ typedef struct kl_pkg_manifest {
 
 /* The checksum of each section (fast enough for weights). */
 uint64_t kl__pkg_sum(const uint8_t *p, size_t n);
-/* A name a manifest may hold: 1..127 bytes of [A-Za-z0-9_.:/-]. */
+/* A name a manifest may hold: 1..127 bytes of [A-Za-z0-9_.:/+-]. */
 bool kl__pkg_name_ok(const char *s);
 void kl__pkg_manifest_free(kl_pkg_manifest *m);
 /* The target this process runs: "cpu-<arch>". */
@@ -70,6 +70,8 @@ const kl_pkg_manifest *kl__pkg_manifest(const kl_pkg *p);
 /* Run with inputs checked against the manifest (dtype, rank, static sizes,
  * dynamic dims in range and tied dims equal). */
 kl_status kl__pkg_run(kl_pkg *p, kl_tensor *const *in, kl_tensor **out);
+/* The manifest of a loaded public package (fuzz target, tools' tests). */
+const kl_pkg_manifest *kl__package_manifest(const kl_package *p);
 /* Manifest, kernels, section sizes, target as text. */
 void kl__pkg_print(const kl_pkg *p, FILE *f);
 
