@@ -209,20 +209,20 @@ static bool sym_buf(const kl_buf *b)
 /* Does operand buffer id, reaching element ext (-1: empty), fit at syms? An
  * input with static dims keeps the strides it was traced with (checked by
  * kl__compile), so only its symbolic peers are checked here. */
-static bool fits(const kl_program *p, int32_t id, int64_t ext, const int64_t *syms)
+static bool fits(const kl_program *p, int32_t id, int64_t ext, const int64_t *syms, bool dense)
 {
 	const kl_buf *b = &p->bufs[id];
 	if (ext == -1)
 		return true;
 	if (ext < 0)
 		return false;
-	if (b->role == KL_BUF_INPUT && !sym_buf(b))
+	if (b->role == KL_BUF_INPUT && !sym_buf(b) && !dense)
 		return true;
 	int64_t n = numel_at(b, syms);
 	return n >= 0 && ext < n;
 }
 
-kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap)
+static kl_status bind(kl_program *p, const int64_t *syms, bool dense, char *err, size_t cap)
 {
 	for (int32_t i = 0; i < p->nsymf; i++) {
 		const kl_symf *f = &p->symf[i];
@@ -241,7 +241,7 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			for (int w = 0; w < 5; w++) {
 				if ((w == 3 && !mm->has_r) || (w == 4 && !mm->has_bias))
 					continue;
-				if (!fits(p, ids[w], kl__mm_extent(mm, w), syms))
+				if (!fits(p, ids[w], kl__mm_extent(mm, w), syms, dense))
 					return kl__plan_fail(err, cap,
 					                     "step %d: matmul operand %c reaches outside its "
 					                     "buffer at these sizes",
@@ -251,7 +251,7 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			const kl_attn_step *a = &sp->at;
 			int32_t ids[4] = {a->q, a->k, a->v, a->o};
 			for (int w = 0; w < 4; w++)
-				if (!fits(p, ids[w], kl__attn_extent(a, w), syms))
+				if (!fits(p, ids[w], kl__attn_extent(a, w), syms, dense))
 					return kl__plan_fail(err, cap,
 					                     "step %d: attention operand %c reaches outside its "
 					                     "buffer at these sizes",
@@ -260,7 +260,7 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			const kl_cw_step *c = &sp->cw;
 			int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
 			for (int w = 0; w < 4; w++)
-				if (!fits(p, ids[w], kl__cw_extent(c, w), syms))
+				if (!fits(p, ids[w], kl__cw_extent(c, w), syms, dense))
 					return kl__plan_fail(err, cap,
 					                     "step %d: cache write operand %s reaches outside "
 					                     "its buffer at these sizes",
@@ -275,6 +275,16 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 		}
 	}
 	return KL_OK;
+}
+
+kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap)
+{
+	return bind(p, syms, false, err, cap);
+}
+
+kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, size_t cap)
+{
+	return bind(p, syms, true, err, cap);
 }
 
 static bool in_ids(const int32_t *ids, int32_t n, int32_t b)

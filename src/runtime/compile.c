@@ -574,12 +574,13 @@ fail:
 	return NULL;
 }
 
-kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int nin, int nout)
+kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *prog, void *dl, int nin,
+                                    int nout)
 {
 	kl_compiled *c = calloc(1, sizeof *c);
 	if (!c) {
 		kl__jit_unload(dl);
-		kl__err(ctx, KL_ENOMEM, "kl_package_load: out of memory");
+		kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
 		return NULL;
 	}
 	kl__graph_init(&c->g);
@@ -606,7 +607,7 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int
 		kl__contig_strides(bf->ndim, shape, c->in_strides[bf->index]);
 	}
 	if (c->prog.nkernels > 0 &&
-	    kl__jit_symbols(ctx, dl, c->prog.kernel_names, c->prog.nkernels, c->fns) != KL_OK) {
+	    kl__jit_symbols(ctx, fn, KL_EFORMAT, dl, c->prog.kernel_names, c->prog.nkernels, c->fns) != KL_OK) {
 		kl__compiled_free(c);
 		return NULL;
 	}
@@ -622,8 +623,9 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int
 	/* static plans too: the check that every library step stays inside its
 	 * buffers (a package's plan has no graph to be checked against) */
 	char berr[160];
-	if (kl__program_bind(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
-		kl__err(ctx, KL_EFORMAT, "kl_package_load: the plan does not fit its sizes: %s", berr);
+	if (kl__program_bind_dense(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
+		kl__err(ctx, KL_EFORMAT, "%s: bad package: the plan does not fit its sizes: %s", fn,
+		        berr);
 		kl__compiled_free(c);
 		return NULL;
 	}
@@ -632,6 +634,6 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int
 	return c;
 oom:
 	kl__compiled_free(c);
-	kl__err(ctx, KL_ENOMEM, "kl_package_load: out of memory");
+	kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
 	return NULL;
 }

@@ -100,8 +100,10 @@ void kl__compiled_free(kl_compiled *c);
 /* A compiled variant made from a plan read from a package (already
  * validated and bound to the binary by the caller): every graph input bound
  * dense, dynamic where a dim is a symbol; its kernels from the loaded
- * shared object dl (taken over: freed with c). No graph (c->g is empty). */
-kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, kl_program *prog, void *dl, int nin, int nout);
+ * shared object dl (taken over: freed with c). No graph (c->g is empty).
+ * Errors name fn. */
+kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *prog, void *dl, int nin,
+                                    int nout);
 
 /* Run c: inputs[i] is graph input i (materialized, the dtype/shape/strides it
  * was compiled for, dynamic dims free). outputs[j] receives a reference the

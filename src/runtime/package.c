@@ -484,7 +484,9 @@ kl_status kl__pkg_write(kl_ctx *ctx, const kl_pkg_manifest *m0, const kl_program
 			put_u64(w.p + 8, KL_PKG_FORMAT | ((uint64_t)HDR << 32));
 			put_u64(w.p + 16, w.n);
 			put_u64(w.p + 24, NSECT);
-			snprintf((char *)w.p + 32, 16, "%s", m.target);
+			/* the header's 16 bytes: the target, NUL padded (15 at most) */
+			memset(w.p + 32, 0, 16);
+			memcpy(w.p + 32, m.target, strnlen(m.target, 15));
 			for (int s = 0; s < NSECT; s++) {
 				uint8_t *e = w.p + HDR + 32 * s;
 				put_u64(e, (uint64_t)(s + 1));
@@ -736,7 +738,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 			st = KL_EFORMAT;
 			goto fail;
 		}
-		st = kl__jit_load_image(ctx, sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], &dl);
+		st = kl__jit_load_image(ctx, fn, sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], &dl);
 		if (st != KL_OK) {
 			kl__pkg_free(p);
 			kl__program_free(&prog);
@@ -802,7 +804,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	for (int32_t i = 0; i < prog.nbufs; i++)
 		if (prog.bufs[i].role == KL_BUF_OUTPUT && prog.bufs[i].index + 1 > ngout)
 			ngout = prog.bufs[i].index + 1;
-	p->c = kl__compiled_from_plan(ctx, &prog, dl, p->m.ngin, ngout);
+	p->c = kl__compiled_from_plan(ctx, fn, &prog, dl, p->m.ngin, ngout);
 	dl = NULL;
 	if (!p->c) {
 		st = kl_last_status(ctx);

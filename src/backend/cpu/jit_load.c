@@ -14,12 +14,13 @@
 
 #include "backend/cpu/cpu.h"
 
-kl_status kl__jit_symbols(kl_ctx *ctx, void *h, char *const *names, int32_t n, kl_kernel_fn *fns)
+kl_status kl__jit_symbols(kl_ctx *ctx, const char *fn, kl_status code, void *h, char *const *names,
+                          int32_t n, kl_kernel_fn *fns)
 {
 	for (int32_t i = 0; i < n; i++) {
 		void *sym = dlsym(h, names[i]);
 		if (!sym)
-			return kl__err(ctx, KL_EFORMAT, "kiln: kernel %s is missing from its binary",
+			return kl__err(ctx, code, "%s: kernel %s is missing from its binary", fn,
 			               names[i]);
 		/* POSIX guarantees object and function pointers convert; C does not,
 		 * so go through memcpy rather than a cast the compiler flags */
@@ -38,9 +39,10 @@ kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int
 		return kl__err(ctx, KL_ECOMPILE, "kl_compile: cannot load %s: %s", so_path,
 		               e ? e : "dlopen failed");
 	}
-	if (kl__jit_symbols(ctx, h, names, n, fns) != KL_OK) {
+	kl_status st = kl__jit_symbols(ctx, "kl_compile", KL_ECOMPILE, h, names, n, fns);
+	if (st != KL_OK) {
 		dlclose(h);
-		return KL_ECOMPILE;
+		return st;
 	}
 	*dl = h;
 	return KL_OK;
@@ -77,26 +79,26 @@ static bool write_fd(int fd, const uint8_t *p, size_t n)
 	return true;
 }
 
-kl_status kl__jit_load_image(kl_ctx *ctx, const void *bytes, size_t len, void **dl)
+kl_status kl__jit_load_image(kl_ctx *ctx, const char *fn, const void *bytes, size_t len, void **dl)
 {
 	*dl = NULL;
 	char path[64];
 	int fd = memfd_create("kiln-kernels", MFD_CLOEXEC);
 	if (fd < 0)
-		return kl__err(ctx, KL_EIO, "kl_package_load: cannot create an in-memory file: %s",
+		return kl__err(ctx, KL_EIO, "%s: cannot create an in-memory file: %s", fn,
 		               strerror(errno));
 	snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
 	if (!write_fd(fd, bytes, len)) {
 		int e = errno;
 		close(fd);
-		return kl__err(ctx, KL_EIO, "kl_package_load: cannot write the kernels: %s",
+		return kl__err(ctx, KL_EIO, "%s: cannot write the kernels: %s", fn,
 		               strerror(e));
 	}
 	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	close(fd); /* the mapping keeps the image */
 	if (!h) {
 		const char *e = dlerror();
-		return kl__err(ctx, KL_EFORMAT, "kl_package_load: cannot load the kernels: %s",
+		return kl__err(ctx, KL_EFORMAT, "%s: cannot load the kernels: %s", fn,
 		               e ? e : "dlopen failed");
 	}
 	*dl = h;
