@@ -1030,6 +1030,11 @@ const kl_pkg_manifest *kl__package_manifest(const kl_package *p)
 	return &p->p->m;
 }
 
+const kl_compiled *kl__package_compiled(const kl_package *p)
+{
+	return p->p->c;
+}
+
 int kl_package_ninputs(const kl_package *p)
 {
 	return p ? p->p->m.nin : -1;

@@ -72,6 +72,8 @@ const kl_pkg_manifest *kl__pkg_manifest(const kl_pkg *p);
 kl_status kl__pkg_run(kl_pkg *p, kl_tensor *const *in, kl_tensor **out);
 /* The manifest of a loaded public package (fuzz target, tools' tests). */
 const kl_pkg_manifest *kl__package_manifest(const kl_package *p);
+/* Its compiled plan (memory plan at the traced sizes: arena_bytes, out_bytes). */
+const kl_compiled *kl__package_compiled(const kl_package *p);
 /* Manifest, kernels, section sizes, target as text. */
 void kl__pkg_print(const kl_pkg *p, FILE *f);
 
