@@ -139,6 +139,31 @@ static void reseal(uint8_t *b, size_t len)
 	memcpy(b + 56, &h, 8);
 }
 
+/* The multiply-adds of c's library steps at their traced sizes, saturating:
+ * a plan may ask for any work too (zero batch strides make a huge product
+ * over a small buffer), which the fuzzer skips rather than times out on. */
+static double plan_work(const kl_compiled *c)
+{
+	double w = 0;
+	for (int32_t s = 0; s < c->prog.nsteps; s++) {
+		const kl_step *sp = &c->prog.steps[s];
+		double b = 1;
+		if (sp->kind == KL_STEP_MATMUL) {
+			for (int i = 0; i < sp->mm.nbatch; i++)
+				b *= (double)sp->mm.batch[i];
+			w += b * (double)sp->mm.m * (double)sp->mm.n * ((double)sp->mm.k + 1);
+		} else if (sp->kind == KL_STEP_ATTENTION) {
+			for (int i = 0; i < sp->at.nbatch; i++)
+				b *= (double)sp->at.batch[i];
+			w += b * (double)sp->at.tq * ((double)sp->at.tk + 1) *
+			     ((double)sp->at.d + (double)sp->at.dv + 1);
+		} else if (sp->kind == KL_STEP_CACHE_WRITE)
+			w += (double)sp->cw.rows * (double)sp->cw.outer * (double)sp->cw.s *
+			     (double)sp->cw.inner;
+	}
+	return w;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	uint8_t *b = malloc(size ? size : 1);
@@ -157,11 +182,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	const kl_compiled *c = kl__package_compiled(p);
 	kl_scope_begin(ctx);
 	kl_tensor *in[64] = {0}, *out[64] = {0};
-	/* a plan may ask for any memory (a package is trusted like a shared
-	 * library): runs needing more than 64 MiB are skipped, not fuzzed into
-	 * libFuzzer's malloc limit (kiln answers KL_ENOMEM when it gets none) */
+	/* a plan may ask for any memory or work (a package is trusted like a
+	 * shared library): runs needing more than 64 MiB or 1e8 multiply-adds
+	 * are skipped, not fuzzed into libFuzzer's limits (kiln answers
+	 * KL_ENOMEM when it gets no memory) */
 	bool ok = m->nin <= 64 && m->nout <= 64 &&
-	          c->plan.arena_bytes + c->plan.out_bytes < ((size_t)64 << 20);
+	          c->plan.arena_bytes + c->plan.out_bytes < ((size_t)64 << 20) &&
+	          plan_work(c) < 1e8;
 	for (int i = 0; ok && i < m->nin; i++) {
 		const kl_pkg_tensor *t = &m->in[i];
 		uint64_t n = 1;
