@@ -587,8 +587,11 @@ static kl_status check_against_plan(const kl_pkg_manifest *m, const kl_program *
 			                     kl_dtype_name(bf->dtype), bf->ndim);
 		for (int d = 0; d < bf->ndim; d++) {
 			const kl_symdim *sd = &bf->shape[d];
-			bool ok = sd->sym > 0 ? sd->sym <= p->nsyms && t->dim[d] == symdim[sd->sym - 1]
-			                      : t->dim[d] < 0 && t->shape[d] == sd->v;
+			/* traced sizes equal too: the memory plan made at load is the
+			 * manifest's */
+			bool ok = t->shape[d] == sd->v &&
+			          (sd->sym > 0 ? sd->sym <= p->nsyms && t->dim[d] == symdim[sd->sym - 1]
+			                       : t->dim[d] < 0);
 			if (!ok)
 				return kl__plan_fail(err, cap,
 				                     "%s '%s' dim %d does not match the plan's (%s)", kind,
