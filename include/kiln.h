@@ -669,6 +669,75 @@ kl_status kl_fn_dim_state(const kl_fn *f, int v, int input, int dim, kl_dim_stat
 typedef kl_status (*kl_host_fn)(kl_ctx *ctx, kl_tensor *const *ts, int n, void *user);
 kl_status kl_host_call(kl_ctx *ctx, kl_host_fn fn, kl_tensor *const *ts, int n, void *user);
 
+/* ---- export and AOT packages ------------------------------------------------
+ * kl_export traces fn once on example inputs into one whole graph (a sync
+ * point inside fn is an error naming the op and the number of ops before
+ * it: never a silent split), with its parameters (the tensors fn reaches
+ * through user) by name, the dims declared dynamic kept symbolic over their
+ * [min, max] ranges, and the constraints the trace relied on. A package is
+ * one versioned, checksummed file: a manifest (inputs, outputs, dtypes, dim
+ * names and ranges, parameters, target), the plan, the kernels' native code
+ * (on the CPU a shared object built for this host's CPU) and the weights (a
+ * safetensors file). Loading one runs no compiler; it checks the format
+ * version, the target, every checksum and the manifest against the plan.
+ * A package carries native code: load only packages you trust, as you
+ * would a shared library. */
+
+/* Input `input`'s dim `dim` is dynamic, named `name` (1-63 bytes of
+ * [A-Za-z0-9_.:/+-]) over [min, max]; the same name ties dims of several
+ * inputs (they must be equal at every call). The example's size must lie in
+ * the range and be at least 2 (a size of 0 or 1 would be specialised). */
+typedef struct kl_dim_spec {
+	int input, dim;
+	const char *name;
+	int64_t min, max;
+} kl_dim_spec;
+
+typedef struct kl_export_opts {
+	int ndims;
+	const kl_dim_spec *dims;
+	/* names of the parameters (state-dict keys): params[i] is called
+	 * param_names[i]; a tensor fn captures that is not listed is named
+	 * "captured.<k>". kiln_nn.h's kl_nn_params gives a module's. */
+	int nparams;
+	kl_tensor *const *params;
+	const char *const *param_names;
+	const char *const *input_names;  /* nin names, or NULL: "input0", ... */
+	const char *const *output_names; /* nout names, or NULL: "output0", ... */
+} kl_export_opts;
+
+typedef struct kl_exported kl_exported;
+/* Trace fn on example (nin dense tensors) and compile it once for the CPU.
+ * NULL and an error naming the reason: a sync point, a dynamic dim the
+ * graph must keep static (with why), an example outside its range, an
+ * output that is an input returned as is, a write in place into an input. */
+kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
+                       kl_tensor *const *example, const kl_export_opts *opts);
+/* The program as text: inputs, outputs, dims, parameters, constraints,
+ * graph. */
+kl_status kl_exported_print(const kl_exported *e, FILE *out);
+/* AOT: write the package file (atomically: a temporary file, then rename). */
+kl_status kl_exported_package(kl_exported *e, const char *path);
+void kl_exported_free(kl_exported *e);
+
+typedef struct kl_package kl_package;
+/* Map and check a package (its weights are borrowed from the mapping). */
+kl_package *kl_package_load(kl_ctx *ctx, const char *path);
+/* The same from len bytes in memory (copied where they must be: the buffer
+ * may be freed once this returns). */
+kl_package *kl_package_load_buffer(kl_ctx *ctx, const void *data, size_t len);
+int kl_package_ninputs(const kl_package *p);
+int kl_package_noutputs(const kl_package *p);
+const char *kl_package_input_name(const kl_package *p, int i);  /* NULL out of range */
+const char *kl_package_output_name(const kl_package *p, int i); /* NULL out of range */
+/* Run: in[] checked against the manifest (dtype, rank, static sizes, each
+ * dynamic dim in its range, tied dims equal, dense); out[] receives new
+ * references. */
+kl_status kl_package_run(kl_package *p, kl_tensor *const *in, kl_tensor **out);
+/* Manifest, kernels, section sizes and target as text (kiln inspect). */
+kl_status kl_package_inspect(const kl_package *p, FILE *out);
+void kl_package_free(kl_package *p);
+
 /* ---- losses and training ops ---------------------------------------------
  * Composites of the ops above (so gradients flow through their rules); each
  * returns a new tensor like any op, or NULL and an error naming the call. */

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fuzz.sh TARGET SECONDS [libFuzzer flags...] - build kiln's libFuzzer targets
 # (build-fuzz/: clang, -fsanitize=fuzzer,address,undefined) and run one of
-# them for SECONDS: json, safetensors, cache or fn_call (fuzz/fuzz_*.c).
+# them for SECONDS: json, safetensors, cache, fn_call or package (fuzz/fuzz_*.c).
 # It starts from fuzz/corpus/TARGET (committed), the seeds the target writes
 # itself and what earlier runs kept (build-fuzz/fuzz/work-TARGET/new), and
 # ends with the executions, coverage (libFuzzer's cov: edges, ft: features)

@@ -35,6 +35,7 @@ fi
 # Nothing may reach back into the build or source tree: build from a copy.
 mkdir "$work/examples"
 cp "$src/examples/CMakeLists.txt" "$src/examples/eager.c" "$src/examples/decoder_stack.c" "$src/examples/generate.c" \
+	"$src/examples/export_decoder.c" "$src/examples/package_server.c" \
 	"$work/examples/"
 
 check_output() { # name file

@@ -33,6 +33,8 @@ typedef struct kl_storage {
 	 * (kl__storage_written): the version counter compiled functions guard
 	 * the tensors they captured with. Views share it with their base. */
 	uint64_t version;
+	/* the memory is someone else's (a package's mapping): never freed here */
+	bool borrowed;
 } kl_storage;
 
 struct kl_trace; /* capture/trace.h */
@@ -244,6 +246,10 @@ double kl__now_ms(void);
 kl_tensor *kl__tensor_new(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
 /* A tensor with fresh dense storage (contents undefined). */
 kl_tensor *kl__tensor_alloc(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape);
+/* A dense tensor over memory the caller keeps alive and frees (the weights
+ * of a loaded package, borrowed from its mapping): storage marked borrowed. */
+kl_tensor *kl__tensor_borrow(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, void *data,
+                             size_t nbytes);
 /* A view of base's storage with the given geometry. */
 kl_tensor *kl__tensor_view(kl_tensor *base, int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t offset);

@@ -62,10 +62,31 @@ static void tensor_destroy(kl_tensor *t)
 		t->next->prev = t->prev;
 	kl_release(t->grad);
 	if (t->st && --t->st->refs == 0) {
-		ctx->be->free(ctx, t->st->data);
+		if (!t->st->borrowed)
+			ctx->be->free(ctx, t->st->data);
 		free(t->st);
 	}
 	free(t);
+}
+
+kl_tensor *kl__tensor_borrow(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, void *data,
+                             size_t nbytes)
+{
+	kl_storage *st = calloc(1, sizeof *st);
+	kl_tensor *t = st ? kl__tensor_new(ctx, dt, ndim, shape) : NULL;
+	if (!t) {
+		free(st);
+		if (kl_last_status(ctx) == KL_OK)
+			kl__err(ctx, KL_ENOMEM, "kl_tensor: out of memory");
+		return NULL;
+	}
+	st->refs = 1;
+	st->device = ctx->device;
+	st->data = data;
+	st->nbytes = nbytes;
+	st->borrowed = true;
+	t->st = st;
+	return t;
 }
 
 kl_tensor *kl__tensor_alloc(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape)

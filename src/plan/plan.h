@@ -260,6 +260,10 @@ int64_t *kl__step_field(kl_step *sp, int field);
  * with symbolic dims are dense, as the runtime binds them). KL_EFORMAT with
  * the reason in err when one would reach outside. */
 kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap);
+/* The same where every input is bound dense at its shape (AOT packages,
+ * whose plans have no graph to be checked against): static inputs are
+ * checked too. */
+kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, size_t cap);
 
 /* Format a plan's rejection into err (cap bytes; err may be NULL) and
  * return KL_EFORMAT: the one error path of plan_io.c and the runtime's

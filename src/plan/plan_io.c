@@ -87,16 +87,22 @@ static int64_t buf_numel(const kl_buf *b)
 
 /* The largest element index an operand addresses, or -1 when the operand is
  * empty; -2 on overflow or a negative stride. */
-static int64_t operand_extent(int64_t off, int nbatch, const int64_t *batch, const int64_t *bst,
-                              int64_t rows, int64_t rs, int64_t cols, int64_t cs)
+/* pad: an empty dim counts as 1, so that the index arithmetic of an empty
+ * operand (which reads nothing) is checked not to overflow either */
+static int64_t operand_extent_pad(int64_t off, int nbatch, const int64_t *batch, const int64_t *bst,
+                                  int64_t rows, int64_t rs, int64_t cols, int64_t cs, bool pad)
 {
+	if (pad) {
+		rows = rows ? rows : 1;
+		cols = cols ? cols : 1;
+	}
 	if (rows == 0 || cols == 0)
 		return -1;
 	int64_t hi = off, t;
 	for (int i = 0; i < nbatch; i++) {
-		if (batch[i] == 0)
+		if (batch[i] == 0 && !pad)
 			return -1;
-		if (bst[i] < 0 || __builtin_mul_overflow(batch[i] - 1, bst[i], &t) ||
+		if (bst[i] < 0 || __builtin_mul_overflow((batch[i] ? batch[i] : 1) - 1, bst[i], &t) ||
 		    __builtin_add_overflow(hi, t, &hi))
 			return -2;
 	}
@@ -107,41 +113,51 @@ static int64_t operand_extent(int64_t off, int nbatch, const int64_t *batch, con
 	return hi;
 }
 
-int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
+static int64_t mm_ext(const kl_matmul_step *mm, int which, bool pad)
 {
 	switch (which) {
 	case 0:
-		return operand_extent(mm->a_off, mm->nbatch, mm->batch, mm->a_bstride, mm->m,
-		                      mm->a_rs, mm->k, mm->a_cs);
+		return operand_extent_pad(mm->a_off, mm->nbatch, mm->batch, mm->a_bstride, mm->m,
+		                      mm->a_rs, mm->k, mm->a_cs, pad);
 	case 1:
-		return operand_extent(mm->b_off, mm->nbatch, mm->batch, mm->b_bstride, mm->k,
-		                      mm->b_rs, mm->n, mm->b_cs);
+		return operand_extent_pad(mm->b_off, mm->nbatch, mm->batch, mm->b_bstride, mm->k,
+		                      mm->b_rs, mm->n, mm->b_cs, pad);
 	case 2:
-		return operand_extent(mm->c_off, mm->nbatch, mm->batch, mm->c_bstride, mm->m,
-		                      mm->ldc, mm->n, 1);
+		return operand_extent_pad(mm->c_off, mm->nbatch, mm->batch, mm->c_bstride, mm->m,
+		                      mm->ldc, mm->n, 1, pad);
 	case 3:
-		return operand_extent(mm->r_off, mm->nbatch, mm->batch, mm->r_bstride, mm->m,
-		                      mm->r_ld, mm->n, 1);
+		return operand_extent_pad(mm->r_off, mm->nbatch, mm->batch, mm->r_bstride, mm->m,
+		                      mm->r_ld, mm->n, 1, pad);
 	default:
-		return operand_extent(mm->bias_off, 0, NULL, NULL, 1, 0, mm->n, 1);
+		return operand_extent_pad(mm->bias_off, 0, NULL, NULL, 1, 0, mm->n, 1, pad);
 	}
+}
+
+static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
+{
+	switch (which) {
+	case 0:
+		return operand_extent_pad(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d,
+		                      a->q_cs, pad);
+	case 1:
+		return operand_extent_pad(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d,
+		                      a->k_cs, pad);
+	case 2:
+		return operand_extent_pad(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
+		                      a->v_cs, pad);
+	default:
+		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1, pad);
+	}
+}
+
+int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
+{
+	return mm_ext(mm, which, false);
 }
 
 int64_t kl__attn_extent(const kl_attn_step *a, int which)
 {
-	switch (which) {
-	case 0:
-		return operand_extent(a->q_off, a->nbatch, a->batch, a->q_bs, a->tq, a->q_rs, a->d,
-		                      a->q_cs);
-	case 1:
-		return operand_extent(a->k_off, a->nbatch, a->batch, a->k_bs, a->tk, a->k_rs, a->d,
-		                      a->k_cs);
-	case 2:
-		return operand_extent(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
-		                      a->v_cs);
-	default:
-		return operand_extent(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1);
-	}
+	return attn_ext(a, which, false);
 }
 
 int64_t kl__cw_extent(const kl_cw_step *c, int which)
@@ -209,20 +225,20 @@ static bool sym_buf(const kl_buf *b)
 /* Does operand buffer id, reaching element ext (-1: empty), fit at syms? An
  * input with static dims keeps the strides it was traced with (checked by
  * kl__compile), so only its symbolic peers are checked here. */
-static bool fits(const kl_program *p, int32_t id, int64_t ext, const int64_t *syms)
+static bool fits(const kl_program *p, int32_t id, int64_t ext, const int64_t *syms, bool dense)
 {
 	const kl_buf *b = &p->bufs[id];
 	if (ext == -1)
 		return true;
 	if (ext < 0)
 		return false;
-	if (b->role == KL_BUF_INPUT && !sym_buf(b))
+	if (b->role == KL_BUF_INPUT && !sym_buf(b) && !dense)
 		return true;
 	int64_t n = numel_at(b, syms);
 	return n >= 0 && ext < n;
 }
 
-kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap)
+static kl_status bind(kl_program *p, const int64_t *syms, bool dense, char *err, size_t cap)
 {
 	for (int32_t i = 0; i < p->nsymf; i++) {
 		const kl_symf *f = &p->symf[i];
@@ -241,7 +257,8 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			for (int w = 0; w < 5; w++) {
 				if ((w == 3 && !mm->has_r) || (w == 4 && !mm->has_bias))
 					continue;
-				if (!fits(p, ids[w], kl__mm_extent(mm, w), syms))
+				if (!fits(p, ids[w], kl__mm_extent(mm, w), syms, dense) ||
+				    (dense && mm_ext(mm, w, true) < 0))
 					return kl__plan_fail(err, cap,
 					                     "step %d: matmul operand %c reaches outside its "
 					                     "buffer at these sizes",
@@ -251,7 +268,8 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			const kl_attn_step *a = &sp->at;
 			int32_t ids[4] = {a->q, a->k, a->v, a->o};
 			for (int w = 0; w < 4; w++)
-				if (!fits(p, ids[w], kl__attn_extent(a, w), syms))
+				if (!fits(p, ids[w], kl__attn_extent(a, w), syms, dense) ||
+				    (dense && attn_ext(a, w, true) < 0))
 					return kl__plan_fail(err, cap,
 					                     "step %d: attention operand %c reaches outside its "
 					                     "buffer at these sizes",
@@ -260,7 +278,7 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 			const kl_cw_step *c = &sp->cw;
 			int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
 			for (int w = 0; w < 4; w++)
-				if (!fits(p, ids[w], kl__cw_extent(c, w), syms))
+				if (!fits(p, ids[w], kl__cw_extent(c, w), syms, dense))
 					return kl__plan_fail(err, cap,
 					                     "step %d: cache write operand %s reaches outside "
 					                     "its buffer at these sizes",
@@ -275,6 +293,16 @@ kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t
 		}
 	}
 	return KL_OK;
+}
+
+kl_status kl__program_bind(kl_program *p, const int64_t *syms, char *err, size_t cap)
+{
+	return bind(p, syms, false, err, cap);
+}
+
+kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, size_t cap)
+{
+	return bind(p, syms, true, err, cap);
 }
 
 static bool in_ids(const int32_t *ids, int32_t n, int32_t b)

@@ -401,3 +401,26 @@ kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size)
 	*size = n;
 	return KL_OK;
 }
+
+kl_status kl__file_read(const char *path, uint8_t **bytes, size_t *len)
+{
+	const char *why;
+	*bytes = NULL;
+	*len = 0;
+	int fd = open_regular(path, &why);
+	if (fd < 0)
+		return KL_EIO;
+	struct stat st;
+	uint8_t *b = NULL;
+	bool ok = fstat(fd, &st) == 0 && st.st_size >= 0 && (uint64_t)st.st_size <= SIZE_MAX / 2 &&
+	          (b = malloc(st.st_size ? (size_t)st.st_size : 1)) &&
+	          read_all(fd, b, (size_t)st.st_size);
+	close(fd);
+	if (!ok) {
+		free(b);
+		return KL_EIO;
+	}
+	*bytes = b;
+	*len = (size_t)st.st_size;
+	return KL_OK;
+}

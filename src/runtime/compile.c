@@ -206,6 +206,7 @@ void kl__compiled_free(kl_compiled *c)
 	}
 	kl__jit_unload(c->dl);
 	free(c->fns);
+	free(c->bin);
 	kl__program_free(&c->prog);
 	kl__graph_free(&c->g);
 	free(c->in_strides);
@@ -326,6 +327,9 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		if (why) {
 			kl__log(ctx, KL_LOG_CACHE, "entry %s corrupt (%s): rebuilding", so, why);
 			st = KL_EFORMAT;
+		} else if (c->keep_bin && kl__file_read(path, &c->bin, &c->bin_len) != KL_OK) {
+			why = "unreadable";
+			st = KL_EFORMAT;
 		} else if ((st = load_kernels(ctx, c, path)) != KL_OK) {
 			kl__log(ctx, KL_LOG_CACHE, "entry %s unusable (%s): rebuilding", so,
 			        kl_last_error(ctx));
@@ -345,6 +349,9 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		if (st != KL_OK) {
 			free(c->fns);
 			c->fns = NULL;
+			free(c->bin);
+			c->bin = NULL;
+			c->bin_len = 0;
 			kl__program_free(&c->prog);
 			memset(&c->prog, 0, sizeof c->prog);
 			return st;
@@ -436,6 +443,8 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 		free(src);
 		if (st == KL_OK && kl__file_digest(so_tmp, &so_hash, &so_size) != KL_OK)
 			st = kl__err(ctx, KL_EIO, "kl_compile: cannot read back %s", so_tmp);
+		if (st == KL_OK && c->keep_bin && kl__file_read(so_tmp, &c->bin, &c->bin_len) != KL_OK)
+			st = kl__err(ctx, KL_EIO, "kl_compile: cannot read back %s", so_tmp);
 		const char *load_from = so_tmp;
 		if (st == KL_OK && dir) {
 			entry_names(c->key, so_hash, plan, so, sizeof so);
@@ -484,6 +493,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 	}
 	c->mode = cfg->mode;
 	c->fusion = cfg->fusion;
+	c->keep_bin = cfg->keep_binary;
 	c->cuda = ctx->device == KL_CUDA;
 	c->nin = g->ninputs;
 	c->nout = g->noutputs;
@@ -561,5 +571,69 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 fail:
 	symres_free(&sr);
 	kl__compiled_free(c);
+	return NULL;
+}
+
+kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *prog, void *dl, int nin,
+                                    int nout)
+{
+	kl_compiled *c = calloc(1, sizeof *c);
+	if (!c) {
+		kl__jit_unload(dl);
+		kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
+		return NULL;
+	}
+	kl__graph_init(&c->g);
+	c->prog = *prog;
+	memset(prog, 0, sizeof *prog);
+	c->dl = dl;
+	c->from_cache = true;
+	c->nin = nin;
+	c->nout = nout;
+	c->in_strides = calloc((size_t)(nin ? nin : 1), sizeof *c->in_strides);
+	c->in_dynamic = calloc((size_t)(nin ? nin : 1), sizeof *c->in_dynamic);
+	if (!c->in_strides || !c->in_dynamic ||
+	    (c->prog.nkernels > 0 && !(c->fns = calloc((size_t)c->prog.nkernels, sizeof *c->fns))))
+		goto oom;
+	for (int32_t b = 0; b < c->prog.nbufs; b++) {
+		const kl_buf *bf = &c->prog.bufs[b];
+		if (bf->role != KL_BUF_INPUT)
+			continue;
+		int64_t shape[KL_MAX_DIMS];
+		for (int d = 0; d < bf->ndim; d++) {
+			shape[d] = bf->shape[d].v;
+			c->in_dynamic[bf->index] |= bf->shape[d].sym > 0;
+		}
+		kl__contig_strides(bf->ndim, shape, c->in_strides[bf->index]);
+	}
+	if (c->prog.nkernels > 0 &&
+	    kl__jit_symbols(ctx, fn, KL_EFORMAT, dl, c->prog.kernel_names, c->prog.nkernels, c->fns) != KL_OK) {
+		kl__compiled_free(c);
+		return NULL;
+	}
+	c->dynamic = c->prog.nsyms > 0;
+	for (int32_t k = 0; k < c->prog.nsyms; k++) {
+		const kl_buf *in = NULL;
+		for (int32_t b = 0; b < c->prog.nbufs && !in; b++)
+			if (c->prog.bufs[b].role == KL_BUF_INPUT &&
+			    c->prog.bufs[b].index == c->prog.sym_input[k])
+				in = &c->prog.bufs[b];
+		c->plan_syms[k] = in ? in->shape[c->prog.sym_dim[k]].v : 0;
+	}
+	/* static plans too: the check that every library step stays inside its
+	 * buffers (a package's plan has no graph to be checked against) */
+	char berr[160];
+	if (kl__program_bind_dense(&c->prog, c->plan_syms, berr, sizeof berr) != KL_OK) {
+		kl__err(ctx, KL_EFORMAT, "%s: bad package: the plan does not fit its sizes: %s", fn,
+		        berr);
+		kl__compiled_free(c);
+		return NULL;
+	}
+	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK)
+		goto oom;
+	return c;
+oom:
+	kl__compiled_free(c);
+	kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
 	return NULL;
 }

@@ -25,6 +25,8 @@ typedef struct kl_compile_cfg {
 	/* Non-NULL: compile this program instead of lowering the graph (hand-written
 	 * programs in tests, AOT). Its source is part of the cache key. */
 	const kl_program *given;
+	/* keep the CPU binary's bytes in kl_compiled.bin (packages embed them) */
+	bool keep_binary;
 } kl_compile_cfg;
 
 /* The memory plan of the TEMP buffers: one arena, a slot per buffer. */
@@ -59,6 +61,10 @@ typedef struct kl_compiled {
 	/* the shared object and its kernels */
 	void *dl;
 	kl_kernel_fn *fns;
+	/* cfg.keep_binary: the shared object's bytes (malloc'd; NULL without kernels) */
+	bool keep_bin;
+	uint8_t *bin;
+	size_t bin_len;
 	/* CUDA contexts: module, functions, device arena, graph (cuda/exec_cuda.c) */
 	bool cuda;
 	struct kl_cuda_rt *dev;
@@ -90,6 +96,14 @@ bool kl__compiled_serves(kl_ctx *ctx, const kl_compiled *c, uint64_t key, const 
  * plan memory. NULL with ctx's error set on failure. */
 kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *cfg);
 void kl__compiled_free(kl_compiled *c);
+
+/* A compiled variant made from a plan read from a package (already
+ * validated and bound to the binary by the caller): every graph input bound
+ * dense, dynamic where a dim is a symbol; its kernels from the loaded
+ * shared object dl (taken over: freed with c). No graph (c->g is empty).
+ * Errors name fn. */
+kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *prog, void *dl, int nin,
+                                    int nout);
 
 /* Run c: inputs[i] is graph input i (materialized, the dtype/shape/strides it
  * was compiled for, dynamic dims free). outputs[j] receives a reference the

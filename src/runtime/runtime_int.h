@@ -45,6 +45,9 @@ kl_status kl__cache_put_file(kl_ctx *ctx, const char *dir, const char *name, con
 /* Tests only: nonzero makes every write into a cache directory fail with
  * this errno (ENOSPC: a full disk). */
 extern int kl__cache_fail_writes;
+/* The whole of a regular file, malloc'd (never blocks on a FIFO). KL_EIO
+ * when it cannot be read. */
+kl_status kl__file_read(const char *path, uint8_t **bytes, size_t *len);
 /* Checksum and size of a whole file. KL_EIO when it cannot be read. */
 kl_status kl__file_digest(const char *path, uint64_t *hash, uint64_t *size);
 

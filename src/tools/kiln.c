@@ -16,6 +16,13 @@ static const kt_command commands[] = {
 	{"bench", "time the benchmark workloads (kiln bench --help)", kt_bench_main},
 	{"explain", "compile example programs and explain them (kiln explain --help)",
 	 kt_explain_main},
+	{"export", "export a bench workload and print its program (kiln export --help)",
+	 kt_export_main},
+	{"package", "export a bench workload as an AOT package (kiln package --help)",
+	 kt_package_main},
+	{"run", "run a package: kiln run PACKAGE --input x.safetensors --output y.safetensors",
+	 kt_run_main},
+	{"inspect", "print a package's manifest, kernels, sizes and target", kt_inspect_main},
 };
 
 static void usage(FILE *f)

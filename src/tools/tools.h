@@ -14,6 +14,11 @@
 
 int kt_bench_main(int argc, char **argv);
 int kt_explain_main(int argc, char **argv);
+/* cmd_export.c */
+int kt_export_main(int argc, char **argv);
+int kt_package_main(int argc, char **argv);
+int kt_run_main(int argc, char **argv);
+int kt_inspect_main(int argc, char **argv);
 
 /* ---- bench: modes and workloads ---------------------------------------- */
 

@@ -48,6 +48,8 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
+		if (cols == 0) /* empty: its strides are not addresses */                          \
+			return;                                                                    \
 		for (int64_t r = 0; r < rows; r++)                                                 \
 			LOAD(dst + r * cols, at(src, dt, off + r * rs), dt, cs, cols);             \
 	}                                                                                          \

@@ -263,6 +263,14 @@ kl_status kl__jit_cc_build(kl_ctx *ctx, const char *source, const char *workdir,
 kl_status kl__jit_load(kl_ctx *ctx, const char *so_path, char *const *names, int32_t n, void **dl,
                        kl_kernel_fn *fns);
 void kl__jit_unload(void *dl);
+/* Look up each kernel in a loaded binary (status code, naming fn and a
+ * missing one). */
+kl_status kl__jit_symbols(kl_ctx *ctx, const char *fn, kl_status code, void *dl,
+                          char *const *names, int32_t n, kl_kernel_fn *fns);
+/* Load a shared object from bytes in memory (an in-memory file, dlopen):
+ * a package's kernels, with no file written and no compiler run. The
+ * caller has checked the bytes (ELF header, checksum). */
+kl_status kl__jit_load_image(kl_ctx *ctx, const char *fn, const void *bytes, size_t len, void **dl);
 /* The digest of the plan a loaded binary was built for (compile.c appends
  * kl_plan_digest() to every CPU source); false when it has none. */
 bool kl__jit_plan_digest(void *dl, uint64_t *out);

@@ -15,6 +15,8 @@
 static void pack_f32(float *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,
                      int64_t cols, int64_t rs, int64_t cs)
 {
+	if (cols == 0)
+		return; /* an empty operand: its strides may be anything (kl__mm_extent) */
 	for (int64_t i = 0; i < rows; i++) {
 		float *d = dst + i * cols;
 		int64_t base = off + i * rs;

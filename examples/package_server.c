@@ -1,0 +1,48 @@
+/* package_server.c - a server-style program that links only libkiln_rt (no
+ * compiler, no lowering): load an AOT package, then answer requests of any
+ * batch and sequence length its manifest allows.
+ *   package_server PACKAGE INPUTS.safetensors REFERENCE.safetensors
+ * runs the package on INPUTS' "input0" and checks the result against
+ * REFERENCE's "output0" (as examples/export_decoder.c wrote them).
+ */
+#include <kiln.h>
+#include <kiln_nn.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <time.h>
+
+static double now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 4)
+		return fprintf(stderr, "usage: package_server PACKAGE INPUTS REFERENCE\n"), 2;
+	double t0 = now_ms();
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	double t1 = now_ms();
+	kl_package *pkg = ctx ? kl_package_load(ctx, argv[1]) : NULL;
+	kl_safetensors *in = pkg ? kl_safetensors_open(ctx, argv[2]) : NULL;
+	kl_safetensors *ref = in ? kl_safetensors_open(ctx, argv[3]) : NULL;
+	kl_tensor *x = ref ? kl_safetensors_get(in, "input0") : NULL, *y = NULL;
+	kl_tensor *want = x ? kl_safetensors_get(ref, "output0") : NULL;
+	double t2 = now_ms();
+	if (!want || kl_package_run(pkg, &x, &y) != KL_OK)
+		return fprintf(stderr, "package_server: %s\n", kl_last_error(ctx)), 1;
+	double err = -1; /* reading the result back is part of the first result */
+	kl_item(kl_max(kl_abs(kl_sub(y, want)), 0, NULL, false), &err);
+	double t3 = now_ms();
+	printf("context %.2f ms; package load + first result %.2f ms (of it reading inputs "
+	       "%.2f ms); max error %.2e\n", t1 - t0, t3 - t1, t2 - t1, err);
+	kl_release(y);
+	kl_package_free(pkg);
+	kl_safetensors_close(in);
+	kl_safetensors_close(ref);
+	kl_ctx_free(ctx);
+	return err >= 0 && err < 1e-4 ? 0 : 1;
+}
