@@ -431,6 +431,12 @@ static void test_bad_packages(void **state)
 	memcpy(b + 32, "cpu-riscv64\0\0\0\0", 16);
 	reseal(b, len);
 	expect_refused(b, len, "target cpu-riscv64");
+	/* kernels built for a CPU feature this host lacks (a bit past the
+	 * known ones, so that every host lacks it) */
+	memcpy(b, good, len);
+	wr64(b + 48, rd64(b + 48) | 1ull << 63);
+	reseal(b, len);
+	expect_refused(b, len, "CPU features this host lacks: bit 63");
 	/* manifest against plan: input 0's dtype, a parameter's shape */
 	memcpy(b, good, len);
 	size_t mn;

@@ -10,7 +10,8 @@
  *   16  u64 file length
  *   24  u32 sections (4), u32 0
  *   32  char target[16] ("cpu-x86_64", NUL padded)
- *   48  u64 0
+ *   48  u64 the x86 features the kernels need (isa_names' bits: the host's
+ *       at export, since they are built -march=native), 0 without kernels
  *   56  u64 checksum of bytes 0..56 and the section table
  *   64  section table: per section u32 kind, u32 0, u64 offset, u64 length,
  *       u64 checksum of its bytes; sections follow, 64-byte aligned:
@@ -56,6 +57,46 @@ static uint16_t host_elf_machine(void)
 #else
 	return 0;
 #endif
+}
+
+/* The x86 features a kernels' shared object built with -march=native may
+ * use, as bits of the header's word at 48; a host without one of them is
+ * refused at load (running such code dies of SIGILL). */
+static const char *const isa_names[] = {"sse4.2",  "avx",      "avx2",     "fma",     "bmi2",
+                                        "avx512f", "avx512bw", "avx512vl", "avx512dq"};
+
+static uint64_t host_isa(void)
+{
+	uint64_t m = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+	__builtin_cpu_init();
+	m |= (uint64_t)(__builtin_cpu_supports("sse4.2") != 0) << 0;
+	m |= (uint64_t)(__builtin_cpu_supports("avx") != 0) << 1;
+	m |= (uint64_t)(__builtin_cpu_supports("avx2") != 0) << 2;
+	m |= (uint64_t)(__builtin_cpu_supports("fma") != 0) << 3;
+	m |= (uint64_t)(__builtin_cpu_supports("bmi2") != 0) << 4;
+	m |= (uint64_t)(__builtin_cpu_supports("avx512f") != 0) << 5;
+	m |= (uint64_t)(__builtin_cpu_supports("avx512bw") != 0) << 6;
+	m |= (uint64_t)(__builtin_cpu_supports("avx512vl") != 0) << 7;
+	m |= (uint64_t)(__builtin_cpu_supports("avx512dq") != 0) << 8;
+#endif
+	return m;
+}
+
+/* the names of the features in mask, space-separated ("bit N" past the
+ * table) */
+static void isa_str(uint64_t mask, char *buf, size_t cap)
+{
+	size_t k = 0;
+	buf[0] = 0;
+	for (int i = 0; i < 64 && k < cap; i++) {
+		if (!(mask >> i & 1))
+			continue;
+		int n = i < (int)(sizeof isa_names / sizeof isa_names[0])
+		                ? snprintf(buf + k, cap - k, "%s%s", k ? " " : "", isa_names[i])
+		                : snprintf(buf + k, cap - k, "%sbit %d", k ? " " : "", i);
+		k += n > 0 ? (size_t)n : 0;
+	}
 }
 
 /* A checksum fast enough for the weights (FNV-1a runs a byte at a time):
@@ -487,6 +528,7 @@ kl_status kl__pkg_write(kl_ctx *ctx, const kl_pkg_manifest *m0, const kl_program
 			/* the header's 16 bytes: the target, NUL padded (15 at most) */
 			memset(w.p + 32, 0, 16);
 			memcpy(w.p + 32, m.target, strnlen(m.target, 15));
+			put_u64(w.p + 48, so_len ? host_isa() : 0);
 			for (int s = 0; s < NSECT; s++) {
 				uint8_t *e = w.p + HDR + 32 * s;
 				put_u64(e, (uint64_t)(s + 1));
@@ -523,6 +565,7 @@ struct kl_pkg {
 	void *map; /* owned mapping (own_map), else NULL */
 	size_t map_len;
 	size_t sec_len[NSECT + 1];
+	uint64_t isa; /* the header's CPU features */
 };
 
 static uint64_t numel_of(const kl_pkg_tensor *t, const int64_t *shape)
@@ -700,6 +743,14 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		         (const char *)b + 32, kl__pkg_host_target());
 		goto fail;
 	}
+	uint64_t lacks = get_u64(b + 48) & ~host_isa();
+	if (lacks) {
+		char names[160];
+		isa_str(lacks, names, sizeof names);
+		snprintf(why, sizeof why, "its kernels need CPU features this host lacks: %s", names);
+		goto fail;
+	}
+	p->isa = get_u64(b + 48);
 	for (int s = 0; s < NSECT; s++) {
 		const uint8_t *e = b + HDR + 32 * s;
 		uint64_t off = get_u64(e + 8), n = get_u64(e + 16);
@@ -932,7 +983,10 @@ static void print_tensor(FILE *f, const kl_pkg_manifest *m, const kl_pkg_tensor 
 void kl__pkg_print(const kl_pkg *p, FILE *f)
 {
 	const kl_pkg_manifest *m = &p->m;
-	fprintf(f, "kiln package, format %u, target %s\n", KL_PKG_FORMAT, m->target);
+	char isa[160];
+	isa_str(p->isa, isa, sizeof isa);
+	fprintf(f, "kiln package, format %u, target %s, CPU features %s\n", KL_PKG_FORMAT, m->target,
+	        p->isa ? isa : "none required");
 	fprintf(f, "  sections: manifest %zu B, plan %zu B, kernels %zu B, weights %zu B\n",
 	        p->sec_len[SEC_MANIFEST], p->sec_len[SEC_PLAN], p->sec_len[SEC_KERNELS],
 	        p->sec_len[SEC_WEIGHTS]);
