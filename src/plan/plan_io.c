@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "core/core.h"
+#include "core/le.h"
 #include "plan/plan.h"
 
 void kl__program_free(kl_program *p)
@@ -659,8 +660,7 @@ static void w_bytes(wbuf *w, const void *src, size_t n)
 static void w_u64(wbuf *w, uint64_t v)
 {
 	uint8_t b[8];
-	for (int i = 0; i < 8; i++)
-		b[i] = (uint8_t)(v >> (8 * i));
+	kl__le_put64(b, v);
 	w_bytes(w, b, 8);
 }
 
@@ -672,8 +672,7 @@ static void w_i64(wbuf *w, int64_t v)
 static void w_i32(wbuf *w, int32_t v)
 {
 	uint8_t b[4];
-	for (int i = 0; i < 4; i++)
-		b[i] = (uint8_t)((uint32_t)v >> (8 * i));
+	kl__le_put32(b, (uint32_t)v);
 	w_bytes(w, b, 4);
 }
 
@@ -848,10 +847,7 @@ static uint64_t r_u64(rbuf *r)
 {
 	uint8_t b[8] = {0};
 	r_bytes(r, b, 8);
-	uint64_t v = 0;
-	for (int i = 0; i < 8; i++)
-		v |= (uint64_t)b[i] << (8 * i);
-	return v;
+	return kl__le_get64(b);
 }
 
 static int64_t r_i64(rbuf *r)
@@ -863,10 +859,7 @@ static int32_t r_i32(rbuf *r)
 {
 	uint8_t b[4] = {0};
 	r_bytes(r, b, 4);
-	uint32_t v = 0;
-	for (int i = 0; i < 4; i++)
-		v |= (uint32_t)b[i] << (8 * i);
-	return (int32_t)v;
+	return (int32_t)kl__le_get32(b);
 }
 
 static double r_f64(rbuf *r)

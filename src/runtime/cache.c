@@ -14,40 +14,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/le.h"
 #include "runtime/runtime_int.h"
 
 #define ENTRY_MAGIC "KILNCACH"
 #define ENTRY_FORMAT 1u
 #define ENTRY_HEADER 48u
 #define ENTRY_MAX_PAYLOAD ((uint64_t)1 << 32)
-
-static void put_u32(uint8_t *p, uint32_t v)
-{
-	for (int i = 0; i < 4; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-	for (int i = 0; i < 8; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-	uint32_t v = 0;
-	for (int i = 0; i < 4; i++)
-		v |= (uint32_t)p[i] << (8 * i);
-	return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-	uint64_t v = 0;
-	for (int i = 0; i < 8; i++)
-		v |= (uint64_t)p[i] << (8 * i);
-	return v;
-}
 
 /* mkdir -p, creating missing components private to us. */
 static bool make_dirs(char *path)
@@ -264,13 +237,13 @@ kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, ui
 		why = "truncated header";
 	else if (memcmp(h, ENTRY_MAGIC, 8) != 0)
 		why = "bad magic";
-	else if (get_u32(h + 8) != ENTRY_FORMAT || get_u32(h + 12) != ENTRY_HEADER)
+	else if (kl__le_get32(h + 8) != ENTRY_FORMAT || kl__le_get32(h + 12) != ENTRY_HEADER)
 		why = "unknown format version";
-	else if (get_u64(h + 40) != kl__hash_bytes(KL_HASH_SEED, h, 40))
+	else if (kl__le_get64(h + 40) != kl__hash_bytes(KL_HASH_SEED, h, 40))
 		why = "header checksum mismatch";
-	else if (get_u64(h + 16) != key)
+	else if (kl__le_get64(h + 16) != key)
 		why = "key mismatch";
-	else if ((plen = get_u64(h + 24)) > ENTRY_MAX_PAYLOAD)
+	else if ((plen = kl__le_get64(h + 24)) > ENTRY_MAX_PAYLOAD)
 		why = "implausible length";
 	else if ((uint64_t)st.st_size - ENTRY_HEADER < plen)
 		why = "truncated";
@@ -280,7 +253,7 @@ kl_status kl__cache_get(const kl_ctx *ctx, const char *dir, const char *name, ui
 		why = "out of memory";
 	else if (!read_all(fd, data, plen))
 		why = "truncated";
-	else if (kl__hash_bytes(KL_HASH_SEED, data, plen) != get_u64(h + 32))
+	else if (kl__hash_bytes(KL_HASH_SEED, data, plen) != kl__le_get64(h + 32))
 		why = "checksum mismatch";
 	close(fd);
 	if (why) {
@@ -351,12 +324,12 @@ kl_status kl__cache_put(kl_ctx *ctx, const char *dir, const char *name, uint64_t
 {
 	uint8_t h[ENTRY_HEADER];
 	memcpy(h, ENTRY_MAGIC, 8);
-	put_u32(h + 8, ENTRY_FORMAT);
-	put_u32(h + 12, ENTRY_HEADER);
-	put_u64(h + 16, key);
-	put_u64(h + 24, (uint64_t)len);
-	put_u64(h + 32, kl__hash_bytes(KL_HASH_SEED, payload, len));
-	put_u64(h + 40, kl__hash_bytes(KL_HASH_SEED, h, 40));
+	kl__le_put32(h + 8, ENTRY_FORMAT);
+	kl__le_put32(h + 12, ENTRY_HEADER);
+	kl__le_put64(h + 16, key);
+	kl__le_put64(h + 24, (uint64_t)len);
+	kl__le_put64(h + 32, kl__hash_bytes(KL_HASH_SEED, payload, len));
+	kl__le_put64(h + 40, kl__hash_bytes(KL_HASH_SEED, h, 40));
 	return write_atomic(ctx, dir, name, h, sizeof h, payload, len);
 }
 

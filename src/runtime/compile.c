@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "kiln_source_digest.h" /* generated: cmake/source_digest.cmake */
+#include "core/le.h"
 #include "lower/lower.h"
 #include "runtime/runtime_int.h"
 
@@ -225,20 +226,6 @@ static void entry_names(uint64_t key, uint64_t so_hash, char *plan, char *so, si
 	snprintf(so, cap, "so-%016" PRIx64 "-%016" PRIx64 ".so", key, so_hash);
 }
 
-static void put_u64(uint8_t *p, uint64_t v)
-{
-	for (int i = 0; i < 8; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-	uint64_t v = 0;
-	for (int i = 0; i < 8; i++)
-		v |= (uint64_t)p[i] << (8 * i);
-	return v;
-}
-
 static kl_status load_kernels(kl_ctx *ctx, kl_compiled *c, const char *so_path)
 {
 	if (c->prog.nkernels == 0)
@@ -286,8 +273,8 @@ static kl_status load_cached(kl_ctx *ctx, kl_compiled *c, const char *dir)
 	if (len < 16)
 		st = KL_EFORMAT;
 	else {
-		so_hash = get_u64(payload);
-		so_size = get_u64((uint8_t *)payload + 8);
+		so_hash = kl__le_get64(payload);
+		so_size = kl__le_get64((uint8_t *)payload + 8);
 		st = kl__program_deserialize((uint8_t *)payload + 16, len - 16, &c->prog, err,
 		                             sizeof err);
 	}
@@ -467,8 +454,8 @@ static kl_status build(kl_ctx *ctx, kl_compiled *c, const char *dir)
 			return KL_OK; /* the variant works; only the cache misses out */
 		uint8_t *payload = malloc(len + 16);
 		if (payload) {
-			put_u64(payload, so_hash);
-			put_u64(payload + 8, so_size);
+			kl__le_put64(payload, so_hash);
+			kl__le_put64(payload + 8, so_size);
 			memcpy(payload + 16, bytes, len);
 			entry_names(c->key, so_hash, plan, so, sizeof plan);
 			kl__cache_put(ctx, dir, plan, c->key, payload, len + 16);

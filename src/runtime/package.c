@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/le.h"
 #include "runtime/package.h"
 #include "runtime/runtime_int.h"
 
@@ -151,16 +152,14 @@ static void w_bytes(wbuf *w, const void *b, size_t n)
 static void w_u32(wbuf *w, uint32_t v)
 {
 	uint8_t b[4];
-	for (int i = 0; i < 4; i++)
-		b[i] = (uint8_t)(v >> (8 * i));
+	kl__le_put32(b, v);
 	w_bytes(w, b, 4);
 }
 
 static void w_u64(wbuf *w, uint64_t v)
 {
 	uint8_t b[8];
-	for (int i = 0; i < 8; i++)
-		b[i] = (uint8_t)(v >> (8 * i));
+	kl__le_put64(b, v);
 	w_bytes(w, b, 8);
 }
 
@@ -177,28 +176,6 @@ static void w_pad(wbuf *w, size_t align)
 		w_bytes(w, z, align - w->n % align > 64 ? 64 : align - w->n % align);
 }
 
-static uint64_t get_u64(const uint8_t *p)
-{
-	uint64_t v = 0;
-	for (int i = 0; i < 8; i++)
-		v |= (uint64_t)p[i] << (8 * i);
-	return v;
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-	uint32_t v = 0;
-	for (int i = 0; i < 4; i++)
-		v |= (uint32_t)p[i] << (8 * i);
-	return v;
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-	for (int i = 0; i < 8; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
 typedef struct rbuf {
 	const uint8_t *p;
 	size_t n, at;
@@ -211,7 +188,7 @@ static uint32_t r_u32(rbuf *r)
 		r->bad = true;
 		return 0;
 	}
-	uint32_t v = get_u32(r->p + r->at);
+	uint32_t v = kl__le_get32(r->p + r->at);
 	r->at += 4;
 	return v;
 }
@@ -222,7 +199,7 @@ static uint64_t r_u64(rbuf *r)
 		r->bad = true;
 		return 0;
 	}
-	uint64_t v = get_u64(r->p + r->at);
+	uint64_t v = kl__le_get64(r->p + r->at);
 	r->at += 8;
 	return v;
 }
@@ -522,22 +499,22 @@ kl_status kl__pkg_write(kl_ctx *ctx, const kl_pkg_manifest *m0, const kl_program
 		}
 		if (!w.oom) {
 			memcpy(w.p, "KILNPKG", 8);
-			put_u64(w.p + 8, KL_PKG_FORMAT | ((uint64_t)HDR << 32));
-			put_u64(w.p + 16, w.n);
-			put_u64(w.p + 24, NSECT);
+			kl__le_put64(w.p + 8, KL_PKG_FORMAT | ((uint64_t)HDR << 32));
+			kl__le_put64(w.p + 16, w.n);
+			kl__le_put64(w.p + 24, NSECT);
 			/* the header's 16 bytes: the target, NUL padded (15 at most) */
 			memset(w.p + 32, 0, 16);
 			memcpy(w.p + 32, m.target, strnlen(m.target, 15));
-			put_u64(w.p + 48, so_len ? host_isa() : 0);
+			kl__le_put64(w.p + 48, so_len ? host_isa() : 0);
 			for (int s = 0; s < NSECT; s++) {
 				uint8_t *e = w.p + HDR + 32 * s;
-				put_u64(e, (uint64_t)(s + 1));
-				put_u64(e + 8, offs[s]);
-				put_u64(e + 16, sn[s]);
-				put_u64(e + 24, kl__pkg_sum(w.p + offs[s], sn[s]));
+				kl__le_put64(e, (uint64_t)(s + 1));
+				kl__le_put64(e + 8, offs[s]);
+				kl__le_put64(e + 16, sn[s]);
+				kl__le_put64(e + 24, kl__pkg_sum(w.p + offs[s], sn[s]));
 			}
 			uint64_t h = kl__hash_bytes(KL_HASH_SEED, w.p, 56);
-			put_u64(w.p + 56, kl__hash_bytes(h, w.p + HDR, TABLE - HDR));
+			kl__le_put64(w.p + 56, kl__hash_bytes(h, w.p + HDR, TABLE - HDR));
 		}
 	}
 	if (st == KL_OK && (w.oom || man.oom))
@@ -722,18 +699,18 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		                                      : "not a kiln package (bad magic)", len);
 		goto fail;
 	}
-	if (get_u32(b + 8) != KL_PKG_FORMAT || get_u32(b + 12) != HDR) {
+	if (kl__le_get32(b + 8) != KL_PKG_FORMAT || kl__le_get32(b + 12) != HDR) {
 		snprintf(why, sizeof why, "package format version %u, this kiln reads version %u",
-		         get_u32(b + 8), KL_PKG_FORMAT);
+		         kl__le_get32(b + 8), KL_PKG_FORMAT);
 		goto fail;
 	}
-	if (get_u64(b + 16) != len) {
+	if (kl__le_get64(b + 16) != len) {
 		snprintf(why, sizeof why, "%s: the header says %" PRIu64 " bytes, the file has %zu",
-		         get_u64(b + 16) > len ? "truncated" : "trailing bytes", get_u64(b + 16), len);
+		         kl__le_get64(b + 16) > len ? "truncated" : "trailing bytes", kl__le_get64(b + 16), len);
 		goto fail;
 	}
 	uint64_t h = kl__hash_bytes(KL_HASH_SEED, b, 56);
-	if (get_u64(b + 56) != kl__hash_bytes(h, b + HDR, TABLE - HDR) || get_u64(b + 24) != NSECT ||
+	if (kl__le_get64(b + 56) != kl__hash_bytes(h, b + HDR, TABLE - HDR) || kl__le_get64(b + 24) != NSECT ||
 	    b[47] != 0) {
 		snprintf(why, sizeof why, "header checksum mismatch");
 		goto fail;
@@ -743,23 +720,23 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		         (const char *)b + 32, kl__pkg_host_target());
 		goto fail;
 	}
-	uint64_t lacks = get_u64(b + 48) & ~host_isa();
+	uint64_t lacks = kl__le_get64(b + 48) & ~host_isa();
 	if (lacks) {
 		char names[160];
 		isa_str(lacks, names, sizeof names);
 		snprintf(why, sizeof why, "its kernels need CPU features this host lacks: %s", names);
 		goto fail;
 	}
-	p->isa = get_u64(b + 48);
+	p->isa = kl__le_get64(b + 48);
 	for (int s = 0; s < NSECT; s++) {
 		const uint8_t *e = b + HDR + 32 * s;
-		uint64_t off = get_u64(e + 8), n = get_u64(e + 16);
-		if (get_u64(e) != (uint64_t)(s + 1) || off < TABLE || off > len || n > len - off ||
+		uint64_t off = kl__le_get64(e + 8), n = kl__le_get64(e + 16);
+		if (kl__le_get64(e) != (uint64_t)(s + 1) || off < TABLE || off > len || n > len - off ||
 		    off % 64) {
 			snprintf(why, sizeof why, "section %d is out of the file", s);
 			goto fail;
 		}
-		if (kl__pkg_sum(b + off, n) != get_u64(e + 24)) {
+		if (kl__pkg_sum(b + off, n) != kl__le_get64(e + 24)) {
 			snprintf(why, sizeof why, "the %s section's checksum does not match (damaged file)",
 			         sec_names[s + 1]);
 			goto fail;
@@ -817,7 +794,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	/* the weights: a safetensors file whose data the manifest indexes */
 	const uint8_t *w = sec[SEC_WEIGHTS];
 	size_t wn = p->sec_len[SEC_WEIGHTS];
-	uint64_t jn = wn >= 8 ? get_u64(w) : 0;
+	uint64_t jn = wn >= 8 ? kl__le_get64(w) : 0;
 	if (wn < 8 || jn > wn - 8) {
 		snprintf(why, sizeof why, "the weights are not a safetensors file");
 		st = KL_EFORMAT;
