@@ -22,14 +22,10 @@
  *     kiln ops, so they run eagerly and inside kl_compile alike.
  *
  * Attention. kl_nn_mha_forward computes, with q, k, v of shape [B, H, T, Dh]
- * (the in-projection's output reshaped and permuted), exactly this op
- * sequence, which the scheduler's fused-attention pass recognizes:
- *     s = kl_matmul(q, kl_transpose(k, -2, -1));
- *     s = kl_mul_scalar(s, 1 / sqrt(Dh));
- *     s = kl_where(mask, s, kl_scalar(-inf));   (causal only: mask[i][j] = j <= i,
- *                                                made by kl_ge on two aranges)
- *     p = kl_softmax(s, -1);
- *     o = kl_matmul(p, v);
+ * (the in-projection's output reshaped and permuted),
+ *     o = kl_sdpa(q, k, v, causal, 1 / sqrt(Dh));
+ * one fused attention op (its causal mask a flag, so T may be a dynamic dim
+ * of a compiled function; its gradient is the attention op's own rule);
  * then o is permuted back to [B, T, H * Dh] and goes through out_proj.
  */
 #ifndef KILN_NN_H

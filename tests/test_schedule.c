@@ -254,9 +254,10 @@ static void test_decoder_one_token(void **state)
 	        /* every product reads its bf16 x and widens it itself: the norms
 	         * store one bf16 vector, not an f32 copy per product */
 	        "mul#6(matmul) widens cast#6(matmul) itself: it reads the narrower value",
-	        "mul#45(matmul) widens cast#45(matmul) itself: it reads the narrower value",
-	        "mul#49(matmul) widens cast#49(matmul) itself: it reads the narrower value",
-	        "mul#55(matmul) widens cast#55(matmul) itself: it reads the narrower value",
+	        "mul#24(matmul) widens cast#24(matmul) itself: it reads the narrower value",
+	        "mul#34(matmul) widens cast#34(matmul) itself: it reads the narrower value",
+	        "mul#38(matmul) widens cast#38(matmul) itself: it reads the narrower value",
+	        "mul#44(matmul) widens cast#44(matmul) itself: it reads the narrower value",
 	        /* the FFN's gate and up stay two reductions (in one kernel) */
 	        "a skinny product is a generated row reduction on CUDA", NULL};
 	kl_nn_decoder d;

@@ -1,8 +1,6 @@
 /* attention_mod.c - torch.nn.MultiheadAttention (batch first) as a kl_nn
  * module, on kiln.h's public API only. The attention itself is written as
- * the exact op sequence kiln_nn.h documents (matmul, mul_scalar, optional
- * where-mask, softmax over the last dim, matmul) so that the scheduler's
- * fused-attention pass recognizes it.
+ * one kl_sdpa call (causal as its flag), as kiln_nn.h documents.
  */
 #include "nn/nn_int.h"
 
@@ -44,14 +42,6 @@ kl_status kl_nn_mha_init(kl_nn_mha *m, kl_ctx *ctx, int64_t d_model, int64_t n_h
 static kl_tensor *heads(kl_tensor *x, int64_t B, int64_t T, int64_t H, int64_t Dh)
 {
 	return kl_permute(kl_reshape(x, 4, (int64_t[]){B, T, H, Dh}), (int[]){0, 2, 1, 3});
-}
-
-/* rows i, columns j of [T, S]: true where j <= i */
-static kl_tensor *causal_mask(kl_ctx *ctx, int64_t T, int64_t S)
-{
-	kl_tensor *i = kl_reshape(kl_arange(ctx, KL_I64, 0, (double)T, 1), 2, (int64_t[]){T, 1});
-	kl_tensor *j = kl_reshape(kl_arange(ctx, KL_I64, 0, (double)S, 1), 2, (int64_t[]){1, S});
-	return kl_ge(i, j);
 }
 
 kl_tensor *kl_nn_mha_forward(const kl_nn_mha *m, kl_tensor *query, kl_tensor *key,
@@ -114,14 +104,10 @@ kl_tensor *kl_nn_mha_forward(const kl_nn_mha *m, kl_tensor *query, kl_tensor *ke
 		k = heads(p[1], B, S, H, Dh);
 		v = heads(p[2], B, S, H, Dh);
 	}
-	/* the attention pattern (see kiln_nn.h): keep this op sequence */
-	kl_tensor *s = kl_matmul(q, kl_transpose(k, -2, -1));
-	s = kl_mul_scalar(s, 1.0 / sqrt((double)Dh));
-	if (causal)
-		s = kl_where(causal_mask(ctx, T, S), s,
-		             kl_scalar(ctx, s ? kl_tensor_dtype(s) : m->base.dtype, -INFINITY));
-	kl_tensor *pr = kl_softmax(s, -1);
-	kl_tensor *o = kl_matmul(pr, v); /* [B, H, T, Dh] */
+	/* one attention op (kiln_nn.h): fused forward, and its own gradient rule in
+	 * training; the causal mask is a flag, so the sequence length may be a
+	 * dynamic dim */
+	kl_tensor *o = kl_sdpa(q, k, v, causal, 1.0 / sqrt((double)Dh)); /* [B, H, T, Dh] */
 	o = kl_reshape(kl_permute(o, (int[]){0, 2, 1, 3}), 3, (int64_t[]){B, T, d});
 	kl_retain(o);
 	kl_scope_end(ctx);
