@@ -4,7 +4,10 @@
  * file to first result) and steady-state speed.
  *
  *   export_decoder [--layers N] [--d-model N] [--heads N] [--ffn N]
- *                  [--batch N] [--seq N] [--iters N] [--out DIR]
+ *                  [--batch N] [--seq N] [--iters N] [--out DIR] [--device cuda]
+ *
+ * --device cuda: everything on CUDA device 0 (exits 77 without one): the
+ * package holds cubins + PTX, loads with no NVRTC and replays a CUDA graph.
  *
  * Writes DIR/decoder.klp, DIR/x.safetensors (an input at --batch x --seq,
  * another size than the one traced) and DIR/ref.safetensors (the JIT's
@@ -58,6 +61,8 @@ static double time_calls(kl_fn *f, kl_package *p, kl_tensor *x, int iters)
 		kl_tensor *y = NULL;
 		double t0 = now_ms();
 		kl_status st = f ? kl_fn_call(f, &x, &y) : kl_package_run(p, &x, &y);
+		if (st == KL_OK)
+			st = kl_ctx_synchronize(kl_tensor_ctx(x));
 		t[i] = now_ms() - t0;
 		kl_release(y);
 		if (st != KL_OK)
@@ -82,6 +87,7 @@ int main(int argc, char **argv)
 	int64_t layers = 4, d = 256, h = 4, ffn = 1024, batch = 3, seq = 50;
 	int iters = 20;
 	const char *dir = ".";
+	kl_ctx_opts copts = {0};
 	for (int i = 1; i + 1 < argc; i += 2) {
 		int64_t v = strtoll(argv[i + 1], NULL, 10);
 		if (!strcmp(argv[i], "--layers")) layers = v;
@@ -92,10 +98,16 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--seq")) seq = v;
 		else if (!strcmp(argv[i], "--iters")) iters = (int)v;
 		else if (!strcmp(argv[i], "--out")) dir = argv[i + 1];
+		else if (!strcmp(argv[i], "--device") && !strcmp(argv[i + 1], "cuda"))
+			copts.device = KL_CUDA;
 		else return fprintf(stderr, "export_decoder: unknown option %s\n", argv[i]), 2;
 	}
-	kl_ctx *ctx = kl_ctx_new(NULL);
+	double tc = now_ms();
+	kl_ctx *ctx = kl_ctx_new(&copts);
+	if (!ctx && copts.device == KL_CUDA)
+		return fprintf(stderr, "export_decoder: skipped: %s\n", kl_last_error(NULL)), 77;
 	CHECK(ctx);
+	printf("context (%s) %.2f ms\n", copts.device == KL_CUDA ? "cuda:0" : "cpu", now_ms() - tc);
 	stack s = {(int)layers, calloc((size_t)layers, sizeof(kl_nn_decoder))};
 	/* parameters by their state-dict keys: an nn.ModuleList "layers" */
 	int cap = (int)layers * 16, np = 0;

@@ -1,9 +1,10 @@
 /* package_server.c - a server-style program that links only libkiln_rt (no
  * compiler, no lowering): load an AOT package, then answer requests of any
  * batch and sequence length its manifest allows.
- *   package_server PACKAGE INPUTS.safetensors REFERENCE.safetensors
+ *   package_server PACKAGE INPUTS.safetensors REFERENCE.safetensors [cuda]
  * runs the package on INPUTS' "input0" and checks the result against
- * REFERENCE's "output0" (as examples/export_decoder.c wrote them).
+ * REFERENCE's "output0" (as examples/export_decoder.c wrote them); cuda: on
+ * CUDA device 0 (a CUDA package).
  */
 #include <kiln.h>
 #include <kiln_nn.h>
@@ -21,10 +22,10 @@ static double now_ms(void)
 
 int main(int argc, char **argv)
 {
-	if (argc != 4)
-		return fprintf(stderr, "usage: package_server PACKAGE INPUTS REFERENCE\n"), 2;
+	if (argc != 4 && argc != 5)
+		return fprintf(stderr, "usage: package_server PACKAGE INPUTS REFERENCE [cuda]\n"), 2;
 	double t0 = now_ms();
-	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = argc == 5 ? KL_CUDA : KL_CPU});
 	double t1 = now_ms();
 	kl_package *pkg = ctx ? kl_package_load(ctx, argv[1]) : NULL;
 	kl_safetensors *in = pkg ? kl_safetensors_open(ctx, argv[2]) : NULL;
