@@ -778,11 +778,40 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	}
 	if (st != KL_OK)
 		goto fail;
+	/* the kernels: checked here, loaded below */
 	if (p->arch) {
 		st = kl__pkg_cuda_parse(sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], p->arch, prog.nkernels,
 		                        &p->cu, why, sizeof why);
 		if (st != KL_OK)
 			goto fail;
+	} else if (prog.nkernels > 0) {
+		if (!elf_ok(sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], why, sizeof why)) {
+			st = KL_EFORMAT;
+			goto fail;
+		}
+	} else if (p->sec_len[SEC_KERNELS] != 0) {
+		st = KL_EFORMAT;
+		snprintf(why, sizeof why, "kernels without a plan that calls them");
+		goto fail;
+	}
+	/* the weights: a safetensors file whose data the manifest indexes */
+	const uint8_t *w = sec[SEC_WEIGHTS];
+	size_t wn = p->sec_len[SEC_WEIGHTS];
+	uint64_t jn = wn >= 8 ? kl__le_get64(w) : 0;
+	if (wn < 8 || jn > wn - 8) {
+		snprintf(why, sizeof why, "the weights are not a safetensors file");
+		st = KL_EFORMAT;
+		goto fail;
+	}
+	const uint8_t *wdata = w + 8 + jn;
+	uint64_t wdn = wn - 8 - jn;
+	for (int i = 0; i < p->m.nparams; i++) {
+		const kl_pkg_tensor *t = &p->m.params[i];
+		if (t->off > wdn || t->nbytes > wdn - t->off) {
+			snprintf(why, sizeof why, "parameter '%s' lies outside the weights", t->name);
+			st = KL_EFORMAT;
+			goto fail;
+		}
 	}
 	if (describe) {
 		p->prog = prog;
@@ -800,13 +829,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		        p->m.target);
 		goto fail_set;
 	}
-	if (p->arch) {
-		/* the CUDA kernels load once the variant exists (below) */
-	} else if (prog.nkernels > 0) {
-		if (!elf_ok(sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], why, sizeof why)) {
-			st = KL_EFORMAT;
-			goto fail;
-		}
+	if (!p->arch && prog.nkernels > 0) {
 		st = kl__jit_load_image(ctx, fn, sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], &dl);
 		if (st != KL_OK) {
 			kl__pkg_free(p);
@@ -825,21 +848,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 			goto fail;
 		}
 		free(bytes);
-	} else if (p->sec_len[SEC_KERNELS] != 0) {
-		snprintf(why, sizeof why, "kernels without a plan that calls them");
-		goto fail;
 	}
-	/* the weights: a safetensors file whose data the manifest indexes */
-	const uint8_t *w = sec[SEC_WEIGHTS];
-	size_t wn = p->sec_len[SEC_WEIGHTS];
-	uint64_t jn = wn >= 8 ? kl__le_get64(w) : 0;
-	if (wn < 8 || jn > wn - 8) {
-		snprintf(why, sizeof why, "the weights are not a safetensors file");
-		st = KL_EFORMAT;
-		goto fail;
-	}
-	const uint8_t *wdata = w + 8 + jn;
-	uint64_t wdn = wn - 8 - jn;
 	p->params = calloc((size_t)p->m.nparams + 1, sizeof *p->params);
 	if (!p->params) {
 		st = kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
@@ -847,11 +856,6 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	}
 	for (int i = 0; i < p->m.nparams; i++) {
 		const kl_pkg_tensor *t = &p->m.params[i];
-		if (t->off > wdn || t->nbytes > wdn - t->off) {
-			snprintf(why, sizeof why, "parameter '%s' lies outside the weights", t->name);
-			st = KL_EFORMAT;
-			goto fail;
-		}
 		const uint8_t *src = wdata + t->off;
 		/* borrowed in place on the CPU; CUDA copies them to the device */
 		bool aligned = ((uintptr_t)src % 64) == 0 && ctx->device == KL_CPU;
