@@ -712,6 +712,12 @@ typedef struct kl_export_opts {
 	 * needed. Traced on a GPU under max-autotune, the launch choices it made
 	 * go in too. */
 	int cuda_arch;
+	/* the traced call's mode (0: default). On a CUDA context
+	 * KL_MODE_MAX_AUTOTUNE times the launch choices (cuBLASLt algorithms,
+	 * grid caps) at the trace, and the package carries them: a GPU of the
+	 * same kind uses them instead of cuBLASLt's heuristics. A static plan
+	 * only (dynamic dims are not tuned). */
+	kl_mode mode;
 } kl_export_opts;
 
 typedef struct kl_exported kl_exported;

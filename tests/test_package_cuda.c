@@ -32,6 +32,7 @@ static kl_ctx *ctx;   /* the test's device (CPU unless KILN_TEST_DEVICE=cuda) */
 static kl_ctx *cpu;   /* always the CPU */
 static char dir[256];
 static bool have_nvrtc;
+static kl_mode export_mode; /* kl_export_opts.mode of export_to */
 
 static double now_ms(void)
 {
@@ -97,7 +98,7 @@ static bool export_to(kl_ctx *c, const char *name, kl_fn_body fn, void *user, kl
 {
 	char path[512];
 	path_of(path, sizeof path, name);
-	kl_export_opts o = {.ndims = ndims, .dims = dims, .cuda_arch = arch};
+	kl_export_opts o = {.ndims = ndims, .dims = dims, .cuda_arch = arch, .mode = export_mode};
 	double t0 = now_ms();
 	kl_exported *e = kl_export(c, fn, user, 1, 1, &x, &o);
 	if (!e || kl_exported_package(e, path) != KL_OK) {
@@ -475,8 +476,25 @@ static void test_gpu_roundtrip(void **state)
 	save_ref(mlp_body, &m, x2, xs, ref);
 	path_of(pkg, sizeof pkg, "mlp_gpu.klp");
 	assert_int_equal(spawn_child(pkg, xs, ref), 0);
-	/* static: a CUDA graph captured at the second call, replayed after */
+	/* static, traced under max-autotune: the package carries the launch
+	 * choices; a CUDA graph captured at the second call, replayed after */
+	export_mode = KL_MODE_MAX_AUTOTUNE;
 	assert_true(export_to(ctx, "mlp_static_gpu.klp", mlp_body, &m, x, 0, NULL, 0));
+	export_mode = KL_MODE_DEFAULT;
+	{
+		path_of(pkg, sizeof pkg, "mlp_static_gpu.klp");
+		size_t len;
+		uint8_t *b = read_file(pkg, &len);
+		char text[16384] = "";
+		FILE *f = fmemopen(text, sizeof text - 1, "w");
+		assert_int_equal(kl_package_describe(ctx, b, len, f), KL_OK);
+		fclose(f);
+		free(b);
+		const char *lc = strstr(text, "launch choices: ");
+		assert_non_null(lc);
+		fprintf(stderr, "  mlp_static_gpu.klp: %.40s\n", lc);
+		assert_true(atoi(lc + 16) > 0);
+	}
 	path_of(xs, sizeof xs, "mlp_static_x.safetensors");
 	path_of(ref, sizeof ref, "mlp_static_ref.safetensors");
 	save_ref(mlp_body, &m, x, xs, ref);

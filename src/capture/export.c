@@ -199,7 +199,10 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		free(masks);
 		return fail(e);
 	}
-	kl_compile_opts co = {.fullgraph = true, .ndynamic_dims = nin, .dynamic_dims = masks};
+	kl_compile_opts co = {.mode = o ? o->mode : KL_MODE_DEFAULT,
+	                      .fullgraph = true,
+	                      .ndynamic_dims = nin,
+	                      .dynamic_dims = masks};
 	e->f = kl_compile(ctx, fn, user, nin, nout, &co);
 	kl_tensor **outs = calloc((size_t)nout, sizeof *outs);
 	bool grad = kl_set_grad_enabled(ctx, false);
