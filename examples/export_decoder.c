@@ -4,7 +4,12 @@
  * file to first result) and steady-state speed.
  *
  *   export_decoder [--layers N] [--d-model N] [--heads N] [--ffn N]
- *                  [--batch N] [--seq N] [--iters N] [--out DIR]
+ *                  [--batch N] [--seq N] [--iters N] [--out DIR] [--device cuda]
+ *
+ * --device cuda: everything on CUDA device 0 (exits 77 without one): the
+ * package holds cubins + PTX and loads with no NVRTC. --arch 90: only write
+ * a CUDA package for sm_90 from this CPU (NVRTC, no GPU) and check it
+ * (kl_package_describe); nothing runs.
  *
  * Writes DIR/decoder.klp, DIR/x.safetensors (an input at --batch x --seq,
  * another size than the one traced) and DIR/ref.safetensors (the JIT's
@@ -58,6 +63,8 @@ static double time_calls(kl_fn *f, kl_package *p, kl_tensor *x, int iters)
 		kl_tensor *y = NULL;
 		double t0 = now_ms();
 		kl_status st = f ? kl_fn_call(f, &x, &y) : kl_package_run(p, &x, &y);
+		if (st == KL_OK)
+			st = kl_ctx_synchronize(kl_tensor_ctx(x));
 		t[i] = now_ms() - t0;
 		kl_release(y);
 		if (st != KL_OK)
@@ -82,6 +89,8 @@ int main(int argc, char **argv)
 	int64_t layers = 4, d = 256, h = 4, ffn = 1024, batch = 3, seq = 50;
 	int iters = 20;
 	const char *dir = ".";
+	kl_ctx_opts copts = {0};
+	int arch = 0;
 	for (int i = 1; i + 1 < argc; i += 2) {
 		int64_t v = strtoll(argv[i + 1], NULL, 10);
 		if (!strcmp(argv[i], "--layers")) layers = v;
@@ -92,10 +101,17 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--seq")) seq = v;
 		else if (!strcmp(argv[i], "--iters")) iters = (int)v;
 		else if (!strcmp(argv[i], "--out")) dir = argv[i + 1];
+		else if (!strcmp(argv[i], "--arch")) arch = (int)v;
+		else if (!strcmp(argv[i], "--device") && !strcmp(argv[i + 1], "cuda"))
+			copts.device = KL_CUDA;
 		else return fprintf(stderr, "export_decoder: unknown option %s\n", argv[i]), 2;
 	}
-	kl_ctx *ctx = kl_ctx_new(NULL);
+	double tc = now_ms();
+	kl_ctx *ctx = kl_ctx_new(&copts);
+	if (!ctx && copts.device == KL_CUDA)
+		return fprintf(stderr, "export_decoder: skipped: %s\n", kl_last_error(NULL)), 77;
 	CHECK(ctx);
+	printf("context (%s) %.2f ms\n", copts.device == KL_CUDA ? "cuda:0" : "cpu", now_ms() - tc);
 	stack s = {(int)layers, calloc((size_t)layers, sizeof(kl_nn_decoder))};
 	/* parameters by their state-dict keys: an nn.ModuleList "layers" */
 	int cap = (int)layers * 16, np = 0;
@@ -114,7 +130,8 @@ int main(int argc, char **argv)
 	}
 	kl_tensor *ex = kl_randn(ctx, KL_F32, 3, (int64_t[]){2, 16, d}, 1);
 	kl_dim_spec dims[2] = {{0, 0, "batch", 1, 64}, {0, 1, "seq", 1, 2048}};
-	kl_export_opts o = {.ndims = 2, .dims = dims, .nparams = np, .params = ps, .param_names = pn};
+	kl_export_opts o = {.ndims = 2, .dims = dims, .nparams = np, .params = ps, .param_names = pn,
+	                    .cuda_arch = arch};
 	double t0 = now_ms();
 	kl_exported *e = kl_export(ctx, body, &s, 1, 1, &ex, &o);
 	CHECK(e);
@@ -128,6 +145,24 @@ int main(int argc, char **argv)
 	CHECK(stat(path, &st) == 0);
 	printf("%d layers, d_model %lld: exported and packaged in %.0f ms, package %.2f MB\n", s.n,
 	       (long long)d, t1 - t0, (double)st.st_size / 1e6);
+	if (arch && copts.device == KL_CPU) {
+		/* a CUDA package built here: read and checked (best of 5), not run */
+		FILE *pf = fopen(path, "rb"), *nul = fopen("/dev/null", "w");
+		char *buf = malloc((size_t)st.st_size);
+		CHECK(pf && nul && buf && fread(buf, 1, (size_t)st.st_size, pf) == (size_t)st.st_size);
+		double best = 1e30;
+		for (int r = 0; r < 5; r++) {
+			double a = now_ms();
+			CHECK(kl_package_describe(ctx, buf, (size_t)st.st_size, nul) == KL_OK);
+			best = now_ms() - a < best ? now_ms() - a : best;
+		}
+		printf("sm_%d package checked (kl_package_describe, every section), best of 5: %.3f ms\n",
+		       arch, best);
+		fclose(pf);
+		fclose(nul);
+		free(buf);
+		return 0;
+	}
 	/* the JIT path (dynamic dims as exported), and the input to serve */
 	kl_compile_opts co = {.ndynamic_dims = 1, .dynamic_dims = (uint32_t[]){KL_DIM(0) | KL_DIM(1)}};
 	kl_fn *f = kl_compile(ctx, body, &s, 1, 1, &co);

@@ -2,7 +2,9 @@
  * (kl_package_load_buffer: header, format version, target, section
  * checksums, manifest, plan, manifest against plan, weights), then, when
  * accepted, kl_package_inspect and one run on zeros of the manifest's
- * traced input shapes.
+ * traced input shapes; and every input through kl_package_describe (which
+ * checks any target's sections, a CUDA package's kernels section included:
+ * its modules, cubin headers, PTX text and launch choices).
  *
  * Mutations would almost all die at the checksums, so an input that looks
  * like a package (magic and a section table in range) is resealed first:
@@ -10,9 +12,12 @@
  * recomputed, and mutations reach the parsers behind them. The kernels'
  * checksum is left as the input has it: a package carries native code,
  * trusted like a shared library, and the fuzzer must not load mutated code.
- * Seeds: packages of library steps only (products, attention), exported by
- * the target itself (no compiler needed), plus the committed corpus (one
- * with generated kernels). */
+ * A CUDA package's kernels are resealed too: this CPU process never hands
+ * them to a driver (a CPU context refuses CUDA packages once every section
+ * is checked). Seeds: packages of library steps only (products, attention),
+ * exported by the target itself (no compiler needed), CUDA packages of the
+ * same where NVRTC can be opened, plus the committed corpus (one with
+ * generated kernels, CUDA ones with cubins and PTX). */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -89,6 +94,18 @@ static void write_seeds(const char *dir)
 	kl_dim_spec dq[3] = {{0, 1, "t", 2, 16}, {1, 1, "t", 2, 16}, {2, 1, "t", 2, 16}};
 	kl_export_opts oq = {.ndims = 3, .dims = dq};
 	seed(dir, "seed-attention.klp", kl_export(ctx, attn_body, NULL, 3, 1, q, &oq));
+	/* CUDA packages (NVRTC, no GPU): where it cannot be opened, the
+	 * committed ones serve */
+	oq.cuda_arch = 90;
+	kl_exported *ec = kl_export(ctx, attn_body, NULL, 3, 1, q, &oq);
+	if (ec)
+		seed(dir, "seed-attention-cuda.klp", ec);
+	kl_clear_error(ctx);
+	o.cuda_arch = 90;
+	ec = kl_export(ctx, mlp_body, &m, 1, 1, &x, &o);
+	if (ec)
+		seed(dir, "seed-mlp-cuda.klp", ec);
+	kl_clear_error(ctx);
 	kl_scope_end(ctx);
 }
 
@@ -129,7 +146,7 @@ static void reseal(uint8_t *b, size_t len)
 	for (int s = 0; s < 4; s++) {
 		uint8_t *e = b + 64 + 32 * s;
 		uint64_t off = rd64(e + 8), n = rd64(e + 16);
-		if (s == 2 || off > len || n > len - off)
+		if ((s == 2 && memcmp(b + 32, "cuda-", 5) != 0) || off > len || n > len - off)
 			continue;
 		uint64_t sum = kl__pkg_sum(b + off, n);
 		memcpy(e + 24, &sum, 8);
@@ -171,6 +188,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 	memcpy(b, data, size);
 	reseal(b, size);
+	if (kl_package_describe(ctx, b, size, devnull) != KL_OK)
+		kf_check_failure(ctx, "kl_package_describe");
 	kl_package *p = kl_package_load_buffer(ctx, b, size);
 	free(b); /* the package keeps nothing of the buffer */
 	if (!p) {

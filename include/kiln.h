@@ -704,10 +704,25 @@ typedef struct kl_export_opts {
 	const char *const *param_names;
 	const char *const *input_names;  /* nin names, or NULL: "input0", ... */
 	const char *const *output_names; /* nout names, or NULL: "output0", ... */
+	/* 0: a package for the context's device (a CUDA context: its GPU's
+	 * architecture). 90: a CUDA package for sm_90 from any context, a CPU
+	 * one included: the trace is lowered for CUDA and its kernels (and the
+	 * fused attention kernels it may launch) built by NVRTC as sm_90 cubins
+	 * with their PTX, which the driver compiles for newer GPUs; no GPU is
+	 * needed. Traced on a GPU under max-autotune, the launch choices it made
+	 * go in too. */
+	int cuda_arch;
+	/* the traced call's mode (0: default). On a CUDA context
+	 * KL_MODE_MAX_AUTOTUNE times the launch choices (cuBLASLt algorithms,
+	 * grid caps) at the trace, and the package carries them: a GPU of the
+	 * same kind uses them instead of cuBLASLt's heuristics. A static plan
+	 * only (dynamic dims are not tuned). */
+	kl_mode mode;
 } kl_export_opts;
 
 typedef struct kl_exported kl_exported;
-/* Trace fn on example (nin dense tensors) and compile it once for the CPU.
+/* Trace fn on example (nin dense tensors) and compile it once for the
+ * package's target (opts->cuda_arch).
  * NULL and an error naming the reason: a sync point, a dynamic dim the
  * graph must keep static (with why), an example outside its range, an
  * output that is an input returned as is, a write in place into an input. */
@@ -736,6 +751,9 @@ const char *kl_package_output_name(const kl_package *p, int i); /* NULL out of r
 kl_status kl_package_run(kl_package *p, kl_tensor *const *in, kl_tensor **out);
 /* Manifest, kernels, section sizes and target as text (kiln inspect). */
 kl_status kl_package_inspect(const kl_package *p, FILE *out);
+/* The same for len bytes of a package of any target (a CUDA package on a
+ * machine without a GPU): every section checked, nothing loaded or run. */
+kl_status kl_package_describe(kl_ctx *ctx, const void *data, size_t len, FILE *out);
 void kl_package_free(kl_package *p);
 
 /* ---- losses and training ops ---------------------------------------------

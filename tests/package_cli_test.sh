@@ -53,4 +53,22 @@ if "$kiln" run "$work/dec.klp" --input "$work/mlp_in.safetensors" \
 	--output "$work/z.safetensors" 2> "$work/err"; then fail "run with the wrong inputs succeeded"; fi
 grep -q "kl_package_run: input 'input0' is f32 \[8,256\]; the package takes f32 of rank 3" \
 	"$work/err" || fail "wrong input: $(cat "$work/err")"
+
+# a CUDA package built here (NVRTC, no GPU): inspected, refused by a CPU run
+# with the reason; skipped where no CUDA package can be built (no NVRTC)
+if "$kiln" package decoder_layer --device cuda --dynamic 0:0:batch:1:16 \
+	--dynamic 0:1:seq:1:512 -o "$work/dec_cuda.klp" 2> "$work/err"; then
+	"$kiln" inspect "$work/dec_cuda.klp" > "$work/inspect_cuda.txt"
+	for want in 'target cuda-sm_90' 'module 0  plan   cubin sm_90' 'fixed  cubin sm_90' \
+		'PTX [0-9]* B (newer GPUs' 'seq in \[1, 512\]'; do
+		grep -q "$want" "$work/inspect_cuda.txt" || fail "inspect (cuda) lacks '$want'"
+	done
+	if "$kiln" run "$work/dec_cuda.klp" --input "$work/x.safetensors" \
+		--output "$work/z.safetensors" 2> "$work/err"; then fail "a CUDA package ran on the CPU"; fi
+	grep -q 'a CUDA package (sm_90) needs a CUDA context' "$work/err" ||
+		fail "cuda on cpu: $(cat "$work/err")"
+else
+	grep -q 'NVRTC\|without the CUDA backend' "$work/err" || fail "package --device cuda: $(cat "$work/err")"
+	echo "package_cli_test: no CUDA package can be built here, skipped: $(cat "$work/err")"
+fi
 echo "package_cli_test: ok"

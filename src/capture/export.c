@@ -1,7 +1,9 @@
 /* export.c - kl_export: trace a function once into one whole graph (a
  * fullgraph kl_fn: a sync point is refused), keep its declared dynamic dims
  * symbolic, name its parameters, and compile it keeping the kernels'
- * binary; kl_exported_package writes the package (runtime/package.c).
+ * binary (CPU) or lower it for CUDA and build cubins + PTX with NVRTC (CUDA
+ * packages, on any machine); kl_exported_package writes the package
+ * (runtime/package.c).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -11,6 +13,7 @@
 
 #include "capture/capture.h"
 #include "runtime/package.h"
+#include "runtime/package_cuda.h"
 
 struct kl_exported {
 	kl_ctx *ctx;
@@ -18,6 +21,8 @@ struct kl_exported {
 	kl_compiled *c;   /* the graph compiled again, its binary kept */
 	kl_pkg_manifest m;
 	kl_tensor **params; /* m.params' tensors (borrowed from f's variant) */
+	uint8_t *kernels;   /* CUDA: the kernels section (package_cuda.c) */
+	size_t kernels_len;
 };
 
 void kl_exported_free(kl_exported *e)
@@ -28,6 +33,7 @@ void kl_exported_free(kl_exported *e)
 	kl_fn_free(e->f);
 	kl__pkg_manifest_free(&e->m);
 	free(e->params);
+	free(e->kernels);
 	free(e);
 }
 
@@ -135,9 +141,16 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		               "kl_export: fn, example and nout >= 1 are required (nin %d, nout %d)",
 		               nin, nout),
 		       NULL;
-	if (ctx->device != KL_CPU)
+	int arch = o ? o->cuda_arch : 0;
+	if (ctx->device == KL_CUDA && arch == 0)
+		arch = kl__cuda_arch(ctx);
+	if (arch != 0 && (arch < 30 || arch > 999 || arch % 10 > 9))
+		return kl__err(ctx, KL_EINVAL,
+		               "kl_export: cuda_arch %d is not an architecture (90 for sm_90)", arch),
+		       NULL;
+	if (ctx->device != KL_CPU && ctx->device != KL_CUDA)
 		return kl__err(ctx, KL_EUNSUPPORTED,
-		               "kl_export: packages are built on a CPU context for now"),
+		               "kl_export: packages are built on a CPU or CUDA context"),
 		       NULL;
 	kl_exported *e = calloc(1, sizeof *e);
 	uint32_t *masks = calloc((size_t)nin + 1, sizeof *masks);
@@ -148,7 +161,10 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 	}
 	e->ctx = ctx;
 	kl_pkg_manifest *m = &e->m;
-	snprintf(m->target, sizeof m->target, "%s", kl__pkg_host_target());
+	if (arch)
+		snprintf(m->target, sizeof m->target, "cuda-sm_%d", arch);
+	else
+		snprintf(m->target, sizeof m->target, "%s", kl__pkg_host_target());
 	m->nin = nin;
 	m->nout = nout;
 	m->in = calloc((size_t)nin + 1, sizeof *m->in);
@@ -183,7 +199,10 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		free(masks);
 		return fail(e);
 	}
-	kl_compile_opts co = {.fullgraph = true, .ndynamic_dims = nin, .dynamic_dims = masks};
+	kl_compile_opts co = {.mode = o ? o->mode : KL_MODE_DEFAULT,
+	                      .fullgraph = true,
+	                      .ndynamic_dims = nin,
+	                      .dynamic_dims = masks};
 	e->f = kl_compile(ctx, fn, user, nin, nout, &co);
 	kl_tensor **outs = calloc((size_t)nout, sizeof *outs);
 	bool grad = kl_set_grad_enabled(ctx, false);
@@ -250,13 +269,32 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 	                      .fusion = e->f->fusion,
 	                      .dyn_masks = any ? gm : NULL,
 	                      .name = e->f->name,
-	                      .keep_binary = true};
+	                      .keep_binary = !arch,
+	                      .lower_for_cuda = arch != 0};
 	e->c = kl__compile(ctx, g, &cfg);
 	free(gm);
 	if (!e->c)
 		return fail(e);
+	if (arch) {
+		/* cubins + PTX; the launch choices the traced variant made when it
+		 * ran on this GPU (max-autotune) */
+		kl_pkg_cuda sec;
+		kl_status bs = kl__pkg_cuda_build(ctx, "kl_export", &e->c->prog, arch, &sec);
+		uint8_t *ch = NULL;
+		size_t chn = 0;
+		if (bs == KL_OK && c0->cuda && c0->prog.nsteps == e->c->prog.nsteps)
+			bs = kl__pkg_cuda_choices(ctx, c0, &ch, &chn);
+		sec.choices = ch;
+		sec.choices_len = chn;
+		if (bs == KL_OK && kl__pkg_cuda_write(&sec, &e->kernels, &e->kernels_len) != KL_OK)
+			bs = kl__err(ctx, KL_ENOMEM, "kl_export: out of memory");
+		free(ch);
+		kl__pkg_cuda_images_free(&sec);
+		if (bs != KL_OK)
+			return fail(e);
+	}
 	const kl_program *p = &e->c->prog;
-	if (p->nkernels > 0 && !e->c->bin) {
+	if (p->nkernels > 0 && !arch && !e->c->bin) {
 		kl__err(ctx, KL_EIO, "kl_export: the kernels' binary could not be read back");
 		return fail(e);
 	}
@@ -385,8 +423,10 @@ kl_status kl_exported_package(kl_exported *e, const char *path)
 		return kl__err(ctx, KL_EINVAL, "kl_exported_package: path is NULL");
 	uint8_t *bytes = NULL;
 	size_t len = 0;
-	kl_status st = kl__pkg_write(ctx, &e->m, &e->c->prog, e->c->bin, e->c->bin_len, e->params,
-	                             &bytes, &len);
+	kl_status st = e->kernels ? kl__pkg_write(ctx, &e->m, &e->c->prog, e->kernels,
+	                                          e->kernels_len, e->params, &bytes, &len)
+	                          : kl__pkg_write(ctx, &e->m, &e->c->prog, e->c->bin,
+	                                          e->c->bin_len, e->params, &bytes, &len);
 	if (st != KL_OK)
 		return st;
 	char tmp[4096];

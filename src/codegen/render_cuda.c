@@ -297,33 +297,6 @@ static bool plan_pointwise(cctx *c, vplan *vp)
 	return kl__cu_plan_aligned(c, vp);
 }
 
-int kl__cuda_row_group(void)
-{
-	const char *e = getenv("KILN_CUDA_ROW_GROUP");
-	int g = e ? atoi(e) : 0;
-	return g == 32 || g == 64 || g == 128 || g == BLOCK ? g : 0;
-}
-
-kl_cuda_dot kl__cuda_dot_knobs(void)
-{
-	kl_cuda_dot d = {4, 131072, 1, 0, -1, 1};
-	const char *e = getenv("KILN_CUDA_DOT_CHUNKS");
-	if (e && atoi(e) >= 1 && atoi(e) <= 8)
-		d.chunks = atoi(e);
-	if ((e = getenv("KILN_CUDA_DOT_THREADS")) && atol(e) >= 0 && atol(e) <= (1L << 24))
-		d.threads = (int)atol(e);
-	if ((e = getenv("KILN_CUDA_DOT_F32")) && (atoi(e) == 0 || atoi(e) == 1))
-		d.f32 = atoi(e);
-	if ((e = getenv("KILN_CUDA_ROW_MINBLOCKS")) && atoi(e) >= 1 && atoi(e) <= 8)
-		d.minb = atoi(e);
-	if ((e = getenv("KILN_CUDA_ROW_HOLD")) && (strcmp(e, "0") == 0 || strcmp(e, "1") == 0))
-		d.hold = atoi(e);
-	if ((e = getenv("KILN_CUDA_PW_UNROLL")) &&
-	    (!strcmp(e, "1") || !strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")))
-		d.pw = atoi(e);
-	return d;
-}
-
 /* "const bool kl_vok = ...": the run-time half of the fast path's conditions */
 void kl__cu_plan_cond(cctx *c, const vplan *vp)
 {

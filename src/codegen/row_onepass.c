@@ -8,15 +8,6 @@
 
 #include "codegen/row_onepass.h"
 
-int kl__cuda_row_onepass(void)
-{
-	/* off unless asked for: on an H200 (2026-12-03, 16384 x 4096 bf16) the
-	 * pairs took softmax from 84.4 to 155.9 us and layer norm from 89.0 to
-	 * 291.9 us (eager) against the two-reduction kernels */
-	const char *e = getenv("KILN_CUDA_ROW_ONEPASS");
-	return e && strcmp(e, "1") == 0 ? 1 : 0;
-}
-
 static bool fl_dt(int dt)
 {
 	return dt == KL_F32 || dt == KL_F64 || dt == KL_F16 || dt == KL_BF16;

@@ -369,7 +369,9 @@ static kl_status make_program(kl_ctx *ctx, kl_compiled *c, const kl_graph *g,
 		    !(c->prog.fusion_log = strdup(cfg->given->fusion_log)))
 			st = KL_ENOMEM;
 	} else {
-		kl_lower_opts lo = {.target = ctx->device == KL_CUDA ? KL_TARGET_CUDA : KL_TARGET_C,
+		kl_lower_opts lo = {.target = ctx->device == KL_CUDA || cfg->lower_for_cuda
+		                              ? KL_TARGET_CUDA
+		                              : KL_TARGET_C,
 		                    .fusion = cfg->fusion,
 		                    .dyn_masks = masks,
 		                    .log_ctx = ctx};
@@ -481,7 +483,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 	c->mode = cfg->mode;
 	c->fusion = cfg->fusion;
 	c->keep_bin = cfg->keep_binary;
-	c->cuda = ctx->device == KL_CUDA;
+	c->cuda = ctx->device == KL_CUDA && !cfg->lower_for_cuda;
 	c->nin = g->ninputs;
 	c->nout = g->noutputs;
 	c->in_strides = calloc((size_t)(c->nin ? c->nin : 1), sizeof *c->in_strides);
@@ -508,7 +510,10 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 	char dir[PATH_MAX];
 	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
 	double t0 = kl__now_ms();
-	if (have_dir && load_cached(ctx, c, dir) == KL_OK) {
+	if (cfg->lower_for_cuda) {
+		if (make_program(ctx, c, g, cfg, c->src_sym ? sr.masks : NULL) != KL_OK)
+			goto fail;
+	} else if (have_dir && load_cached(ctx, c, dir) == KL_OK) {
 		c->from_cache = true;
 		atomic_fetch_add(&n_cache_hits, 1);
 		kl__log(ctx, KL_LOG_STARTUP,
@@ -551,7 +556,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
 		goto fail;
 	}
-	if (c->cuda)
+	if (c->cuda && !cfg->lower_for_cuda)
 		kl__cuda_rt_prepare(ctx, c);
 	symres_free(&sr);
 	return c;
@@ -575,12 +580,15 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *pro
 	memset(prog, 0, sizeof *prog);
 	c->dl = dl;
 	c->from_cache = true;
+	/* CUDA: the caller loads the module (package_cuda.h) */
+	c->cuda = ctx->device == KL_CUDA;
 	c->nin = nin;
 	c->nout = nout;
 	c->in_strides = calloc((size_t)(nin ? nin : 1), sizeof *c->in_strides);
 	c->in_dynamic = calloc((size_t)(nin ? nin : 1), sizeof *c->in_dynamic);
 	if (!c->in_strides || !c->in_dynamic ||
-	    (c->prog.nkernels > 0 && !(c->fns = calloc((size_t)c->prog.nkernels, sizeof *c->fns))))
+	    (c->prog.nkernels > 0 && !c->cuda &&
+	     !(c->fns = calloc((size_t)c->prog.nkernels, sizeof *c->fns))))
 		goto oom;
 	for (int32_t b = 0; b < c->prog.nbufs; b++) {
 		const kl_buf *bf = &c->prog.bufs[b];
@@ -593,7 +601,7 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *pro
 		}
 		kl__contig_strides(bf->ndim, shape, c->in_strides[bf->index]);
 	}
-	if (c->prog.nkernels > 0 &&
+	if (c->prog.nkernels > 0 && !c->cuda &&
 	    kl__jit_symbols(ctx, fn, KL_EFORMAT, dl, c->prog.kernel_names, c->prog.nkernels, c->fns) != KL_OK) {
 		kl__compiled_free(c);
 		return NULL;

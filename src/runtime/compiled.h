@@ -27,6 +27,10 @@ typedef struct kl_compile_cfg {
 	const kl_program *given;
 	/* keep the CPU binary's bytes in kl_compiled.bin (packages embed them) */
 	bool keep_binary;
+	/* lower for CUDA whatever ctx's device, then stop: no disk cache, no
+	 * build, nothing loaded (CUDA packages, built on any machine); the
+	 * result holds the plan, its source and memory plan, and runs nothing */
+	bool lower_for_cuda;
 } kl_compile_cfg;
 
 /* The memory plan of the TEMP buffers: one arena, a slot per buffer. */
@@ -131,6 +135,9 @@ uint64_t kl__cuda_rt_identity(kl_ctx *ctx);
  * the plan entry. */
 kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t *bin_hash,
                             uint64_t *bin_size);
+/* Load c's module from an image a package brought (no NVRTC). */
+struct kl_cuda_image;
+kl_status kl__cuda_rt_from_image(kl_ctx *ctx, kl_compiled *c, const struct kl_cuda_image *im);
 /* Load c's image from the disk cache; KL_EFORMAT when absent or corrupt. */
 kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
                            uint64_t bin_size);

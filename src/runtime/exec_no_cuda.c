@@ -2,7 +2,10 @@
  * without the CUDA backend (KILN_CUDA=OFF; backend/cuda/backend_no_cuda.c stands in
  * for the backend).
  */
+#include <string.h>
+
 #include "runtime/compiled.h"
+#include "runtime/package_cuda.h"
 
 /* The runtime's CUDA half: unreachable without a CUDA context, which this
  * build cannot make; each still answers with the same reason. */
@@ -88,3 +91,46 @@ void kl__cuda_rt_free(kl_compiled *c)
 }
 
 const kl_cuda_hooks kl__cuda_rt_hooks = {0};
+
+kl_status kl__cuda_rt_from_image(kl_ctx *ctx, kl_compiled *c, const struct kl_cuda_image *im)
+{
+	(void)c;
+	(void)im;
+	return absent(ctx);
+}
+
+/* ---- runtime/cuda/pkg_cuda.c ---- */
+
+kl_status kl__pkg_cuda_build(kl_ctx *ctx, const char *fn, const kl_program *prog, int arch,
+                             kl_pkg_cuda *sec)
+{
+	(void)prog;
+	memset(sec, 0, sizeof *sec);
+	return kl__err(ctx, KL_EDEVICE,
+	               "%s: CUDA packages (sm_%d) need NVRTC: this kiln is built without the CUDA "
+	               "backend (KILN_CUDA=OFF) or is the runtime library",
+	               fn, arch);
+}
+
+void kl__pkg_cuda_images_free(kl_pkg_cuda *sec)
+{
+	sec->nmods = 0;
+}
+
+kl_status kl__pkg_cuda_load(kl_ctx *ctx, const char *fn, kl_compiled *c, const kl_pkg_cuda *sec)
+{
+	(void)c;
+	return kl__err(ctx, KL_EDEVICE,
+	               "%s: a CUDA package (sm_%d) needs the CUDA backend, which this kiln is built "
+	               "without",
+	               fn, sec->arch);
+}
+
+kl_status kl__pkg_cuda_choices(kl_ctx *ctx, const kl_compiled *c, uint8_t **out, size_t *len)
+{
+	(void)ctx;
+	(void)c;
+	*out = NULL;
+	*len = 0;
+	return KL_OK;
+}

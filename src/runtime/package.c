@@ -9,14 +9,16 @@
  *   8   u32 format version (KL_PKG_FORMAT), u32 header size (64)
  *   16  u64 file length
  *   24  u32 sections (4), u32 0
- *   32  char target[16] ("cpu-x86_64", NUL padded)
+ *   32  char target[16] ("cpu-x86_64" or "cuda-sm_90", NUL padded)
  *   48  u64 the x86 features the kernels need (isa_names' bits: the host's
  *       at export, since they are built -march=native), 0 without kernels
+ *       and for CUDA
  *   56  u64 checksum of bytes 0..56 and the section table
  *   64  section table: per section u32 kind, u32 0, u64 offset, u64 length,
  *       u64 checksum of its bytes; sections follow, 64-byte aligned:
- *       manifest, plan (plan_io.c), kernels (ELF shared object), weights
- *       (a safetensors file, each tensor 64-byte aligned).
+ *       manifest, plan (plan_io.c), kernels (CPU: an ELF shared object;
+ *       CUDA: cubins, PTX and launch choices, package_cuda.c), weights (a
+ *       safetensors file, each tensor 64-byte aligned).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -30,6 +32,7 @@
 
 #include "core/le.h"
 #include "runtime/package.h"
+#include "runtime/package_cuda.h"
 #include "runtime/runtime_int.h"
 
 enum { SEC_MANIFEST = 1, SEC_PLAN, SEC_KERNELS, SEC_WEIGHTS, NSECT = 4 };
@@ -505,7 +508,8 @@ kl_status kl__pkg_write(kl_ctx *ctx, const kl_pkg_manifest *m0, const kl_program
 			/* the header's 16 bytes: the target, NUL padded (15 at most) */
 			memset(w.p + 32, 0, 16);
 			memcpy(w.p + 32, m.target, strnlen(m.target, 15));
-			kl__le_put64(w.p + 48, so_len ? host_isa() : 0);
+			kl__le_put64(w.p + 48,
+			             so_len && !kl__pkg_cuda_target_arch(m.target) ? host_isa() : 0);
 			for (int s = 0; s < NSECT; s++) {
 				uint8_t *e = w.p + HDR + 32 * s;
 				kl__le_put64(e, (uint64_t)(s + 1));
@@ -543,6 +547,9 @@ struct kl_pkg {
 	size_t map_len;
 	size_t sec_len[NSECT + 1];
 	uint64_t isa; /* the header's CPU features */
+	int arch;     /* CUDA packages: the cubins' architecture, else 0 */
+	kl_pkg_cuda cu; /* CUDA: the kernels section (its pointers valid while opening) */
+	kl_program prog; /* describe: the plan (no variant made) */
 };
 
 static uint64_t numel_of(const kl_pkg_tensor *t, const int64_t *shape)
@@ -663,6 +670,7 @@ void kl__pkg_free(kl_pkg *p)
 		kl_release(p->params[i]);
 	free(p->params);
 	kl__compiled_free(p->c);
+	kl__program_free(&p->prog);
 	kl__pkg_manifest_free(&p->m);
 	if (p->map)
 		munmap(p->map, p->map_len);
@@ -674,7 +682,8 @@ const kl_pkg_manifest *kl__pkg_manifest(const kl_pkg *p)
 	return &p->m;
 }
 
-kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool own_map)
+kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool own_map,
+                     bool describe)
 {
 	kl_pkg *p = calloc(1, sizeof *p);
 	if (!p) {
@@ -715,12 +724,17 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		snprintf(why, sizeof why, "header checksum mismatch");
 		goto fail;
 	}
-	if (strcmp((const char *)b + 32, kl__pkg_host_target()) != 0) {
+	p->arch = kl__pkg_cuda_target_arch((const char *)b + 32);
+	if (p->arch && kl__le_get64(b + 48) != 0) {
+		snprintf(why, sizeof why, "a CUDA package with CPU features");
+		goto fail;
+	}
+	if (!p->arch && strcmp((const char *)b + 32, kl__pkg_host_target()) != 0) {
 		snprintf(why, sizeof why, "built for target %.15s, this host is %s",
 		         (const char *)b + 32, kl__pkg_host_target());
 		goto fail;
 	}
-	uint64_t lacks = kl__le_get64(b + 48) & ~host_isa();
+	uint64_t lacks = describe ? 0 : kl__le_get64(b + 48) & ~host_isa();
 	if (lacks) {
 		char names[160];
 		isa_str(lacks, names, sizeof names);
@@ -747,7 +761,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	st = manifest_read(sec[SEC_MANIFEST], p->sec_len[SEC_MANIFEST], &p->m, why, sizeof why);
 	if (st != KL_OK)
 		goto fail;
-	if (strcmp(p->m.target, kl__pkg_host_target()) != 0) {
+	if (strcmp(p->m.target, (const char *)b + 32) != 0) {
 		st = KL_EFORMAT;
 		snprintf(why, sizeof why, "the manifest's target %s is not the header's", p->m.target);
 		goto fail;
@@ -764,11 +778,58 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	}
 	if (st != KL_OK)
 		goto fail;
-	if (prog.nkernels > 0) {
+	/* the kernels: checked here, loaded below */
+	if (p->arch) {
+		st = kl__pkg_cuda_parse(sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], p->arch, prog.nkernels,
+		                        &p->cu, why, sizeof why);
+		if (st != KL_OK)
+			goto fail;
+	} else if (prog.nkernels > 0) {
 		if (!elf_ok(sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], why, sizeof why)) {
 			st = KL_EFORMAT;
 			goto fail;
 		}
+	} else if (p->sec_len[SEC_KERNELS] != 0) {
+		st = KL_EFORMAT;
+		snprintf(why, sizeof why, "kernels without a plan that calls them");
+		goto fail;
+	}
+	/* the weights: a safetensors file whose data the manifest indexes */
+	const uint8_t *w = sec[SEC_WEIGHTS];
+	size_t wn = p->sec_len[SEC_WEIGHTS];
+	uint64_t jn = wn >= 8 ? kl__le_get64(w) : 0;
+	if (wn < 8 || jn > wn - 8) {
+		snprintf(why, sizeof why, "the weights are not a safetensors file");
+		st = KL_EFORMAT;
+		goto fail;
+	}
+	const uint8_t *wdata = w + 8 + jn;
+	uint64_t wdn = wn - 8 - jn;
+	for (int i = 0; i < p->m.nparams; i++) {
+		const kl_pkg_tensor *t = &p->m.params[i];
+		if (t->off > wdn || t->nbytes > wdn - t->off) {
+			snprintf(why, sizeof why, "parameter '%s' lies outside the weights", t->name);
+			st = KL_EFORMAT;
+			goto fail;
+		}
+	}
+	if (describe) {
+		p->prog = prog;
+		return p;
+	}
+	if (p->arch && ctx->device != KL_CUDA) {
+		kl__err(ctx, KL_EUNSUPPORTED,
+		        "%s: a CUDA package (sm_%d) needs a CUDA context; this one is the CPU "
+		        "(kl_package_describe and kiln inspect read it anywhere)",
+		        fn, p->arch);
+		goto fail_set;
+	}
+	if (!p->arch && ctx->device != KL_CPU) {
+		kl__err(ctx, KL_EUNSUPPORTED, "%s: a CPU package (%s) needs a CPU context", fn,
+		        p->m.target);
+		goto fail_set;
+	}
+	if (!p->arch && prog.nkernels > 0) {
 		st = kl__jit_load_image(ctx, fn, sec[SEC_KERNELS], p->sec_len[SEC_KERNELS], &dl);
 		if (st != KL_OK) {
 			kl__pkg_free(p);
@@ -787,21 +848,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 			goto fail;
 		}
 		free(bytes);
-	} else if (p->sec_len[SEC_KERNELS] != 0) {
-		snprintf(why, sizeof why, "kernels without a plan that calls them");
-		goto fail;
 	}
-	/* the weights: a safetensors file whose data the manifest indexes */
-	const uint8_t *w = sec[SEC_WEIGHTS];
-	size_t wn = p->sec_len[SEC_WEIGHTS];
-	uint64_t jn = wn >= 8 ? kl__le_get64(w) : 0;
-	if (wn < 8 || jn > wn - 8) {
-		snprintf(why, sizeof why, "the weights are not a safetensors file");
-		st = KL_EFORMAT;
-		goto fail;
-	}
-	const uint8_t *wdata = w + 8 + jn;
-	uint64_t wdn = wn - 8 - jn;
 	p->params = calloc((size_t)p->m.nparams + 1, sizeof *p->params);
 	if (!p->params) {
 		st = kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
@@ -809,13 +856,9 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	}
 	for (int i = 0; i < p->m.nparams; i++) {
 		const kl_pkg_tensor *t = &p->m.params[i];
-		if (t->off > wdn || t->nbytes > wdn - t->off) {
-			snprintf(why, sizeof why, "parameter '%s' lies outside the weights", t->name);
-			st = KL_EFORMAT;
-			goto fail;
-		}
 		const uint8_t *src = wdata + t->off;
-		bool aligned = ((uintptr_t)src % 64) == 0;
+		/* borrowed in place on the CPU; CUDA copies them to the device */
+		bool aligned = ((uintptr_t)src % 64) == 0 && ctx->device == KL_CPU;
 		/* in no scope: the package holds them */
 		kl_scope_begin(ctx);
 		kl_tensor *x = own_map && aligned
@@ -840,6 +883,13 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 	if (!p->c) {
 		st = kl_last_status(ctx);
 		goto fail_set;
+	}
+	if (p->arch) {
+		/* reduce-overhead: the second call captures a CUDA graph, later
+		 * ones replay it */
+		p->c->mode = KL_MODE_REDUCE_OVERHEAD;
+		if (kl__pkg_cuda_load(ctx, fn, p->c, &p->cu) != KL_OK)
+			goto fail_set;
 	}
 	return p;
 fail:
@@ -962,8 +1012,11 @@ void kl__pkg_print(const kl_pkg *p, FILE *f)
 	const kl_pkg_manifest *m = &p->m;
 	char isa[160];
 	isa_str(p->isa, isa, sizeof isa);
-	fprintf(f, "kiln package, format %u, target %s, CPU features %s\n", KL_PKG_FORMAT, m->target,
-	        p->isa ? isa : "none required");
+	if (p->arch)
+		fprintf(f, "kiln package, format %u, target %s\n", KL_PKG_FORMAT, m->target);
+	else
+		fprintf(f, "kiln package, format %u, target %s, CPU features %s\n", KL_PKG_FORMAT,
+		        m->target, p->isa ? isa : "none required");
 	fprintf(f, "  sections: manifest %zu B, plan %zu B, kernels %zu B, weights %zu B\n",
 	        p->sec_len[SEC_MANIFEST], p->sec_len[SEC_PLAN], p->sec_len[SEC_KERNELS],
 	        p->sec_len[SEC_WEIGHTS]);
@@ -983,7 +1036,7 @@ void kl__pkg_print(const kl_pkg *p, FILE *f)
 	fprintf(f, "  parameters: %d (%" PRIu64 " bytes)\n", (int)m->nparams, wb);
 	for (int i = 0; i < m->nparams; i++)
 		print_tensor(f, m, &m->params[i]);
-	const kl_program *pr = &p->c->prog;
+	const kl_program *pr = p->c ? &p->c->prog : &p->prog;
 	fprintf(f, "  plan: %d steps, %d buffers, %d symbols, %d generated kernels\n",
 	        (int)pr->nsteps, (int)pr->nbufs, (int)pr->nsyms, (int)pr->nkernels);
 	for (int32_t s = 0; s < pr->nsteps; s++)
@@ -991,6 +1044,21 @@ void kl__pkg_print(const kl_pkg *p, FILE *f)
 		        pr->steps[s].kind == KL_STEP_KERNEL ? "  kernel " : "",
 		        pr->steps[s].kind == KL_STEP_KERNEL ? pr->kernel_names[pr->steps[s].kernel]
 		                                            : "");
+	if (!p->arch)
+		return;
+	const kl_pkg_cuda *cu = &p->cu;
+	fprintf(f, "  CUDA modules: %d, cubins for sm_%d; launch choices: %zu bytes%s\n", cu->nmods,
+	        cu->arch, cu->choices_len, cu->choices_len ? "" : " (cuBLASLt heuristics at load)");
+	for (int i = 0; i < cu->nmods; i++) {
+		const kl_pkg_cumod *md = &cu->mods[i];
+		fprintf(f, "    module %-2d %-6s cubin sm_%d%s %zu B, PTX %zu B%s", i,
+		        md->role == KL_PKG_MOD_PLAN ? "plan" : "fixed", cu->arch,
+		        md->arch_specific ? "a" : "", md->cubin_len, md->ptx_len,
+		        md->ptx_len ? " (newer GPUs through the driver's JIT)" : "");
+		if (md->role == KL_PKG_MOD_FIXED)
+			fprintf(f, ", source %016" PRIx64, md->src_key);
+		fprintf(f, "\n");
+	}
 }
 
 /* ---- the public calls ----------------------------------------------------------- */
@@ -1044,7 +1112,7 @@ kl_package *kl_package_load(kl_ctx *ctx, const char *path)
 		kl__err(ctx, KL_EIO, "kl_package_load: cannot map %s: %s", path, strerror(errno));
 		return NULL;
 	}
-	return wrap(ctx, kl__pkg_open(ctx, "kl_package_load", map, (size_t)st.st_size, true));
+	return wrap(ctx, kl__pkg_open(ctx, "kl_package_load", map, (size_t)st.st_size, true, false));
 }
 
 kl_package *kl_package_load_buffer(kl_ctx *ctx, const void *data, size_t len)
@@ -1056,7 +1124,7 @@ kl_package *kl_package_load_buffer(kl_ctx *ctx, const void *data, size_t len)
 		return NULL;
 	}
 	return wrap(ctx, kl__pkg_open(ctx, "kl_package_load_buffer", (void *)(uintptr_t)data, len,
-	                              false));
+	                              false, false));
 }
 
 const kl_pkg_manifest *kl__package_manifest(const kl_package *p)
@@ -1112,4 +1180,20 @@ void kl_package_free(kl_package *p)
 		return;
 	kl__pkg_free(p->p);
 	free(p);
+}
+
+kl_status kl_package_describe(kl_ctx *ctx, const void *data, size_t len, FILE *out)
+{
+	if (!ctx)
+		return KL_EINVAL;
+	if (!data || !out)
+		return kl__err(ctx, KL_EINVAL, "kl_package_describe: %s is NULL", data ? "out" : "data");
+	kl_pkg *p = kl__pkg_open(ctx, "kl_package_describe", (void *)(uintptr_t)data, len, false,
+	                         true);
+	if (!p)
+		return kl_last_status(ctx);
+	/* the kernels section's pointers are the caller's bytes: valid here */
+	kl__pkg_print(p, out);
+	kl__pkg_free(p);
+	return KL_OK;
 }

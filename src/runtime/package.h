@@ -63,8 +63,12 @@ typedef struct kl_pkg kl_pkg;
  * header and their plan digest. own_map: data is an mmap the package now
  * owns (unmapped with it; weights are borrowed from it), else the bytes
  * are the caller's and the weights are copied. NULL with ctx's error
- * (naming `fn`) on failure. */
-kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool own_map);
+ * (naming `fn`) on failure. describe: every section checked, nothing loaded
+ * (no kernels, weights or variant; any target): only kl__pkg_print and
+ * kl__pkg_free apply. A CUDA package opens on a CUDA context only, a CPU
+ * package on a CPU one. */
+kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool own_map,
+                     bool describe);
 void kl__pkg_free(kl_pkg *p);
 const kl_pkg_manifest *kl__pkg_manifest(const kl_pkg *p);
 /* Run with inputs checked against the manifest (dtype, rank, static sizes,

@@ -213,3 +213,11 @@ void kl__cuda_ctx_fini(kl_ctx *ctx)
 	kl__cuda_dev_close(d);
 	ctx->backend_state = NULL;
 }
+
+int kl__cuda_arch(const kl_ctx *ctx)
+{
+	if (!ctx || ctx->device != KL_CUDA || !ctx->backend_state)
+		return 0;
+	const kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+	return d->cc_major * 10 + d->cc_minor;
+}

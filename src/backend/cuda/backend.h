@@ -41,5 +41,7 @@ kl_status kl__cuda_ctx_init(kl_ctx *ctx, int index, const kl_cuda_hooks *hooks);
 /* Releases what kl__cuda_ctx_init made; call after every tensor of ctx has
  * been freed through ctx->be. Safe on a context that was never initialized. */
 void kl__cuda_ctx_fini(kl_ctx *ctx);
+/* The architecture of ctx's GPU (90 for sm_90); 0 for another device. */
+int kl__cuda_arch(const kl_ctx *ctx);
 
 #endif /* KILN_CUDA_BACKEND_H */

@@ -18,3 +18,9 @@ void kl__cuda_ctx_fini(kl_ctx *ctx)
 {
 	(void)ctx;
 }
+
+int kl__cuda_arch(const kl_ctx *ctx)
+{
+	(void)ctx;
+	return 0;
+}

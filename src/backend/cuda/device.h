@@ -59,6 +59,8 @@ typedef struct kl_cuda_dev {
 	struct kl_cuda_attn *attn;    /* attention_cuda.c: compiled attention kernels, workspace */
 	struct kl_cuda_optim *optim;  /* optim_cuda.c: the fused optimizer's modules, table */
 	struct kl_cuda_cw *cw;        /* cache_write_cuda.c: its kernel, the error word */
+	struct kl_cuda_pkgmod *pkgmods; /* fixed kernels' images a package brought (nvrtc.c) */
+	int npkgmods;
 } kl_cuda_dev;
 
 /* The number of CUDA devices (loads the driver). */
@@ -109,6 +111,8 @@ typedef struct kl_nvrtc_opts {
 	bool no_fmad;       /* --fmad=false: a * b + c rounds twice, as generated C does */
 	bool ptxas_info;    /* --ptxas-options=-v: registers, spills and ptxas's
 	                     * performance notes in the log (for tests) */
+	bool want_ptx;      /* a cubin's PTX too (kl_cuda_image.ptx_text): packages carry it
+	                     * for GPUs newer than the cubin's architecture */
 } kl_nvrtc_opts;
 
 /* A compiled module image: a cubin, or PTX (text, NUL-terminated) when the
@@ -119,6 +123,8 @@ typedef struct kl_cuda_image {
 	bool ptx;
 	int arch;  /* the architecture compiled for */
 	char *log; /* NVRTC's log (warnings on success), may be NULL */
+	char *ptx_text; /* want_ptx: the cubin's PTX (NUL-terminated), else NULL */
+	size_t ptx_size; /* its length without the NUL */
 } kl_cuda_image;
 
 /* Compile one translation unit (name: for messages). Needs NVRTC only, no
@@ -151,6 +157,16 @@ bool kl__cuda_image_from_payload(const void *payload, size_t len, kl_cuda_image 
  * entry is rebuilt. arch_specific: sm_90a and the like. */
 kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
                                  bool arch_specific, kl_cuda_module **out);
+/* The part of a fixed module's cache key that is its source (the rest is
+ * the target): packages name the fixed modules they carry by it. */
+uint64_t kl__cuda_module_src_key(const char *src);
+/* An image a package brought for the fixed module of source key src_key
+ * (arch_specific as kl__cuda_module_cached is asked): that call then loads
+ * it instead of the disk cache or NVRTC, for as long as d is open. The image
+ * is copied; it must suit d (the package loader picks cubin or PTX). */
+kl_status kl__cuda_pkgmod_add(kl_ctx *ctx, kl_cuda_dev *d, uint64_t src_key, bool arch_specific,
+                              const kl_cuda_image *im);
+void kl__cuda_pkgmod_release(kl_cuda_dev *d);
 kl_status kl__cuda_module_fn(kl_ctx *ctx, kl_cuda_module *m, const char *fn, CUfunction *out);
 void kl__cuda_module_free(kl_cuda_module *m);
 

@@ -179,6 +179,20 @@ static void load_nvrtc_once(void)
 	const char *names[16];
 	int n = names_with_env("KILN_LIBNVRTC", kl__nvrtc_names, names, 16);
 	load_state *s = &nvrtc_state;
+	/* KILN_NO_NVRTC=1: never opened, as where it is absent (a process that
+	 * runs packages proves it needs no compiler); the runtime library
+	 * (KILN_RT) never opens it */
+	const char *no = getenv("KILN_NO_NVRTC");
+#ifdef KILN_RT
+	no = "rt";
+#endif
+	if (no && (strcmp(no, "1") == 0 || strcmp(no, "rt") == 0)) {
+		snprintf(s->err, sizeof s->err, "NVRTC not opened: %s",
+		         strcmp(no, "rt") == 0 ? "the runtime library (libkiln_rt) runs no compiler"
+		                               : "KILN_NO_NVRTC=1 is set");
+		s->status = KL_EDEVICE;
+		return;
+	}
 	if (open_timed(s, "NVRTC", names, n, nvrtc_syms, NSYMS(nvrtc_syms), &kl__nvrtc,
 	               &kl__nvrtc.lib) != KL_OK)
 		return;

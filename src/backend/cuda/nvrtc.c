@@ -13,6 +13,7 @@ void kl__cuda_image_free(kl_cuda_image *im)
 		return;
 	free(im->data);
 	free(im->log);
+	free(im->ptx_text);
 	memset(im, 0, sizeof *im);
 }
 
@@ -166,14 +167,26 @@ kl_status kl__nvrtc_compile(kl_ctx *ctx, const char *src, const char *name,
 	out->size = sz;
 	out->ptx = ptx;
 	out->arch = target;
+	if (opts->want_ptx && !ptx) {
+		size_t pn = 0;
+		NVRTC_TRY(ctx, kl__nvrtc.nvrtcGetPTXSize(prog, &pn), "PTX size");
+		if (!(out->ptx_text = calloc(1, pn + 1))) {
+			s = kl__err(ctx, KL_ENOMEM, "kl_cuda: out of memory for %zu bytes of PTX", pn);
+			goto done;
+		}
+		NVRTC_TRY(ctx, kl__nvrtc.nvrtcGetPTX(prog, out->ptx_text), "PTX");
+		out->ptx_size = strlen(out->ptx_text);
+	}
 	s = KL_OK;
 done:
 	if (prog)
 		kl__nvrtc.nvrtcDestroyProgram(&prog);
 	if (s != KL_OK) {
 		free(out->data);
+		free(out->ptx_text);
 		out->data = NULL;
-		out->size = 0;
+		out->ptx_text = NULL;
+		out->size = out->ptx_size = 0;
 	}
 	return s;
 }
@@ -255,14 +268,64 @@ static bool cached_image(kl_ctx *ctx, const char *dir, const char *entry, uint64
 	return ok;
 }
 
+uint64_t kl__cuda_module_src_key(const char *src)
+{
+	return kl__hash_bytes(KL_HASH_SEED, src, strlen(src));
+}
+
+typedef struct kl_cuda_pkgmod {
+	uint64_t src_key;
+	bool arch_specific;
+	kl_cuda_image im;
+} kl_cuda_pkgmod;
+
+kl_status kl__cuda_pkgmod_add(kl_ctx *ctx, kl_cuda_dev *d, uint64_t src_key, bool arch_specific,
+                              const kl_cuda_image *im)
+{
+	for (int i = 0; i < d->npkgmods; i++)
+		if (d->pkgmods[i].src_key == src_key && d->pkgmods[i].arch_specific == arch_specific)
+			return KL_OK; /* a package loaded before brought it */
+	kl_cuda_pkgmod *n = realloc(d->pkgmods, sizeof *n * (size_t)(d->npkgmods + 1));
+	if (!n)
+		return kl__err(ctx, KL_ENOMEM, "kl_cuda: out of memory");
+	d->pkgmods = n;
+	kl_cuda_pkgmod *e = &n[d->npkgmods];
+	memset(e, 0, sizeof *e);
+	e->src_key = src_key;
+	e->arch_specific = arch_specific;
+	/* PTX is text the driver wants NUL-terminated */
+	if (!(e->im.data = calloc(1, im->size + 1)))
+		return kl__err(ctx, KL_ENOMEM, "kl_cuda: out of memory");
+	memcpy(e->im.data, im->data, im->size);
+	e->im.size = im->size;
+	e->im.ptx = im->ptx;
+	e->im.arch = im->arch;
+	d->npkgmods++;
+	return KL_OK;
+}
+
+void kl__cuda_pkgmod_release(kl_cuda_dev *d)
+{
+	for (int i = 0; i < d->npkgmods; i++)
+		kl__cuda_image_free(&d->pkgmods[i].im);
+	free(d->pkgmods);
+	d->pkgmods = NULL;
+	d->npkgmods = 0;
+}
+
 kl_status kl__cuda_module_cached(kl_ctx *ctx, kl_cuda_dev *d, const char *src, const char *name,
                                  bool arch_specific, kl_cuda_module **out)
 {
 	*out = NULL;
+	uint64_t key = kl__cuda_module_src_key(src);
+	for (int i = 0; i < d->npkgmods; i++)
+		if (d->pkgmods[i].src_key == key && d->pkgmods[i].arch_specific == arch_specific) {
+			kl__log(ctx, KL_LOG_CACHE, "%s: module from a package", name);
+			return kl__cuda_module_load(ctx, d, &d->pkgmods[i].im, out);
+		}
 	kl_nvrtc_opts o = kl__nvrtc_opts_for(d);
 	o.arch_specific = arch_specific;
 	/* the entry's key: the source and everything that picks the target */
-	uint64_t key = kl__hash_bytes(KL_HASH_SEED, src, strlen(src));
 	int tag[2] = {o.arch, arch_specific ? 1 : 0};
 	key = kl__hash_bytes(key, tag, sizeof tag);
 	char dir[1024], entry[64];

@@ -257,6 +257,11 @@ kl_status kl__cuda_rt_build(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64
 	return st;
 }
 
+kl_status kl__cuda_rt_from_image(kl_ctx *ctx, kl_compiled *c, const struct kl_cuda_image *im)
+{
+	return load_module(ctx, c, im);
+}
+
 kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_t bin_hash,
                            uint64_t bin_size)
 {
@@ -311,6 +316,7 @@ void kl__cuda_rt_free(kl_compiled *c)
 		kl__cuda_free(rt->ctx, rt->dev, rt->dargs);
 	kl__cuda_module_free(rt->mod);
 	free(rt->fns);
+	free(rt->pkg_choices);
 	free(rt->args);
 	free(rt->gcap);
 	free(rt->pts);
@@ -855,7 +861,7 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 	kl_status st = kl__cuda_bind(ctx, rt->dev);
 	if (st != KL_OK)
 		return st;
-	if (tune_mode(c) && !rt->tuned) {
+	if ((tune_mode(c) || rt->pkg_choices) && !rt->tuned) {
 		rt->tuned = true;
 		st = kl__cuda_tune(ctx, c, B, syms);
 		if (st != KL_OK) {

@@ -45,6 +45,9 @@ typedef struct kl_cuda_rt {
 	kl_lt_algo *algo;  /* matmul steps: cuBLASLt algorithm when has_algo */
 	bool *has_algo;
 	bool tuned;        /* choices made (timed or read back) for this variant */
+	uint8_t *pkg_choices; /* a package's choices (tune_cuda.c's encoding), applied at the
+	                       * first call when they suit this device and the buffers */
+	size_t pkg_choices_len;
 	/* CUDA graph replay */
 	kl_gstate gs;
 	kl_cuda_graph graph;

@@ -499,6 +499,26 @@ kl_status kl__cuda_tune(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64
 	kl__tune_entry(c->key, devid, name, sizeof name, &ekey);
 	bool have_dir = kl__cache_dir(ctx, dir, sizeof dir);
 	tuner t = {.ctx = ctx, .c = c, .B = B, .syms = syms, .tty = isatty(STDERR_FILENO) == 1};
+	if (rt->pkg_choices) {
+		/* a package's: used when they suit, else the default choices (a
+		 * loaded package never times candidates) */
+		char why[KL_ERR_CAP] = "";
+		kl_status pst = kl__tune_decode(p, devid, rt->pkg_choices, rt->pkg_choices_len, steps,
+		                                why, sizeof why);
+		if (pst == KL_OK)
+			pst = check_algos(&t, steps, why, sizeof why);
+		if (pst == KL_OK) {
+			apply(rt, p, steps);
+			kl__cuda_count_tune(1);
+		} else {
+			kl__cuda_count_tune(2);
+		}
+		kl__log(ctx, KL_LOG_AUTOTUNE, "the package's choices of %d steps %s%s%s",
+		        (int)p->nsteps, pst == KL_OK ? "applied" : "not used (", why,
+		        pst == KL_OK ? "" : "): default choices");
+		free(steps);
+		return pst == KL_OK || pst == KL_EFORMAT ? KL_OK : pst;
+	}
 	kl_status st = have_dir ? fetch(&t, dir, name, ekey, devid, steps) : KL_EIO;
 	if (st == KL_OK || (st != KL_EIO && st != KL_EFORMAT)) {
 		free(steps);
