@@ -625,7 +625,7 @@ static void prepare(kl_lctx *L)
 	 * (program.c's operand()). */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
-		bool att = x->op == KL_OP_ATTENTION;
+		bool att = x->op == KL_OP_ATTENTION || x->op == KL_OP_ATTENTION_BWD;
 		if ((x->op != KL_OP_MATMUL && !att) || !L->live[n])
 			continue;
 		for (int i = 0; i < x->nin; i++) {
@@ -729,7 +729,8 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 	*folded = false;
 	for (int i = 0; i < x->nin; i++) {
 		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
-		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE)
+		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE ||
+		    L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD)
 			continue;
 		bool dup = false;
 		for (int j = 0; j < ns && !dup; j++)
@@ -786,7 +787,7 @@ static bool schedule_node(sched *s, int32_t n)
 	const kl_node *x = &L->g.nodes[n];
 	char why[384], l1[64], l2[64];
 	bool library = x->op == KL_OP_MATMUL || x->op == KL_OP_ATTENTION ||
-	               x->op == KL_OP_CACHE_WRITE;
+	               x->op == KL_OP_ATTENTION_BWD || x->op == KL_OP_CACHE_WRITE;
 	if (!library) {
 		bool folded;
 		if (!try_epilogue(L, n, &folded))

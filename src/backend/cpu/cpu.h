@@ -206,6 +206,13 @@ extern bool kl__cpu_rd_generic_only;
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o);
 kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* attention_bwd_cpu.c: the attention step's backward mode (a->bwd) over q,
+ * k, v, the forward's output o, its gradient go and the packed result out;
+ * false when out of memory. kl__cpu_sdpa_bwd: the eager sdpa_bwd. */
+bool kl__cpu_attention_bwd(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
+                           const void *v, const void *o, const void *go, void *out);
+kl_status kl__cpu_sdpa_bwd(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                           kl_tensor *out);
 kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                              kl_tensor *out);
