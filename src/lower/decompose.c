@@ -468,8 +468,9 @@ static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int
 }
 
 /* sdpa_bwd: one node over dense-row views (the attention step's backward
- * mode), or, where the target has no such step (no_attention; CUDA past
- * head dim KL_ATTN_BWD_CUDA_MAX_D), the primitive rule of
+ * mode), or, where the target has no such step (no_attention; on CUDA a
+ * dtype or head dim its kernels do not take, kl__attn_bwd_cuda_takes), the
+ * primitive rule of
  * graph/grad_other.c (kl__sdpa_bwd_primitives: the math is defined there
  * once), built in a scratch graph and decomposed here node by node. Its
  * sequence dims stay static (symbolic.c): the packed result's Tq + 2 Tk is
@@ -478,9 +479,9 @@ static int32_t attention_bwd(dctx *d, const kl_node *s, const int32_t *in)
 {
 	kl_lctx *L = d->L;
 	kl_dtype D = (kl_dtype)s->dtype;
-	bool cuda_wide = L->o->target == KL_TARGET_CUDA &&
-	                 s->shape[s->ndim - 1] > KL_ATTN_BWD_CUDA_MAX_D;
-	if (!L->o->no_attention && !cuda_wide) {
+	bool cuda_no = L->o->target == KL_TARGET_CUDA &&
+	               !kl__attn_bwd_cuda_takes(D, s->shape[s->ndim - 1]);
+	if (!L->o->no_attention && !cuda_no) {
 		kl_node n = *s;
 		for (int i = 0; i < 5; i++) {
 			int32_t x = cast(d, in[i], D);

@@ -156,9 +156,13 @@ typedef struct kl_attn_step {
 	int64_t fo_bs[KL_MAX_DIMS], go_bs[KL_MAX_DIMS];
 } kl_attn_step;
 
-/* The largest head dim the CUDA backward kernel takes (its tiles live in
- * shared memory); lowering expands a wider sdpa_bwd into primitives. */
-#define KL_ATTN_BWD_CUDA_MAX_D 128
+/* Whether the CUDA backend runs the attention backward step for dtype dt
+ * and head dim d (its tensor-core kernels: f16/bf16, d 64 or 128); lowering
+ * expands any other sdpa_bwd for CUDA into primitives. */
+static inline bool kl__attn_bwd_cuda_takes(kl_dtype dt, int64_t d)
+{
+	return (dt == KL_F16 || dt == KL_BF16) && (d == 64 || d == 128);
+}
 
 /* cache_write (graph/ops.def): out = cache with rows 0..rows-1 of val written
  * at positions pos[i] .. pos[i] + s - 1 of the position dim. Every buffer is
