@@ -48,7 +48,10 @@ static int64_t largest_value(const kl_graph *g)
 		if (x->op == KL_OP_MATMUL && x->nin >= 1) {
 			const kl_node *a = &g->nodes[x->in[0]];
 			n = sat_mul(n, a->ndim ? a->shape[a->ndim - 1] : 1);
-		} else if (x->op == KL_OP_ATTENTION && x->nin >= 3 && x->ndim >= 1) {
+		} else if ((x->op == KL_OP_ATTENTION || x->op == KL_OP_ATTENTION_BWD) && x->nin >= 3 &&
+		           x->ndim >= 1) {
+			/* (the backward's primitives, where a target expands it, hold
+			 * the same products; its rows over-count: a bound) */
 			const kl_node *q = &g->nodes[x->in[0]], *k = &g->nodes[x->in[1]];
 			int64_t rows = numel_sat(x->ndim - 1, x->shape); /* [..., tq] */
 			int64_t tk = k->ndim >= 2 ? k->shape[k->ndim - 2] : 1;

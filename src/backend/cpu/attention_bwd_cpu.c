@@ -1,20 +1,19 @@
 /* attention_bwd_cpu.c - the attention backward on the CPU (sdpa_bwd, an
  * attention step with bwd set): dq, dk, dv of softmax(q k^T * scale [+ causal
- * mask]) v from q, k, v, the forward's output o and its gradient do, without
- * the Tq x Tk matrix. A work item is one batch entry: its q, k, v and do
- * converted once into dense compute-type arrays, then
- *   1. per query block, the rows' log-sum-exp L_i over key blocks (online
- *      maximum and sum, as the forward) and D_i = do_i . o_i;
- *   2. per key block, over the query blocks that see it (a causal mask skips
- *      the rest): S = q k^T * scale, P = exp(S - L) (0 where masked),
- *      dv += P^T do, dP = do v^T, dS = P * (dP - D), dk += scale dS^T q,
- *      dq += scale dS k (dq of the whole entry accumulates in the item, so
- *      no two items write one row).
- * The products are single-threaded BLAS calls on tiles inside the chunks of
- * kiln's thread pool; f16, bf16 and f32 compute in float, f64 in double; each
- * gradient rounds once. A query with no allowed key (causal, Tq > Tk) has NaN
- * probabilities, as softmax over nothing: its dq row and every dk, dv are
- * NaN, as the reference says.
+ * mask]) v from q, k, v, the forward's output o and its gradient do. A work
+ * item is one batch entry: its q, k, v and do converted once into dense
+ * compute-type arrays, D_i = do_i . o_i, then per block of 64 query rows,
+ * over the keys the block sees (a causal mask ends them at the last row's
+ * limit): S = q k^T * scale and each row's softmax P over its allowed keys
+ * (whole rows: no log-sum-exp pass, no rescaling), dv += P^T do, dP = do v^T,
+ * dS = P * (dP - D), dk += scale dS^T q, dq = scale dS k. What is held is
+ * 64 x Tk (P and dS) and the item's operands, never Tq x Tk; dk and dv of
+ * the item accumulate in place, so no two items write one row. The products
+ * are single-threaded BLAS calls inside the chunks of kiln's thread pool
+ * (parallel over the batch entries); f16, bf16 and f32 compute in float, f64
+ * in double; each gradient rounds once. A query with no allowed key (causal,
+ * Tq > Tk) has NaN probabilities, as softmax over nothing: its dq row and
+ * every dk, dv are NaN, as the reference says.
  */
 #include <cblas.h>
 #include <math.h>
@@ -32,7 +31,6 @@ typedef struct attn_bwd_job {
 } attn_bwd_job;
 
 #define BQ 64
-#define BK 64
 
 /* one operand's element offset for flat batch index b */
 static int64_t boff(const kl_attn_step *a, const int64_t *bs, int64_t b)
@@ -50,7 +48,8 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 	return (const char *)p + off * (int64_t)kl_dtype_size(dt);
 }
 
-#define ATTN_BWD_KERNEL(NAME, T, LOAD, STORE, EXP, LOG, F64)                                       \
+/* The compute-type arrays of one work item (tq, tk rows of d) */
+#define ATTN_BWD_KERNEL(NAME, T, LOAD, STORE, EXP_ROW, F64)                                        \
 	/* rows x cols at (base + off), strides rs, cs, into a dense array */                      \
 	static void bload_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,  \
 	                         int64_t cols, int64_t rs, int64_t cs)                             \
@@ -61,14 +60,20 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 			LOAD(dst + r * cols, elem(src, dt, off + r * rs), dt, cs, cols);           \
 	}                                                                                          \
                                                                                                    \
+	static size_t bwd_need_##NAME(const kl_attn_step *a)                                       \
+	{                                                                                          \
+		int64_t tq = a->tq, tk = a->tk, D = a->d;                                          \
+		return (size_t)(2 * tq * D + 4 * tk * D + BQ * D + tq + 2 * BQ * tk + D + 1);      \
+	}                                                                                          \
+                                                                                                   \
 	static void bwd_item_##NAME(attn_bwd_job *job, int64_t b, T *buf)                          \
 	{                                                                                          \
 		const kl_attn_step *a = job->a;                                                    \
 		kl_dtype dt = job->dt;                                                             \
 		int64_t tq = a->tq, tk = a->tk, D = a->d, lag = tk - tq;                           \
-		T *q = buf, *dO = q + tq * D, *dq = dO + tq * D, *k = dq + tq * D;                 \
-		T *v = k + tk * D, *lse = v + tk * D, *Di = lse + tq, *s = Di + tq;                \
-		T *dp = s + BQ * BK, *dk = dp + BQ * BK, *dv = dk + BK * D, *orow = dv + BK * D;   \
+		T *q = buf, *dO = q + tq * D, *k = dO + tq * D, *v = k + tk * D;                   \
+		T *dk = v + tk * D, *dv = dk + tk * D, *dq = dv + tk * D, *Di = dq + BQ * D;       \
+		T *s = Di + tq, *dp = s + BQ * tk, *orow = dp + BQ * tk;                           \
 		bload_##NAME(q, job->q, dt, a->q_off + boff(a, a->q_bs, b), tq, D, a->q_rs,        \
 		             a->q_cs);                                                             \
 		bload_##NAME(k, job->k, dt, a->k_off + boff(a, a->k_bs, b), tk, D, a->k_rs,        \
@@ -85,119 +90,86 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 				acc += dO[i * D + c] * orow[c];                                    \
 			Di[i] = acc;                                                               \
 		}                                                                                  \
-		for (int64_t i = 0; i < tq * D; i++)                                               \
-			dq[i] = 0;                                                                 \
-		/* 1: each row's log-sum-exp over its allowed keys */                              \
+		for (int64_t i = 0; i < tk * D; i++)                                               \
+			dk[i] = dv[i] = 0;                                                         \
+		size_t es = kl_dtype_size(dt);                                                     \
+		int64_t ob = boff(a, a->o_bs, b);                                                  \
 		for (int64_t q0 = 0; q0 < tq; q0 += BQ) {                                          \
 			int64_t nq = tq - q0 < BQ ? tq - q0 : BQ;                                  \
-			T *m = dp, *l = dp + BQ;                                                   \
-			for (int64_t i = 0; i < nq; i++) {                                         \
-				m[i] = -(T)INFINITY;                                               \
-				l[i] = 0;                                                          \
-			}                                                                          \
+			/* the keys some row of the block sees: [0, kend) */                       \
 			int64_t kend = tk;                                                         \
 			if (a->causal && q0 + nq + lag < kend)                                     \
 				kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;                      \
-			for (int64_t k0 = 0; k0 < kend; k0 += BK) {                                \
-				int64_t nk = kend - k0 < BK ? kend - k0 : BK;                      \
-				kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq, (int)nk,  \
-				              (int)D, a->scale, q + q0 * D, (int)D, k + k0 * D,    \
-				              (int)D, 0.0, s, BK);                                 \
+			for (int64_t i = 0; i < nq * D; i++)                                       \
+				dq[i] = 0;                                                         \
+			if (kend > 0) {                                                            \
+				/* P: each row's softmax over its allowed keys, rows tk apart */   \
+				kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq,           \
+				              (int)kend, (int)D, a->scale, q + q0 * D, (int)D, k,  \
+				              (int)D, 0.0, s, (int)tk);                            \
 				for (int64_t i = 0; i < nq; i++) {                                 \
-					T *si = s + i * BK;                                        \
-					int64_t lim = a->causal ? q0 + i + lag - k0 : nk - 1;      \
-					if (lim >= nk)                                             \
-						lim = nk - 1;                                      \
-					T bm = -(T)INFINITY;                                       \
+					T *si = s + i * tk;                                        \
+					int64_t n = a->causal ? q0 + i + lag + 1 : kend;           \
+					n = n < 0 ? 0 : n > kend ? kend : n;                       \
+					T mx = -(T)INFINITY;                                       \
 					int nan = 0;                                               \
-					for (int64_t j = 0; j <= lim; j++) {                       \
-						bm = si[j] > bm ? si[j] : bm;                      \
+					_Pragma("omp simd reduction(max:mx) reduction(|:nan)")     \
+					for (int64_t j = 0; j < n; j++) {                          \
+						mx = si[j] > mx ? si[j] : mx;                      \
 						nan |= si[j] != si[j];                             \
 					}                                                          \
-					if (lim < 0)                                               \
-						continue;                                          \
-					T mx = nan ? (T)NAN : bm > m[i] ? bm : m[i];               \
-					T sum = 0;                                                 \
-					if (mx != -(T)INFINITY) {                                  \
-						for (int64_t j = 0; j <= lim; j++)                 \
-							sum += EXP(si[j] - mx);                    \
-						l[i] = l[i] * (m[i] == -(T)INFINITY ? 0 : EXP(m[i] - mx)) + sum; \
-					}                                                          \
-					m[i] = mx;                                                 \
-				}                                                                  \
-			}                                                                          \
-			for (int64_t i = 0; i < nq; i++)                                           \
-				lse[q0 + i] = l[i] > 0 ? m[i] + LOG(l[i]) : (T)NAN;                \
-		}                                                                                  \
-		/* 2: per key block, the query blocks that see it */                               \
-		size_t es = kl_dtype_size(dt);                                                     \
-		int64_t ob = boff(a, a->o_bs, b);                                                  \
-		for (int64_t k0 = 0; k0 < tk; k0 += BK) {                                          \
-			int64_t nk = tk - k0 < BK ? tk - k0 : BK;                                  \
-			for (int64_t i = 0; i < nk * D; i++)                                       \
-				dk[i] = dv[i] = 0;                                                 \
-			int64_t qs = 0;                                                            \
-			if (a->causal && k0 - lag > 0)                                             \
-				qs = (k0 - lag) / BQ * BQ;                                         \
-			for (int64_t q0 = qs; q0 < tq; q0 += BQ) {                                 \
-				int64_t nq = tq - q0 < BQ ? tq - q0 : BQ;                          \
-				kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq, (int)nk,  \
-				              (int)D, a->scale, q + q0 * D, (int)D, k + k0 * D,    \
-				              (int)D, 0.0, s, BK);                                 \
-				for (int64_t i = 0; i < nq; i++) {                                 \
-					T *si = s + i * BK, L = lse[q0 + i];                       \
-					int64_t lim = a->causal ? q0 + i + lag - k0 : nk - 1;      \
-					for (int64_t j = 0; j < nk; j++)                           \
-						si[j] = j <= lim ? EXP(si[j] - L) : 0;             \
+					if (nan)                                                   \
+						mx = (T)NAN;                                       \
+					T sum = n > 0 ? EXP_ROW(si, n, mx) : 0;                    \
+					T inv = sum == 0 ? 0 : 1 / sum;                           \
+					KL_SIMD for (int64_t j = 0; j < n; j++) si[j] *= inv;      \
+					for (int64_t j = n; j < kend; j++)                         \
+						si[j] = 0;                                         \
 				}                                                                  \
 				/* dv += P^T do */                                                 \
-				kl__blas_gemm(1, F64, CblasTrans, CblasNoTrans, (int)nk, (int)D,   \
-				              (int)nq, 1.0, s, BK, dO + q0 * D, (int)D, 1.0, dv,   \
-				              (int)D);                                             \
+				kl__blas_gemm(1, F64, CblasTrans, CblasNoTrans, (int)kend, (int)D, \
+				              (int)nq, 1.0, s, (int)tk, dO + q0 * D, (int)D, 1.0,  \
+				              dv, (int)D);                                         \
 				/* dP = do v^T, then dS = P * (dP - D) in its place */             \
-				kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq, (int)nk,  \
-				              (int)D, 1.0, dO + q0 * D, (int)D, v + k0 * D,        \
-				              (int)D, 0.0, dp, BK);                                \
+				kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq,           \
+				              (int)kend, (int)D, 1.0, dO + q0 * D, (int)D, v,      \
+				              (int)D, 0.0, dp, (int)tk);                           \
 				for (int64_t i = 0; i < nq; i++) {                                 \
-					T *pi = s + i * BK, *di = dp + i * BK, Dr = Di[q0 + i];    \
-					for (int64_t j = 0; j < nk; j++)                           \
-						di[j] = pi[j] * (di[j] - Dr);                      \
+					T *pi = s + i * tk, *di = dp + i * tk, Dr = Di[q0 + i];    \
+					KL_SIMD for (int64_t j = 0; j < kend; j++) di[j] =         \
+					        pi[j] * (di[j] - Dr);                              \
 				}                                                                  \
-				/* dk += scale dS^T q, dq += scale dS k */                         \
-				kl__blas_gemm(1, F64, CblasTrans, CblasNoTrans, (int)nk, (int)D,   \
-				              (int)nq, a->scale, dp, BK, q + q0 * D, (int)D, 1.0,  \
-				              dk, (int)D);                                         \
+				/* dk += scale dS^T q, dq = scale dS k */                          \
+				kl__blas_gemm(1, F64, CblasTrans, CblasNoTrans, (int)kend, (int)D, \
+				              (int)nq, a->scale, dp, (int)tk, q + q0 * D, (int)D,  \
+				              1.0, dk, (int)D);                                    \
 				kl__blas_gemm(1, F64, CblasNoTrans, CblasNoTrans, (int)nq, (int)D, \
-				              (int)nk, a->scale, dp, BK, k + k0 * D, (int)D, 1.0,  \
-				              dq + q0 * D, (int)D);                                \
+				              (int)kend, a->scale, dp, (int)tk, k, (int)D, 0.0,    \
+				              dq, (int)D);                                         \
 			}                                                                          \
-			if (a->causal && lag < 0) /* some query sees no key: NaN */                \
-				for (int64_t i = 0; i < nk * D; i++)                               \
-					dk[i] = dv[i] = (T)NAN;                                    \
-			for (int64_t j = 0; j < nk; j++) {                                         \
-				STORE((char *)job->out + (ob + (tq + k0 + j) * a->o_rs) * (int64_t)es, \
-				      dt, 1, dk + j * D, D);                                       \
-				STORE((char *)job->out +                                           \
-				              (ob + (tq + tk + k0 + j) * a->o_rs) * (int64_t)es,   \
-				      dt, 1, dv + j * D, D);                                       \
+			for (int64_t i = 0; i < nq; i++) {                                         \
+				if (a->causal && q0 + i + lag < 0) /* no key: NaN */               \
+					for (int64_t c = 0; c < D; c++)                            \
+						dq[i * D + c] = (T)NAN;                            \
+				STORE((char *)job->out + (ob + (q0 + i) * a->o_rs) * (int64_t)es,  \
+				      dt, 1, dq + i * D, D);                                       \
 			}                                                                          \
 		}                                                                                  \
-		for (int64_t i = 0; i < tq; i++) {                                                 \
-			if (a->causal && i + lag < 0)                                              \
-				for (int64_t c = 0; c < D; c++)                                    \
-					dq[i * D + c] = (T)NAN;                                    \
-			STORE((char *)job->out + (ob + i * a->o_rs) * (int64_t)es, dt, 1, dq + i * D, \
-			      D);                                                                  \
+		if (a->causal && lag < 0) /* some query sees no key: NaN */                        \
+			for (int64_t i = 0; i < tk * D; i++)                                       \
+				dk[i] = dv[i] = (T)NAN;                                            \
+		for (int64_t j = 0; j < tk; j++) {                                                 \
+			STORE((char *)job->out + (ob + (tq + j) * a->o_rs) * (int64_t)es, dt, 1,   \
+			      dk + j * D, D);                                                      \
+			STORE((char *)job->out + (ob + (tq + tk + j) * a->o_rs) * (int64_t)es, dt, \
+			      1, dv + j * D, D);                                                   \
 		}                                                                                  \
 	}                                                                                          \
                                                                                                    \
 	static void bwd_chunk_##NAME(void *arg, int64_t lo, int64_t hi)                            \
 	{                                                                                          \
 		attn_bwd_job *job = arg;                                                           \
-		const kl_attn_step *a = job->a;                                                    \
-		size_t n = (size_t)((3 * a->tq + 2 * a->tk) * a->d + 2 * a->tq + 2 * BQ * BK +     \
-		                    2 * BK * a->d + a->d + 1);                                     \
-		T *buf = malloc(sizeof(T) * n);                                                    \
+		T *buf = malloc(sizeof(T) * bwd_need_##NAME(job->a));                              \
 		if (!buf) {                                                                        \
 			atomic_store(&job->ok, false);                                             \
 			return;                                                                    \
@@ -207,15 +179,10 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 		free(buf);                                                                         \
 	}
 
-static float log_f32(float x)
-{
-	return logf(x);
-}
-
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_BWD_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, kl__cpu_expf, log_f32, false)
-ATTN_BWD_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, log, true)
+ATTN_BWD_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, kl__cpu_exp_row_f32, false)
+ATTN_BWD_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, kl__cpu_exp_row_f64, true)
 
 bool kl__cpu_attention_bwd(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                            const void *v, const void *o, const void *go, void *out)

@@ -201,6 +201,10 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 extern bool kl__cpu_pw_generic_only;
 /* Tests: every eager reduction through the op table's row rule (reduce.c). */
 extern bool kl__cpu_rd_generic_only;
+/* attention_cpu.c: s[j] = e^(s[j] - mx) for j < n, returning their sum: the
+ * attention kernels' row loop (f32: built for the wider vector units too). */
+float kl__cpu_exp_row_f32(float *s, int64_t n, float mx);
+double kl__cpu_exp_row_f64(double *s, int64_t n, double mx);
 /* attention_cpu.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
