@@ -555,6 +555,16 @@ static int32_t input_index(const kl_lctx *L, int32_t n)
 	return -1;
 }
 
+/* The CUDA attention backward loads q, k, v and do 16 bytes at a time: each
+ * row starts on 8 elements (of 2 bytes: its buffers' bases are aligned) */
+static bool rows_of_16_bytes(const kl_node *y, const int64_t *st, int64_t off)
+{
+	bool ok = off % 8 == 0;
+	for (int d = 0; d < y->ndim - 1; d++)
+		ok &= y->shape[d] == 1 || st[d] % 8 == 0;
+	return ok;
+}
+
 static void prepare(kl_lctx *L)
 {
 	const kl_graph *g = &L->g;
@@ -635,6 +645,8 @@ static void prepare(kl_lctx *L)
 			int64_t ld;
 			if (!kl__stored_view(L, c, &base, st, &off) ||
 			    (att && y->shape[y->ndim - 1] > 1 && st[y->ndim - 1] != 1) ||
+			    (x->op == KL_OP_ATTENTION_BWD && L->o->target == KL_TARGET_CUDA &&
+			     !rows_of_16_bytes(y, st, off)) ||
 			    (!att && L->o->target == KL_TARGET_CUDA && y->ndim >= 2 &&
 			     kl__mm_operand_layout(y->shape[y->ndim - 2], y->shape[y->ndim - 1],
 			                           st[y->ndim - 2], st[y->ndim - 1], &ld) < 0))

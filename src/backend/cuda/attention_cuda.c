@@ -663,8 +663,9 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	a.out_rs = s->o_rs;
 	a.nb = s->nbatch;
 	int64_t nbt = 1;
-	bool rows16 = al16(a.q) && al16(a.k) && al16(a.v) && al16(a.out) && s->q_rs % 8 == 0 &&
-	              s->k_rs % 8 == 0 && s->v_rs % 8 == 0 && s->o_rs % 2 == 0 &&
+	bool rows16 = al16(a.q) && al16(a.k) && al16(a.v) && al16(a.g) && al16(a.out) &&
+	              s->q_rs % 8 == 0 && s->k_rs % 8 == 0 && s->v_rs % 8 == 0 &&
+	              s->go_rs % 8 == 0 && s->o_rs % 2 == 0 &&
 	              (s->d <= 1 || (s->q_cs == 1 && s->k_cs == 1 && s->v_cs == 1));
 	for (int i = 0; i < s->nbatch; i++) {
 		a.batch[i] = s->batch[i];
@@ -676,7 +677,7 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		a.out_bs[i] = s->o_bs[i];
 		nbt *= s->batch[i];
 		rows16 &= s->q_bs[i] % 8 == 0 && s->k_bs[i] % 8 == 0 && s->v_bs[i] % 8 == 0 &&
-		          s->o_bs[i] % 2 == 0;
+		          s->go_bs[i] % 8 == 0 && s->o_bs[i] % 2 == 0;
 	}
 	a.scale = (float)s->scale;
 	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
@@ -685,10 +686,11 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		return KL_OK;
 	if (!rows16)
 		return kl__err(ctx, KL_EUNSUPPORTED,
-		               "kl_sdpa backward: q, k, v rows not 16-byte aligned with unit column "
-		               "stride (strides q %lld k %lld v %lld a row): the CUDA kernels load "
-		               "them 16 bytes at a time",
-		               (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs);
+		               "kl_sdpa backward: q, k, v or do rows not 16-byte aligned with unit "
+		               "column stride (strides q %lld k %lld v %lld do %lld a row): the CUDA "
+		               "kernels load them 16 bytes at a time",
+		               (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs,
+		               (long long)s->go_rs);
 	int64_t nqb = (s->tq + 63) / 64, nkb = (s->tk + 63) / 64;
 	if (nbt > 0x7fffffff || nqb > 65535 || nkb > 65535)
 		return kl__err(ctx, KL_EUNSUPPORTED,
