@@ -6,8 +6,8 @@
  * holds one attention step in its backward mode and nothing of Tq x Tk; the
  * primitive expansion lowering gives a target without the step agrees with
  * the fused reference in f64; the step through the program serializer and
- * validator; the CUDA kernels compiled by NVRTC for sm_90 (no GPU needed:
- * ptxas's register and spill figures printed); on a GPU (skipped without
+ * validator; the CUDA kernels compiled by NVRTC for sm_90 (no GPU needed;
+ * ptxas's register figures printed, no spill); on a GPU (skipped without
  * one) the same gradient checks on CUDA and a timing of B4 H16 T2048 D64 bf16.
  */
 #include <math.h>
@@ -450,6 +450,10 @@ static void test_cuda_bwd_compile(void **state)
 				              "frame, spills %d/%d bytes\n",
 				              kl_dtype_name(dts[di]), hds[hi], names[k], regs, frame, sst,
 				              sld);
+				if (regs < 0 || frame != 0 || sst != 0 || sld != 0)
+					fail_msg("%s d%d %s: no ptxas figures, or it spills:\n%s",
+					         kl_dtype_name(dts[di]), hds[hi], names[k],
+					         im.log ? im.log : "(no log)");
 			}
 			kl__cuda_image_free(&im);
 			free(src);

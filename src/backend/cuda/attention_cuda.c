@@ -585,7 +585,11 @@ typedef struct kl_atb_args {
 } kl_atb_args;
 
 #define BWD_SMEM_PRE(d) ((unsigned)(2 * 64 * (d) * 2))
-#define BWD_SMEM_KV(d) ((unsigned)(4 * 64 * (d) * 2 + 64 * 64 * 2 + 2 * 64 * 4))
+/* kl_attnb_kv: K and V tiles of 64 rows, Q and dO of QB (64, 32 at head dim
+ * 128), dS^T (64 x 64 16-bit), L and D of QB rows */
+#define BWD_QB(d) ((d) == 128 ? 32 : 64)
+#define BWD_SMEM_KV(d)                                                                             \
+	((unsigned)(2 * 64 * (d) * 2 + 2 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 2 * BWD_QB(d) * 4))
 
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
 {
