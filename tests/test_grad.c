@@ -153,6 +153,9 @@ F(f_sdpa_causal, kl_sdpa(IN0, IN1, IN2, true, 0.5))
 /* one key/value head shared by three query heads (an expand of k and v) */
 F(f_sdpa_heads, kl_sdpa(IN0, kl_expand(IN1, 4, (const int64_t[]){2, 3, 5, 4}),
                         kl_expand(IN2, 4, (const int64_t[]){2, 3, 5, 2}), true, 0.3))
+/* the same with v's head dim q's: the fused backward (sdpa_bwd) */
+F(f_sdpa_heads_d, kl_sdpa(IN0, kl_expand(IN1, 4, (const int64_t[]){2, 3, 5, 4}),
+                          kl_expand(IN2, 4, (const int64_t[]){2, 3, 5, 4}), true, 0.3))
 F(f_gather, kl_gather(IN0, idx6()))
 F(f_embedding, kl_embedding(idx_view(), IN0))
 F(f_index_add, kl_index_add(IN0, idx6(), IN1))
@@ -270,6 +273,21 @@ static const gcase cases[] = {
 	{"index_add", KL_OP_INDEX_ADD, f_index_add, 2, {S2(5, 3), S2(6, 3)}, {N, N}, ST, false, true},
 	{"logsumexp", KL_OP_EXP, f_logsumexp, 1, {S3(2, 4, 3)}, {N}, PM, false, true},
 	{"logsumexp_all", KL_OP_EXP, f_logsumexp_all, 1, {S2(3, 4)}, {N}, CG, false, false},
+	/* (rows are seeded by their index: new rows go last) */
+	/* Dv == D: sdpa_bwd, the fused backward (key blocks of 64: 67 and 70
+	 * rows cross one) */
+	{"sdpa_fused", KL_OP_ATTENTION, f_sdpa, 3, {S3(2, 5, 8), S3(2, 7, 8), S3(2, 7, 8)},
+	 {N, N, N}, PM, false, true},
+	{"sdpa_fused_causal", KL_OP_ATTENTION, f_sdpa_causal, 3,
+	 {S3(2, 6, 4), S3(2, 6, 4), S3(2, 6, 4)}, {N, N, N}, ST, false, true},
+	{"sdpa_fused_causal_tq_lt_tk", KL_OP_ATTENTION, f_sdpa_causal, 3,
+	 {S3(1, 3, 4), S3(1, 5, 4), S3(1, 5, 4)}, {N, N, N}, CG, false, true},
+	{"sdpa_fused_blocks", KL_OP_ATTENTION, f_sdpa_causal, 3,
+	 {S3(1, 67, 3), S3(1, 70, 3), S3(1, 70, 3)}, {N, N, N}, CG, false, true},
+	{"sdpa_fused_blocks_full", KL_OP_ATTENTION, f_sdpa, 3,
+	 {S3(1, 66, 2), S3(1, 70, 2), S3(1, 70, 2)}, {N, N, N}, PM, false, false},
+	{"sdpa_fused_shared_kv_head", KL_OP_ATTENTION, f_sdpa_heads_d, 3,
+	 {{4, {2, 3, 5, 4}}, {4, {2, 1, 5, 4}}, {4, {2, 1, 5, 4}}}, {N, N, N}, ST, false, false},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 

@@ -155,7 +155,8 @@ typedef enum fam {
 	F_NORM,
 	F_SDPA,
 	F_INDEX_ADD,
-	F_CACHE_WRITE
+	F_CACHE_WRITE,
+	F_GRAD_ONLY /* no public builder: made by a gradient rule, walked by its own test */
 } fam;
 
 typedef struct entry {
@@ -231,6 +232,8 @@ static const entry walk[KL_NOPS] = {
 	[KL_OP_ATTENTION] = {F_SDPA, FLOAT_DT, KLTEST_NORMAL, false, 8, NULL, NULL},
 	[KL_OP_INDEX_ADD] = {F_INDEX_ADD, FLOAT_DT, KLTEST_NORMAL, false, 4, NULL, NULL},
 	[KL_OP_CACHE_WRITE] = {F_CACHE_WRITE, ALL_DT, KLTEST_NORMAL, true, 0, NULL, NULL},
+	/* sdpa's gradient: tests/test_attention_bwd.c and test_grad's sdpa_fused rows */
+	[KL_OP_ATTENTION_BWD] = {F_GRAD_ONLY, FLOAT_DT, KLTEST_NORMAL, false, 0, NULL, NULL},
 };
 #undef BIN
 #undef UN
@@ -318,6 +321,7 @@ static kl_tensor *apply(kl_tensor *const *in, const void *p)
 	case F_SDPA: return kl_sdpa(in[0], in[1], in[2], c->k == 1, c->k == 2 ? 0.25 : 0.35);
 	case F_INDEX_ADD: return kl_index_add(in[0], in[1], in[2]);
 	case F_CACHE_WRITE: return kl_cache_update(in[0], c->k == 0 ? 2 : c->k == 1 ? -2 : 1, in[1], in[2]);
+	case F_GRAD_ONLY: return NULL;
 	}
 	return NULL;
 }
@@ -347,6 +351,8 @@ static int cases_of(kl_op op, kl_dtype dt, kcase *out)
 	const entry *e = &walk[op];
 	int n = 0;
 	switch (e->fam) {
+	case F_GRAD_ONLY:
+		break;
 	case F_INPUT:
 		out[n] = mkcase(op, dt, 0, 1, e->r);
 		out[n++].s[0] = S(7, 13);

@@ -157,22 +157,20 @@ kl_status kl__vjp_norm(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	return done(k, gin, want);
 }
 
-/* o = softmax(q k^T * s [masked]) v, with P recomputed (materialized: the
- * fused attention backward is later work):
- *   dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * o)) (the softmax
- *   rule, its row term from the saved output), dq = s * dS k, dk = s * dS^T q.
- * Masked keys have P = 0, so dS is 0 there; a query with no allowed key is
- * NaN in the forward and in its gradients. */
-kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
+/* sdpa's gradient in primitives, P recomputed and materialized, in dtype C
+ * (f32 for half types): dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do *
+ * o)) (the softmax rule, its row term from the saved output), dq = s * dS k,
+ * dk = s * dS^T q. Masked keys have P = 0, so dS is 0 there; a query with no
+ * allowed key is NaN in the forward and in its gradients. The rule's
+ * fallback where the fused op does not apply, and lowering's expansion of
+ * that op where the target has no step for it (kl__sdpa_bwd_primitives). */
+static void sdpa_bwd_prims(kl_graph *g, double s, bool causal, int nd, kl_dtype C,
+                           const int32_t *in, int32_t *gin)
 {
-	kl_node n = g->nodes[node];
-	kl_dtype D = (kl_dtype)n.dtype, C = work_dt(D);
-	int nd = n.ndim;
-	double s = n.a.s[0];
-	int32_t q = as_dt(g, n.in[0], C), k = as_dt(g, n.in[1], C), v = as_dt(g, n.in[2], C);
-	int32_t o = as_dt(g, node, C), dout = as_dt(g, gout, C);
+	int32_t q = as_dt(g, in[0], C), k = as_dt(g, in[1], C), v = as_dt(g, in[2], C);
+	int32_t o = as_dt(g, in[3], C), dout = as_dt(g, in[4], C);
 	int32_t sc = scal(g, KL_OP_MUL, kl__gb_matmul(g, q, transpose_last(g, k)), s);
-	if (sc >= 0 && (n.a.flags & KL_F_CAUSAL)) {
+	if (sc >= 0 && causal) {
 		int64_t tq = g->nodes[sc].shape[nd - 2], tk = g->nodes[sc].shape[nd - 1];
 		kl_node ar;
 		memset(&ar, 0, sizeof ar);
@@ -207,6 +205,52 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	gin[0] = scal(g, KL_OP_MUL, kl__gb_matmul(g, ds, k), s);
 	gin[1] = scal(g, KL_OP_MUL, kl__gb_matmul(g, transpose_last(g, ds), q), s);
 	gin[2] = kl__gb_matmul(g, transpose_last(g, p), dout);
+}
+
+int32_t kl__sdpa_bwd_primitives(kl_graph *g, const kl_node *bwd)
+{
+	if (bwd->op != KL_OP_ATTENTION_BWD || bwd->nin != 5 || bwd->ndim < 2)
+		return -1;
+	kl_dtype D = (kl_dtype)bwd->dtype;
+	int32_t gin[3], in[5];
+	memcpy(in, bwd->in, sizeof in);
+	sdpa_bwd_prims(g, bwd->a.s[0], (bwd->a.flags & KL_F_CAUSAL) != 0, bwd->ndim, work_dt(D), in,
+	               gin);
+	for (int i = 0; i < 3; i++)
+		if ((gin[i] = as_dt(g, gin[i], D)) < 0)
+			return -1;
+	return kl__gb_concat(g, 3, gin, bwd->ndim - 2);
+}
+
+/* o = softmax(q k^T * s [masked]) v. Where q, k and v have the output's
+ * float dtype and v's head dim is q's, one sdpa_bwd node (ops.def) whose
+ * packed result is sliced into dq, dk, dv: the backends' fused backward
+ * (nothing [..., Tq, Tk] is stored); else the primitives above. */
+kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
+{
+	kl_node n = g->nodes[node];
+	kl_dtype D = (kl_dtype)n.dtype;
+	int nd = n.ndim;
+	const kl_node *q = &g->nodes[n.in[0]], *k = &g->nodes[n.in[1]], *v = &g->nodes[n.in[2]];
+	bool fused = kl_dtype_is_float(D) && nd >= 2 && q->dtype == D && k->dtype == D &&
+	             v->dtype == D && q->shape[nd - 1] == v->shape[nd - 1];
+	if (fused) {
+		int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2];
+		kl_node b = n;
+		b.op = KL_OP_ATTENTION_BWD;
+		b.nin = 5;
+		b.in[3] = node;
+		b.in[4] = as_dt(g, gout, D);
+		b.shape[nd - 2] = tq + 2 * tk;
+		b.a.flags = n.a.flags & KL_F_CAUSAL;
+		int32_t p = b.in[4] < 0 ? -1 : kl__gb_node(g, &b);
+		int64_t cut[4] = {0, tq, tq + tk, tq + 2 * tk};
+		for (int i = 0; i < 3; i++)
+			gin[i] = p < 0 ? -1 : kl__gb_slice(g, p, nd - 2, cut[i], cut[i + 1], 1);
+		return done(3, gin, (const bool[]){true, true, true});
+	}
+	int32_t in[5] = {n.in[0], n.in[1], n.in[2], node, gout};
+	sdpa_bwd_prims(g, n.a.s[0], (n.a.flags & KL_F_CAUSAL) != 0, nd, work_dt(D), in, gin);
 	for (int i = 0; i < 3; i++)
 		gin[i] = as_dt(g, gin[i], (kl_dtype)g->nodes[n.in[i]].dtype);
 	return done(3, gin, (const bool[]){true, true, true});

@@ -179,7 +179,7 @@ static void print_attrs(const kl_node *n, FILE *f)
 		}
 		break;
 	case KL_CAT_COMPOSITE:
-		if (n->op == KL_OP_ATTENTION) {
+		if (n->op == KL_OP_ATTENTION || n->op == KL_OP_ATTENTION_BWD) {
 			fprintf(f, " scale=%.9g causal=%d", a->s[0], (a->flags & KL_F_CAUSAL) != 0);
 			break;
 		}

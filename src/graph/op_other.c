@@ -190,6 +190,37 @@ static bool sh_attention(const kl_node *n, const int *ndim, const int64_t *const
 	return ok || sh_fail(n, ndim, shape, why, cap, "q, k and v do not give the node");
 }
 
+/* sdpa_bwd (ops.def): q, k, v, o, do of one batch shape and last dim D,
+ * o and do q's shape, v k's; the node [..., Tq + 2 Tk, D] */
+static bool sh_attention_bwd(const kl_node *n, const int *ndim, const int64_t *const *shape,
+                             char *why, size_t cap)
+{
+	int nd = n->ndim;
+	bool ok = nd >= 2;
+	for (int i = 0; ok && i < 5; i++)
+		ok = ndim[i] == nd && shape[i][nd - 1] == n->shape[nd - 1];
+	for (int d = 0; ok && d < nd - 2; d++)
+		for (int i = 0; ok && i < 5; i++)
+			ok = shape[i][d] == n->shape[d];
+	ok = ok && shape[2][nd - 2] == shape[1][nd - 2] && shape[3][nd - 2] == shape[0][nd - 2] &&
+	     shape[4][nd - 2] == shape[0][nd - 2] &&
+	     n->shape[nd - 2] == shape[0][nd - 2] + 2 * shape[1][nd - 2];
+	return ok || sh_fail(n, ndim, shape, why, cap, "q, k, v, o and do do not give the node");
+}
+
+/* sdpa_bwd: its five operands share one float dtype */
+static kl_dtype dt_attention_bwd(kl_op op, const kl_operands *in, char *why, size_t cap)
+{
+	(void)op;
+	for (int i = 0; i < in->n; i++)
+		if (in->dt[i] != in->dt[0] || !kl_dtype_is_float(in->dt[i])) {
+			snprintf(why, cap, "operands of dtypes %s and %s: one float dtype wanted",
+			         kl_dtype_name(in->dt[0]), kl_dtype_name(in->dt[i]));
+			return KL_NDTYPES;
+		}
+	return in->dt[0];
+}
+
 /* the promoted type of the operands (concat casts each to it; attention's
  * q, k, v take no 0-dim operands) */
 static kl_dtype dt_promote(kl_op op, const kl_operands *in, char *why, size_t cap)
@@ -472,6 +503,8 @@ DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .shape = sh
      .vjp = kl__vjp_norm)
 DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote, .shape = sh_attention,
      .vjp = kl__vjp_sdpa)
+DESC(ATTENTION_BWD, KL_EAGER_SDPA, kl__ref_attention_bwd, .dtype = dt_attention_bwd,
+     .shape = sh_attention_bwd, .vjp = NULL)
 DESC(INDEX_ADD, KL_EAGER_COPY, kl__ref_index_add, .dtype = dt_index_add, .shape = sh_index_add,
      .vjp = kl__vjp_index_add)
 /* a write of positions a program computes: not differentiable (.vjp NULL,
@@ -490,5 +523,5 @@ const kl_opdesc *const kl__opdesc[KL_NOPS] = {
 
 /* ggml-style: a new op changes this count, and whoever changes it adds the
  * op's descriptor (op_*.c) and its entry in tests/test_optable.c's walk. */
-_Static_assert(KL_NOPS == 56, "new op: give it a descriptor and a walk entry, then update");
+_Static_assert(KL_NOPS == 57, "new op: give it a descriptor and a walk entry, then update");
 _Static_assert(sizeof kl__opdesc / sizeof kl__opdesc[0] == KL_NOPS, "one descriptor per op");

@@ -147,6 +147,7 @@ kl_status kl__ref_matmul(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_softmax(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_norm(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_attention(kl_refstate *st, const kl_node *n, double *out);
+kl_status kl__ref_attention_bwd(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_index_add(kl_refstate *st, const kl_node *n, double *out);
 kl_status kl__ref_cache_write(kl_refstate *st, const kl_node *n, double *out);
 
@@ -171,6 +172,10 @@ kl_status kl__vjp_matmul(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 kl_status kl__vjp_softmax(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 kl_status kl__vjp_norm(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
+/* sdpa_bwd node bwd (its inputs in g) as primitives appended to g: the packed
+ * [dq; dk; dv] (a concat) in bwd's dtype, or -1 when g cannot grow. Lowering's
+ * expansion where the target has no fused backward. */
+int32_t kl__sdpa_bwd_primitives(kl_graph *g, const kl_node *bwd);
 kl_status kl__vjp_gather(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 kl_status kl__vjp_index_add(kl_graph *g, int32_t node, int32_t gout, int32_t *gin);
 

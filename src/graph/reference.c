@@ -554,6 +554,86 @@ kl_status kl__ref_attention(ref_state *st, const kl_node *n, double *out)
 	return KL_OK;
 }
 
+/* sdpa_bwd: the three gradients of sdpa from q, k, v, o and do, packed
+ * [dq; dk; dv] along dim -2. Per query row i: P = softmax(s q k^T [masked]),
+ * dP = do v^T, D_i = do_i . o_i, dS = P * (dP - D_i), dq = s dS k,
+ * dk = s dS^T q, dv = P^T do. A query with no allowed key has a NaN row of
+ * P (as softmax over nothing): its share of every gradient is NaN. */
+kl_status kl__ref_attention_bwd(ref_state *st, const kl_node *n, double *out)
+{
+	char b1[96], b2[96];
+	if (n->nin != 5)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected 5", n->nin);
+	const kl_node *x[5];
+	for (int i = 0; i < 5; i++)
+		x[i] = &st->g->nodes[n->in[i]];
+	int nd = n->ndim;
+	bool ok = nd >= 2;
+	for (int i = 0; ok && i < 5; i++)
+		ok = x[i]->ndim == nd && x[i]->shape[nd - 1] == n->shape[nd - 1];
+	for (int d = 0; ok && d < nd - 2; d++)
+		for (int i = 0; ok && i < 5; i++)
+			ok = x[i]->shape[d] == n->shape[d];
+	int64_t Tq = ok ? x[0]->shape[nd - 2] : 0, Tk = ok ? x[1]->shape[nd - 2] : 0;
+	ok = ok && x[2]->shape[nd - 2] == Tk && x[3]->shape[nd - 2] == Tq &&
+	     x[4]->shape[nd - 2] == Tq && n->shape[nd - 2] == Tq + 2 * Tk;
+	if (!ok)
+		return ref_fail(st, KL_EINVAL, "q %s and k %s do not give %s",
+		                shp(b1, sizeof b1, x[0]), shp(b2, sizeof b2, x[1]),
+		                shp(b2, sizeof b2, n));
+	int64_t D = n->shape[nd - 1], R = Tq + 2 * Tk;
+	int64_t batch = kl__numel(nd - 2, n->shape);
+	bool causal = (n->a.flags & KL_F_CAUSAL) != 0;
+	double scale = n->a.s[0];
+	double *p = malloc(sizeof(double) * (size_t)(Tk > 0 ? 2 * Tk : 1));
+	if (!p)
+		return ref_fail(st, KL_ENOMEM, "out of memory");
+	double *ds = p + Tk;
+	const double *Q = st->val[n->in[0]], *K = st->val[n->in[1]], *V = st->val[n->in[2]],
+	             *O = st->val[n->in[3]], *dO = st->val[n->in[4]];
+	for (int64_t i = 0; i < batch * R * D; i++)
+		out[i] = 0;
+	for (int64_t b = 0; b < batch; b++) {
+		const double *Qb = Q + b * Tq * D, *Kb = K + b * Tk * D, *Vb = V + b * Tk * D,
+		             *Ob = O + b * Tq * D, *dOb = dO + b * Tq * D;
+		double *dq = out + b * R * D, *dk = dq + Tq * D, *dv = dk + Tk * D;
+		for (int64_t i = 0; i < Tq; i++) {
+			int64_t last = causal ? i + (Tk - Tq) : Tk - 1; /* last allowed key */
+			if (last > Tk - 1)
+				last = Tk - 1;
+			double m = -INFINITY;
+			for (int64_t j = 0; j <= last; j++) {
+				p[j] = scale * sum_exact_dot(Qb + i * D, Kb + j * D, D);
+				if (p[j] > m || isnan(p[j]))
+					m = isnan(m) ? m : p[j];
+			}
+			for (int64_t j = 0; j <= last; j++)
+				p[j] = exp(p[j] - m);
+			double l = last >= 0 ? kl__ref_sum(p, last + 1) : 0;
+			int64_t hi = last;
+			if (last < 0) { /* no allowed key: NaN everywhere, as softmax gives */
+				hi = Tk - 1;
+				for (int64_t j = 0; j <= hi; j++)
+					p[j] = NAN;
+			} else {
+				for (int64_t j = 0; j <= hi; j++)
+					p[j] /= l;
+			}
+			double Di = sum_exact_dot(dOb + i * D, Ob + i * D, D);
+			for (int64_t j = 0; j <= hi; j++)
+				ds[j] = p[j] * (sum_exact_dot(dOb + i * D, Vb + j * D, D) - Di);
+			for (int64_t j = 0; j <= hi; j++)
+				for (int64_t c = 0; c < D; c++) {
+					dq[i * D + c] += scale * ds[j] * Kb[j * D + c];
+					dk[j * D + c] += scale * ds[j] * Qb[i * D + c];
+					dv[j * D + c] += p[j] * dOb[i * D + c];
+				}
+		}
+	}
+	free(p);
+	return KL_OK;
+}
+
 kl_status kl__ref_softmax(ref_state *st, const kl_node *n, double *out)
 {
 	if (n->nin != 1)

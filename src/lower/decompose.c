@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "graph/optable.h"
 #include "lower/lower_int.h"
 
 typedef struct dctx {
@@ -466,6 +467,65 @@ static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int
 	return product_of(d, pr, v, src_in[0], src_in[2]);
 }
 
+/* sdpa_bwd: one node over dense-row views (the attention step's backward
+ * mode), or, where the target has no such step (no_attention; on CUDA a
+ * dtype or head dim its kernels do not take, kl__attn_bwd_cuda_takes), the
+ * primitive rule of
+ * graph/grad_other.c (kl__sdpa_bwd_primitives: the math is defined there
+ * once), built in a scratch graph and decomposed here node by node. Its
+ * sequence dims stay static (symbolic.c): the packed result's Tq + 2 Tk is
+ * no product of symbols. */
+static int32_t attention_bwd(dctx *d, const kl_node *s, const int32_t *in)
+{
+	kl_lctx *L = d->L;
+	kl_dtype D = (kl_dtype)s->dtype;
+	bool cuda_no = L->o->target == KL_TARGET_CUDA &&
+	               !kl__attn_bwd_cuda_takes(D, s->shape[s->ndim - 1]);
+	if (!L->o->no_attention && !cuda_no) {
+		kl_node n = *s;
+		for (int i = 0; i < 5; i++) {
+			int32_t x = cast(d, in[i], D);
+			if (x < 0)
+				return -1;
+			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			c.in[0] = x;
+			n.in[i] = add(d, &c);
+		}
+		return add(d, &n);
+	}
+	kl_graph t;
+	kl__graph_init(&t);
+	kl_node b = *s;
+	for (int i = 0; i < 5; i++) {
+		kl_node x = mk(KL_OP_INPUT, (kl_dtype)nd(d, in[i])->dtype, nd(d, in[i])->ndim,
+		               nd(d, in[i])->shape, 0);
+		b.in[i] = kl__graph_add(&t, &x);
+	}
+	int32_t r = kl__sdpa_bwd_primitives(&t, &b), res = -1;
+	int32_t *map = r >= 0 ? malloc(sizeof(int32_t) * (size_t)t.n) : NULL;
+	if (map) {
+		/* the scratch nodes have no source dims of their own: static */
+		int32_t *sym = L->src_sym;
+		L->src_sym = NULL;
+		for (int i = 0; i < 5; i++)
+			map[i] = in[i];
+		for (int32_t j = 5; j <= r; j++) {
+			const kl_node *x = &t.nodes[j];
+			int32_t xin[KL_NODE_MAX_IN];
+			for (int k = 0; k < x->nin; k++)
+				xin[k] = map[x->in[k]];
+			map[j] = decompose_one(d, x, xin);
+		}
+		L->src_sym = sym;
+		res = map[r];
+	} else {
+		d->oom = true;
+	}
+	free(map);
+	kl__graph_free(&t);
+	return res;
+}
+
 /* index_add(base, idx, src) as one masked sum per output element, no
  * atomics and a fixed order (deterministic):
  *   out[r, j] = base[r, j] + sum_i where(idx[i] == r, src[i, j], 0)
@@ -632,6 +692,8 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 	}
 	case KL_OP_ATTENTION:
 		return attention(d, s, in, s->in);
+	case KL_OP_ATTENTION_BWD:
+		return attention_bwd(d, s, in);
 	case KL_OP_INDEX_ADD:
 		return index_add(d, s, in);
 	case KL_OP_CACHE_WRITE: {

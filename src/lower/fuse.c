@@ -555,6 +555,16 @@ static int32_t input_index(const kl_lctx *L, int32_t n)
 	return -1;
 }
 
+/* The CUDA attention backward loads q, k, v and do 16 bytes at a time: each
+ * row starts on 8 elements (of 2 bytes: its buffers' bases are aligned) */
+static bool rows_of_16_bytes(const kl_node *y, const int64_t *st, int64_t off)
+{
+	bool ok = off % 8 == 0;
+	for (int d = 0; d < y->ndim - 1; d++)
+		ok &= y->shape[d] == 1 || st[d] % 8 == 0;
+	return ok;
+}
+
 static void prepare(kl_lctx *L)
 {
 	const kl_graph *g = &L->g;
@@ -625,7 +635,7 @@ static void prepare(kl_lctx *L)
 	 * (program.c's operand()). */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
-		bool att = x->op == KL_OP_ATTENTION;
+		bool att = x->op == KL_OP_ATTENTION || x->op == KL_OP_ATTENTION_BWD;
 		if ((x->op != KL_OP_MATMUL && !att) || !L->live[n])
 			continue;
 		for (int i = 0; i < x->nin; i++) {
@@ -635,6 +645,8 @@ static void prepare(kl_lctx *L)
 			int64_t ld;
 			if (!kl__stored_view(L, c, &base, st, &off) ||
 			    (att && y->shape[y->ndim - 1] > 1 && st[y->ndim - 1] != 1) ||
+			    (x->op == KL_OP_ATTENTION_BWD && L->o->target == KL_TARGET_CUDA &&
+			     !rows_of_16_bytes(y, st, off)) ||
 			    (!att && L->o->target == KL_TARGET_CUDA && y->ndim >= 2 &&
 			     kl__mm_operand_layout(y->shape[y->ndim - 2], y->shape[y->ndim - 1],
 			                           st[y->ndim - 2], st[y->ndim - 1], &ld) < 0))
@@ -729,7 +741,8 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 	*folded = false;
 	for (int i = 0; i < x->nin; i++) {
 		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
-		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE)
+		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE ||
+		    L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD)
 			continue;
 		bool dup = false;
 		for (int j = 0; j < ns && !dup; j++)
@@ -786,7 +799,7 @@ static bool schedule_node(sched *s, int32_t n)
 	const kl_node *x = &L->g.nodes[n];
 	char why[384], l1[64], l2[64];
 	bool library = x->op == KL_OP_MATMUL || x->op == KL_OP_ATTENTION ||
-	               x->op == KL_OP_CACHE_WRITE;
+	               x->op == KL_OP_ATTENTION_BWD || x->op == KL_OP_CACHE_WRITE;
 	if (!library) {
 		bool folded;
 		if (!try_epilogue(L, n, &folded))

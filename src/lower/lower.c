@@ -464,6 +464,88 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	return KL_OK;
 }
 
+/* sdpa_bwd: the attention step in its backward mode (kl_attn_step.bwd),
+ * reading q, k, v, o, do and writing the packed [dq; dk; dv] densely */
+static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
+{
+	int32_t n = G->m[0];
+	const kl_node *x = &L->g.nodes[n];
+	kl_attn_step *a = &sp->at;
+	int r = x->ndim;
+	int64_t st[5][KL_MAX_DIMS], off[5], so[KL_MAX_DIMS];
+	int32_t ids[5];
+	for (int i = 0; i < 5; i++)
+		if (!operand(L, x->in[i], &ids[i], st[i], &off[i])) {
+			snprintf(L->err, L->errcap,
+			         "kl__lower: internal error: attention backward operand layout");
+			return KL_EINVAL;
+		}
+	a->bwd = 1;
+	a->q = ids[0];
+	a->k = ids[1];
+	a->v = ids[2];
+	a->fo = ids[3];
+	a->go = ids[4];
+	a->o = L->bufof[n];
+	kl__contig_strides(r, x->shape, so);
+	a->tq = L->g.nodes[x->in[0]].shape[r - 2];
+	a->tk = L->g.nodes[x->in[1]].shape[r - 2];
+	a->d = a->dv = x->shape[r - 1];
+	a->q_off = off[0];
+	a->k_off = off[1];
+	a->v_off = off[2];
+	a->fo_off = off[3];
+	a->go_off = off[4];
+	a->q_rs = st[0][r - 2];
+	a->q_cs = st[0][r - 1];
+	a->k_rs = st[1][r - 2];
+	a->k_cs = st[1][r - 1];
+	a->v_rs = st[2][r - 2];
+	a->v_cs = st[2][r - 1];
+	a->fo_rs = st[3][r - 2];
+	a->go_rs = st[4][r - 2];
+	a->fo_cs = a->go_cs = 1; /* fuse.c copies a row whose elements are not adjacent */
+	a->o_rs = so[r - 2];
+	a->scale = x->a.s[0];
+	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
+	double batch = 1;
+	for (int d = 0; d < r - 2; d++) {
+		if (x->shape[d] == 1)
+			continue;
+		int i = a->nbatch++;
+		a->batch[i] = x->shape[d];
+		a->q_bs[i] = st[0][d];
+		a->k_bs[i] = st[1][d];
+		a->v_bs[i] = st[2][d];
+		a->fo_bs[i] = st[3][d];
+		a->go_bs[i] = st[4][d];
+		a->o_bs[i] = so[d];
+		batch *= (double)x->shape[d];
+	}
+	for (int i = 0; i < 5; i++)
+		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
+	sp->writes[0] = a->o;
+	sp->nwrites = 1;
+	double pairs = (double)a->tq * (double)a->tk;
+	if (a->causal) {
+		double lo = (double)(a->tk - a->tq);
+		pairs = 0;
+		for (int64_t i = 0; i < a->tq; i++) {
+			double c = (double)i + lo + 1;
+			pairs += c < 0 ? 0 : c > (double)a->tk ? (double)a->tk : c;
+		}
+	}
+	/* five products: S (recomputed twice: once for the row statistics),
+	 * dP, dV, dQ, dK */
+	sp->flops = 2.0 * batch * pairs * (double)a->d * 6;
+	for (int i = 0; i < 5; i++)
+		sp->bytes += bytes_of(P, ids[i]);
+	sp->bytes += bytes_of(P, a->o);
+	snprintf(sp->what, sizeof(sp->what), "attention bwd %.0fx%lldx%lldx%lld%s", batch,
+	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "");
+	return KL_OK;
+}
+
 static kl_status cache_write_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
 {
 	int32_t n = G->m[0];
@@ -777,6 +859,13 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 			st = cache_write_step(L, P, G, sp);
 			if (st == KL_OK)
 				st = symbolic_step(L, P, G, sp, cache_write_step);
+		} else if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION_BWD) {
+			sp->kind = KL_STEP_ATTENTION;
+			sp->kernel = -1;
+			add_node(sp, L->orig[G->m[0]]);
+			st = attention_bwd_step(L, P, G, sp);
+			if (st == KL_OK)
+				st = symbolic_step(L, P, G, sp, attention_bwd_step);
 		} else if (G->matmul && L->g.nodes[G->m[0]].op == KL_OP_ATTENTION) {
 			sp->kind = KL_STEP_ATTENTION;
 			sp->kernel = -1;

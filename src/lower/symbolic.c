@@ -182,6 +182,20 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 			}
 			return;
 		}
+		if (op == KL_OP_ATTENTION_BWD) {
+			/* q, o, do [..., Tq, D]; k, v [..., Tk, D]; the node
+			 * [..., Tq + 2 Tk, D]: a sum of sizes, so the sequence
+			 * dims stay static */
+			int r = x->ndim;
+			for (int i = 0; i < 5; i++) {
+				for (int d = 0; d < r - 2; d++)
+					join(u, x->in[i], d, n, d);
+				join(u, x->in[i], r - 1, n, r - 1);
+				fix(u, x->in[i], r - 2, n);
+			}
+			fix(u, n, r - 2, n);
+			return;
+		}
 		same(u, x->in[0], n);
 		if (op == KL_OP_LAYER_NORM || op == KL_OP_RMS_NORM) {
 			fix(u, n, x->ndim - 1, n);

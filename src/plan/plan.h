@@ -144,7 +144,25 @@ typedef struct kl_attn_step {
 	int64_t q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
 	double scale;
 	int32_t causal;
+	/* bwd = 1: the backward (sdpa_bwd, graph/ops.def). It also reads the
+	 * forward's output O (buffer fo) and its gradient dO (buffer go), both
+	 * tq x dv (column strides fo_cs, go_cs: 1 in a plan, any in the CPU's
+	 * eager op), and writes the packed gradients
+	 * into o: per batch [dq; dk; dv], tq + 2 tk rows of d == dv elements
+	 * at row stride o_rs, unit column stride. */
+	int32_t bwd;
+	int32_t fo, go;
+	int64_t fo_off, go_off, fo_rs, go_rs, fo_cs, go_cs;
+	int64_t fo_bs[KL_MAX_DIMS], go_bs[KL_MAX_DIMS];
 } kl_attn_step;
+
+/* Whether the CUDA backend runs the attention backward step for dtype dt
+ * and head dim d (its tensor-core kernels: f16/bf16, d 64 or 128); lowering
+ * expands any other sdpa_bwd for CUDA into primitives. */
+static inline bool kl__attn_bwd_cuda_takes(kl_dtype dt, int64_t d)
+{
+	return (dt == KL_F16 || dt == KL_BF16) && (d == 64 || d == 128);
+}
 
 /* cache_write (graph/ops.def): out = cache with rows 0..rows-1 of val written
  * at positions pos[i] .. pos[i] + s - 1 of the position dim. Every buffer is
@@ -269,7 +287,8 @@ kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, 
  * return KL_EFORMAT: the one error path of plan_io.c and the runtime's
  * plan check. */
 kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
-/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o). */
+/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o; the
+ * backward's 4 O, 5 dO). */
 int64_t kl__attn_extent(const kl_attn_step *a, int which);
 
 #endif /* KILN_PLAN_H */

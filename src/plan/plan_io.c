@@ -32,7 +32,7 @@ void kl__program_free(kl_program *p)
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);
  * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
  * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf) */
-#define PROG_FORMAT 7u
+#define PROG_FORMAT 8u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -134,6 +134,8 @@ static int64_t mm_ext(const kl_matmul_step *mm, int which, bool pad)
 	}
 }
 
+/* which: 0 q, 1 k, 2 v, 3 o (the backward's packed gradients), 4 the
+ * backward's O, 5 its dO */
 static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 {
 	switch (which) {
@@ -146,8 +148,15 @@ static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 	case 2:
 		return operand_extent_pad(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
 		                      a->v_cs, pad);
+	case 4:
+		return operand_extent_pad(a->fo_off, a->nbatch, a->batch, a->fo_bs, a->tq, a->fo_rs,
+		                      a->dv, a->fo_cs, pad);
+	case 5:
+		return operand_extent_pad(a->go_off, a->nbatch, a->batch, a->go_bs, a->tq, a->go_rs,
+		                      a->dv, a->go_cs, pad);
 	default:
-		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1, pad);
+		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs,
+		                      a->bwd ? a->tq + 2 * a->tk : a->tq, a->o_rs, a->dv, 1, pad);
 	}
 }
 
@@ -190,7 +199,9 @@ static const size_t step_fields[] = {
         ATF(q_off),    ATF(k_off),      ATF(v_off),      ATF(q_rs),        ATF(q_cs),
         ATF(k_rs),     ATF(k_cs),       ATF(v_rs),       ATF(v_cs),        ATF(o_rs),
         EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
-        EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner)};
+        EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner),
+        ATF(fo_off),   ATF(go_off),     ATF(fo_rs),      ATF(go_rs),       EACH8(ATF, fo_bs),
+        EACH8(ATF, go_bs)};
 #define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
 
 int kl__step_nfields(void)
@@ -267,14 +278,14 @@ static kl_status bind(kl_program *p, const int64_t *syms, bool dense, char *err,
 			}
 		} else if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *a = &sp->at;
-			int32_t ids[4] = {a->q, a->k, a->v, a->o};
-			for (int w = 0; w < 4; w++)
+			int32_t ids[6] = {a->q, a->k, a->v, a->o, a->fo, a->go};
+			for (int w = 0; w < (a->bwd ? 6 : 4); w++)
 				if (!fits(p, ids[w], kl__attn_extent(a, w), syms, dense) ||
 				    (dense && attn_ext(a, w, true) < 0))
 					return kl__plan_fail(err, cap,
 					                     "step %d: attention operand %c reaches outside its "
 					                     "buffer at these sizes",
-					                     (int)s, "qkvo"[w]);
+					                     (int)s, "qkvoOG"[w]);
 		} else if (sp->kind == KL_STEP_CACHE_WRITE) {
 			const kl_cw_step *c = &sp->cw;
 			int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
@@ -426,12 +437,15 @@ static kl_status check_cache_write(const kl_program *p, int32_t s, char *err, si
 static kl_status check_attention(const kl_program *p, int32_t s, char *err, size_t cap)
 {
 	const kl_attn_step *a = &p->steps[s].at;
-	int32_t ids[4] = {a->q, a->k, a->v, a->o};
-	for (int i = 0; i < 4; i++)
+	int32_t ids[6] = {a->q, a->k, a->v, a->o, a->fo, a->go};
+	if (a->bwd != 0 && a->bwd != 1)
+		return kl__plan_fail(err, cap, "step %d: attention mode %d", s, (int)a->bwd);
+	int nops = a->bwd ? 6 : 4;
+	for (int i = 0; i < nops; i++)
 		if (ids[i] < 0 || ids[i] >= p->nbufs)
 			return kl__plan_fail(err, cap, "step %d: attention operand %d out of range", s, ids[i]);
 	kl_dtype dt = p->bufs[a->o].dtype;
-	for (int i = 0; i < 4; i++) {
+	for (int i = 0; i < nops; i++) {
 		if (p->bufs[ids[i]].dtype != dt || !float_dt(dt))
 			return kl__plan_fail(err, cap, "step %d: attention operands of mixed or non-float dtypes",
 			            s);
@@ -441,17 +455,25 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 		return kl__plan_fail(err, cap, "step %d: attention writes an input or a view", s);
 	if (a->tq < 0 || a->tk < 0 || a->d < 0 || a->dv < 0 || a->nbatch < 0 ||
 	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) || (a->causal != 0 && a->causal != 1) ||
-	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0)
+	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0 ||
+	    (a->bwd && (a->d != a->dv || a->fo_off < 0 || a->go_off < 0 || a->fo_cs != 1 ||
+	                a->go_cs != 1 || a->tk > INT64_MAX / 4 ||
+	                a->tq > INT64_MAX / 4)))
 		return kl__plan_fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
 	for (int i = 0; i < a->nbatch; i++)
 		if (a->batch[i] < 0)
 			return kl__plan_fail(err, cap, "step %d: attention batch out of range", s);
-	for (int i = 0; i < 4; i++) {
+	for (int i = 0; i < nops; i++) {
 		int64_t n = buf_numel(&p->bufs[ids[i]]), ext = kl__attn_extent(a, i);
 		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
 			return kl__plan_fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
-			            s, "qkvo"[i], (long long)ext, (long long)n);
+			            s, "qkvoOG"[i], (long long)ext, (long long)n);
 	}
+	/* the backward writes o while it reads the others: none may share it */
+	for (int i = 0; a->bwd && i < nops; i++)
+		if (i != 3 && ids[i] == a->o)
+			return kl__plan_fail(err, cap, "step %d: attention backward writes its operand %c",
+			                     s, "qkvoOG"[i]);
 	return KL_OK;
 }
 
@@ -773,6 +795,16 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 			}
 			w_f64(&w, a->scale);
 			w_i32(&w, a->causal);
+			w_i32(&w, a->bwd);
+			w_i32(&w, a->fo);
+			w_i32(&w, a->go);
+			int64_t bd[6] = {a->fo_off, a->go_off, a->fo_rs, a->go_rs, a->fo_cs, a->go_cs};
+			for (int i = 0; i < 6; i++)
+				w_i64(&w, bd[i]);
+			for (int i = 0; i < a->nbatch && i < KL_MAX_DIMS; i++) {
+				w_i64(&w, a->fo_bs[i]);
+				w_i64(&w, a->go_bs[i]);
+			}
 		}
 		if (sp->kind == KL_STEP_CACHE_WRITE) {
 			const kl_cw_step *c = &sp->cw;
@@ -939,6 +971,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            : version < 5 ? " (written before row kernels' waves)"
 		            : version < 6 ? " (written before symbolic library steps)"
 		            : version < 7 ? " (written before cache writes)"
+		            : version < 8 ? " (written before the attention backward)"
 		                          : "");
 	kl_program p = {0};
 	bool null;
@@ -1039,6 +1072,17 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 			}
 			a->scale = r_f64(&r);
 			a->causal = r_i32(&r);
+			a->bwd = r_i32(&r);
+			a->fo = r_i32(&r);
+			a->go = r_i32(&r);
+			int64_t *bd[6] = {&a->fo_off, &a->go_off, &a->fo_rs, &a->go_rs, &a->fo_cs,
+			                  &a->go_cs};
+			for (int i = 0; i < 6; i++)
+				*bd[i] = r_i64(&r);
+			for (int i = 0; i < a->nbatch; i++) {
+				a->fo_bs[i] = r_i64(&r);
+				a->go_bs[i] = r_i64(&r);
+			}
 		}
 		if (sp->kind == KL_STEP_CACHE_WRITE) {
 			kl_cw_step *c = &sp->cw;

@@ -160,6 +160,13 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		c->fns[sp->kernel]((void *const *)B, syms);
 		return KL_OK;
 	}
+	if (sp->kind == KL_STEP_ATTENTION && sp->at.bwd)
+		return kl__cpu_attention_bwd(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q],
+		                             B[sp->at.k], B[sp->at.v], B[sp->at.fo], B[sp->at.go],
+		                             B[sp->at.o])
+		               ? KL_OK
+		               : kl__err(ctx, KL_ENOMEM,
+		                         "kl_fn_call: out of memory for attention backward tiles");
 	if (sp->kind == KL_STEP_ATTENTION)
 		return kl__cpu_attention(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q], B[sp->at.k],
 		                         B[sp->at.v], B[sp->at.o])

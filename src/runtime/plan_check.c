@@ -48,7 +48,10 @@ static int64_t largest_value(const kl_graph *g)
 		if (x->op == KL_OP_MATMUL && x->nin >= 1) {
 			const kl_node *a = &g->nodes[x->in[0]];
 			n = sat_mul(n, a->ndim ? a->shape[a->ndim - 1] : 1);
-		} else if (x->op == KL_OP_ATTENTION && x->nin >= 3 && x->ndim >= 1) {
+		} else if ((x->op == KL_OP_ATTENTION || x->op == KL_OP_ATTENTION_BWD) && x->nin >= 3 &&
+		           x->ndim >= 1) {
+			/* (the backward's primitives, where a target expands it, hold
+			 * the same products; its rows over-count: a bound) */
 			const kl_node *q = &g->nodes[x->in[0]], *k = &g->nodes[x->in[1]];
 			int64_t rows = numel_sat(x->ndim - 1, x->shape); /* [..., tq] */
 			int64_t tk = k->ndim >= 2 ? k->shape[k->ndim - 2] : 1;
@@ -201,29 +204,33 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 		} else if (sp->kind != KL_STEP_KERNEL) {
 			/* library calls read an input through its traced strides:
 			 * a product's a, b, residual and bias (kl__mm_extent's 0, 1,
-			 * 3, 4), attention's q, k and v (kl__attn_extent's 0-2) */
+			 * 3, 4), attention's q, k and v, and the backward's o and do
+			 * (kl__attn_extent's 0-2, 4, 5) */
 			bool mm = sp->kind == KL_STEP_MATMUL;
-			int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
-			bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
+			int32_t ids[5] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias, -1};
+			bool has[5] = {true, true, sp->mm.has_r, sp->mm.has_bias, false};
+			int which[5] = {0, 1, 3, 4, 0};
 			if (!mm) {
-				int32_t at[4] = {sp->at.q, sp->at.k, sp->at.v, -1};
+				int32_t at[5] = {sp->at.q, sp->at.k, sp->at.v, sp->at.fo, sp->at.go};
+				int aw[5] = {0, 1, 2, 4, 5};
 				memcpy(ids, at, sizeof ids);
+				memcpy(which, aw, sizeof which);
 				has[2] = true;
-				has[3] = false;
+				has[3] = has[4] = sp->at.bwd != 0;
 			}
-			for (int w = 0; w < 4 && st == KL_OK; w++) {
+			for (int w = 0; w < 5 && st == KL_OK; w++) {
 				if (!has[w] || p->bufs[ids[w]].role != KL_BUF_INPUT)
 					continue;
 				const kl_buf *bf = &p->bufs[ids[w]];
-				int64_t ext = mm ? kl__mm_extent(&sp->mm, w < 2 ? w : w + 1)
-				                 : kl__attn_extent(&sp->at, w);
+				int64_t ext = mm ? kl__mm_extent(&sp->mm, which[w])
+				                 : kl__attn_extent(&sp->at, which[w]);
 				int64_t reach = reach_of(g, bf, shapes[ids[w]]);
 				if (ext > reach)
 					st = kl__plan_fail(err, cap,
 					         "step %d: %s operand %c reaches element %lld of input "
 					         "%d, which ends at %lld",
 					         (int)s, mm ? "matmul" : "attention",
-					         (mm ? "abrv" : "qkv")[w], (long long)ext,
+					         (mm ? "abrv?" : "qkvOG")[w], (long long)ext,
 					         (int)bf->index, (long long)reach);
 			}
 		}

@@ -165,7 +165,7 @@ static inline float exp_f32(float x)
 
 /* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop,
  * built for the wider vector units too (KL_CPU_CLONES). */
-KL_CPU_CLONES static float exp_row_f32(float *s, int64_t n, float mx)
+KL_CPU_CLONES float kl__cpu_exp_row_f32(float *s, int64_t n, float mx)
 {
 	float sum = 0;
 	_Pragma("omp simd reduction(+:sum)")
@@ -176,7 +176,7 @@ KL_CPU_CLONES static float exp_row_f32(float *s, int64_t n, float mx)
 	return sum;
 }
 
-static double exp_row_f64(double *s, int64_t n, double mx)
+double kl__cpu_exp_row_f64(double *s, int64_t n, double mx)
 {
 	double sum = 0;
 	for (int64_t j = 0; j < n; j++) {
@@ -188,8 +188,8 @@ static double exp_row_f64(double *s, int64_t n, double mx)
 
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, exp_row_f32, false)
-ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, exp_row_f64, true)
+ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, kl__cpu_exp_row_f32, false)
+ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_row_f64, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o)

@@ -176,6 +176,8 @@ static kl_status cpu_exec(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, k
 	case KL_CAT_COMPOSITE:
 		if (n->op == KL_OP_ATTENTION)
 			return kl__cpu_sdpa(ctx, n, in, out);
+		if (n->op == KL_OP_ATTENTION_BWD)
+			return kl__cpu_sdpa_bwd(ctx, n, in, out);
 		if (n->op == KL_OP_INDEX_ADD)
 			return kl__cpu_index_add(ctx, n, in, out);
 		if (n->op == KL_OP_CACHE_WRITE)

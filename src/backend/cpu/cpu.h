@@ -201,11 +201,22 @@ kl_status kl__cpu_pointwise(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
 extern bool kl__cpu_pw_generic_only;
 /* Tests: every eager reduction through the op table's row rule (reduce.c). */
 extern bool kl__cpu_rd_generic_only;
+/* attention_cpu.c: s[j] = e^(s[j] - mx) for j < n, returning their sum: the
+ * attention kernels' row loop (f32: built for the wider vector units too). */
+float kl__cpu_exp_row_f32(float *s, int64_t n, float mx);
+double kl__cpu_exp_row_f64(double *s, int64_t n, double mx);
 /* attention_cpu.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, void *o);
 kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
+/* attention_bwd_cpu.c: the attention step's backward mode (a->bwd) over q,
+ * k, v, the forward's output o, its gradient go and the packed result out;
+ * false when out of memory. kl__cpu_sdpa_bwd: the eager sdpa_bwd. */
+bool kl__cpu_attention_bwd(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
+                           const void *v, const void *o, const void *go, void *out);
+kl_status kl__cpu_sdpa_bwd(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
+                           kl_tensor *out);
 kl_status kl__cpu_reduce(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 kl_status kl__cpu_contiguous(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                              kl_tensor *out);

@@ -116,6 +116,10 @@ typedef struct kl_cuda_attn {
 	/* kl_attn_fa3 got fewer registers than its setmaxnreg pair moves: it
 	 * is not launched (found once, when its module loads) */
 	bool fa3_short[4][NVAR];
+	/* the backward's modules, [f16, bf16][head dim 64, 128], and their
+	 * kernels kl_attnb_pre, kl_attnb_kv, kl_attnb_dq */
+	kl_cuda_module *bmod[2][2];
+	CUfunction bfn[2][2][3];
 } kl_cuda_attn;
 
 static int dt_code(kl_dtype dt)
@@ -241,12 +245,41 @@ void kl__cuda_attention_release(kl_cuda_dev *d)
 	for (int c = 0; c < 4; c++)
 		for (int v = 0; v < NVAR; v++)
 			kl__cuda_module_free(A->mod[c][v]);
+	for (int c = 0; c < 2; c++)
+		for (int v = 0; v < 2; v++)
+			kl__cuda_module_free(A->bmod[c][v]);
 	if (A->ws)
 		kl__cuda_free(NULL, d, A->ws);
 	for (int i = 0; i < A->nold; i++)
 		kl__cuda_free(NULL, d, A->old[i]);
 	free(A);
 	d->attn = NULL;
+}
+
+/* the workspace (split-key partials, the backward's row statistics and dq
+ * accumulator: steps on one stream take turns) at least need bytes */
+static kl_status ensure_ws(kl_ctx *ctx, kl_cuda_dev *d, size_t need, const char *what)
+{
+	kl_cuda_attn *A = d->attn;
+	if (need <= A->ws_cap)
+		return KL_OK;
+	if (d->capturing)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa: %s would grow during CUDA graph capture", what);
+	size_t cap = (size_t)1 << 20;
+	while (cap < need)
+		cap *= 2;
+	if (A->ws && A->nold == (int)(sizeof A->old / sizeof A->old[0]))
+		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: %s grew too often", what);
+	CUdeviceptr p = 0;
+	kl_status st = kl__cuda_malloc(ctx, d, cap, &p);
+	if (st != KL_OK)
+		return st;
+	if (A->ws)
+		A->old[A->nold++] = A->ws;
+	A->ws = p;
+	A->ws_cap = cap;
+	return KL_OK;
 }
 
 static bool al16(CUdeviceptr p)
@@ -520,26 +553,9 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	if (a.nsplit > 1) {
 		size_t need = (size_t)a.rows * (size_t)a.nsplit * (size_t)(s->dv + 2) *
 		              (dt == KL_F64 ? 8 : 4);
-		kl_cuda_attn *A = d->attn;
-		if (need > A->ws_cap) {
-			if (d->capturing)
-				return kl__err(ctx, KL_EUNSUPPORTED,
-				               "kl_sdpa: the split-key workspace would grow during "
-				               "CUDA graph capture");
-			size_t cap = (size_t)1 << 20;
-			while (cap < need)
-				cap *= 2;
-			if (A->ws && A->nold == (int)(sizeof A->old / sizeof A->old[0]))
-				return kl__err(ctx, KL_ENOMEM, "kl_sdpa: split-key workspace grew too often");
-			CUdeviceptr p = 0;
-			if ((st = kl__cuda_malloc(ctx, d, cap, &p)) != KL_OK)
-				return st;
-			if (A->ws)
-				A->old[A->nold++] = A->ws;
-			A->ws = p;
-			A->ws_cap = cap;
-		}
-		a.ws = A->ws;
+		if ((st = ensure_ws(ctx, d, need, "the split-key workspace")) != KL_OK)
+			return st;
+		a.ws = d->attn->ws;
 	}
 	unsigned block[3] = {128, 1, 1};
 	int64_t items = a.rows * a.nsplit;
@@ -553,4 +569,172 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, KL_LAUNCH_PDL);
 	}
 	return st;
+}
+
+/* ---- the backward (attention_bwd_src.c) ----------------------------------------------- */
+
+/* kl_atb_args of attention_bwd_src.c, field for field */
+typedef struct kl_atb_args {
+	CUdeviceptr q, k, v, o, g, out;
+	CUdeviceptr lse, dd, dq;
+	long long tq, tk;
+	long long q_rs, k_rs, v_rs, o_rs, g_rs, out_rs;
+	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6], g_bs[6], out_bs[6];
+	float scale, scale_log2;
+	int nb, causal;
+} kl_atb_args;
+
+#define BWD_SMEM_PRE(d) ((unsigned)(2 * 64 * (d) * 2))
+/* kl_attnb_kv: K and V tiles of 64 rows, Q and dO of QB (64, 32 at head dim
+ * 128), dS^T (64 x 64 16-bit), L and D of QB rows */
+#define BWD_QB(d) ((d) == 128 ? 32 : 64)
+#define BWD_SMEM_KV(d)                                                                             \
+	((unsigned)(2 * 64 * (d) * 2 + 2 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 2 * BWD_QB(d) * 4))
+
+char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
+{
+	if ((dt != KL_F16 && dt != KL_BF16) || (head_dim != 64 && head_dim != 128))
+		return NULL;
+	char *fwd = kl__cuda_attention_source(dt, head_dim, 0);
+	if (!fwd)
+		return NULL;
+	size_t n = strlen(fwd) + strlen(kl__cuda_attention_bwd_src) + 1;
+	char *s = malloc(n);
+	if (s)
+		snprintf(s, n, "%s%s", fwd, kl__cuda_attention_bwd_src);
+	free(fwd);
+	return s;
+}
+
+static kl_status get_bwd_fns(kl_ctx *ctx, kl_cuda_dev *d, kl_dtype dt, int64_t hd,
+                             CUfunction *out)
+{
+	if (!d->attn && !(d->attn = calloc(1, sizeof *d->attn)))
+		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+	kl_cuda_attn *A = d->attn;
+	int c = dt == KL_BF16, v = hd == 128;
+	if (!A->bmod[c][v]) {
+		char *src = kl__cuda_attention_bwd_source(dt, (int)hd);
+		if (!src)
+			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
+		kl_cuda_module *m = NULL;
+		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention_bwd.cu", false, &m);
+		free(src);
+		static const char *const names[3] = {"kl_attnb_pre", "kl_attnb_kv", "kl_attnb_dq"};
+		CUfunction f[3] = {NULL, NULL, NULL};
+		for (int i = 0; i < 3 && st == KL_OK; i++)
+			st = kl__cuda_module_fn(ctx, m, names[i], &f[i]);
+		if (st == KL_OK)
+			st = kl__cuda_fn_smem(ctx, d, f[0], BWD_SMEM_PRE(hd));
+		if (st == KL_OK)
+			st = kl__cuda_fn_smem(ctx, d, f[1], BWD_SMEM_KV(hd));
+		if (st != KL_OK) {
+			kl__cuda_module_free(m);
+			return st;
+		}
+		A->bmod[c][v] = m;
+		memcpy(A->bfn[c][v], f, sizeof f);
+	}
+	memcpy(out, A->bfn[c][v], sizeof A->bfn[c][v]);
+	return KL_OK;
+}
+
+kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
+                                      kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
+                                      CUdeviceptr o, CUdeviceptr g, CUdeviceptr out)
+{
+	if (!kl__attn_bwd_cuda_takes(dt, s->d) || s->dv != s->d || s->nbatch > 6)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa backward: dtype %s, head dims %lld and %lld, %d batch dims: the "
+		               "CUDA kernels take f16/bf16, head dim 64 or 128, up to 6 batch dims",
+		               kl_dtype_name(dt), (long long)s->d, (long long)s->dv, s->nbatch);
+	kl_atb_args a;
+	memset(&a, 0, sizeof a);
+	size_t es = kl_dtype_size(dt);
+	a.q = q + (CUdeviceptr)(s->q_off * (int64_t)es);
+	a.k = k + (CUdeviceptr)(s->k_off * (int64_t)es);
+	a.v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
+	a.o = o + (CUdeviceptr)(s->fo_off * (int64_t)es);
+	a.g = g + (CUdeviceptr)(s->go_off * (int64_t)es);
+	a.out = out;
+	a.tq = s->tq;
+	a.tk = s->tk;
+	a.q_rs = s->q_rs;
+	a.k_rs = s->k_rs;
+	a.v_rs = s->v_rs;
+	a.o_rs = s->fo_rs;
+	a.g_rs = s->go_rs;
+	a.out_rs = s->o_rs;
+	a.nb = s->nbatch;
+	int64_t nbt = 1;
+	bool rows16 = al16(a.q) && al16(a.k) && al16(a.v) && al16(a.g) && al16(a.out) &&
+	              s->q_rs % 8 == 0 && s->k_rs % 8 == 0 && s->v_rs % 8 == 0 &&
+	              s->go_rs % 8 == 0 && s->o_rs % 2 == 0 &&
+	              (s->d <= 1 || (s->q_cs == 1 && s->k_cs == 1 && s->v_cs == 1));
+	for (int i = 0; i < s->nbatch; i++) {
+		a.batch[i] = s->batch[i];
+		a.q_bs[i] = s->q_bs[i];
+		a.k_bs[i] = s->k_bs[i];
+		a.v_bs[i] = s->v_bs[i];
+		a.o_bs[i] = s->fo_bs[i];
+		a.g_bs[i] = s->go_bs[i];
+		a.out_bs[i] = s->o_bs[i];
+		nbt *= s->batch[i];
+		rows16 &= s->q_bs[i] % 8 == 0 && s->k_bs[i] % 8 == 0 && s->v_bs[i] % 8 == 0 &&
+		          s->go_bs[i] % 8 == 0 && s->o_bs[i] % 2 == 0;
+	}
+	a.scale = (float)s->scale;
+	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
+	a.causal = s->causal;
+	if (nbt == 0 || s->tq + s->tk == 0)
+		return KL_OK;
+	if (!rows16)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa backward: q, k, v or do rows not 16-byte aligned with unit "
+		               "column stride (strides q %lld k %lld v %lld do %lld a row): the CUDA "
+		               "kernels load them 16 bytes at a time",
+		               (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs,
+		               (long long)s->go_rs);
+	int64_t nqb = (s->tq + 63) / 64, nkb = (s->tk + 63) / 64;
+	if (nbt > 0x7fffffff || nqb > 65535 || nkb > 65535)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa backward: batch %lld, %lld queries, %lld keys exceed the CUDA "
+		               "grid (2^31 - 1 batches, 65535 blocks of 64 rows)",
+		               (long long)nbt, (long long)s->tq, (long long)s->tk);
+	CUfunction f[3];
+	kl_status st = get_bwd_fns(ctx, d, dt, s->d, f);
+	if (st != KL_OK)
+		return st;
+	size_t rows = (size_t)nbt * (size_t)s->tq;
+	if ((st = ensure_ws(ctx, d, rows * (size_t)(2 + s->d) * 4 + 64,
+	                    "the attention backward's workspace")) != KL_OK)
+		return st;
+	a.lse = d->attn->ws;
+	a.dd = a.lse + rows * 4;
+	a.dq = a.dd + rows * 4;
+	a.dq = (a.dq + 15) & ~(CUdeviceptr)15;
+	void *argv[1] = {&a};
+	unsigned block[3] = {128, 1, 1};
+	if (s->tq > 0) {
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)nqb, 1};
+		if ((st = kl__cuda_launch(ctx, d, f[0], grid, block, BWD_SMEM_PRE(s->d), argv,
+		                          KL_LAUNCH_PDL)) != KL_OK)
+			return st;
+	}
+	if (s->tk > 0) {
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)nkb, 1};
+		if ((st = kl__cuda_launch(ctx, d, f[1], grid, block, BWD_SMEM_KV(s->d), argv,
+		                          KL_LAUNCH_PDL)) != KL_OK)
+			return st;
+	}
+	long long n = (long long)rows * s->d;
+	if (n == 0)
+		return KL_OK;
+	if ((n + 255) / 256 > 0x7fffffff)
+		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa backward: %lld dq elements exceed one grid",
+		               n);
+	void *argv2[2] = {&a, &n};
+	unsigned grid[3] = {(unsigned)((n + 255) / 256), 1, 1};
+	unsigned b256[3] = {256, 1, 1};
+	return kl__cuda_launch(ctx, d, f[2], grid, b256, 0, argv2, KL_LAUNCH_PDL);
 }

@@ -127,10 +127,10 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 	uint32_t masks[KL_NODE_MAX_IN];
 	bool dyn = false;
 	/* (a product with symbolic dims becomes a generated loop, not cuBLASLt;
-	 * attention, its primitives: both stay static) */
+	 * attention and its backward, their primitives: all stay static) */
 	/* index_add's masked sum ranges over its row count: static too */
 	for (int i = 0; i < n->nin && n->op != KL_OP_MATMUL && n->op != KL_OP_ATTENTION &&
-	                n->op != KL_OP_INDEX_ADD;
+	                n->op != KL_OP_ATTENTION_BWD && n->op != KL_OP_INDEX_ADD;
 	     i++) {
 		bool dense = kl__strides_contiguous(in[i]->ndim, in[i]->shape, in[i]->strides);
 		masks[i] = dense && in[i]->ndim ? (uint32_t)((1ull << in[i]->ndim) - 1) : 0;

@@ -435,6 +435,17 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                               (uint64_t)s + 1);
 			continue;
 		}
+		if (sp->kind == KL_STEP_ATTENTION && sp->at.bwd) {
+			const kl_attn_step *at = &sp->at;
+			st = kl__cuda_attention_bwd_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
+			                                 (CUdeviceptr)(uintptr_t)B[at->q],
+			                                 (CUdeviceptr)(uintptr_t)B[at->k],
+			                                 (CUdeviceptr)(uintptr_t)B[at->v],
+			                                 (CUdeviceptr)(uintptr_t)B[at->fo],
+			                                 (CUdeviceptr)(uintptr_t)B[at->go],
+			                                 (CUdeviceptr)(uintptr_t)B[at->o]);
+			continue;
+		}
 		if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *at = &sp->at;
 			st = kl__cuda_attention_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
