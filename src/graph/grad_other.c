@@ -172,7 +172,42 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	int32_t q = as_dt(g, n.in[0], C), k = as_dt(g, n.in[1], C), v = as_dt(g, n.in[2], C);
 	int32_t o = as_dt(g, node, C), dout = as_dt(g, gout, C);
 	int32_t sc = scal(g, KL_OP_MUL, kl__gb_matmul(g, q, transpose_last(g, k)), s);
-	if (sc >= 0 && (n.a.flags & KL_F_CAUSAL)) {
+	int32_t valid = -1;
+	if (sc >= 0 && (n.a.flags & KL_F_LENGTHS)) {
+		/* the mask of graph/ops.def: key j < L (j + tq - i < L + 1 when
+		 * causal); the values past L zeroed (they may be anything) */
+		int64_t tq = g->nodes[sc].shape[nd - 2], tk = g->nodes[sc].shape[nd - 1];
+		int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS], vsh[KL_MAX_DIMS];
+		for (int d = 0; d < nd; d++)
+			ksh[d] = lsh[d] = qsh[d] = vsh[d] = 1;
+		ksh[nd - 1] = vsh[nd - 2] = tk;
+		qsh[nd - 2] = tq;
+		lsh[0] = n.shape[0];
+		kl_node ar;
+		memset(&ar, 0, sizeof ar);
+		ar.op = KL_OP_ARANGE;
+		ar.dtype = KL_I64;
+		ar.ndim = 1;
+		ar.a.s[1] = 1;
+		ar.shape[0] = tk;
+		int32_t j = kl__gb_node(g, &ar);
+		int32_t len = as_dt(g, n.in[3], KL_I64);
+		len = len < 0 ? -1 : kl__gb_reshape(g, len, nd, lsh);
+		int32_t lhs = j < 0 ? -1 : kl__gb_reshape(g, j, nd, ksh), lim = len;
+		if (n.a.flags & KL_F_CAUSAL) {
+			ar.shape[0] = tq;
+			int32_t i = kl__gb_node(g, &ar);
+			i = i < 0 ? -1 : kl__gb_reshape(g, i, nd, qsh);
+			lhs = bin(g, KL_OP_SUB, scal(g, KL_OP_ADD, lhs, (double)tq), i);
+			lim = scal(g, KL_OP_ADD, len, 1);
+		}
+		valid = bin(g, KL_OP_LT, lhs, lim);
+		int32_t kv = bin(g, KL_OP_LT, j < 0 ? -1 : kl__gb_reshape(g, j, nd, vsh), len);
+		int32_t ninf = kl__gb_full(g, C, 0, NULL, -INFINITY);
+		int32_t zero = kl__gb_full(g, C, 0, NULL, 0);
+		sc = valid < 0 || ninf < 0 ? -1 : kl__gb_where(g, valid, sc, ninf);
+		v = kv < 0 || v < 0 || zero < 0 ? -1 : kl__gb_where(g, kv, v, zero);
+	} else if (sc >= 0 && (n.a.flags & KL_F_CAUSAL)) {
 		int64_t tq = g->nodes[sc].shape[nd - 2], tk = g->nodes[sc].shape[nd - 1];
 		kl_node ar;
 		memset(&ar, 0, sizeof ar);
@@ -200,6 +235,9 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 		memset(&sm.a, 0, sizeof sm.a);
 		sm.a.axis = nd - 1;
 		p = kl__gb_node(g, &sm);
+		if (valid >= 0) /* a row with no key: p 0, not NaN */
+			p = p < 0 ? -1
+			          : kl__gb_where(g, valid, p, kl__gb_full(g, C, 0, NULL, 0));
 	}
 	int32_t dp = kl__gb_matmul(g, dout, transpose_last(g, v));
 	int32_t rowt = row_sum(g, bin(g, KL_OP_MUL, dout, o), nd - 1);
@@ -209,6 +247,8 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	gin[2] = kl__gb_matmul(g, transpose_last(g, p), dout);
 	for (int i = 0; i < 3; i++)
 		gin[i] = as_dt(g, gin[i], (kl_dtype)g->nodes[n.in[i]].dtype);
+	if (n.nin == 4)
+		gin[3] = -1; /* the lengths have none */
 	return done(3, gin, (const bool[]){true, true, true});
 }
 

@@ -144,6 +144,13 @@ typedef struct kl_attn_step {
 	int64_t q_rs, q_cs, k_rs, k_cs, v_rs, v_cs, o_rs;
 	double scale;
 	int32_t causal;
+	/* lengths (graph/ops.def), buffer len >= 0 (i32/i64, element len_off +
+	 * r * len_st for row r), or -1: none. Flat batch index b (over the
+	 * batch[] entries) is row b / (product of the last len_inner entries):
+	 * the first batch entry alone is the lengths' dim, or none when that
+	 * dim has size 1. Row b's keys end at clamp(lengths[row], 0, tk). */
+	int32_t len, len_inner, len_dt;
+	int64_t len_off, len_st;
 } kl_attn_step;
 
 /* cache_write (graph/ops.def): out = cache with rows 0..rows-1 of val written
@@ -269,7 +276,13 @@ kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, 
  * return KL_EFORMAT: the one error path of plan_io.c and the runtime's
  * plan check. */
 kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
-/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o). */
+/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o, 4
+ * lengths: -1 when it has none). */
 int64_t kl__attn_extent(const kl_attn_step *a, int which);
+/* Flat batch entries that share one length (the last len_inner batch
+ * sizes' product), and the end of the keys of length row r (lens: the
+ * lengths buffer's base), clamp(lengths[r], 0, tk). */
+int64_t kl__attn_len_div(const kl_attn_step *a);
+int64_t kl__attn_len_at(const kl_attn_step *a, const void *lens, int64_t r);
 
 #endif /* KILN_PLAN_H */

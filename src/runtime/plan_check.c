@@ -201,29 +201,30 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 		} else if (sp->kind != KL_STEP_KERNEL) {
 			/* library calls read an input through its traced strides:
 			 * a product's a, b, residual and bias (kl__mm_extent's 0, 1,
-			 * 3, 4), attention's q, k and v (kl__attn_extent's 0-2) */
+			 * 3, 4), attention's q, k, v and lengths (kl__attn_extent's
+			 * 0-2 and 4) */
 			bool mm = sp->kind == KL_STEP_MATMUL;
 			int32_t ids[4] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias};
 			bool has[4] = {true, true, sp->mm.has_r, sp->mm.has_bias};
 			if (!mm) {
-				int32_t at[4] = {sp->at.q, sp->at.k, sp->at.v, -1};
+				int32_t at[4] = {sp->at.q, sp->at.k, sp->at.v, sp->at.len};
 				memcpy(ids, at, sizeof ids);
 				has[2] = true;
-				has[3] = false;
+				has[3] = sp->at.len >= 0;
 			}
 			for (int w = 0; w < 4 && st == KL_OK; w++) {
 				if (!has[w] || p->bufs[ids[w]].role != KL_BUF_INPUT)
 					continue;
 				const kl_buf *bf = &p->bufs[ids[w]];
 				int64_t ext = mm ? kl__mm_extent(&sp->mm, w < 2 ? w : w + 1)
-				                 : kl__attn_extent(&sp->at, w);
+				                 : kl__attn_extent(&sp->at, w < 3 ? w : 4);
 				int64_t reach = reach_of(g, bf, shapes[ids[w]]);
 				if (ext > reach)
 					st = kl__plan_fail(err, cap,
 					         "step %d: %s operand %c reaches element %lld of input "
 					         "%d, which ends at %lld",
 					         (int)s, mm ? "matmul" : "attention",
-					         (mm ? "abrv" : "qkv")[w], (long long)ext,
+					         (mm ? "abrv" : "qkvl")[w], (long long)ext,
 					         (int)bf->index, (long long)reach);
 			}
 		}

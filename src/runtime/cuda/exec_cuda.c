@@ -435,6 +435,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                             (CUdeviceptr)(uintptr_t)B[at->q],
 			                             (CUdeviceptr)(uintptr_t)B[at->k],
 			                             (CUdeviceptr)(uintptr_t)B[at->v],
+			                             at->len >= 0 ? (CUdeviceptr)(uintptr_t)B[at->len]
+			                                          : 0,
 			                             (CUdeviceptr)(uintptr_t)B[at->o]);
 			continue;
 		}
