@@ -398,9 +398,11 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * graph, fullgraph replays included, when lengths is a tensor the call
  * reads: an input or one reached through user state; lengths the graph
  * computes itself are not checked, and a length above Tk then counts every
- * key). The compiled check reads the lengths to the host. Written with
- * the ops above (a product, a where, a softmax, a product), so it runs on
- * every device and in every mode; not (yet) a fused attention step. */
+ * key; a negative one none). The compiled check reads the lengths to the
+ * host. A fused attention step (the sdpa op with a lengths operand): keys
+ * past a row's length are never read (a cache may hold anything there),
+ * on CUDA the lengths are read from device memory at run time. Same batch
+ * dims for q, k and v, as kl_sdpa. */
 kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
                            bool causal, double scale);
 
