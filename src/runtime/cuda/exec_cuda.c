@@ -802,6 +802,12 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	return KL_OK;
 }
 
+long kl__cuda_rt_replays(const kl_compiled *c)
+{
+	const kl_cuda_rt *rt = c->cuda ? c->dev : NULL;
+	return rt ? (long)rt->replays : 0;
+}
+
 long kl__cuda_rt_captures(const kl_compiled *c, double *ms)
 {
 	const kl_cuda_rt *rt = c->cuda ? c->dev : NULL;
