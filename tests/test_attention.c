@@ -465,12 +465,67 @@ static int run_length_cases(kl_ctx *ctx, const kl_dtype *dts, int ndt, bool deco
 	return bad;
 }
 
+static kl_status sdpa_len_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = apply_sdpa_len(in, user);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* the batch dim dynamic (q, k, v, lengths): one variant for every batch
+ * size, the attention step binding its sizes per call, kl_explain naming
+ * the step with lengths; results as eager */
+static void sdpa_lengths_dynamic(kl_ctx *ctx)
+{
+	len_p p = {true, 0.4};
+	const uint32_t b0 = KL_DIM(0);
+	kl_fn *f = kl_compile(ctx, sdpa_len_body, &p, 4, 1,
+	                      &(kl_compile_opts){.ndynamic_dims = 4,
+	                                         .dynamic_dims = (uint32_t[]){b0, b0, b0, b0}});
+	assert_non_null(f);
+	for (int64_t r = 4; r >= 1; r--) {
+		lcase lc = {{2, r, 2, 3, 20, 8, 8, true}, {20, 0, 7, 2}, KL_I32};
+		if (r < 4)
+			lc.len[0] = 11 + r;
+		kl_tensor *in[4];
+		len_inputs(ctx, &lc, KL_F32, 5000 + (uint64_t)r, in);
+		kl_tensor *e = apply_sdpa_len(in, &p), *o = NULL;
+		assert_non_null(e);
+		assert_int_equal(kl_fn_call(f, in, &o), KL_OK);
+		double *ev = kltest_read(e), *ov = kltest_read(o);
+		char what[64];
+		snprintf(what, sizeof what, "dynamic batch %lld", (long long)r);
+		assert_true(kltest_compare(what, KL_F32, 4, kl_shape(e), ov, ev, 10));
+		free(ev);
+		free(ov);
+		kl_release(e);
+		kl_release(o);
+		for (int t = 0; t < 4; t++)
+			kl_release(in[t]);
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.compiles, 1);
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *mf = open_memstream(&buf, &len);
+	assert_non_null(mf);
+	assert_int_equal(kl_explain(f, mf), KL_OK);
+	fclose(mf);
+	if (!strstr(buf, "causal lengths"))
+		fail_msg("kl_explain does not show the attention step with lengths:\n%s", buf);
+	free(buf);
+	kl_fn_free(f);
+}
+
 static void test_sdpa_lengths_cpu(void **state)
 {
 	(void)state;
 	kl_ctx *ctx = kl_ctx_new(NULL);
 	const kl_dtype dts[2] = {KL_F32, KL_F64};
 	assert_int_equal(run_length_cases(ctx, dts, 2, true), 0);
+	sdpa_lengths_dynamic(ctx);
 	kl_ctx_free(ctx);
 }
 
@@ -1034,6 +1089,7 @@ static void test_cuda_sdpa_lengths(void **state)
 		skip();
 	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
 	assert_int_equal(run_length_cases(ctx, dts, 4, false), 0);
+	sdpa_lengths_dynamic(ctx);
 	kl_ctx_free(ctx);
 #else
 	skip();
