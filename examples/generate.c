@@ -6,7 +6,7 @@
  *
  *   generate [--steps N] [--layers N] [--d-model N] [--heads N] [--ffn N]
  *            [--vocab N] [--max-batch N] [--max-seq N] [--seed N]
- *            [--device cpu|cuda] [--check]
+ *            [--device cpu|cuda] [--check] [--json]
  *
  * The caches are [max-batch, heads, max-seq, head_dim] per layer, made once
  * (max-batch a bucket size: 1, 2, 4 or a multiple of 8 up to 256);
@@ -25,8 +25,10 @@
  *    after warm-up a step replays its bucket's plan without running
  *    decode() (the cache writes repeated by the replay; the caches are
  *    state, so prefills and row moves between steps keep the replay).
- * Printed: tokens per second, per-step decode latency, and the counters
- * after warm-up: recompiles, CUDA graph captures, padded calls, replays.
+ * Printed: tokens per second, per-step decode latency, tokens per second of
+ * each batch bucket, and the counters after warm-up: recompiles, CUDA
+ * graph captures and graph launches, padded calls, fullgraph replays;
+ * --json: the same as one JSON line at the end (for the bench).
  * --check: every finished request's tokens must equal what a full eager
  * forward over its whole sequence (no cache) picks at each position, and
  * after warm-up no recompile and no capture may happen; else exit 1.
@@ -47,7 +49,7 @@ typedef struct opts {
 	int64_t d, heads, ffn, vocab, max_batch, max_seq;
 	uint64_t seed;
 	kl_device device;
-	bool check;
+	bool check, json;
 } opts;
 
 typedef struct model {
@@ -216,8 +218,8 @@ static int parse(int argc, char **argv, opts *o)
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		long long n = v ? atoll(v) : 0;
-		if (!strcmp(a, "--check")) {
-			o->check = true;
+		if (!strcmp(a, "--check") || !strcmp(a, "--json")) {
+			*(a[2] == 'c' ? &o->check : &o->json) = true;
 			continue;
 		}
 		if (!v)
@@ -255,7 +257,7 @@ static int parse(int argc, char **argv, opts *o)
 usage:
 	fprintf(stderr, "usage: generate [--steps N] [--layers 1..16] [--d-model N] [--heads N "
 	                "dividing it] [--ffn N] [--vocab N] [--max-batch 1, 2, 4 or 8..256 by 8 (a bucket)] [--max-seq >= 48] "
-	                "[--seed N] [--device cpu|cuda] [--check]\n");
+	                "[--seed N] [--device cpu|cuda] [--check] [--json]\n");
 	return 2;
 }
 
@@ -283,8 +285,11 @@ int main(int argc, char **argv)
 			return fail(ctx, "caches");
 	}
 	kl_mode mode = o.device == KL_CUDA ? KL_MODE_REDUCE_OVERHEAD : KL_MODE_DEFAULT;
+	/* the prefill runs plain launches: it writes a different cache row
+	 * each call (a graph would be captured again whenever that moves), and
+	 * a CUDA graph per prompt length buys little on a compute-bound step */
 	kl_fn *pf = kl_compile(ctx, prefill, &m, 2, 1,
-	                       &(kl_compile_opts){.mode = mode, .ndynamic_dims = 1,
+	                       &(kl_compile_opts){.mode = KL_MODE_DEFAULT, .ndynamic_dims = 1,
 	                                          .dynamic_dims = (uint32_t[]){KL_DIM(1)}});
 	kl_fn *df = kl_compile(ctx, decode, &m, 3, 1,
 	                       &(kl_compile_opts){.mode = mode,
@@ -334,6 +339,9 @@ int main(int argc, char **argv)
 	if (!req || !slot || !lat || !tok || !pos || !len || !next)
 		return fprintf(stderr, "generate: out of memory\n"), 1;
 	long decoded = 0, prefills = 0;
+	/* per batch bucket (its size): decode steps, tokens, milliseconds */
+	long bk_steps[257] = {0}, bk_tok[257] = {0};
+	double bk_ms[257] = {0};
 	int bmin = (int)R, bmax = 0;
 	double prefill_ms = 0, decode_ms = 0;
 	kl_fn_stats p0;
@@ -406,6 +414,10 @@ int main(int argc, char **argv)
 		lat[step] = now_ms() - a;
 		decode_ms += lat[step];
 		decoded += b;
+		int bk = b <= 1 ? 1 : b <= 2 ? 2 : b <= 4 ? 4 : (b + 7) / 8 * 8;
+		bk_steps[bk]++;
+		bk_tok[bk] += b;
+		bk_ms[bk] += lat[step];
 		/* tokens in; finished requests leave, the last row moving into theirs */
 		for (int i = 0; i < b; i++) {
 			request *r = &req[slot[i]];
@@ -458,10 +470,39 @@ int main(int argc, char **argv)
 	long recompiles = (long)(d1.compiles - w0.compiles) + (p1.compiles > 1 ? p1.compiles - 1 : 0);
 	long recaptures = (d1.graph_captures - w0.graph_captures) +
 	                  (p1.graph_captures > 1 ? p1.graph_captures - 1 : 0);
-	printf("after warm-up: %ld recompiles, %ld CUDA graph re-captures, %ld of %ld decode calls "
-	       "padded to a bucket, %ld replayed without tracing (fullgraph)\n",
-	       recompiles, recaptures, d1.padded_calls - w0.padded_calls, (long)o.steps,
+	long launches = d1.graph_replays - w0.graph_replays;
+	printf("after warm-up: %ld recompiles, %ld CUDA graph re-captures, %ld decode graph "
+	       "launches, %ld of %ld decode calls padded to a bucket, %ld replayed without "
+	       "tracing (fullgraph)\n",
+	       recompiles, recaptures, launches, d1.padded_calls - w0.padded_calls, (long)o.steps,
 	       d1.replays - w0.replays);
+	printf("per bucket (batch: steps, tokens/s, ms a step):");
+	for (int k = 1; k <= 256; k++)
+		if (bk_steps[k])
+			printf(" %d: %ld, %.0f, %.3f;", k, bk_steps[k], bk_tok[k] / (bk_ms[k] / 1e3),
+			       bk_ms[k] / (double)bk_steps[k]);
+	printf("\n");
+	if (o.json) {
+		printf("{\"example\": \"generate\", \"device\": \"%s\", \"layers\": %d, \"d_model\": "
+		       "%lld, \"heads\": %lld, \"steps\": %d, \"tokens\": %ld, \"decode_ms\": %.3f, "
+		       "\"tokens_per_s\": %.1f, \"p50_ms\": %.4f, \"p90_ms\": %.4f, \"max_ms\": %.4f, "
+		       "\"recompiles\": %ld, \"recaptures\": %ld, \"graph_launches\": %ld, "
+		       "\"padded_calls\": %ld, \"fullgraph_replays\": %ld, \"buckets\": [",
+		       o.device == KL_CUDA ? "cuda" : "cpu", o.layers, (long long)o.d, (long long)H,
+		       o.steps, decoded, decode_ms, decoded / (decode_ms / 1e3), lat[o.steps / 2],
+		       lat[o.steps * 9 / 10], lat[o.steps - 1], recompiles, recaptures, launches,
+		       d1.padded_calls - w0.padded_calls, d1.replays - w0.replays);
+		const char *sep = "";
+		for (int k = 1; k <= 256; k++)
+			if (bk_steps[k]) {
+				printf("%s{\"batch\": %d, \"steps\": %ld, \"tokens_per_s\": %.1f, "
+				       "\"ms_per_step\": %.4f}",
+				       sep, k, bk_steps[k], bk_tok[k] / (bk_ms[k] / 1e3),
+				       bk_ms[k] / (double)bk_steps[k]);
+				sep = ", ";
+			}
+		printf("]}\n");
+	}
 	rc = 0;
 	if (o.check && (bad || recompiles || recaptures || done == 0)) {
 		fprintf(stderr, "generate: --check failed: %d tokens differ, %ld recompiles, %ld "

@@ -398,9 +398,11 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
  * graph, fullgraph replays included, when lengths is a tensor the call
  * reads: an input or one reached through user state; lengths the graph
  * computes itself are not checked, and a length above Tk then counts every
- * key). The compiled check reads the lengths to the host. Written with
- * the ops above (a product, a where, a softmax, a product), so it runs on
- * every device and in every mode; not (yet) a fused attention step. */
+ * key; a negative one none). The compiled check reads the lengths to the
+ * host. A fused attention step (the sdpa op with a lengths operand): keys
+ * past a row's length are never read (a cache may hold anything there),
+ * on CUDA the lengths are read from device memory at run time. Same batch
+ * dims for q, k and v, as kl_sdpa. */
 kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
                            bool causal, double scale);
 
@@ -577,8 +579,10 @@ typedef struct kl_compile_opts {
  * padded up to the nearest bucket B >= b (zeros appended to each input's
  * batch dim), run at B, and each output's batch dim is cut back to b (a
  * view of the first b rows), so results equal the unpadded call's. Only
- * the bucket sizes reach the compiled plans: one plan size (and on CUDA one
- * captured graph, once dynamic plans are captured per size) per bucket.
+ * the bucket sizes reach the compiled plans: one plan size (and on CUDA,
+ * reduce-overhead, one captured graph: warmed up on a bucket's first call,
+ * captured on its second, at most KILN_CUDA_GRAPHS_MAX = 32 kept per
+ * variant, least recently used given up first) per bucket.
  * bucket_in_dims[i] names input i's batch dim (-1: not batched); every
  * batched input must have the same batch b in a call (else KL_EINVAL), and
  * its batch dim is made dynamic. bucket_out_dims[k] names output k's
@@ -628,6 +632,8 @@ typedef struct kl_fn_stats {
 	long graph_captures; /* CUDA graphs captured (reduce-overhead; each variant's
 	                      * first, and re-captures when an address moved) */
 	double capture_ms;   /* the time those captures took */
+	long graph_replays;  /* CUDA graph launches (each call that ran a captured
+	                      * graph, the capturing call included) */
 	/* a forward recorded for a kl_backward after the call: the min-cut
 	 * partitions of its joint graph computed (one per graph structure) and
 	 * the calls that reused a remembered one instead */

@@ -357,6 +357,178 @@ static void test_sdpa_compiled_cpu(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* ---- lengths (kl_sdpa_lengths) ------------------------------------------------------ */
+
+typedef struct lcase {
+	acase c;            /* b0 = R, the lengths' count (1 to 4) */
+	int64_t len[4];
+	kl_dtype ldt;
+} lcase;
+
+/* a length 0 (no key: 0), Tk, partial ones; causal rows before the length
+ * that see no key (len < Tq); a size-1 first dim and a size-1 inner one;
+ * the key blocks of the CPU kernel (128) and the query blocks (64) crossed */
+static const lcase LCASES[] = {
+        {{2, 4, 2, 1, 150, 16, 16, false}, {0, 150, 77, 1}, KL_I32},
+        {{2, 4, 2, 70, 150, 16, 8, true}, {0, 150, 70, 20}, KL_I64},
+        {{1, 4, 0, 5, 9, 8, 8, true}, {9, 3, 0, 5}, KL_I64},
+        {{2, 4, 1, 3, 40, 8, 8, false}, {40, 0, 13, 39}, KL_I32},
+        {{2, 1, 3, 2, 30, 8, 8, true}, {17}, KL_I32},
+};
+
+typedef struct len_p {
+	bool causal;
+	double scale;
+} len_p;
+
+static kl_tensor *apply_sdpa_len(kl_tensor *const *in, const void *param)
+{
+	const len_p *p = param;
+	return kl_sdpa_lengths(in[0], in[1], in[2], in[3], p->causal, p->scale);
+}
+
+static int b_sdpa_len(kl_ctx *ctx, kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)ctx;
+	out[0] = apply_sdpa_len(in, p);
+	return 1;
+}
+
+/* q, k, v and lengths of case lc on ctx's device: k and v NaN past each
+ * row's length (the fused kernels must not read them, the decomposition
+ * zeroes them) */
+static void len_inputs(kl_ctx *ctx, const lcase *lc, kl_dtype dt, uint64_t seed, kl_tensor **in)
+{
+	int64_t sh[3][KL_MAX_DIMS];
+	int nd;
+	shapes(&lc->c, sh, &nd);
+	for (int t = 0; t < 3; t++) {
+		kl_tensor *r = kltest_rand(ctx, KL_F64, nd, sh[t], KLTEST_NORMAL, KLTEST_CONTIG,
+		                           seed + (uint64_t)t);
+		double *v = kltest_read(r);
+		assert_non_null(v);
+		kl_release(r);
+		int64_t tk = lc->c.tk, w = sh[t][nd - 1], per = 1;
+		for (int d = 1; d < nd - 2; d++)
+			per *= sh[t][d];
+		for (int64_t b = 0; t > 0 && b < lc->c.b0 * per; b++)
+			for (int64_t j = lc->len[b / per] > 0 ? lc->len[b / per] : 0; j < tk; j++)
+				for (int64_t c = 0; c < w; c++)
+					v[(b * tk + j) * w + c] = NAN;
+		in[t] = kltest_from_values(ctx, dt, nd, sh[t], v, KLTEST_CONTIG);
+		assert_non_null(in[t]);
+		free(v);
+	}
+	double lv[4];
+	for (int i = 0; i < lc->c.b0; i++)
+		lv[i] = (double)lc->len[i];
+	in[3] = kltest_from_values(ctx, lc->ldt, 1, &lc->c.b0, lv, KLTEST_CONTIG);
+	assert_non_null(in[3]);
+}
+
+/* kl_sdpa_lengths eagerly, compiled as one attention step, and (CPU)
+ * decomposed for a target without the step: each against the float64
+ * reference; the number of cases that failed */
+static int run_length_cases(kl_ctx *ctx, const kl_dtype *dts, int ndt, bool decomposed)
+{
+	int bad = 0;
+	for (size_t ci = 0; ci < sizeof LCASES / sizeof LCASES[0]; ci++)
+		for (int di = 0; di < ndt; di++) {
+			const lcase *lc = &LCASES[ci];
+			kl_tensor *in[4];
+			len_inputs(ctx, lc, dts[di], 3000 + ci * 10, in);
+			len_p p = {lc->c.causal, 0.4};
+			char what[96];
+			snprintf(what, sizeof what, "sdpa_lengths case %zu %s", ci,
+			         kl_dtype_name(dts[di]));
+			if (!kltest_check_op(ctx, what, apply_sdpa_len, 4, in, &p, factor_of(dts[di])))
+				bad++;
+			kl_trace *tr = trace(ctx, b_sdpa_len, in, &p);
+			kl_compiled *cc = NULL;
+			run_compiled(ctx, tr, NULL, factor_of(dts[di]), &cc);
+			assert_int_equal(count_kind(&cc->prog, KL_STEP_ATTENTION), 1);
+			kl__compiled_free(cc);
+			if (decomposed) {
+				kl_lower_opts o = {.target = KL_TARGET_C, .fusion = true,
+				                   .no_attention = true};
+				kl_program P;
+				char err[256];
+				assert_int_equal(kl__lower(&tr->g, &o, &P, err, sizeof err), KL_OK);
+				assert_int_equal(count_kind(&P, KL_STEP_ATTENTION), 0);
+				run_compiled(ctx, tr, &P, 4 * factor_of(dts[di]), NULL);
+				kl__program_free(&P);
+			}
+			kl__trace_free(tr);
+			for (int t = 0; t < 4; t++)
+				kl_release(in[t]);
+		}
+	return bad;
+}
+
+static kl_status sdpa_len_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	(void)nin, (void)nout;
+	out[0] = apply_sdpa_len(in, user);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+/* the batch dim dynamic (q, k, v, lengths): one variant for every batch
+ * size, the attention step binding its sizes per call, kl_explain naming
+ * the step with lengths; results as eager */
+static void sdpa_lengths_dynamic(kl_ctx *ctx)
+{
+	len_p p = {true, 0.4};
+	const uint32_t b0 = KL_DIM(0);
+	kl_fn *f = kl_compile(ctx, sdpa_len_body, &p, 4, 1,
+	                      &(kl_compile_opts){.ndynamic_dims = 4,
+	                                         .dynamic_dims = (uint32_t[]){b0, b0, b0, b0}});
+	assert_non_null(f);
+	for (int64_t r = 4; r >= 1; r--) {
+		lcase lc = {{2, r, 2, 3, 20, 8, 8, true}, {20, 0, 7, 2}, KL_I32};
+		if (r < 4)
+			lc.len[0] = 11 + r;
+		kl_tensor *in[4];
+		len_inputs(ctx, &lc, KL_F32, 5000 + (uint64_t)r, in);
+		kl_tensor *e = apply_sdpa_len(in, &p), *o = NULL;
+		assert_non_null(e);
+		assert_int_equal(kl_fn_call(f, in, &o), KL_OK);
+		double *ev = kltest_read(e), *ov = kltest_read(o);
+		char what[64];
+		snprintf(what, sizeof what, "dynamic batch %lld", (long long)r);
+		assert_true(kltest_compare(what, KL_F32, 4, kl_shape(e), ov, ev, 10));
+		free(ev);
+		free(ov);
+		kl_release(e);
+		kl_release(o);
+		for (int t = 0; t < 4; t++)
+			kl_release(in[t]);
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.compiles, 1);
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *mf = open_memstream(&buf, &len);
+	assert_non_null(mf);
+	assert_int_equal(kl_explain(f, mf), KL_OK);
+	fclose(mf);
+	if (!strstr(buf, "causal lengths"))
+		fail_msg("kl_explain does not show the attention step with lengths:\n%s", buf);
+	free(buf);
+	kl_fn_free(f);
+}
+
+static void test_sdpa_lengths_cpu(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	const kl_dtype dts[2] = {KL_F32, KL_F64};
+	assert_int_equal(run_length_cases(ctx, dts, 2, true), 0);
+	sdpa_lengths_dynamic(ctx);
+	kl_ctx_free(ctx);
+}
+
 /* ---- attention written by hand ----------------------------------------------------- */
 
 enum { M_NONE, M_WHERE, M_ADD, M_WHERE_RETURN_SCORES, M_NOT_CAUSAL, M_WHERE_INPUT };
@@ -905,6 +1077,25 @@ static int module_entries(const char *dir, bool corrupt)
 }
 #endif
 
+/* kl_sdpa_lengths on the GPU (kl_attn_rows and the split-key combine read
+ * the lengths from device memory): eager and compiled against the
+ * reference, every float dtype, NaN keys and values past the lengths */
+static void test_cuda_sdpa_lengths(void **state)
+{
+	(void)state;
+#ifdef KILN_HAVE_CUDA
+	kl_ctx *ctx = gpu_ctx();
+	if (!ctx)
+		skip();
+	const kl_dtype dts[4] = {KL_BF16, KL_F16, KL_F32, KL_F64};
+	assert_int_equal(run_length_cases(ctx, dts, 4, false), 0);
+	sdpa_lengths_dynamic(ctx);
+	kl_ctx_free(ctx);
+#else
+	skip();
+#endif
+}
+
 /* the attention modules go through the disk cache: a second context (a warm
  * process) loads them instead of compiling; a corrupt entry is rebuilt and
  * the results stay right */
@@ -1008,6 +1199,7 @@ int main(void)
 	        cmocka_unit_test(test_sdpa_eager_cpu),     cmocka_unit_test(test_sdpa_errors),
 	        cmocka_unit_test(test_sdpa_default_scale),
 	        cmocka_unit_test(test_sdpa_compiled_cpu),  cmocka_unit_test(test_pattern_fused),
+	        cmocka_unit_test(test_sdpa_lengths_cpu),   cmocka_unit_test(test_cuda_sdpa_lengths),
 	        cmocka_unit_test(test_pattern_refused),    cmocka_unit_test(test_program_io),
 	        cmocka_unit_test(test_cuda_kernels_compile), cmocka_unit_test(test_cuda_sdpa),
 	        cmocka_unit_test(test_cuda_attention_cache), cmocka_unit_test(test_cuda_sdpa_bench),

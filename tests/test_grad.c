@@ -156,6 +156,10 @@ F(f_sdpa_heads, kl_sdpa(IN0, kl_expand(IN1, 4, (const int64_t[]){2, 3, 5, 4}),
 /* the same with v's head dim q's: the fused backward (sdpa_bwd) */
 F(f_sdpa_heads_d, kl_sdpa(IN0, kl_expand(IN1, 4, (const int64_t[]){2, 3, 5, 4}),
                           kl_expand(IN2, 4, (const int64_t[]){2, 3, 5, 4}), true, 0.3))
+/* lengths {4, 1} causal (batch 1's first two queries see no key: 0) and
+ * {5, 0} (batch 1 sees none) */
+F(f_sdpa_len_causal, kl_sdpa_lengths(IN0, IN1, IN2, kl_arange(ctx, KL_I64, 4, -2, -3), true, 0.5))
+F(f_sdpa_len, kl_sdpa_lengths(IN0, IN1, IN2, kl_arange(ctx, KL_I32, 5, -1, -5), false, 0))
 F(f_gather, kl_gather(IN0, idx6()))
 F(f_embedding, kl_embedding(idx_view(), IN0))
 F(f_index_add, kl_index_add(IN0, idx6(), IN1))
@@ -273,6 +277,10 @@ static const gcase cases[] = {
 	{"index_add", KL_OP_INDEX_ADD, f_index_add, 2, {S2(5, 3), S2(6, 3)}, {N, N}, ST, false, true},
 	{"logsumexp", KL_OP_EXP, f_logsumexp, 1, {S3(2, 4, 3)}, {N}, PM, false, true},
 	{"logsumexp_all", KL_OP_EXP, f_logsumexp_all, 1, {S2(3, 4)}, {N}, CG, false, false},
+	{"sdpa_lengths_causal", KL_OP_ATTENTION, f_sdpa_len_causal, 3,
+	 {S3(2, 3, 4), S3(2, 5, 4), S3(2, 5, 2)}, {N, N, N}, CG, false, true},
+	{"sdpa_lengths", KL_OP_ATTENTION, f_sdpa_len, 3, {S3(2, 2, 4), S3(2, 5, 4), S3(2, 5, 3)},
+	 {N, N, N}, PM, false, false},
 	/* (rows are seeded by their index: new rows go last) */
 	/* Dv == D: sdpa_bwd, the fused backward (key blocks of 64: 67 and 70
 	 * rows cross one) */

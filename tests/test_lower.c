@@ -282,7 +282,8 @@ static void run_program(kl_program *P, void *so, const char *prefix, const kl_tr
 		if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *at = &sp->at;
 			assert_true(kl__cpu_attention(at, P->bufs[at->o].dtype, B[at->q], B[at->k],
-			                              B[at->v], B[at->o]));
+			                              B[at->v], at->len >= 0 ? B[at->len] : NULL,
+			                              B[at->o]));
 			continue;
 		}
 		char name[64];

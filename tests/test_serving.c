@@ -19,6 +19,10 @@
 #include <cmocka.h>
 
 #include "kltest.h"
+#include "runtime/runtime_int.h"
+#ifdef KILN_HAVE_CUDA
+#include "runtime/cuda/exec_cuda.h"
+#endif
 
 static kl_ctx *ctx;
 
@@ -891,6 +895,126 @@ static void test_bucket_recompile_limit(void **state)
 	kl_release(r.c);
 }
 
+/* which graph serves a call of a plan with dynamic dims (graph_slots.c):
+ * its own sizes' slot, a new one below the limit, else the least recently
+ * used one */
+static void test_graph_slots_pick(void **state)
+{
+	(void)state;
+	enum { MAX = 3 };
+	int64_t keys[MAX * KL_GSLOT_KEY] = {0};
+	uint64_t used[MAX] = {0}, tick = 0;
+	int n = 0;
+	kl_gslot_pick_how how;
+	/* sizes (b, t): three new, a hit, then a fourth evicts the oldest use */
+	const int64_t calls[][2] = {{1, 5}, {2, 5}, {4, 5}, {1, 5}, {8, 5}, {1, 5}, {2, 5}};
+	const int want_slot[] = {0, 1, 2, 0, 1, 0, 2};
+	const kl_gslot_pick_how want_how[] = {KL_GSLOT_NEW, KL_GSLOT_NEW, KL_GSLOT_NEW,
+	                                      KL_GSLOT_HIT, KL_GSLOT_EVICT, KL_GSLOT_HIT,
+	                                      KL_GSLOT_EVICT};
+	for (int c = 0; c < 7; c++) {
+		int i = kl__gslot_pick(keys, used, n, MAX, 2, calls[c], &how);
+		if (i != want_slot[c] || how != want_how[c])
+			fail_msg("call %d (%lld, %lld): slot %d how %d, want slot %d how %d", c,
+			         (long long)calls[c][0], (long long)calls[c][1], i, (int)how,
+			         want_slot[c], (int)want_how[c]);
+		if (how == KL_GSLOT_NEW)
+			n++;
+		memcpy(keys + (size_t)i * KL_GSLOT_KEY, calls[c], sizeof calls[c]);
+		used[i] = ++tick;
+	}
+	/* the second symbol alone differs: a different slot */
+	int i = kl__gslot_pick(keys, used, n, MAX, 2, (const int64_t[]){1, 6}, &how);
+	assert_int_equal(how, KL_GSLOT_EVICT);
+	assert_int_not_equal(i, 0);
+	setenv("KILN_CUDA_GRAPHS_MAX", "5", 1);
+	assert_int_equal(kl__gslot_limit(), 5);
+	setenv("KILN_CUDA_GRAPHS_MAX", "0", 1);
+	assert_int_equal(kl__gslot_limit(), KL_GSLOT_DEFAULT);
+	unsetenv("KILN_CUDA_GRAPHS_MAX");
+}
+
+/* reduce-overhead with shape buckets: the plan's batch dim is dynamic, and
+ * on CUDA each bucket gets its own graph (warm-up, capture, then replays;
+ * kl_fn_stats.graph_captures), every result equal to the eager unpadded
+ * call; with KILN_CUDA_GRAPHS_MAX=2 the least recently used bucket's graph
+ * is given up and captured again when its bucket returns. On the CPU the
+ * same calls run as the default mode (no graphs). */
+static void test_bucket_graphs(void **state)
+{
+	(void)state;
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	kl_scope_begin(ctx);
+	mlp m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 5),
+	         kltest_rand(ctx, KL_F32, 1, (int64_t[]){5}, KLTEST_NORMAL, KLTEST_CONTIG, 6)};
+	for (int limited = 0; limited < 2; limited++) {
+		if (limited)
+			setenv("KILN_CUDA_GRAPHS_MAX", "2", 1);
+		kl_fn *f = kl_compile(ctx, mlp_body, &m, 2, 3,
+		                      &(kl_compile_opts){.mode = KL_MODE_REDUCE_OVERHEAD,
+		                                         .nbuckets = 4,
+		                                         .buckets = (int64_t[]){1, 2, 4, 8},
+		                                         .bucket_in_dims = (int[]){0, 1},
+		                                         .bucket_out_dims = (int[]){0, 0, -1}});
+		assert_non_null(f);
+		/* buckets 8, 4, 2, 1 each called 3 times, then 8 and 4 again */
+		const int64_t bs[] = {8, 7, 8, 3, 4, 4, 2, 2, 2, 1, 1, 1, 8, 5, 4};
+		long replays0 = 0;
+#ifdef KILN_HAVE_CUDA
+		kl_cuda_counters cc;
+		kl__cuda_counters(&cc);
+		replays0 = cc.replays;
+#endif
+		for (size_t c = 0; c < sizeof bs / sizeof bs[0]; c++) {
+			int64_t b = bs[c];
+			kl_tensor *in[2] = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){b, 6},
+			                                KLTEST_NORMAL, KLTEST_CONTIG, 40 + c),
+			                    kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, b},
+			                                KLTEST_NORMAL, KLTEST_CONTIG, 60 + c)};
+			kl_tensor *want[3], *got[3];
+			assert_int_equal(mlp_body(ctx, in, 2, want, 3, &m), KL_OK);
+			if (kl_fn_call(f, in, got) != KL_OK)
+				fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+			for (int j = 0; j < 3; j++) {
+				double *w = kltest_read(want[j]);
+				char what[80];
+				snprintf(what, sizeof what, "call %zu, output %d at batch %lld%s", c, j,
+				         (long long)b, limited ? " (2 graphs kept)" : "");
+				assert_int_equal(kl_numel(got[j]), kl_numel(want[j]));
+				assert_true(same_values(got[j], w, kl_numel(want[j]), what));
+				free(w);
+				kl_release(got[j]);
+			}
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		/* one warm-up a bucket's graph, then a capture (its second call;
+		 * a re-capture when a buffer a library call holds moved, at most
+		 * one a buffer); kept 2: 8 comes back after 2 and 1 took the
+		 * places (warm-up, capture), then 4 (warm-up). Every call but a
+		 * warm-up launches its graph (the capturing call too). KILN_LOGS=
+		 * cudagraphs says what happened. */
+		long want = !cuda ? 0 : limited ? 5 : 4, warm = limited ? 6 : 4;
+		if (fs.graph_captures < want || fs.graph_captures > 2 * want)
+			fail_msg("%s%s: %ld graph captures, want %ld", cuda ? "cuda" : "cpu",
+			         limited ? " (2 graphs kept)" : "", fs.graph_captures, want);
+#ifdef KILN_HAVE_CUDA
+		kl__cuda_counters(&cc);
+		long nc = (long)(sizeof bs / sizeof bs[0]);
+		if (cuda && cc.replays - replays0 != nc - warm)
+			fail_msg("cuda%s: %ld graph launches in %ld calls, want %ld",
+			         limited ? " (2 graphs kept)" : "", cc.replays - replays0, nc,
+			         nc - warm);
+#else
+		(void)replays0, (void)warm;
+#endif
+		kl_fn_free(f);
+	}
+	unsetenv("KILN_CUDA_GRAPHS_MAX");
+	kl_scope_end(ctx);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -908,6 +1032,8 @@ int main(void)
 	        cmocka_unit_test(test_one_row_fold),
 	        cmocka_unit_test(test_bucket_padding),
 	        cmocka_unit_test(test_bucket_recompile_limit),
+	        cmocka_unit_test(test_graph_slots_pick),
+	        cmocka_unit_test(test_bucket_graphs),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);

@@ -1343,94 +1343,26 @@ kl_tensor *kl_rms_norm(kl_tensor *x, kl_tensor *weight, double eps)
 	return norm(KL_OP_RMS_NORM, x, weight, NULL, eps);
 }
 
-/* kl_sdpa over caches with a valid length per batch row, written with the
- * ops below it (a product, a where, a softmax, a product): key j of row b
- * counts iff j < lengths[b] (and j <= i + lengths[b] - Tq when causal); a
- * row with no valid key gives zeros. */
-kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
-                           bool causal, double scale)
+/* One ATTENTION node (graph/ops.def) for kl_sdpa and kl_sdpa_lengths: q, k
+ * and v cast to their promoted float dtype, lengths (NULL: none) as given. */
+static kl_tensor *sdpa(const char *name, kl_tensor *q, kl_tensor *k, kl_tensor *v,
+                       kl_tensor *lengths, bool causal, double scale)
 {
-	KL_API("kl_sdpa_lengths");
 	kl_tensor *in[4] = {q, k, v, lengths};
-	kl_ctx *ctx = ctx_of("sdpa_lengths", 4, in);
-	if (!ctx)
-		return NULL;
-	char b0[SB], b1[SB];
-	int nd = q->ndim;
-	if (lengths->dtype != KL_I32 && lengths->dtype != KL_I64) {
-		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: lengths have dtype %s, need i32 or i64",
-		        kl_dtype_name(lengths->dtype));
-		return NULL;
-	}
-	if (nd < 3 || k->ndim != nd || lengths->ndim != 1 || lengths->shape[0] != q->shape[0]) {
-		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: q %s and lengths %s: q needs a batch dim "
-		        "first and one length per batch row", shp(b0, q), shp(b1, lengths));
-		return NULL;
-	}
-	if (!isfinite(scale)) {
-		kl__err(ctx, KL_EINVAL, "kl_sdpa_lengths: scale %g must be finite (0 asks for "
-		        "1/sqrt(head_dim))", scale);
-		return NULL;
-	}
-	int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2], rows = q->shape[0];
-	if (scale == 0)
-		scale = 1.0 / sqrt((double)q->shape[nd - 1]);
-	/* the lengths must fit the keys: checked now eagerly, and in a compiled
-	 * function before each run of the graph (replays too) when they are a
-	 * tensor the graph reads; lengths the graph computes are not checked */
-	if (lengths->st && rows > 0) {
-		kl_status st = ctx->trace ? kl__trace_check(ctx, lengths, tk, nd - 2,
-		                                            "kl_sdpa_lengths", "lengths")
-		                          : kl__check_values(ctx, lengths, tk, nd - 2,
-		                                             "kl_sdpa_lengths", "lengths");
-		if (st != KL_OK)
-			return NULL;
-	}
-	int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS];
-	for (int d = 0; d < nd; d++)
-		ksh[d] = lsh[d] = qsh[d] = 1;
-	ksh[nd - 1] = tk;
-	lsh[0] = rows;
-	qsh[nd - 2] = tq;
-	kl_scope_begin(ctx);
-	kl_tensor *key = kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tk, 1), nd, ksh);
-	kl_tensor *len = kl_reshape(kl_cast(lengths, KL_I64), nd, lsh);
-	/* causal: j <= i + len - tq, i.e. j + tq - i < len + 1 */
-	kl_tensor *lhs = key;
-	if (causal)
-		lhs = kl_sub(kl_add_scalar(key, (double)tq),
-		             kl_reshape(kl_arange(ctx, KL_I64, 0, (double)tq, 1), nd, qsh));
-	kl_tensor *valid = kl_lt(lhs, causal ? kl_add_scalar(len, 1) : len);
-	kl_tensor *s = kl_mul_scalar(kl_matmul(q, kl_transpose(k, nd - 2, nd - 1)), scale);
-	kl_tensor *masked = s ? kl_where(valid, s, kl_full(ctx, s->dtype, 0, NULL, -INFINITY))
-	                      : NULL;
-	kl_tensor *pr = kl_softmax(masked, -1);
-	kl_tensor *p = kl_retain(pr ? kl_where(valid, pr, kl_full(ctx, pr->dtype, 0, NULL, 0))
-	                            : NULL);
-	kl_scope_end(ctx);
-	kl_tensor *r = p ? kl_matmul(p, v) : NULL;
-	kl_release(p);
-	return r;
-}
-
-kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
-{
-	KL_API("kl_sdpa");
-	kl_tensor *in[3] = {q, k, v};
-	kl_ctx *ctx = ctx_of("sdpa", 3, in);
+	kl_ctx *ctx = ctx_of(name + 3, lengths ? 4 : 3, in);
 	if (!ctx)
 		return NULL;
 	char b0[SB], b1[SB], b2[SB];
 	kl_dtype dt = kl_promote_types(kl_promote_types(q->dtype, k->dtype), v->dtype);
 	if (!kl_dtype_is_float(dt)) {
-		not_float(ctx, "sdpa", dt);
+		not_float(ctx, name + 3, dt);
 		return NULL;
 	}
 	if (!isfinite(scale)) {
 		kl__err(ctx, KL_EINVAL,
-		        "kl_sdpa: scale %g must be finite (KL_SDPA_DEFAULT_SCALE, 0, asks for "
+		        "%s: scale %g must be finite (KL_SDPA_DEFAULT_SCALE, 0, asks for "
 		        "1/sqrt(head_dim))",
-		        scale);
+		        name, scale);
 		return NULL;
 	}
 	int nd = q->ndim;
@@ -1439,19 +1371,46 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
 		ok = k->shape[d] == q->shape[d] && v->shape[d] == q->shape[d];
 	if (!ok) {
 		kl__err(ctx, KL_EINVAL,
-		        "kl_sdpa: q %s, k %s and v %s need the same rank (>= 2) and batch dims",
+		        "%s: q %s, k %s and v %s need the same rank (>= 2) and batch dims", name,
 		        shp(b0, q), shp(b1, k), shp(b2, v));
 		return NULL;
 	}
 	if (k->shape[nd - 1] != q->shape[nd - 1] || v->shape[nd - 2] != k->shape[nd - 2]) {
 		kl__err(ctx, KL_EINVAL,
-		        "kl_sdpa: q %s, k %s and v %s do not match (q and k share the head dim "
+		        "%s: q %s, k %s and v %s do not match (q and k share the head dim "
 		        "%lld, k and v the key count %lld)",
-		        shp(b0, q), shp(b1, k), shp(b2, v), (long long)q->shape[nd - 1],
+		        name, shp(b0, q), shp(b1, k), shp(b2, v), (long long)q->shape[nd - 1],
 		        (long long)k->shape[nd - 2]);
 		return NULL;
 	}
-	kl_tensor *args[3] = {q, k, v};
+	if (lengths) {
+		if (lengths->dtype != KL_I32 && lengths->dtype != KL_I64) {
+			kl__err(ctx, KL_EINVAL, "%s: lengths have dtype %s, need i32 or i64", name,
+			        kl_dtype_name(lengths->dtype));
+			return NULL;
+		}
+		if (nd < 3 || lengths->ndim != 1 || lengths->shape[0] != q->shape[0]) {
+			kl__err(ctx, KL_EINVAL,
+			        "%s: q %s and lengths %s: q needs a batch dim first and one "
+			        "length per batch row",
+			        name, shp(b0, q), shp(b1, lengths));
+			return NULL;
+		}
+		/* the lengths must fit the keys: checked now eagerly, and in a
+		 * compiled function before each run of the graph (replays too)
+		 * when they are a tensor the graph reads; lengths the graph
+		 * computes are not checked (the kernels clamp them to [0, Tk]) */
+		int64_t tk = k->shape[nd - 2];
+		if (lengths->st && q->shape[0] > 0) {
+			kl_status st = ctx->trace ? kl__trace_check(ctx, lengths, tk, nd - 2, name,
+			                                            "lengths")
+			                          : kl__check_values(ctx, lengths, tk, nd - 2, name,
+			                                             "lengths");
+			if (st != KL_OK)
+				return NULL;
+		}
+	}
+	kl_tensor *args[4] = {q, k, v, lengths};
 	bool owned[3] = {false, false, false};
 	kl_tensor *r = NULL;
 	for (int i = 0; i < 3; i++)
@@ -1465,16 +1424,34 @@ kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double
 	memcpy(shape, q->shape, sizeof(int64_t) * (size_t)nd);
 	shape[nd - 1] = v->shape[nd - 1];
 	kl_node n;
-	node_init(&n, KL_OP_ATTENTION, dt, nd, shape, 3);
+	node_init(&n, KL_OP_ATTENTION, dt, nd, shape, lengths ? 4 : 3);
 	/* torch's scale=None: the node always holds the scale it applies */
 	if (scale == KL_SDPA_DEFAULT_SCALE)
 		scale = q->shape[nd - 1] > 0 ? 1.0 / sqrt((double)q->shape[nd - 1]) : 1.0;
 	n.a.s[0] = scale;
-	n.a.flags = causal ? KL_F_CAUSAL : 0;
+	n.a.flags = (causal ? KL_F_CAUSAL : 0) | (lengths ? KL_F_LENGTHS : 0);
 	r = kl__dispatch(ctx, &n, args);
 done:
 	for (int i = 0; i < 3; i++)
 		if (owned[i])
 			kl__tensor_discard(args[i]);
 	return r;
+}
+
+kl_tensor *kl_sdpa_lengths(kl_tensor *q, kl_tensor *k, kl_tensor *v, kl_tensor *lengths,
+                           bool causal, double scale)
+{
+	KL_API("kl_sdpa_lengths");
+	if (!lengths) { /* "input 3 is NULL" */
+		kl_tensor *in[4] = {q, k, v, lengths};
+		(void)ctx_of("sdpa_lengths", 4, in);
+		return NULL;
+	}
+	return sdpa("kl_sdpa_lengths", q, k, v, lengths, causal, scale);
+}
+
+kl_tensor *kl_sdpa(kl_tensor *q, kl_tensor *k, kl_tensor *v, bool causal, double scale)
+{
+	KL_API("kl_sdpa");
+	return sdpa("kl_sdpa", q, k, v, NULL, causal, scale);
 }

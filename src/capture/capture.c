@@ -226,6 +226,7 @@ kl_status kl_fn_get_stats(const kl_fn *f, kl_fn_stats *out)
 	for (int i = 0; i < f->nentries; i++) {
 		double ms;
 		out->graph_captures += kl__cuda_rt_captures(f->entries[i]->c, &ms);
+		out->graph_replays += kl__cuda_rt_replays(f->entries[i]->c);
 		out->capture_ms += ms;
 	}
 	return KL_OK;

@@ -467,6 +467,8 @@ int32_t kl__gb_node(kl_graph *g, const kl_node *proto)
 	if (!proto || proto->op >= KL_NOPS || proto->nin > KL_NODE_MAX_IN)
 		return -1;
 	int ar = kl__ops[proto->op].arity;
+	if (proto->op == KL_OP_ATTENTION) /* flags say whether lengths follow */
+		ar = 3 + !!(proto->a.flags & KL_F_LENGTHS);
 	if (ar >= 0 && proto->op != KL_OP_LAYER_NORM && proto->op != KL_OP_RMS_NORM &&
 	    proto->nin != ar)
 		return -1;

@@ -163,14 +163,50 @@ kl_status kl__vjp_norm(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
  * dk = s * dS^T q. Masked keys have P = 0, so dS is 0 there; a query with no
  * allowed key is NaN in the forward and in its gradients. The rule's
  * fallback where the fused op does not apply, and lowering's expansion of
- * that op where the target has no step for it (kl__sdpa_bwd_primitives). */
+ * that op where the target has no step for it (kl__sdpa_bwd_primitives).
+ * lens: the per-batch key lengths (kl_sdpa_lengths) or -1. */
 static void sdpa_bwd_prims(kl_graph *g, double s, bool causal, int nd, kl_dtype C,
-                           const int32_t *in, int32_t *gin)
+                           const int32_t *in, int32_t lens, int32_t *gin)
 {
 	int32_t q = as_dt(g, in[0], C), k = as_dt(g, in[1], C), v = as_dt(g, in[2], C);
 	int32_t o = as_dt(g, in[3], C), dout = as_dt(g, in[4], C);
 	int32_t sc = scal(g, KL_OP_MUL, kl__gb_matmul(g, q, transpose_last(g, k)), s);
-	if (sc >= 0 && causal) {
+	int32_t valid = -1;
+	if (sc >= 0 && lens >= 0) {
+		/* the mask of graph/ops.def: key j < L (j + tq - i < L + 1 when
+		 * causal); the values past L zeroed (they may be anything) */
+		int64_t tq = g->nodes[sc].shape[nd - 2], tk = g->nodes[sc].shape[nd - 1];
+		int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS], vsh[KL_MAX_DIMS];
+		for (int d = 0; d < nd; d++)
+			ksh[d] = lsh[d] = qsh[d] = vsh[d] = 1;
+		ksh[nd - 1] = vsh[nd - 2] = tk;
+		qsh[nd - 2] = tq;
+		lsh[0] = g->nodes[in[0]].shape[0];
+		kl_node ar;
+		memset(&ar, 0, sizeof ar);
+		ar.op = KL_OP_ARANGE;
+		ar.dtype = KL_I64;
+		ar.ndim = 1;
+		ar.a.s[1] = 1;
+		ar.shape[0] = tk;
+		int32_t j = kl__gb_node(g, &ar);
+		int32_t len = as_dt(g, lens, KL_I64);
+		len = len < 0 ? -1 : kl__gb_reshape(g, len, nd, lsh);
+		int32_t lhs = j < 0 ? -1 : kl__gb_reshape(g, j, nd, ksh), lim = len;
+		if (causal) {
+			ar.shape[0] = tq;
+			int32_t i = kl__gb_node(g, &ar);
+			i = i < 0 ? -1 : kl__gb_reshape(g, i, nd, qsh);
+			lhs = bin(g, KL_OP_SUB, scal(g, KL_OP_ADD, lhs, (double)tq), i);
+			lim = scal(g, KL_OP_ADD, len, 1);
+		}
+		valid = bin(g, KL_OP_LT, lhs, lim);
+		int32_t kv = bin(g, KL_OP_LT, j < 0 ? -1 : kl__gb_reshape(g, j, nd, vsh), len);
+		int32_t ninf = kl__gb_full(g, C, 0, NULL, -INFINITY);
+		int32_t zero = kl__gb_full(g, C, 0, NULL, 0);
+		sc = valid < 0 || ninf < 0 ? -1 : kl__gb_where(g, valid, sc, ninf);
+		v = kv < 0 || v < 0 || zero < 0 ? -1 : kl__gb_where(g, kv, v, zero);
+	} else if (sc >= 0 && causal) {
 		int64_t tq = g->nodes[sc].shape[nd - 2], tk = g->nodes[sc].shape[nd - 1];
 		kl_node ar;
 		memset(&ar, 0, sizeof ar);
@@ -198,6 +234,9 @@ static void sdpa_bwd_prims(kl_graph *g, double s, bool causal, int nd, kl_dtype 
 		memset(&sm.a, 0, sizeof sm.a);
 		sm.a.axis = nd - 1;
 		p = kl__gb_node(g, &sm);
+		if (valid >= 0) /* a row with no key: p 0, not NaN */
+			p = p < 0 ? -1
+			          : kl__gb_where(g, valid, p, kl__gb_full(g, C, 0, NULL, 0));
 	}
 	int32_t dp = kl__gb_matmul(g, dout, transpose_last(g, v));
 	int32_t rowt = row_sum(g, bin(g, KL_OP_MUL, dout, o), nd - 1);
@@ -215,7 +254,7 @@ int32_t kl__sdpa_bwd_primitives(kl_graph *g, const kl_node *bwd)
 	int32_t gin[3], in[5];
 	memcpy(in, bwd->in, sizeof in);
 	sdpa_bwd_prims(g, bwd->a.s[0], (bwd->a.flags & KL_F_CAUSAL) != 0, bwd->ndim, work_dt(D), in,
-	               gin);
+	               -1, gin);
 	for (int i = 0; i < 3; i++)
 		if ((gin[i] = as_dt(g, gin[i], D)) < 0)
 			return -1;
@@ -223,7 +262,7 @@ int32_t kl__sdpa_bwd_primitives(kl_graph *g, const kl_node *bwd)
 }
 
 /* o = softmax(q k^T * s [masked]) v. Where q, k and v have the output's
- * float dtype and v's head dim is q's, one sdpa_bwd node (ops.def) whose
+ * float dtype, v's head dim is q's and no lengths mask the keys, one sdpa_bwd node (ops.def) whose
  * packed result is sliced into dq, dk, dv: the backends' fused backward
  * (nothing [..., Tq, Tk] is stored); else the primitives above. */
 kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
@@ -232,7 +271,7 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 	kl_dtype D = (kl_dtype)n.dtype;
 	int nd = n.ndim;
 	const kl_node *q = &g->nodes[n.in[0]], *k = &g->nodes[n.in[1]], *v = &g->nodes[n.in[2]];
-	bool fused = kl_dtype_is_float(D) && nd >= 2 && q->dtype == D && k->dtype == D &&
+	bool fused = n.nin == 3 && kl_dtype_is_float(D) && nd >= 2 && q->dtype == D && k->dtype == D &&
 	             v->dtype == D && q->shape[nd - 1] == v->shape[nd - 1];
 	if (fused) {
 		int64_t tq = q->shape[nd - 2], tk = k->shape[nd - 2];
@@ -250,9 +289,12 @@ kl_status kl__vjp_sdpa(kl_graph *g, int32_t node, int32_t gout, int32_t *gin)
 		return done(3, gin, (const bool[]){true, true, true});
 	}
 	int32_t in[5] = {n.in[0], n.in[1], n.in[2], node, gout};
-	sdpa_bwd_prims(g, n.a.s[0], (n.a.flags & KL_F_CAUSAL) != 0, nd, work_dt(D), in, gin);
+	sdpa_bwd_prims(g, n.a.s[0], (n.a.flags & KL_F_CAUSAL) != 0, nd, work_dt(D), in,
+	               n.nin == 4 ? n.in[3] : -1, gin);
 	for (int i = 0; i < 3; i++)
 		gin[i] = as_dt(g, gin[i], (kl_dtype)g->nodes[n.in[i]].dtype);
+	if (n.nin == 4)
+		gin[3] = -1; /* the lengths have none */
 	return done(3, gin, (const bool[]){true, true, true});
 }
 

@@ -53,6 +53,7 @@ static inline bool kl__op_pointwise(kl_op op)
 #define KL_F_HAS_BIAS 2u   /* layer_norm: a bias input follows */
 #define KL_F_CAUSAL 4u     /* sdpa: causal mask, aligned to the last key */
 #define KL_F_INPLACE 8u    /* cache_write: written back into in[0]'s memory (kl_cache_write) */
+#define KL_F_LENGTHS 16u   /* sdpa: a lengths input follows v (kl_sdpa_lengths) */
 
 /* Inline attributes; which fields mean what is said per op in ops.def.
  * Unused fields stay zero so that hashing and comparing the whole struct

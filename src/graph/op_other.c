@@ -176,12 +176,16 @@ static bool sh_norm(const kl_node *n, const int *ndim, const int64_t *const *sha
 	                     "x's shape, with weight and bias of its last dim, expected");
 }
 
-/* q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv] */
+/* q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv]; with a
+ * 4th operand, the lengths [the first batch dim] (rank >= 3) */
 static bool sh_attention(const kl_node *n, const int *ndim, const int64_t *const *shape, char *why,
                          size_t cap)
 {
 	int nd = n->ndim;
 	bool ok = nd >= 2 && ndim[0] == nd && ndim[1] == nd && ndim[2] == nd;
+	if (ok && n->nin == 4)
+		ok = nd >= 3 && ndim[3] == 1 && shape[3][0] == n->shape[0];
+	ok = ok && n->nin == 3 + !!(n->a.flags & KL_F_LENGTHS);
 	for (int d = 0; ok && d < nd - 2; d++)
 		ok = shape[0][d] == n->shape[d] && shape[1][d] == n->shape[d] &&
 		     shape[2][d] == n->shape[d];
@@ -221,8 +225,7 @@ static kl_dtype dt_attention_bwd(kl_op op, const kl_operands *in, char *why, siz
 	return in->dt[0];
 }
 
-/* the promoted type of the operands (concat casts each to it; attention's
- * q, k, v take no 0-dim operands) */
+/* the promoted type of the operands (concat casts each to it) */
 static kl_dtype dt_promote(kl_op op, const kl_operands *in, char *why, size_t cap)
 {
 	(void)op, (void)why, (void)cap;
@@ -230,6 +233,17 @@ static kl_dtype dt_promote(kl_op op, const kl_operands *in, char *why, size_t ca
 	for (int i = 1; i < in->n; i++)
 		dt = kl_promote_types(dt, in->dt[i]);
 	return dt;
+}
+
+/* attention: q, k, v promoted; the lengths (a 4th operand) i32 or i64 */
+static kl_dtype dt_attention(kl_op op, const kl_operands *in, char *why, size_t cap)
+{
+	(void)op;
+	if (in->n == 4 && in->dt[3] != KL_I32 && in->dt[3] != KL_I64) {
+		snprintf(why, cap, "lengths have dtype %s, need i32 or i64", kl_dtype_name(in->dt[3]));
+		return KL_NDTYPES;
+	}
+	return kl_promote_types(kl_promote_types(in->dt[0], in->dt[1]), in->dt[2]);
 }
 
 /* the product takes operands of one dtype, not bool */
@@ -501,7 +515,7 @@ DESC(LAYER_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .shape = 
      .vjp = kl__vjp_norm)
 DESC(RMS_NORM, KL_EAGER_ROWS, kl__ref_norm, .dtype = dt_float_input, .shape = sh_norm,
      .vjp = kl__vjp_norm)
-DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_promote, .shape = sh_attention,
+DESC(ATTENTION, KL_EAGER_SDPA, kl__ref_attention, .dtype = dt_attention, .shape = sh_attention,
      .vjp = kl__vjp_sdpa)
 DESC(ATTENTION_BWD, KL_EAGER_SDPA, kl__ref_attention_bwd, .dtype = dt_attention_bwd,
      .shape = sh_attention_bwd, .vjp = NULL)

@@ -494,12 +494,15 @@ kl_status kl__ref_matmul(ref_state *st, const kl_node *n, double *out)
 }
 
 /* softmax(q k^T * scale [+ causal mask]) v, in double; a query row with no
- * allowed key is NaN, as the same math written out gives (0 / 0) */
+ * allowed key is NaN, as the same math written out gives (0 / 0). With
+ * lengths (graph/ops.def) row b's keys end at clamp(lengths[b], 0, Tk), the
+ * causal diagonal is aligned to that end, and a row with no key gives 0. */
 kl_status kl__ref_attention(ref_state *st, const kl_node *n, double *out)
 {
 	char b1[96], b2[96], b3[96];
-	if (n->nin != 3)
-		return ref_fail(st, KL_EINVAL, "%d inputs, expected 3", n->nin);
+	bool has_len = (n->a.flags & KL_F_LENGTHS) != 0;
+	if (n->nin != 3 + has_len)
+		return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, 3 + has_len);
 	const kl_node *q = &st->g->nodes[n->in[0]], *k = &st->g->nodes[n->in[1]],
 	              *v = &st->g->nodes[n->in[2]];
 	int nd = n->ndim;
@@ -523,13 +526,20 @@ kl_status kl__ref_attention(ref_state *st, const kl_node *n, double *out)
 	if (!p)
 		return ref_fail(st, KL_ENOMEM, "out of memory");
 	const double *Q = st->val[n->in[0]], *K = st->val[n->in[1]], *V = st->val[n->in[2]];
+	const double *Len = has_len ? st->val[n->in[3]] : NULL;
+	int64_t per_row = has_len && n->shape[0] > 0 ? batch / n->shape[0] : 1;
 	for (int64_t b = 0; b < batch; b++) {
 		const double *Qb = Q + b * Tq * D, *Kb = K + b * Tk * D, *Vb = V + b * Tk * Dv;
 		double *O = out + b * Tq * Dv;
+		int64_t end = Tk; /* the row's keys end here */
+		if (Len) {
+			double l = Len[b / per_row];
+			end = !(l > 0) ? 0 : l < (double)Tk ? (int64_t)l : Tk;
+		}
 		for (int64_t i = 0; i < Tq; i++) {
-			int64_t last = causal ? i + (Tk - Tq) : Tk - 1; /* last allowed key */
-			if (last > Tk - 1)
-				last = Tk - 1;
+			int64_t last = causal ? i + (end - Tq) : end - 1; /* last allowed key */
+			if (last > end - 1)
+				last = end - 1;
 			double m = -INFINITY;
 			for (int64_t j = 0; j <= last; j++) {
 				p[j] = scale * sum_exact_dot(Qb + i * D, Kb + j * D, D);
@@ -546,7 +556,7 @@ kl_status kl__ref_attention(ref_state *st, const kl_node *n, double *out)
 					cc += fabs(acc) >= fabs(t) ? (acc - u) + t : (t - u) + acc;
 					acc = u;
 				}
-				O[i * Dv + c] = last >= 0 ? (acc + cc) / l : NAN;
+				O[i * Dv + c] = last >= 0 ? (acc + cc) / l : Len ? 0 : NAN;
 			}
 		}
 	}
@@ -804,6 +814,8 @@ static kl_status eval_node(ref_state *st, int32_t i, const double *const *inputs
 			want = 2; /* keyed at run time */
 		if (n->op == KL_OP_LAYER_NORM || n->op == KL_OP_RMS_NORM) /* flags say which follow */
 			want = 1 + !!(n->a.flags & KL_F_HAS_WEIGHT) + !!(n->a.flags & KL_F_HAS_BIAS);
+		if (n->op == KL_OP_ATTENTION)
+			want = 3 + !!(n->a.flags & KL_F_LENGTHS);
 		if (n->nin != want)
 			return ref_fail(st, KL_EINVAL, "%d inputs, expected %d", n->nin, want);
 		int nds[KL_NODE_MAX_IN];

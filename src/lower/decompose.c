@@ -408,35 +408,89 @@ static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
  * same math in primitives (dynamic dims stay dynamic either way: the step
  * binds its sizes per call, and symbolic.c keeps a causal mask's sequence
  * dims static where the mask must be built):
- * softmax(where(causal, q k^T * scale, -inf)) v. src_in: src ids of q, k, v. */
+ * softmax(where(causal, q k^T * scale, -inf)) v. With lengths (graph/ops.def)
+ * the mask is key j < lengths[b] (and j + tq - i < lengths[b] + 1 when
+ * causal), the probabilities of a row with no key are zeroed after the
+ * softmax and so are the values past each length, so that both forms give
+ * 0 for such a row and never read past the lengths. src_in: src ids of q,
+ * k, v. */
 static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int32_t *src_in)
 {
 	kl_dtype D = (kl_dtype)s->dtype;
 	int rk = s->ndim;
 	int64_t hd = nd(d, in[0])->shape[rk - 1];
 	bool cuda_wide = d->L->o->target == KL_TARGET_CUDA && (hd > 256 || s->shape[rk - 1] > 256);
+	bool has_len = (s->a.flags & KL_F_LENGTHS) != 0;
 	if (!d->L->o->no_attention && !cuda_wide) {
 		kl_node n = *s;
 		n.op = KL_OP_ATTENTION;
-		n.nin = 3;
-		for (int i = 0; i < 3; i++) {
-			int32_t x = cast(d, in[i], D);
+		n.nin = has_len ? 4 : 3;
+		for (int i = 0; i < n.nin; i++) {
+			int32_t x = i < 3 ? cast(d, in[i], D) : in[i];
 			if (x < 0)
 				return -1;
-			kl_node c = mk(KL_OP_CONTIGUOUS, D, nd(d, x)->ndim, nd(d, x)->shape, 1);
+			kl_node c = mk(KL_OP_CONTIGUOUS, (kl_dtype)nd(d, x)->dtype, nd(d, x)->ndim,
+			               nd(d, x)->shape, 1);
 			c.in[0] = x;
 			n.in[i] = add(d, &c);
 		}
 		return add(d, &n);
 	}
 	int32_t q = cast(d, in[0], D), k = cast(d, in[1], D), v = cast(d, in[2], D);
+	int32_t valid = -1;
+	if (has_len && v >= 0) {
+		int64_t tq = nd(d, q)->shape[rk - 2], tk = nd(d, k)->shape[rk - 2];
+		int64_t ksh[KL_MAX_DIMS], lsh[KL_MAX_DIMS], qsh[KL_MAX_DIMS], vsh[KL_MAX_DIMS];
+		for (int i = 0; i < rk; i++)
+			ksh[i] = lsh[i] = qsh[i] = vsh[i] = 1;
+		ksh[rk - 1] = vsh[rk - 2] = tk;
+		qsh[rk - 2] = tq;
+		lsh[0] = s->shape[0];
+		kl_node aj = mk(KL_OP_ARANGE, KL_I64, 1, &tk, 0);
+		aj.a.s[1] = 1;
+		int32_t j = add(d, &aj);
+		int32_t len = view(d, KL_OP_RESHAPE, cast(d, in[3], KL_I64), rk, lsh);
+		/* the values past each length: zero, never read */
+		int32_t kv = bin(d, KL_OP_LT, view(d, KL_OP_RESHAPE, j, rk, vsh), len);
+		int32_t lhs = view(d, KL_OP_RESHAPE, j, rk, ksh), lim = len;
+		if (s->a.flags & KL_F_CAUSAL) {
+			kl_node ai = mk(KL_OP_ARANGE, KL_I64, 1, &tq, 0);
+			ai.a.s[1] = 1;
+			lhs = bin(d, KL_OP_SUB, bin_s(d, KL_OP_ADD, lhs, (double)tq),
+			          view(d, KL_OP_RESHAPE, add(d, &ai), rk, qsh));
+			lim = bin_s(d, KL_OP_ADD, len, 1);
+		}
+		valid = bin(d, KL_OP_LT, lhs, lim);
+		kl_node z = mk(KL_OP_FULL, D, 0, NULL, 0);
+		int32_t zero = add(d, &z);
+		if (kv < 0 || valid < 0 || zero < 0)
+			return -1;
+		d->L->g.nodes[kv].dtype = KL_BOOL;
+		d->L->g.nodes[valid].dtype = KL_BOOL;
+		kl_node w = mk(KL_OP_WHERE, D, rk, nd(d, v)->shape, 3);
+		w.in[0] = kv;
+		w.in[1] = v;
+		w.in[2] = zero;
+		v = add(d, &w);
+	}
 	int32_t kt = transpose_last(d, k);
 	if (kt < 0)
 		return -1;
 	int32_t sc = bin_s(d, KL_OP_MUL, product_of(d, q, kt, src_in[0], src_in[1]), s->a.s[0]);
 	if (sc < 0)
 		return -1;
-	if (s->a.flags & KL_F_CAUSAL) {
+	if (valid >= 0) {
+		kl_node f = mk(KL_OP_FULL, D, 0, NULL, 0);
+		f.a.s[0] = -INFINITY;
+		int32_t fill = add(d, &f);
+		if (fill < 0)
+			return -1;
+		kl_node w = mk(KL_OP_WHERE, D, rk, nd(d, sc)->shape, 3);
+		w.in[0] = valid;
+		w.in[1] = sc;
+		w.in[2] = fill;
+		sc = add(d, &w);
+	} else if (s->a.flags & KL_F_CAUSAL) {
 		int64_t tq = nd(d, sc)->shape[rk - 2], tk = nd(d, sc)->shape[rk - 1];
 		int64_t sh[2] = {tq, 1};
 		kl_node ai = mk(KL_OP_ARANGE, KL_I64, 1, &tq, 0);
@@ -464,6 +518,14 @@ static int32_t attention(dctx *d, const kl_node *s, const int32_t *in, const int
 	sm.a.axis = rk - 1;
 	int32_t pin[1] = {sc};
 	int32_t pr = sc >= 0 ? decompose_one(d, &sm, pin) : -1;
+	if (valid >= 0 && pr >= 0) { /* a row with no key: 0, not NaN */
+		kl_node z = mk(KL_OP_FULL, D, 0, NULL, 0);
+		kl_node w = mk(KL_OP_WHERE, D, rk, nd(d, pr)->shape, 3);
+		w.in[0] = valid;
+		w.in[1] = pr;
+		w.in[2] = add(d, &z);
+		pr = w.in[2] < 0 ? -1 : add(d, &w);
+	}
 	return product_of(d, pr, v, src_in[0], src_in[2]);
 }
 

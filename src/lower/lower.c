@@ -392,9 +392,10 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	const kl_node *x = &L->g.nodes[n];
 	kl_attn_step *a = &sp->at;
 	int r = x->ndim;
-	int64_t st[3][KL_MAX_DIMS], off[3], so[KL_MAX_DIMS];
-	int32_t ids[3];
-	for (int i = 0; i < 3; i++)
+	int64_t st[4][KL_MAX_DIMS], off[4], so[KL_MAX_DIMS];
+	int32_t ids[4];
+	int nop = x->nin == 4 ? 4 : 3; /* with the lengths */
+	for (int i = 0; i < nop; i++)
 		if (!operand(L, x->in[i], &ids[i], st[i], &off[i])) {
 			snprintf(L->err, L->errcap, "kl__lower: internal error: attention operand layout");
 			return KL_EINVAL;
@@ -430,9 +431,20 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	a->scale = x->a.s[0];
 	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
 	double batch = 1;
+	a->len = -1;
+	if (nop == 4) {
+		a->len = ids[3];
+		a->len_dt = (int32_t)L->g.nodes[x->in[3]].dtype;
+		a->len_off = off[3];
+		a->len_st = st[3][0];
+		/* every batch entry but that of dim 0 (none when it has size 1) */
+		a->len_inner = 0;
+	}
 	for (int d = 0; d < r - 2; d++) {
 		if (x->shape[d] == 1)
 			continue;
+		if (nop == 4 && d > 0)
+			a->len_inner++;
 		int i = a->nbatch++;
 		a->batch[i] = x->shape[d];
 		a->q_bs[i] = st[0][d];
@@ -441,7 +453,7 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 		a->o_bs[i] = so[d];
 		batch *= (double)x->shape[d];
 	}
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < nop; i++)
 		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
 	sp->writes[0] = a->o;
 	sp->nwrites = 1;
@@ -456,11 +468,12 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 		}
 	}
 	sp->flops = 2.0 * batch * pairs * (double)(a->d + a->dv);
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < nop; i++)
 		sp->bytes += bytes_of(P, ids[i]);
 	sp->bytes += bytes_of(P, a->o);
-	snprintf(sp->what, sizeof(sp->what), "attention %.0fx%lldx%lldx%lld%s", batch,
-	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "");
+	snprintf(sp->what, sizeof(sp->what), "attention %.0fx%lldx%lldx%lld%s%s", batch,
+	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "",
+	         nop == 4 ? " lengths" : "");
 	return KL_OK;
 }
 
@@ -481,6 +494,7 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 			return KL_EINVAL;
 		}
 	a->bwd = 1;
+	a->len = -1; /* no lengths: kl__vjp_sdpa emits sdpa_bwd only without them */
 	a->q = ids[0];
 	a->k = ids[1];
 	a->v = ids[2];

@@ -173,11 +173,16 @@ static void rules(uf *u, int32_t n, const uint8_t *fixed_red)
 			join(u, q, r - 1, k, r - 1);
 			join(u, k, r - 2, v, r - 2);
 			join(u, v, r - 1, n, r - 1);
-			/* a causal attention that is decomposed (CUDA, head dims above
-			 * 256) builds its mask from aranges of the sequence lengths */
-			if ((x->a.flags & KL_F_CAUSAL) &&
+			bool has_len = (x->a.flags & KL_F_LENGTHS) != 0;
+			if (has_len)
+				join(u, x->in[3], 0, n, 0);
+			/* a causal attention or one with lengths that is decomposed
+			 * (CUDA, head dims above 256) builds its mask from aranges of
+			 * the sequence lengths */
+			if (((x->a.flags & KL_F_CAUSAL) || has_len) &&
 			    (u->g->nodes[q].shape[r - 1] > 256 || x->shape[r - 1] > 256)) {
-				fix(u, n, r - 2, n);
+				if (x->a.flags & KL_F_CAUSAL)
+					fix(u, n, r - 2, n);
 				fix(u, k, r - 2, n);
 			}
 			return;

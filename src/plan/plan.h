@@ -154,6 +154,13 @@ typedef struct kl_attn_step {
 	int32_t fo, go;
 	int64_t fo_off, go_off, fo_rs, go_rs, fo_cs, go_cs;
 	int64_t fo_bs[KL_MAX_DIMS], go_bs[KL_MAX_DIMS];
+	/* lengths (graph/ops.def), buffer len >= 0 (i32/i64, element len_off +
+	 * r * len_st for row r), or -1: none. Flat batch index b (over the
+	 * batch[] entries) is row b / (product of the last len_inner entries):
+	 * the first batch entry alone is the lengths' dim, or none when that
+	 * dim has size 1. Row b's keys end at clamp(lengths[row], 0, tk). */
+	int32_t len, len_inner, len_dt;
+	int64_t len_off, len_st;
 } kl_attn_step;
 
 /* Whether the CUDA backend runs the attention backward step for dtype dt
@@ -288,7 +295,12 @@ kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, 
  * plan check. */
 kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
 /* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o; the
- * backward's 4 O, 5 dO). */
+ * backward's 4 O, 5 dO; 6 lengths: -1 when it has none). */
 int64_t kl__attn_extent(const kl_attn_step *a, int which);
+/* Flat batch entries that share one length (the last len_inner batch
+ * sizes' product), and the end of the keys of length row r (lens: the
+ * lengths buffer's base), clamp(lengths[r], 0, tk). */
+int64_t kl__attn_len_div(const kl_attn_step *a);
+int64_t kl__attn_len_at(const kl_attn_step *a, const void *lens, int64_t r);
 
 #endif /* KILN_PLAN_H */

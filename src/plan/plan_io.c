@@ -31,8 +31,10 @@ void kl__program_free(kl_program *p)
 #define PROG_MAGIC "KLPROG01"
 /* 2: attention steps; 3: product epilogues (residual, bias, activation);
  * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
- * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf) */
-#define PROG_FORMAT 8u
+ * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf);
+ * 7: cache writes; 8: the attention backward (kl_attn_step.bwd); 9: attention
+ * lengths (kl_attn_step.len) */
+#define PROG_FORMAT 9u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -148,16 +150,40 @@ static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 	case 2:
 		return operand_extent_pad(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
 		                      a->v_cs, pad);
+	case 3:
+		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs,
+		                      a->bwd ? a->tq + 2 * a->tk : a->tq, a->o_rs, a->dv, 1, pad);
 	case 4:
 		return operand_extent_pad(a->fo_off, a->nbatch, a->batch, a->fo_bs, a->tq, a->fo_rs,
 		                      a->dv, a->fo_cs, pad);
 	case 5:
 		return operand_extent_pad(a->go_off, a->nbatch, a->batch, a->go_bs, a->tq, a->go_rs,
 		                      a->dv, a->go_cs, pad);
-	default:
-		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs,
-		                      a->bwd ? a->tq + 2 * a->tk : a->tq, a->o_rs, a->dv, 1, pad);
+	default: {
+		if (a->len < 0)
+			return -1;
+		int64_t rows = 1; /* the batch entries before the inner ones */
+		for (int i = 0; i < a->nbatch - a->len_inner; i++)
+			if (a->batch[i] < 0 || __builtin_mul_overflow(rows, a->batch[i], &rows))
+				return -2;
+		return operand_extent_pad(a->len_off, 0, NULL, NULL, 1, 0, rows, a->len_st, pad);
 	}
+	}
+}
+
+int64_t kl__attn_len_div(const kl_attn_step *a)
+{
+	int64_t div = 1;
+	for (int i = a->nbatch - a->len_inner; i < a->nbatch; i++)
+		div *= a->batch[i] > 0 ? a->batch[i] : 1;
+	return div;
+}
+
+int64_t kl__attn_len_at(const kl_attn_step *a, const void *lens, int64_t r)
+{
+	int64_t at = a->len_off + r * a->len_st;
+	int64_t l = a->len_dt == KL_I32 ? ((const int32_t *)lens)[at] : ((const int64_t *)lens)[at];
+	return l < 0 ? 0 : l < a->tk ? l : a->tk;
 }
 
 int64_t kl__mm_extent(const kl_matmul_step *mm, int which)
@@ -201,7 +227,7 @@ static const size_t step_fields[] = {
         EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
         EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner),
         ATF(fo_off),   ATF(go_off),     ATF(fo_rs),      ATF(go_rs),       EACH8(ATF, fo_bs),
-        EACH8(ATF, go_bs)};
+        EACH8(ATF, go_bs), ATF(len_off), ATF(len_st)};
 #define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
 
 int kl__step_nfields(void)
@@ -278,14 +304,15 @@ static kl_status bind(kl_program *p, const int64_t *syms, bool dense, char *err,
 			}
 		} else if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *a = &sp->at;
-			int32_t ids[6] = {a->q, a->k, a->v, a->o, a->fo, a->go};
-			for (int w = 0; w < (a->bwd ? 6 : 4); w++)
-				if (!fits(p, ids[w], kl__attn_extent(a, w), syms, dense) ||
-				    (dense && attn_ext(a, w, true) < 0))
+			int32_t ids[7] = {a->q, a->k, a->v, a->o, a->fo, a->go, a->len};
+			for (int w = 0; w < 7; w++)
+				if ((w < 4 || (w < 6 && a->bwd) || (w == 6 && a->len >= 0)) &&
+				    (!fits(p, ids[w], kl__attn_extent(a, w), syms, dense) ||
+				     (dense && attn_ext(a, w, true) < 0)))
 					return kl__plan_fail(err, cap,
 					                     "step %d: attention operand %c reaches outside its "
 					                     "buffer at these sizes",
-					                     (int)s, "qkvoOG"[w]);
+					                     (int)s, "qkvoOGl"[w]);
 		} else if (sp->kind == KL_STEP_CACHE_WRITE) {
 			const kl_cw_step *c = &sp->cw;
 			int32_t ids[4] = {c->cache, c->pos, c->val, c->out};
@@ -474,6 +501,19 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 		if (i != 3 && ids[i] == a->o)
 			return kl__plan_fail(err, cap, "step %d: attention backward writes its operand %c",
 			                     s, "qkvoOG"[i]);
+	if (a->len < 0)
+		return a->len == -1 ? KL_OK
+		                    : kl__plan_fail(err, cap, "step %d: attention lengths %d out of range",
+		                                    s, a->len);
+	if (a->len >= p->nbufs || a->len_dt != (int32_t)p->bufs[a->len].dtype ||
+	    (a->len_dt != KL_I32 && a->len_dt != KL_I64) || a->len_inner < 0 ||
+	    a->len_inner > a->nbatch || a->nbatch - a->len_inner > 1 || a->len_off < 0 ||
+	    a->len_st < 0)
+		return kl__plan_fail(err, cap, "step %d: attention lengths out of range", s);
+	int64_t n = buf_numel(&p->bufs[a->len]), ext = kl__attn_extent(a, 6);
+	if (ext == -2 || (p->bufs[a->len].role != KL_BUF_INPUT && ext >= n))
+		return kl__plan_fail(err, cap, "step %d: attention lengths reach element %lld of %lld", s,
+		                     (long long)ext, (long long)n);
 	return KL_OK;
 }
 
@@ -805,6 +845,11 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 				w_i64(&w, a->fo_bs[i]);
 				w_i64(&w, a->go_bs[i]);
 			}
+			w_i32(&w, a->len);
+			w_i32(&w, a->len_inner);
+			w_i32(&w, a->len_dt);
+			w_i64(&w, a->len_off);
+			w_i64(&w, a->len_st);
 		}
 		if (sp->kind == KL_STEP_CACHE_WRITE) {
 			const kl_cw_step *c = &sp->cw;
@@ -972,6 +1017,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            : version < 6 ? " (written before symbolic library steps)"
 		            : version < 7 ? " (written before cache writes)"
 		            : version < 8 ? " (written before the attention backward)"
+		            : version < 9 ? " (written before attention lengths)"
 		                          : "");
 	kl_program p = {0};
 	bool null;
@@ -1083,6 +1129,11 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 				a->fo_bs[i] = r_i64(&r);
 				a->go_bs[i] = r_i64(&r);
 			}
+			a->len = r_i32(&r);
+			a->len_inner = r_i32(&r);
+			a->len_dt = r_i32(&r);
+			a->len_off = r_i64(&r);
+			a->len_st = r_i64(&r);
 		}
 		if (sp->kind == KL_STEP_CACHE_WRITE) {
 			kl_cw_step *c = &sp->cw;

@@ -161,6 +161,8 @@ bool kl__cuda_rt_replaying(const kl_compiled *c);
 /* CUDA graphs captured for c so far and the milliseconds their captures
  * took (0 without CUDA graphs). */
 long kl__cuda_rt_captures(const kl_compiled *c, double *ms);
+/* Launches of c's CUDA graphs so far (0 without CUDA graphs). */
+long kl__cuda_rt_replays(const kl_compiled *c);
 void kl__cuda_rt_free(kl_compiled *c);
 /* What the runtime lends a CUDA context (api/context.c passes it to
  * kl__cuda_ctx_init): its disk cache, and eager execution of nodes through

@@ -169,7 +169,8 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		                         "kl_fn_call: out of memory for attention backward tiles");
 	if (sp->kind == KL_STEP_ATTENTION)
 		return kl__cpu_attention(&sp->at, p->bufs[sp->at.o].dtype, B[sp->at.q], B[sp->at.k],
-		                         B[sp->at.v], B[sp->at.o])
+		                         B[sp->at.v], sp->at.len >= 0 ? B[sp->at.len] : NULL,
+		                         B[sp->at.o])
 		               ? KL_OK
 		               : kl__err(ctx, KL_ENOMEM,
 		                         "kl_fn_call: out of memory for attention tiles");

@@ -204,21 +204,22 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 		} else if (sp->kind != KL_STEP_KERNEL) {
 			/* library calls read an input through its traced strides:
 			 * a product's a, b, residual and bias (kl__mm_extent's 0, 1,
-			 * 3, 4), attention's q, k and v, and the backward's o and do
-			 * (kl__attn_extent's 0-2, 4, 5) */
+			 * 3, 4), attention's q, k and v, the backward's o and do, and
+			 * the lengths (kl__attn_extent's 0-2, 4, 5, 6) */
 			bool mm = sp->kind == KL_STEP_MATMUL;
-			int32_t ids[5] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias, -1};
-			bool has[5] = {true, true, sp->mm.has_r, sp->mm.has_bias, false};
-			int which[5] = {0, 1, 3, 4, 0};
+			int32_t ids[6] = {sp->mm.a, sp->mm.b, sp->mm.r, sp->mm.bias, -1, -1};
+			bool has[6] = {true, true, sp->mm.has_r, sp->mm.has_bias, false, false};
+			int which[6] = {0, 1, 3, 4, 0, 0};
 			if (!mm) {
-				int32_t at[5] = {sp->at.q, sp->at.k, sp->at.v, sp->at.fo, sp->at.go};
-				int aw[5] = {0, 1, 2, 4, 5};
+				int32_t at[6] = {sp->at.q, sp->at.k, sp->at.v, sp->at.fo, sp->at.go, sp->at.len};
+				int aw[6] = {0, 1, 2, 4, 5, 6};
 				memcpy(ids, at, sizeof ids);
 				memcpy(which, aw, sizeof which);
 				has[2] = true;
 				has[3] = has[4] = sp->at.bwd != 0;
+				has[5] = sp->at.len >= 0;
 			}
-			for (int w = 0; w < 5 && st == KL_OK; w++) {
+			for (int w = 0; w < 6 && st == KL_OK; w++) {
 				if (!has[w] || p->bufs[ids[w]].role != KL_BUF_INPUT)
 					continue;
 				const kl_buf *bf = &p->bufs[ids[w]];
@@ -230,7 +231,7 @@ kl_status kl__plan_check(const kl_program *p, const kl_graph *g, char *err, size
 					         "step %d: %s operand %c reaches element %lld of input "
 					         "%d, which ends at %lld",
 					         (int)s, mm ? "matmul" : "attention",
-					         (mm ? "abrv?" : "qkvOG")[w], (long long)ext,
+					         (mm ? "abrv??" : "qkvOGl")[w], (long long)ext,
 					         (int)bf->index, (long long)reach);
 			}
 		}

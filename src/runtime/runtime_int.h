@@ -73,4 +73,18 @@ void kl__memplan_free(kl_memplan *mp);
 
 #define KL_ARENA_ALIGN 64
 
+/* graph_slots.c: the CUDA graph of a variant with dynamic dims that serves a
+ * call. keys: n vectors of KL_GSLOT_KEY symbol values (the first nsyms
+ * used), used: each one's last use (larger: later). Returns the slot for
+ * syms: its own (KL_GSLOT_HIT), a new one, n (KL_GSLOT_NEW, when n < max),
+ * or the least recently used one, to be given up (KL_GSLOT_EVICT). */
+#define KL_GSLOT_KEY (KL_MAX_DIMS * 4)
+#define KL_GSLOT_DEFAULT 32
+typedef enum kl_gslot_pick_how { KL_GSLOT_HIT, KL_GSLOT_NEW, KL_GSLOT_EVICT } kl_gslot_pick_how;
+int kl__gslot_pick(const int64_t *keys, const uint64_t *used, int n, int max, int nsyms,
+                   const int64_t *syms, kl_gslot_pick_how *how);
+/* KILN_CUDA_GRAPHS_MAX (1-1024), else KL_GSLOT_DEFAULT: the graphs a
+ * variant with dynamic dims keeps */
+int kl__gslot_limit(void);
+
 #endif /* KILN_RT_H */

@@ -213,6 +213,7 @@ kl_status kl__cpu_sdpa_bwd(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, 
 	int64_t os[KL_MAX_DIMS];
 	kl__contig_strides(r, out->shape, os);
 	a.bwd = 1;
+	a.len = -1;
 	a.tq = in[0]->shape[r - 2];
 	a.tk = in[1]->shape[r - 2];
 	a.d = a.dv = n->shape[r - 1];

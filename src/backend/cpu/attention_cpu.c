@@ -3,7 +3,9 @@
  * queries); each walks the keys in blocks of BK, keeping per query row the
  * running maximum m, the running sum l of exp(s - m) and the unnormalized
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
- * softmax). Blocks a causal mask hides entirely are never visited. The two
+ * softmax). Blocks a causal mask hides entirely are never visited, nor keys
+ * past a row's length (kl_sdpa_lengths: the causal diagonal then ends at the
+ * length, and a query row with no allowed key gives 0). The two
  * products of a block (S = q k^T * scale, acc += P v) are single-threaded
  * BLAS calls inside the chunks of kiln's thread pool (blas.c, pool.c). f16, bf16 and f32 compute
  * in float, f64 in double; the result rounds once.
@@ -18,8 +20,9 @@
 typedef struct attn_job {
 	const kl_attn_step *a;
 	kl_dtype dt;
-	const void *q, *k, *v;
+	const void *q, *k, *v, *lens;
 	void *o;
+	int64_t len_div; /* flat batch entries a length row */
 	_Atomic bool ok;
 } attn_job;
 
@@ -62,7 +65,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 		const void *Q = job->q, *K = job->k, *V = job->v;                                  \
 		void *O = job->o;                                                                  \
 		int64_t nqb = (a->tq + BQ - 1) / BQ;                                               \
-		int64_t D = a->d, DV = a->dv, lag = a->tk - a->tq;                                 \
+		int64_t D = a->d, DV = a->dv;                                                      \
 		{                                                                                  \
 			size_t n =                                                                 \
 			        (size_t)(BQ * D + BK * D + BK * DV + BQ * BK + BQ * DV + 2 * BQ);  \
@@ -80,6 +83,10 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 				        ko = a->k_off + batch_off(a, a->k_bs, b),                  \
 				        vo = a->v_off + batch_off(a, a->v_bs, b),                  \
 				        oo = batch_off(a, a->o_bs, b);                             \
+				int64_t end = a->tk; /* the row's keys end here */                 \
+				if (job->lens)                                                     \
+					end = kl__attn_len_at(a, job->lens, b / job->len_div);     \
+				int64_t lag = end - a->tq;                                         \
 				load_##NAME(q, Q, dt, qo + q0 * a->q_rs, nq, D, a->q_rs, a->q_cs); \
 				for (int64_t i = 0; i < nq; i++) {                                 \
 					m[i] = -(T)INFINITY;                                       \
@@ -88,7 +95,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 						acc[i * DV + c] = 0;                               \
 				}                                                                  \
 				/* keys past the last row's limit are masked for every row */      \
-				int64_t kend = a->tk;                                              \
+				int64_t kend = end;                                                \
 				if (a->causal && q0 + nq + lag < kend)                             \
 					kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;              \
 				for (int64_t k0 = 0; k0 < kend; k0 += BK) {                        \
@@ -139,7 +146,9 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 				for (int64_t i = 0; i < nq; i++) {                                 \
 					T *ai = acc + i * DV;                                      \
 					for (int64_t c = 0; c < DV; c++)                           \
-						ai[c] = l[i] > 0 ? ai[c] / l[i] : (T)NAN;          \
+						ai[c] = l[i] > 0       ? ai[c] / l[i]             \
+						        : job->lens ? (T)0                         \
+						                    : (T)NAN;                      \
 					STORE(at(O, dt, oo + (q0 + i) * a->o_rs), dt, 1, ai, DV);  \
 				}                                                                  \
 			}                                                                          \
@@ -148,12 +157,13 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 	}                                                                                          \
                                                                                                    \
 	static bool run_##NAME(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,   \
-	                       const void *V, void *O)                                             \
+	                       const void *V, const void *L, void *O)                              \
 	{                                                                                          \
 		int64_t nb = 1;                                                                    \
 		for (int i = 0; i < a->nbatch; i++)                                                \
 			nb *= a->batch[i];                                                         \
-		attn_job j = {.a = a, .dt = dt, .q = Q, .k = K, .v = V, .o = O, .ok = true};       \
+		attn_job j = {.a = a, .dt = dt, .q = Q, .k = K, .v = V, .lens = L, .o = O,         \
+		              .len_div = kl__attn_len_div(a), .ok = true};                         \
 		kl__par_for_call(nb *((a->tq + BQ - 1) / BQ), chunk_##NAME, &j);                   \
 		return atomic_load(&j.ok);                                                         \
 	}
@@ -192,20 +202,23 @@ ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, kl__cpu_exp_row_f3
 ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_row_f64, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
-                       const void *v, void *o)
+                       const void *v, const void *lens, void *o)
 {
 	if (a->tq == 0 || a->dv == 0)
 		return true;
 	for (int i = 0; i < a->nbatch; i++)
 		if (a->batch[i] == 0)
 			return true;
-	return dt == KL_F64 ? run_f64(a, dt, q, k, v, o) : run_f32(a, dt, q, k, v, o);
+	if (a->len < 0)
+		lens = NULL;
+	return dt == KL_F64 ? run_f64(a, dt, q, k, v, lens, o) : run_f32(a, dt, q, k, v, lens, o);
 }
 
 kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
 {
 	int r = n->ndim;
-	if (n->nin != 3 || r < 2)
+	bool has_len = (n->a.flags & KL_F_LENGTHS) != 0;
+	if (n->nin != 3 + has_len || r < 2 + has_len)
 		return kl__err(ctx, KL_EINVAL, "kl_sdpa: malformed node (%d inputs, %d dims)",
 		               (int)n->nin, r);
 	for (int i = 0; i < 3; i++)
@@ -237,10 +250,17 @@ kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_t
 		a.v_bs[i] = in[2]->strides[d];
 		a.o_bs[i] = os[d];
 	}
+	a.len = -1;
+	if (has_len) {
+		a.len = 3;
+		a.len_inner = a.nbatch - 1; /* every batch dim but the first */
+		a.len_st = in[3]->strides[0];
+		a.len_dt = in[3]->dtype;
+	}
 	kl__par_set_threads(ctx->nthreads);
 	if (!kl__cpu_attention(&a, (kl_dtype)n->dtype, kl__tensor_data(in[0]),
 	                       kl__tensor_data(in[1]), kl__tensor_data(in[2]),
-	                       kl__tensor_data(out)))
+	                       has_len ? kl__tensor_data(in[3]) : NULL, kl__tensor_data(out)))
 		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory for attention tiles");
 	return KL_OK;
 }

@@ -208,7 +208,7 @@ double kl__cpu_exp_row_f64(double *s, int64_t n, double mx);
 /* attention_cpu.c: one attention step over q, k, v, o (their buffers' bases);
  * false when out of memory. kl__cpu_sdpa: the eager op on tensors. */
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
-                       const void *v, void *o);
+                       const void *v, const void *lens, void *o);
 kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out);
 /* attention_bwd_cpu.c: the attention step's backward mode (a->bwd) over q,
  * k, v, the forward's output o, its gradient go and the packed result out;

@@ -45,6 +45,11 @@ typedef struct kl_at_args {
 	float scale_log2;
 	int nb, causal, nsplit;
 	int tn0, tn1; /* kl_attn_fa3: its tensor maps' two inner batch dims */
+	/* lengths (kl_sdpa_lengths), read on the device: element len_off +
+	 * (b / len_div) * len_st of len (0: none), i32 when len_i32 */
+	CUdeviceptr len;
+	long long len_off, len_st, len_div;
+	int len_i32;
 } kl_at_args;
 
 #define BM 64    /* query rows per block, mma.sync kernel */
@@ -324,8 +329,9 @@ static int mma_variant(kl_ctx *ctx, const kl_cuda_dev *d, const kl_at_args *a,
                        const kl_attn_step *s, kl_dtype dt)
 {
 	kl_attn_pick pick = forced(ctx);
-	/* grid: x = batch, y = query blocks of BM (the wgmma kernel's are larger) */
-	if (pick == PICK_SIMPLE || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
+	/* grid: x = batch, y = query blocks of BM (the wgmma kernel's are larger);
+	 * lengths: only kl_attn_rows stops at each row's length (so far) */
+	if (pick == PICK_SIMPLE || s->len >= 0 || (dt != KL_F16 && dt != KL_BF16) || s->d != s->dv ||
 	    (s->d != 64 && s->d != 128) || s->q_cs != 1 || s->k_cs != 1 || s->v_cs != 1 ||
 	    s->tq < 2 || a->rows / s->tq > 0x7fffffff || (s->tq + BM - 1) / BM > 65535)
 		return -1;
@@ -431,7 +437,7 @@ void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks)
 
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                  CUdeviceptr o)
+                                  CUdeviceptr len, CUdeviceptr o)
 {
 	int c = dt_code(dt);
 	if (c < 0 || s->nbatch > 6)
@@ -474,6 +480,13 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
 	a.causal = s->causal;
 	a.nsplit = 1;
+	if (s->len >= 0) {
+		a.len = len;
+		a.len_off = s->len_off;
+		a.len_st = s->len_st;
+		a.len_div = kl__attn_len_div(s);
+		a.len_i32 = s->len_dt == KL_I32;
+	}
 	if (a.rows == 0 || s->dv == 0)
 		return KL_OK;
 	void *argv[1] = {&a};

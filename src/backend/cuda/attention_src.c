@@ -25,7 +25,9 @@
  * heaviest block goes out before any lighter one (longest first over the
  * whole grid, not per batch); the same grid for kl_attn_wgmma.
  *
- * kl_attn_rows: any float dtype, any strides, head dims up to 256: one warp
+ * kl_attn_rows: any float dtype, any strides, head dims up to 256, lengths
+ * (kl_sdpa_lengths: read from device memory, so a graph replays with new
+ * ones; keys past a row's length are not read, a row with none gives 0): one warp
  * per (query row, split of the keys), a lane per 32nd of the head dim, the
  * online softmax in f32 (f64 for f64). With one split it writes the output;
  * with several (decode: one query row, many keys) each writes its running
@@ -46,6 +48,7 @@ const char kl__cuda_attention_src[] =
         "\tfloat scale_log2;\n"
         "\tint nb, causal, nsplit;\n"
         "\tint tn0, tn1; /* kl_attn_fa3: its tensor maps' two inner batch dims */\n"
+        "\tconst void *len; long long len_off, len_st, len_div; int len_i32;\n"
         "};\n"
         "#if KL_AT_DT == 0\n"
         "typedef float T; typedef float ACC;\n"
@@ -87,6 +90,13 @@ const char kl__cuda_attention_src[] =
         "\t\t*qo += x * a.q_bs[i]; *ko += x * a.k_bs[i]; *vo += x * a.v_bs[i]; *oo += x * a.o_bs[i];\n"
         "\t}\n"
         "}\n"
+        "/* where batch b's keys end: clamp(lengths[b / len_div], 0, tk), or tk */\n"
+        "__device__ __forceinline__ long long keys_end(const kl_at_args &a, long long b) {\n"
+        "\tif (!a.len) return a.tk;\n"
+        "\tlong long at = a.len_off + (b / a.len_div) * a.len_st;\n"
+        "\tlong long l = a.len_i32 ? (long long)((const int *)a.len)[at] : ((const long long *)a.len)[at];\n"
+        "\treturn l < 0 ? 0 : l < a.tk ? l : a.tk;\n"
+        "}\n"
         "\n"
         "#if KL_AT_D == 0\n"
         "__device__ __forceinline__ ACC wsum(ACC v) {\n"
@@ -111,8 +121,8 @@ const char kl__cuda_attention_src[] =
         "\tlong long b = row / a.tq, i = row % a.tq, qo, ko, vo, oo;\n"
         "\tbatch_offs(a, b, &qo, &ko, &vo, &oo);\n"
         "\tconst T *Q = (const T *)a.q, *K = (const T *)a.k, *V = (const T *)a.v;\n"
-        "\tlong long kend = a.tk;\n"
-        "\tif (a.causal) { long long e = i + (a.tk - a.tq) + 1; kend = e < 0 ? 0 : e < a.tk ? e : a.tk; }\n"
+        "\tlong long end = keys_end(a, b), kend = end;\n"
+        "\tif (a.causal) { long long e = i + (end - a.tq) + 1; kend = e < 0 ? 0 : e < end ? e : end; }\n"
         "\tlong long chunk = (kend + a.nsplit - 1) / a.nsplit;\n"
         "\tlong long k0 = split * chunk, k1 = k0 + chunk < kend ? k0 + chunk : kend;\n"
         "\tACC qv[8], acc[8], m = NEG_INF, l = 0;\n"
@@ -144,7 +154,7 @@ const char kl__cuda_attention_src[] =
         "#pragma unroll\n"
         "\t\tfor (int t = 0; t < 8; t++) {\n"
         "\t\t\tlong long dd = lane + 32 * t;\n"
-        "\t\t\tif (dd < a.dv) st((T *)a.o, oo + i * a.o_rs + dd, l > 0 ? acc[t] / l : QNAN);\n"
+        "\t\t\tif (dd < a.dv) st((T *)a.o, oo + i * a.o_rs + dd, l > 0 ? acc[t] / l : a.len ? (ACC)0 : QNAN);\n"
         "\t\t}\n"
         "\t\treturn;\n"
         "\t}\n"
@@ -184,7 +194,7 @@ const char kl__cuda_attention_src[] =
         "#pragma unroll\n"
         "\tfor (int t = 0; t < 8; t++) {\n"
         "\t\tlong long dd = lane + 32 * t;\n"
-        "\t\tif (dd < a.dv) st((T *)a.o, oo + i * a.o_rs + dd, L > 0 ? acc[t] / L : QNAN);\n"
+        "\t\tif (dd < a.dv) st((T *)a.o, oo + i * a.o_rs + dd, L > 0 ? acc[t] / L : a.len ? (ACC)0 : QNAN);\n"
         "\t}\n"
         "}\n"
         "#else /* KL_AT_D: the tensor-core kernel */\n"

@@ -342,11 +342,11 @@ extern const char kl__cuda_attention_fa3_src[];
  * kernels; malloc'd, NULL for a variant that does not exist (or out of
  * memory). */
 char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
-/* One attention step (plan/plan.h) on the stream; q, k, v, o are the
- * buffers' bases. */
+/* One attention step (plan/plan.h) on the stream; q, k, v, len (0 when the
+ * step has no lengths) and o are the buffers' bases. */
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                  CUdeviceptr o);
+                                  CUdeviceptr len, CUdeviceptr o);
 /* Attention steps since the process began that ran kl_attn_fa3, and those
  * that chose it but fell back to the two-warpgroup kernel (an operand that
  * no tensor map describes, too many work items, too few registers). */

@@ -81,6 +81,95 @@ static int64_t pointwise_points(const kl_program *p, const kl_step *sp, int unro
 	return v * unroll;
 }
 
+/* A slot's per-buffer and per-step arrays (its graph comes at capture). */
+static bool slot_init(const kl_compiled *c, kl_cuda_gslot *g, kl_gstate gs)
+{
+	size_t nb = (size_t)(c->prog.nbufs > 0 ? c->prog.nbufs : 1);
+	size_t ns = (size_t)(c->prog.nsteps > 0 ? c->prog.nsteps : 1);
+	memset(g, 0, sizeof *g);
+	g->gs = gs;
+	g->knode = calloc(ns, sizeof *g->knode);
+	g->kparams = calloc(ns, sizeof *g->kparams);
+	g->must_stage = calloc(nb, sizeof *g->must_stage);
+	g->warm = calloc(nb, sizeof *g->warm);
+	g->bound = calloc(nb, sizeof *g->bound);
+	g->how = calloc(nb, sizeof *g->how);
+	g->stat = calloc(nb, sizeof *g->stat);
+	g->stat_bytes = calloc(nb, sizeof *g->stat_bytes);
+	g->copy_node = calloc(nb, sizeof *g->copy_node);
+	g->copy_params = calloc(nb, sizeof *g->copy_params);
+	return g->knode && g->kparams && g->must_stage && g->warm && g->bound && g->how &&
+	       g->stat && g->stat_bytes && g->copy_node && g->copy_params;
+}
+
+/* Give up a slot: its graph, static copies and arena (the stream drained
+ * first: queued work may still read them) and its arrays. */
+static void slot_free(kl_cuda_rt *rt, int32_t nbufs, kl_cuda_gslot *g)
+{
+	if (g->graph.exec || g->arena || g->stat)
+		kl__cuda_sync(NULL, rt->dev);
+	kl__cuda_graph_free(&g->graph);
+	for (int32_t b = 0; g->stat && b < nbufs; b++)
+		if (g->stat[b])
+			kl__cuda_free(rt->ctx, rt->dev, g->stat[b]);
+	if (g->arena)
+		kl__cuda_free(rt->ctx, rt->dev, g->arena);
+	free(g->knode);
+	free(g->kparams);
+	free(g->must_stage);
+	free(g->warm);
+	free(g->bound);
+	free(g->how);
+	free(g->stat);
+	free(g->stat_bytes);
+	free(g->copy_node);
+	free(g->copy_params);
+	memset(g, 0, sizeof *g);
+}
+
+/* Point rt->g at the slot for the symbol values syms: a variant with static
+ * dims (or not in a graph mode) has one; with dynamic dims each vector gets
+ * its own, a new one in warm-up, the least recently used given up past the
+ * limit. */
+static kl_status pick_slot(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
+{
+	kl_cuda_rt *rt = c->dev;
+	int ns = c->prog.nsyms;
+	if (!c->dynamic || ns <= 0 || ns > KL_GSLOT_KEY ||
+	    (c->mode != KL_MODE_REDUCE_OVERHEAD && c->mode != KL_MODE_MAX_AUTOTUNE)) {
+		rt->g = &rt->slots[0];
+		return KL_OK;
+	}
+	kl_gslot_pick_how how;
+	int i = kl__gslot_pick(rt->keys, rt->used, rt->nslots, rt->maxslots, ns, syms, &how);
+	kl_cuda_gslot *g = &rt->slots[i];
+	if (how != KL_GSLOT_HIT) {
+		if (how == KL_GSLOT_EVICT) {
+			kl__log(ctx, KL_LOG_CUDAGRAPHS,
+			        "evict: the graph of the least recently used sizes (slot %d) for "
+			        "new sizes: %d graphs kept (KILN_CUDA_GRAPHS_MAX)",
+			        i, rt->maxslots);
+			slot_free(rt, c->prog.nbufs, g);
+			rt->evictions++;
+		} else {
+			rt->nslots++;
+		}
+		if (!slot_init(c, g, rt->gs0)) {
+			slot_free(rt, c->prog.nbufs, g);
+			if (how == KL_GSLOT_NEW)
+				rt->nslots--;
+			else /* a zeroed slot no call's sizes name (sizes are >= 0) */
+				rt->keys[(size_t)i * KL_GSLOT_KEY] = -1;
+			rt->g = &rt->slots[0];
+			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory for a CUDA graph slot");
+		}
+		memcpy(rt->keys + (size_t)i * KL_GSLOT_KEY, syms, sizeof(int64_t) * (size_t)ns);
+	}
+	rt->used[i] = ++rt->calls;
+	rt->g = g;
+	return KL_OK;
+}
+
 static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *im)
 {
 	kl_cuda_rt *rt = calloc(1, sizeof *rt);
@@ -88,9 +177,9 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	rt->ctx = ctx;
 	rt->dev = kl__cuda_dev_of(ctx);
-	rt->gs = getenv("KILN_DISABLE_CUDAGRAPHS") && atoi(getenv("KILN_DISABLE_CUDAGRAPHS")) == 1
-	                 ? KL_G_OFF
-	                 : KL_G_WARMUP;
+	rt->gs0 = getenv("KILN_DISABLE_CUDAGRAPHS") && atoi(getenv("KILN_DISABLE_CUDAGRAPHS")) == 1
+	                  ? KL_G_OFF
+	                  : KL_G_WARMUP;
 	const char *wv = getenv("KILN_CUDA_WAVES");
 	rt->waves = wv && *wv && atoi(wv) >= 0 && atoi(wv) <= 64 ? atoi(wv) : -1;
 	const char *pf = getenv("KILN_CUDA_PW_FLAT");
@@ -103,25 +192,23 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->gcap = calloc(ns, sizeof *rt->gcap);
 	rt->algo = calloc(ns, sizeof *rt->algo);
 	rt->has_algo = calloc(ns, sizeof *rt->has_algo);
-	rt->knode = calloc(ns, sizeof *rt->knode);
-	rt->kparams = calloc(ns, sizeof *rt->kparams);
 	rt->dirty = calloc(ns, sizeof *rt->dirty);
 	rt->mm_touch = calloc(nb, sizeof *rt->mm_touch);
-	rt->must_stage = calloc(nb, sizeof *rt->must_stage);
-	rt->warm = calloc(nb, sizeof *rt->warm);
-	rt->bound = calloc(nb, sizeof *rt->bound);
-	rt->how = calloc(nb, sizeof *rt->how);
-	rt->stat = calloc(nb, sizeof *rt->stat);
-	rt->stat_bytes = calloc(nb, sizeof *rt->stat_bytes);
-	rt->copy_node = calloc(nb, sizeof *rt->copy_node);
-	rt->copy_params = calloc(nb, sizeof *rt->copy_params);
 	rt->sb = calloc(nb, sizeof *rt->sb);
 	rt->fit = calloc((size_t)c->prog.nkernels + 1, sizeof *rt->fit);
 	rt->pts = calloc(ns, sizeof *rt->pts);
-	if (!rt->args || !rt->gcap || !rt->algo || !rt->has_algo || !rt->knode || !rt->kparams ||
-	    !rt->dirty || !rt->mm_touch || !rt->must_stage || !rt->warm || !rt->bound ||
-	    !rt->how || !rt->stat || !rt->stat_bytes || !rt->copy_node || !rt->copy_params ||
-	    !rt->sb || !rt->fit || !rt->pts)
+	/* slot 0 now; a variant with dynamic dims may add more (pick_slot) */
+	rt->maxslots = c->dynamic ? kl__gslot_limit() : 1;
+	rt->slots = calloc((size_t)rt->maxslots, sizeof *rt->slots);
+	rt->keys = calloc((size_t)rt->maxslots * KL_GSLOT_KEY, sizeof *rt->keys);
+	rt->used = calloc((size_t)rt->maxslots, sizeof *rt->used);
+	bool slot0 = rt->slots && slot_init(c, &rt->slots[0], rt->gs0);
+	rt->g = rt->slots;
+	rt->nslots = slot0 ? 1 : 0;
+	if (c->dynamic)
+		memcpy(rt->keys, c->plan_syms, sizeof(int64_t) * (size_t)c->prog.nsyms);
+	if (!rt->args || !rt->gcap || !rt->algo || !rt->has_algo || !rt->dirty || !rt->mm_touch ||
+	    !rt->sb || !rt->fit || !rt->pts || !slot0 || !rt->keys || !rt->used)
 		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
 	if (kl__cuda_args_indirect(c->prog.nbufs, c->prog.nsyms)) {
 		kl_status ast = kl__cuda_malloc(ctx, rt->dev, rt->nargs * sizeof *rt->args, &rt->dargs);
@@ -129,13 +216,13 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 			return ast;
 		/* its block is copied to the device before each range of launches,
 		 * which a captured graph would not repeat */
-		if (rt->gs != KL_G_OFF &&
+		if (rt->g->gs != KL_G_OFF &&
 		    (c->mode == KL_MODE_REDUCE_OVERHEAD || c->mode == KL_MODE_MAX_AUTOTUNE))
 			kl__log(ctx, KL_LOG_CUDAGRAPHS,
 			        "skip: %zu kernel arguments pass through device memory (more than "
 			        "%d fit a kernel's parameters)",
 			        rt->nargs, KL_CUDA_ARGS_MAX);
-		rt->gs = KL_G_OFF;
+		rt->gs0 = rt->g->gs = KL_G_OFF;
 	}
 	int unroll = kl__cuda_dot_knobs().pw;
 	for (int32_t s = 0; s < c->prog.nsteps; s++)
@@ -294,10 +381,10 @@ kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_
 static void free_statics(kl_cuda_rt *rt, int32_t nbufs, bool keep_staged)
 {
 	for (int32_t b = 0; b < nbufs; b++)
-		if (rt->stat[b] && !(keep_staged && rt->how[b] == KL_GB_STAGED)) {
-			kl__cuda_free(rt->ctx, rt->dev, rt->stat[b]);
-			rt->stat[b] = 0;
-			rt->stat_bytes[b] = 0;
+		if (rt->g->stat[b] && !(keep_staged && rt->g->how[b] == KL_GB_STAGED)) {
+			kl__cuda_free(rt->ctx, rt->dev, rt->g->stat[b]);
+			rt->g->stat[b] = 0;
+			rt->g->stat_bytes[b] = 0;
 		}
 }
 
@@ -307,11 +394,11 @@ void kl__cuda_rt_free(kl_compiled *c)
 	if (!rt)
 		return;
 	kl__cuda_sync(NULL, rt->dev);
-	kl__cuda_graph_free(&rt->graph);
-	if (rt->stat)
-		free_statics(rt, c->prog.nbufs, false);
-	if (rt->arena)
-		kl__cuda_free(rt->ctx, rt->dev, rt->arena);
+	for (int i = 0; rt->slots && i < rt->nslots; i++)
+		slot_free(rt, c->prog.nbufs, &rt->slots[i]);
+	free(rt->slots);
+	free(rt->keys);
+	free(rt->used);
 	if (rt->dargs)
 		kl__cuda_free(rt->ctx, rt->dev, rt->dargs);
 	kl__cuda_module_free(rt->mod);
@@ -322,18 +409,8 @@ void kl__cuda_rt_free(kl_compiled *c)
 	free(rt->pts);
 	free(rt->algo);
 	free(rt->has_algo);
-	free(rt->knode);
-	free(rt->kparams);
 	free(rt->dirty);
 	free(rt->mm_touch);
-	free(rt->must_stage);
-	free(rt->warm);
-	free(rt->bound);
-	free(rt->how);
-	free(rt->stat);
-	free(rt->stat_bytes);
-	free(rt->copy_node);
-	free(rt->copy_params);
 	free(rt->sb);
 	free(rt->fit);
 	free(rt);
@@ -343,27 +420,31 @@ void kl__cuda_rt_free(kl_compiled *c)
 kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base)
 {
 	kl_cuda_rt *rt = c->dev;
-	if (bytes > rt->arena_cap || !rt->arena) {
+	/* the plan is at the call's sizes now: their graph's own arena */
+	kl_status pst = pick_slot(ctx, c, c->plan_syms);
+	if (pst != KL_OK)
+		return pst;
+	if (bytes > rt->g->arena_cap || !rt->g->arena) {
 		CUdeviceptr p = 0;
 		size_t want = bytes ? bytes : KL_ARENA_ALIGN;
 		kl_status st = kl__cuda_malloc(ctx, rt->dev, want, &p);
 		if (st != KL_OK)
 			return st;
-		if (rt->arena)
-			kl__cuda_free(ctx, rt->dev, rt->arena);
-		rt->arena = p;
-		rt->arena_cap = want;
+		if (rt->g->arena)
+			kl__cuda_free(ctx, rt->dev, rt->g->arena);
+		rt->g->arena = p;
+		rt->g->arena_cap = want;
 		/* the captured graph addressed the old arena */
-		if (rt->gs == KL_G_READY) {
+		if (rt->g->gs == KL_G_READY) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS,
 			        "re-capture: the temps' arena grew to %zu bytes and moved (the "
 			        "graph addressed the old one)",
 			        want);
-			kl__cuda_graph_free(&rt->graph);
-			rt->gs = KL_G_CAPTURE;
+			kl__cuda_graph_free(&rt->g->graph);
+			rt->g->gs = KL_G_CAPTURE;
 		}
 	}
-	*base = (void *)(uintptr_t)rt->arena;
+	*base = (void *)(uintptr_t)rt->g->arena;
 	return KL_OK;
 }
 
@@ -452,6 +533,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                             (CUdeviceptr)(uintptr_t)B[at->q],
 			                             (CUdeviceptr)(uintptr_t)B[at->k],
 			                             (CUdeviceptr)(uintptr_t)B[at->v],
+			                             at->len >= 0 ? (CUdeviceptr)(uintptr_t)B[at->len]
+			                                          : 0,
 			                             (CUdeviceptr)(uintptr_t)B[at->o]);
 			continue;
 		}
@@ -498,7 +581,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		st = kl__cuda_launch(ctx, rt->dev, rt->fns[sp->kernel], grid, block, 0, argv,
 		                     s == s0 ? 0 : KL_LAUNCH_PDL);
 		if (st == KL_OK && rt->recording)
-			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->knode[s]);
+			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->g->knode[s]);
 	}
 	return st;
 }
@@ -509,10 +592,14 @@ kl_status kl__cuda_rt_launch(kl_ctx *ctx, kl_compiled *c, void *const *B, const 
 	return launch_steps(ctx, c, B, syms, s0, s1);
 }
 
-/* bytes an input's kernels can reach: from its first element to its last */
-static size_t input_span(const kl_compiled *c, const kl_buf *bf)
+/* bytes an input's kernels can reach: from its first element to its last
+ * (an input with dynamic dims is bound dense at the call's sizes) */
+static size_t input_span(const kl_compiled *c, const kl_buf *bf, const int64_t *syms)
 {
 	int64_t n = 1, last = 0;
+	for (int d = 0; d < bf->ndim; d++)
+		if (bf->shape[d].sym > 0)
+			return kl__buf_bytes(bf, syms);
 	for (int d = 0; d < bf->ndim; d++) {
 		n *= bf->shape[d].v;
 		last += (bf->shape[d].v - 1) * c->in_strides[bf->index][d];
@@ -537,7 +624,7 @@ static bool tune_mode(const kl_compiled *c)
 static size_t stage_bytes(const kl_compiled *c, const kl_buf *bf, const int64_t *syms)
 {
 	if (bf->role == KL_BUF_INPUT)
-		return input_span(c, bf);
+		return input_span(c, bf, syms);
 	if (bf->role == KL_BUF_OUTPUT && bf->alias < 0)
 		return kl__buf_bytes(bf, syms);
 	return 0;
@@ -576,37 +663,37 @@ static kl_status classify(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 	const kl_program *p = &c->prog;
 	for (int32_t b = 0; b < p->nbufs; b++) {
 		const kl_buf *bf = &p->bufs[b];
-		rt->how[b] = KL_GB_DIRECT;
+		rt->g->how[b] = KL_GB_DIRECT;
 		if (bf->role == KL_BUF_TEMP || !rt->mm_touch[b])
 			continue;
 		size_t n = stage_bytes(c, bf, syms);
 		bool view = bf->role == KL_BUF_OUTPUT && bf->alias >= 0;
 		if (n == 0 && !view)
 			continue; /* empty: no node reads its address */
-		if (n > 0 && (rt->must_stage[b] || rt->warm[b] != B[b]) &&
+		if (n > 0 && (rt->g->must_stage[b] || rt->g->warm[b] != B[b]) &&
 		    !written_in_place(p, b))
-			rt->how[b] = KL_GB_STAGED;
+			rt->g->how[b] = KL_GB_STAGED;
 		else
-			rt->how[b] = KL_GB_PINNED;
+			rt->g->how[b] = KL_GB_PINNED;
 	}
 	free_statics(rt, p->nbufs, true);
 	for (int32_t b = 0; b < p->nbufs; b++) {
-		if (rt->how[b] != KL_GB_STAGED)
+		if (rt->g->how[b] != KL_GB_STAGED)
 			continue;
 		size_t n = stage_bytes(c, &p->bufs[b], syms);
-		if (rt->stat[b] && rt->stat_bytes[b] == n)
+		if (rt->g->stat[b] && rt->g->stat_bytes[b] == n)
 			continue;
-		if (rt->stat[b])
-			kl__cuda_free(ctx, rt->dev, rt->stat[b]);
-		rt->stat[b] = 0;
-		rt->stat_bytes[b] = 0;
-		kl_status st = kl__cuda_malloc(ctx, rt->dev, n, &rt->stat[b]);
+		if (rt->g->stat[b])
+			kl__cuda_free(ctx, rt->dev, rt->g->stat[b]);
+		rt->g->stat[b] = 0;
+		rt->g->stat_bytes[b] = 0;
+		kl_status st = kl__cuda_malloc(ctx, rt->dev, n, &rt->g->stat[b]);
 		if (st != KL_OK)
 			return st;
-		rt->stat_bytes[b] = n;
+		rt->g->stat_bytes[b] = n;
 	}
 	for (int32_t b = 0; b < p->nbufs; b++)
-		rt->sb[b] = rt->how[b] == KL_GB_STAGED ? (void *)(uintptr_t)rt->stat[b] : B[b];
+		rt->sb[b] = rt->g->how[b] == KL_GB_STAGED ? (void *)(uintptr_t)rt->g->stat[b] : B[b];
 	return KL_OK;
 }
 
@@ -616,16 +703,16 @@ static kl_status capture_copies(kl_ctx *ctx, kl_compiled *c, void *const *B, kl_
 {
 	kl_cuda_rt *rt = c->dev;
 	for (int32_t b = 0; b < c->prog.nbufs; b++) {
-		if (rt->how[b] != KL_GB_STAGED || c->prog.bufs[b].role != role)
+		if (rt->g->how[b] != KL_GB_STAGED || c->prog.bufs[b].role != role)
 			continue;
 		CUdeviceptr real = (CUdeviceptr)(uintptr_t)B[b];
 		kl_status st = role == KL_BUF_INPUT
-		                       ? kl__cuda_d2d(ctx, rt->dev, rt->stat[b], real,
-		                                      rt->stat_bytes[b])
-		                       : kl__cuda_d2d(ctx, rt->dev, real, rt->stat[b],
-		                                      rt->stat_bytes[b]);
+		                       ? kl__cuda_d2d(ctx, rt->dev, rt->g->stat[b], real,
+		                                      rt->g->stat_bytes[b])
+		                       : kl__cuda_d2d(ctx, rt->dev, real, rt->g->stat[b],
+		                                      rt->g->stat_bytes[b]);
 		if (st == KL_OK)
-			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->copy_node[b]);
+			st = kl__cuda_capture_last_node(ctx, rt->dev, &rt->g->copy_node[b]);
 		if (st != KL_OK)
 			return st;
 	}
@@ -637,18 +724,18 @@ static kl_status read_nodes(kl_ctx *ctx, kl_compiled *c)
 {
 	kl_cuda_rt *rt = c->dev;
 	for (int32_t s = 0; s < c->prog.nsteps; s++) {
-		if (!rt->knode[s])
+		if (!rt->g->knode[s])
 			continue;
-		CUDA_KERNEL_NODE_PARAMS *kp = &rt->kparams[s];
+		CUDA_KERNEL_NODE_PARAMS *kp = &rt->g->kparams[s];
 		memset(kp, 0, sizeof *kp);
-		KL_CU_TRY(ctx, cuGraphKernelNodeGetParams, rt->knode[s], kp);
+		KL_CU_TRY(ctx, cuGraphKernelNodeGetParams, rt->g->knode[s], kp);
 		kp->kernelParams = NULL; /* the driver's copy: ours are given per update */
 		kp->extra = NULL;
 	}
 	for (int32_t b = 0; b < c->prog.nbufs; b++)
-		if (rt->how[b] == KL_GB_STAGED) {
-			kl_status st = kl__cuda_graph_copy_params(ctx, rt->copy_node[b],
-			                                          &rt->copy_params[b]);
+		if (rt->g->how[b] == KL_GB_STAGED) {
+			kl_status st = kl__cuda_graph_copy_params(ctx, rt->g->copy_node[b],
+			                                          &rt->g->copy_params[b]);
 			if (st != KL_OK)
 				return st;
 		}
@@ -664,26 +751,26 @@ static void log_capture(kl_ctx *ctx, kl_compiled *c)
 	size_t used = 0;
 	int nk = 0, nm = 0, ncp = 0;
 	for (int32_t s = 0; s < c->prog.nsteps; s++) {
-		nk += rt->knode[s] != NULL;
+		nk += rt->g->knode[s] != NULL;
 		nm += c->prog.steps[s].kind == KL_STEP_MATMUL;
 	}
 	for (int32_t b = 0; b < c->prog.nbufs && used < sizeof list; b++) {
-		if (rt->how[b] == KL_GB_DIRECT)
+		if (rt->g->how[b] == KL_GB_DIRECT)
 			continue;
 		char what[64];
 		buf_what(&c->prog.bufs[b], what, sizeof what);
-		ncp += rt->how[b] == KL_GB_STAGED;
+		ncp += rt->g->how[b] == KL_GB_STAGED;
 		used += (size_t)snprintf(
 		        list + used, sizeof list - used, "; %s %s", what,
-		        rt->how[b] == KL_GB_PINNED
+		        rt->g->how[b] == KL_GB_PINNED
 		                ? "pinned (a matmul holds its address, which did not move)"
-		        : rt->must_stage[b]
+		        : rt->g->must_stage[b]
 		                ? "staged through a static copy (it moved while pinned)"
 		                : "staged through a static copy (a matmul touches it and its "
 		                  "address changed between warm-up and capture)");
 	}
 	size_t nodes = 0;
-	kl__cu.cuGraphGetNodes(rt->graph.graph, NULL, &nodes);
+	kl__cu.cuGraphGetNodes(rt->g->graph.graph, NULL, &nodes);
 	kl__log(ctx, KL_LOG_CUDAGRAPHS,
 	        "captured %d steps into one graph (capture #%llu of this variant, %.3f ms of "
 	        "capture so far): %zu nodes, %d kernels, %d library calls, %d copies%s",
@@ -699,8 +786,8 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	kl_status st = classify(ctx, c, B, syms);
 	if (st != KL_OK)
 		return st;
-	memset(rt->knode, 0, sizeof *rt->knode * (size_t)(p->nsteps > 0 ? p->nsteps : 1));
-	memset(rt->copy_node, 0, sizeof *rt->copy_node * (size_t)(p->nbufs > 0 ? p->nbufs : 1));
+	memset(rt->g->knode, 0, sizeof *rt->g->knode * (size_t)(p->nsteps > 0 ? p->nsteps : 1));
+	memset(rt->g->copy_node, 0, sizeof *rt->g->copy_node * (size_t)(p->nbufs > 0 ? p->nbufs : 1));
 	st = kl__cuda_capture_begin(ctx, rt->dev);
 	if (st != KL_OK)
 		return st;
@@ -714,22 +801,28 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	char why[KL_ERR_CAP] = "";
 	if (rs != KL_OK)
 		snprintf(why, sizeof why, "%s", kl_last_error(ctx));
-	st = kl__cuda_capture_end(ctx, rt->dev, &rt->graph);
+	st = kl__cuda_capture_end(ctx, rt->dev, &rt->g->graph);
 	if (rs != KL_OK)
 		st = kl__err(ctx, rs, "%s", why);
 	if (st == KL_OK)
 		st = read_nodes(ctx, c);
 	if (st != KL_OK) {
-		kl__cuda_graph_free(&rt->graph);
+		kl__cuda_graph_free(&rt->g->graph);
 		return st;
 	}
 	for (int32_t b = 0; b < p->nbufs; b++)
-		rt->bound[b] = B[b];
+		rt->g->bound[b] = B[b];
 	rt->captures++;
 	rt->capture_ms += kl__now_ms() - t0;
 	atomic_fetch_add(&n_captures, 1);
 	log_capture(ctx, c);
 	return KL_OK;
+}
+
+long kl__cuda_rt_replays(const kl_compiled *c)
+{
+	const kl_cuda_rt *rt = c->cuda ? c->dev : NULL;
+	return rt ? (long)rt->replays : 0;
 }
 
 long kl__cuda_rt_captures(const kl_compiled *c, double *ms)
@@ -765,15 +858,15 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	*v = R_READY;
 	*nk = *ncp = 0;
 	for (int32_t b = 0; b < p->nbufs; b++) {
-		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->bound[b] ||
-		    rt->how[b] != KL_GB_PINNED)
+		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->g->bound[b] ||
+		    rt->g->how[b] != KL_GB_PINNED)
 			continue;
 		char what[64];
 		buf_what(&p->bufs[b], what, sizeof what);
 		if (written_in_place(p, b)) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS,
 			        "re-capture: %s moved (%p -> %p) and a cache write writes it in place",
-			        what, rt->bound[b], B[b]);
+			        what, rt->g->bound[b], B[b]);
 			*v = R_RECAPTURE;
 			continue;
 		}
@@ -781,15 +874,15 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 			kl__log(ctx, KL_LOG_CUDAGRAPHS,
 			        "skip: %s moved (%p -> %p) and a matmul step holds its address; it "
 			        "cannot be staged: plain launches from now on",
-			        what, rt->bound[b], B[b]);
+			        what, rt->g->bound[b], B[b]);
 			*v = R_OFF;
 			return KL_OK;
 		}
 		kl__log(ctx, KL_LOG_CUDAGRAPHS,
 		        "re-capture: %s moved (%p -> %p) and a matmul step holds its address: it "
 		        "goes through a static copy from now on",
-		        what, rt->bound[b], B[b]);
-		rt->must_stage[b] = true;
+		        what, rt->g->bound[b], B[b]);
+		rt->g->must_stage[b] = true;
 		*v = R_RECAPTURE;
 	}
 	if (*v != R_READY)
@@ -797,29 +890,29 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	memset(rt->dirty, 0, sizeof *rt->dirty * (size_t)(p->nsteps > 0 ? p->nsteps : 1));
 	bool any = false;
 	for (int32_t b = 0; b < p->nbufs; b++) {
-		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->bound[b])
+		if (p->bufs[b].role == KL_BUF_TEMP || B[b] == rt->g->bound[b])
 			continue;
-		if (rt->how[b] == KL_GB_STAGED) {
+		if (rt->g->how[b] == KL_GB_STAGED) {
 			CUdeviceptr real = (CUdeviceptr)(uintptr_t)B[b];
 			bool in = p->bufs[b].role == KL_BUF_INPUT;
 			kl_status st = kl__cuda_graph_set_copy(
-			        ctx, rt->dev, &rt->graph, rt->copy_node[b], &rt->copy_params[b],
-			        in ? rt->stat[b] : real, in ? real : rt->stat[b]);
+			        ctx, rt->dev, &rt->g->graph, rt->g->copy_node[b], &rt->g->copy_params[b],
+			        in ? rt->g->stat[b] : real, in ? real : rt->g->stat[b]);
 			if (st != KL_OK)
 				return st;
 			(*ncp)++;
 		} else {
 			any = true;
 			for (int32_t s = 0; s < p->nsteps; s++)
-				if (rt->knode[s] && step_uses(&p->steps[s], b))
+				if (rt->g->knode[s] && step_uses(&p->steps[s], b))
 					rt->dirty[s] = true;
 		}
 	}
 	if (any) {
 		size_t nb = (size_t)(p->nbufs > 0 ? p->nbufs : 1);
 		for (int32_t b = 0; b < p->nbufs; b++)
-			rt->args[b] = (uint64_t)(uintptr_t)(rt->how[b] == KL_GB_STAGED
-			                                            ? (void *)(uintptr_t)rt->stat[b]
+			rt->args[b] = (uint64_t)(uintptr_t)(rt->g->how[b] == KL_GB_STAGED
+			                                            ? (void *)(uintptr_t)rt->g->stat[b]
 			                                            : B[b]);
 		for (int32_t k = 0; k < p->nsyms; k++)
 			rt->args[nb + (size_t)k] = (uint64_t)syms[k];
@@ -827,9 +920,9 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 		for (int32_t s = 0; s < p->nsteps; s++) {
 			if (!rt->dirty[s])
 				continue;
-			CUDA_KERNEL_NODE_PARAMS kp = rt->kparams[s];
+			CUDA_KERNEL_NODE_PARAMS kp = rt->g->kparams[s];
 			kp.kernelParams = argv;
-			kl_status st = kl__cuda_graph_set_kernel(ctx, &rt->graph, rt->knode[s], &kp);
+			kl_status st = kl__cuda_graph_set_kernel(ctx, &rt->g->graph, rt->g->knode[s], &kp);
 			if (st != KL_OK)
 				return st;
 			(*nk)++;
@@ -837,15 +930,15 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	}
 	for (int32_t b = 0; b < p->nbufs; b++)
 		if (p->bufs[b].role != KL_BUF_TEMP)
-			rt->bound[b] = B[b];
+			rt->g->bound[b] = B[b];
 	return KL_OK;
 }
 
 static kl_status graph_off(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
 {
 	kl_cuda_rt *rt = c->dev;
-	kl__cuda_graph_free(&rt->graph);
-	rt->gs = KL_G_OFF;
+	kl__cuda_graph_free(&rt->g->graph);
+	rt->g->gs = KL_G_OFF;
 	return launch_steps(ctx, c, B, syms, 0, c->prog.nsteps);
 }
 
@@ -870,6 +963,8 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 	kl_cuda_rt *rt = c->dev;
 	const int32_t ns = c->prog.nsteps;
 	kl_status st = kl__cuda_bind(ctx, rt->dev);
+	if (st == KL_OK)
+		st = pick_slot(ctx, c, syms);
 	if (st != KL_OK)
 		return st;
 	if ((tune_mode(c) || rt->pkg_choices) && !rt->tuned) {
@@ -899,27 +994,22 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 	kl_cuda_rt *rt = c->dev;
 	const int32_t ns = c->prog.nsteps;
 	kl_status st = KL_OK;
-	if (!graph_mode(c) || rt->gs == KL_G_OFF)
+	/* dynamic dims: rt->g is the graph of these sizes (pick_slot) */
+	if (!graph_mode(c) || rt->g->gs == KL_G_OFF)
 		return launch_steps(ctx, c, B, syms, 0, ns);
-	if (c->dynamic) {
-		kl__log(ctx, KL_LOG_CUDAGRAPHS,
-		        "skip: graph has dynamic dims (sizes change per call)");
-		rt->gs = KL_G_OFF;
-		return launch_steps(ctx, c, B, syms, 0, ns);
-	}
-	if (rt->gs == KL_G_WARMUP) {
+	if (rt->g->gs == KL_G_WARMUP) {
 		/* warm the allocator and cuBLASLt's workspace: nothing may be
 		 * allocated while capturing */
 		st = launch_steps(ctx, c, B, syms, 0, ns);
 		if (st == KL_OK) {
-			rt->gs = KL_G_CAPTURE;
-			memcpy(rt->warm, B, sizeof *B * (size_t)c->prog.nbufs);
+			rt->g->gs = KL_G_CAPTURE;
+			memcpy(rt->g->warm, B, sizeof *B * (size_t)c->prog.nbufs);
 		}
 		kl__log(ctx, KL_LOG_CUDAGRAPHS, "warm-up run (%d steps) before capture", (int)ns);
 		return st;
 	}
 	int nk = 0, ncp = 0;
-	if (rt->gs == KL_G_READY) {
+	if (rt->g->gs == KL_G_READY) {
 		replay_verdict v = R_READY;
 		st = repoint(ctx, c, B, syms, &v, &nk, &ncp);
 		if (st != KL_OK) {
@@ -933,9 +1023,9 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 		if (v == R_OFF)
 			return graph_off(ctx, c, B, syms);
 		if (v == R_RECAPTURE)
-			rt->gs = KL_G_CAPTURE;
+			rt->g->gs = KL_G_CAPTURE;
 	}
-	if (rt->gs == KL_G_CAPTURE) {
+	if (rt->g->gs == KL_G_CAPTURE) {
 		st = capture(ctx, c, B, syms);
 		if (st != KL_OK) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS, "skip: capture failed: %s",
@@ -943,9 +1033,9 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 			kl_clear_error(ctx);
 			return graph_off(ctx, c, B, syms);
 		}
-		rt->gs = KL_G_READY;
+		rt->g->gs = KL_G_READY;
 	}
-	st = kl__cuda_graph_launch(ctx, rt->dev, &rt->graph);
+	st = kl__cuda_graph_launch(ctx, rt->dev, &rt->g->graph);
 	if (st != KL_OK)
 		return st;
 	rt->replays++;
@@ -961,5 +1051,5 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 bool kl__cuda_rt_replaying(const kl_compiled *c)
 {
 	const kl_cuda_rt *rt = c->dev;
-	return rt && rt->gs == KL_G_READY;
+	return rt && rt->g->gs == KL_G_READY;
 }

@@ -18,14 +18,34 @@ typedef enum kl_gbuf {
 	KL_GB_STAGED      /* a static copy inside the graph, the copy node re-pointed */
 } kl_gbuf;
 
+/* One CUDA graph of a variant and what replaying it needs: its temps' arena
+ * (the graph addresses it) and the re-pointing state. A variant with static
+ * dims has one; one with dynamic dims one per vector of symbol values (a
+ * shape bucket), made on the first call at those sizes (warm-up, then
+ * capture), the least recently used one given up past kl__gslot_limit(). */
+typedef struct kl_cuda_gslot {
+	kl_gstate gs;
+	kl_cuda_graph graph;
+	CUdeviceptr arena;
+	size_t arena_cap;
+	bool *must_stage;     /* per buffer: moved while pinned once, staged from now on */
+	void **warm;          /* per buffer: its address at the warm-up call */
+	void **bound;         /* per buffer: the address the graph now works on */
+	uint8_t *how;         /* per buffer: kl_gbuf */
+	CUdeviceptr *stat;    /* per buffer: its static copy when staged */
+	size_t *stat_bytes;
+	CUgraphNode *copy_node; /* per buffer: the copy in (input) or out (output) */
+	CUDA_MEMCPY3D *copy_params;
+	CUgraphNode *knode;     /* per step: its kernel node (NULL: none) */
+	CUDA_KERNEL_NODE_PARAMS *kparams;
+} kl_cuda_gslot;
+
 typedef struct kl_cuda_rt {
 	kl_ctx *ctx;
 	kl_cuda_dev *dev;
 	kl_cuda_module *mod;
 	CUfunction *fns;
 	int32_t nfns;
-	CUdeviceptr arena;
-	size_t arena_cap;
 	uint64_t *args; /* the kl_args block: buffer pointers, then symbols */
 	size_t nargs;
 	/* kl__cuda_args_indirect: the block's copy in device memory, which the
@@ -48,21 +68,16 @@ typedef struct kl_cuda_rt {
 	uint8_t *pkg_choices; /* a package's choices (tune_cuda.c's encoding), applied at the
 	                       * first call when they suit this device and the buffers */
 	size_t pkg_choices_len;
-	/* CUDA graph replay */
-	kl_gstate gs;
-	kl_cuda_graph graph;
+	/* CUDA graph replay: the slots (kl_cuda_gslot), g the one this call
+	 * uses; keys/used: each slot's symbol values and last use
+	 * (graph_slots.c); gs0: a new slot's state (KL_G_OFF: no graphs) */
+	kl_cuda_gslot *slots, *g;
+	int nslots, maxslots;
+	int64_t *keys;
+	uint64_t *used, calls, evictions;
+	kl_gstate gs0;
 	bool recording;       /* capturing: launch_steps notes each kernel's node */
 	bool *mm_touch;       /* per buffer: a matmul step reads or writes it */
-	bool *must_stage;     /* per buffer: moved while pinned once, staged from now on */
-	void **warm;          /* per buffer: its address at the warm-up call */
-	void **bound;         /* per buffer: the address the graph now works on */
-	uint8_t *how;         /* per buffer: kl_gbuf */
-	CUdeviceptr *stat;    /* per buffer: its static copy when staged */
-	size_t *stat_bytes;
-	CUgraphNode *copy_node; /* per buffer: the copy in (input) or out (output) */
-	CUDA_MEMCPY3D *copy_params;
-	CUgraphNode *knode;     /* per step: its kernel node (NULL: none) */
-	CUDA_KERNEL_NODE_PARAMS *kparams;
 	bool *dirty;            /* per step, scratch */
 	void **sb;              /* per buffer, scratch: the addresses the graph uses */
 	/* counters of this variant */
