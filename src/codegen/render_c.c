@@ -1,7 +1,8 @@
-/* render_c.c - the C renderer: spellings for C with OpenMP simd pragmas (the
- * parallel nests are outlined for kiln's thread pool: render.c) and the helpers every
- * generated C translation unit begins with (half-precision conversions,
- * NaN-propagating max/min, saturating float->int casts, Philox).
+/* render_c.c - the C renderer: spellings for C with OpenMP simd pragmas only
+ * (no OpenMP runtime: the parallel nests are outlined for kiln's thread pool,
+ * render.c) and the helpers every generated C translation unit begins with
+ * (half-precision conversions, NaN-propagating max/min, saturating
+ * float->int casts, Philox).
  *
  * The math here is the contract with the CPU backend and the reference: f16
  * and bf16 convert in registers with round-to-nearest-even, integer
@@ -376,10 +377,7 @@ const kl_renderer kl__render_c = {
 	.kernel_fmt = "void %s(void *const *B, const int64_t *S)",
 	.buf_decl_fmt = "\t%s%s *restrict b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
 	.index_t = "int64_t",
-	.par_for_fmt = "#pragma omp parallel for collapse(%d)%s",
-	.par_for_simd_fmt = "#pragma omp parallel for simd collapse(%d)%s",
 	.simd_fmt = "#pragma omp simd collapse(%d)%s",
-	.if_fmt = " if(%s)",
 	.sym_fmt = "S[%d]",
 	.par_threshold = 32768,
 	/* past the last-level cache a result row streams out (8 MiB: above what

@@ -17,7 +17,7 @@
 extern const kl_backend kl__cpu_backend;
 
 /* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
- * kiln splits its products over its own OpenMP team instead): the first
+ * kiln splits its products over its own thread pool instead): the first
  * kl_ctx_new sets its thread count to 1, the last kl_ctx_free puts it back. */
 void kl__blas_hold(void);
 void kl__blas_release(void);
@@ -70,7 +70,7 @@ kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
 
 /* Products through OpenBLAS (blas.c), row-major as cblas: C = alpha op(A)
  * op(B) + beta C, and y = alpha op(W) x + beta y with y contiguous; f64
- * picks d over s. Split over nt threads of kiln's OpenMP team, OpenBLAS
+ * picks d over s. Split over nt threads of kiln's pool (pool.c), OpenBLAS
  * single-threaded; inside a parallel region, or when small, one call. The
  * enum is cblas's, as an int here so that this header needs no cblas.h. */
 void kl__blas_gemm(int nt, bool f64, int ta, int tb, int m, int n, int k, double alpha,
