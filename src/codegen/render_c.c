@@ -48,10 +48,11 @@ static const char prelude[] =
 	"\tmemcpy(&f, &u, 4);\n"
 	"\treturn f;\n"
 	"}\n"
-	/* libm's expf and tanhf are a call per element, which keeps the simd
-	 * loops around them scalar: glibc declares the vector forms libmvec has
-	 * (within 4 ulp, NaN and inf as the scalar ones) only under -ffast-math,
-	 * so declare them here; the .so is linked with -lm, which brings libmvec. */
+	/* libm's expf, tanhf and erfcf (exact GELU) are a call per element,
+	 * which keeps the simd loops around them scalar: glibc declares the
+	 * vector forms libmvec has (within 4 ulp, NaN and inf as the scalar
+	 * ones) only under -ffast-math, so declare them here; the .so is linked
+	 * with -lm, which brings libmvec. */
 	"#if defined(__x86_64__) && defined(__GLIBC__)\n"
 	"#if __GLIBC_PREREQ(2, 22)\n"
 	"#pragma omp declare simd notinbranch\n"
@@ -60,6 +61,8 @@ static const char prelude[] =
 	"#if __GLIBC_PREREQ(2, 35)\n"
 	"#pragma omp declare simd notinbranch\n"
 	"float tanhf(float);\n"
+	"#pragma omp declare simd notinbranch\n"
+	"float erfcf(float);\n"
 	"#endif\n"
 	"#endif\n"
 	/* kiln's thread pool (pool.c), set when the binary is loaded: the
