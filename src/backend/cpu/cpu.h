@@ -79,6 +79,20 @@ void kl__blas_gemm(int nt, bool f64, int ta, int tb, int m, int n, int k, double
 void kl__blas_gemv(int nt, bool f64, int tw, int rows, int cols, double alpha, const void *W,
                    int ldw, const void *x, int incx, double beta, void *y);
 
+/* kiln's own f32 product for few rows against a row-major weight
+ * (gemm_small.c): C = alpha A W^T + beta C, A m x k, W n x k, both with k
+ * contiguous; kl__gemm_small computes C's columns [j0, j1). Used by
+ * kl__blas_gemm where kl__gemm_small_fits: OpenBLAS's packing costs such
+ * shapes more than their products. */
+typedef struct kl_gemm_small {
+	int m, n, k, lda, ldw, ldc;
+	float alpha, beta;
+	const float *A, *W;
+	float *C;
+} kl_gemm_small;
+bool kl__gemm_small_fits(int m, int n, int k);
+void kl__gemm_small(const kl_gemm_small *g, int j0, int j1);
+
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
  * short exact head and a tail); e^r by Taylor to degree 7, whose truncation
