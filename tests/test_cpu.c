@@ -1463,6 +1463,11 @@ static void test_pool(void **state)
 			pool_check(nt, sizes[i], 0);
 	for (int r = 0; r < 500; r++)
 		pool_check(2 + r % 3, 1 + r % 50, r % 7 == 0 ? 3 : 0);
+	/* a region of few chunks, then one of more, back to back: a worker
+	 * still leaving the first must not claim a chunk of the second (it ran
+	 * twice and the caller waited forever: kiln bench, decoder_token) */
+	for (int r = 0; r < 20000; r++)
+		pool_check(2, r % 2 ? 2 : 8 + r % 5, 0);
 	struct timespec pause = {0, 2000000}; /* past the spin: workers sleep */
 	for (int r = 0; r < 5; r++) {
 		nanosleep(&pause, NULL);
