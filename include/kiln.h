@@ -100,7 +100,7 @@ typedef struct kl_ctx_opts {
 
 /* The most CPU worker threads a context takes (kl_ctx_opts.nthreads); more is
  * KL_EINVAL from kl_ctx_new. 1024 is far above any core count kiln runs on;
- * a team of 65536 overflowed the stack inside libgomp at the first op. */
+ * a team of 65536 once overflowed the stack at the first op. */
 #define KL_MAX_THREADS 1024
 
 /* opts may be NULL for a CPU context. On failure returns NULL and
@@ -111,6 +111,9 @@ typedef struct kl_ctx_opts {
 kl_ctx *kl_ctx_new(const kl_ctx_opts *opts);
 void kl_ctx_free(kl_ctx *ctx);
 kl_device kl_ctx_device(const kl_ctx *ctx);
+/* The CPU worker threads ctx's ops and compiled calls use (kl_ctx_opts.nthreads,
+ * or the cores this process may use when that was 0); 1 for NULL. */
+int kl_ctx_threads(const kl_ctx *ctx);
 /* Wait until every op and compiled call issued on ctx so far has finished on
  * its device (torch.cuda.synchronize): on CUDA a wait on the context's
  * stream, on the CPU nothing (ops have finished when they return). Calls on

@@ -4,11 +4,11 @@
 # apt-get update runs only when something is missing. Root, or sudo.
 set -euo pipefail
 
-# gcc brings libgomp and the ASan/UBSan runtimes; libc6-dev the headers the
+# gcc brings the ASan/UBSan runtimes; libc6-dev the headers the
 # CPU JIT's generated C needs; binutils nm/readelf the install test's checks;
 # python3 the bench comparison (bench/compare.py) and its test; clang the
-# libFuzzer targets (fuzz/), with its compiler-rt (libFuzzer, sanitizers) and
-# OpenMP runtime, named after its version below.
+# libFuzzer targets (fuzz/), with its compiler-rt (libFuzzer, sanitizers),
+# named after its version below (no OpenMP runtime: kiln has its own pool).
 pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang)
 
 installed() {
@@ -32,13 +32,13 @@ if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
 	exit 0
 fi
 
-# clang's runtimes are packaged per version (Debian 12: libclang-rt-14-dev,
-# libomp-14-dev): the version of the clang that is, or will be, installed.
+# clang's runtimes are packaged per version (Debian 12: libclang-rt-14-dev):
+# the version of the clang that is, or will be, installed.
 clang_pkgs() {
 	local v
 	v=$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$/\1/p' | head -n 1)
 	[[ -n $v ]] || return 0
-	for p in "libclang-rt-$v-dev" "libomp-$v-dev"; do
+	for p in "libclang-rt-$v-dev"; do
 		apt-cache show "$p" >/dev/null 2>&1 && echo "$p"
 	done
 	return 0

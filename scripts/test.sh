@@ -18,8 +18,8 @@ cmake --build build -j "$jobs"
 (cd build && ctest --output-on-failure -j "$jobs")
 
 # Sanitized: Debug keeps assertions on; -O1 keeps the numeric tests quick.
-# Leak checking is on. If OpenMP's or OpenBLAS's thread pools ever show up as
-# leaks at exit, tests/lsan.supp is where those libraries' own allocation
+# Leak checking is on. If OpenBLAS's thread pool ever shows up as
+# leaks at exit, tests/lsan.supp is where that library's own allocation
 # sites get named (and only those).
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" \
 	-DKILN_WERROR=ON -DKILN_SANITIZE=ON

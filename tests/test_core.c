@@ -108,6 +108,8 @@ static void test_ctx_and_version(void **state)
 	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = KL_CPU, .nthreads = 3});
 	assert_non_null(ctx);
 	assert_int_equal(ctx->nthreads, 3);
+	assert_int_equal(kl_ctx_threads(ctx), 3);
+	assert_int_equal(kl_ctx_threads(NULL), 1);
 	assert_int_equal(kl_ctx_device(ctx), KL_CPU);
 	assert_string_equal(kl_last_error(ctx), "");
 	assert_int_equal(kl_last_status(ctx), KL_OK);

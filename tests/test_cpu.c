@@ -1359,17 +1359,24 @@ static float cpu_tanhf(float x)
 	return kl__cpu_tanhf(x);
 }
 
+static float cpu_erfcf(float x)
+{
+	return kl__cpu_erfcf(x);
+}
+
 /* every 61st float bit pattern (both signs, subnormals, the largest), then
  * the special values: kl__cpu_expf within 2 ulps of e^x (down into the
- * subnormals, inf past overflow), kl__cpu_tanhf within 3 ulps of tanh */
+ * subnormals, inf past overflow), kl__cpu_tanhf within 3 ulps of tanh,
+ * kl__cpu_erfcf (exact GELU) within 8 ulps of erfc (its tail too) */
 static void test_fast_math(void **state)
 {
 	(void)state;
-	double we = 0, wt = 0;
+	double we = 0, wt = 0, wc = 0;
 	for (uint64_t u = 0; u <= 0xffffffffu; u += 61) {
 		float x = kl__bits_f32((uint32_t)u);
 		fast_check("kl__cpu_expf", cpu_expf, exp, x, 2, &we);
 		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, x, 3, &wt);
+		fast_check("kl__cpu_erfcf", cpu_erfcf, erfc, x, 8, &wc);
 	}
 	const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 0x1p-149f, -0x1p-149f,
 	                         0x1p-127f, -0x1p-127f, 0x1p-126f, 0.55f, -0.55f, 0.5499999f,
@@ -1378,13 +1385,22 @@ static void test_fast_math(void **state)
 	for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) {
 		fast_check("kl__cpu_expf", cpu_expf, exp, special[i], 2, &we);
 		fast_check("kl__cpu_tanhf", cpu_tanhf, tanh, special[i], 3, &wt);
+		fast_check("kl__cpu_erfcf", cpu_erfcf, erfc, special[i], 8, &wc);
 	}
+	const float erfc_edges[] = {0.5f, -0.5f, 0.49999997f, -0.49999997f, 10.5f, 10.0f, 9.2f,
+	                            -10.5f, 26.0f, -26.0f};
+	for (size_t i = 0; i < sizeof erfc_edges / sizeof erfc_edges[0]; i++)
+		fast_check("kl__cpu_erfcf", cpu_erfcf, erfc, erfc_edges[i], 8, &wc);
 	/* signs and exact values where they are exact */
 	assert_true(signbit(kl__cpu_tanhf(-0.0f)) && kl__cpu_tanhf(-0.0f) == 0.0f);
 	assert_true(kl__cpu_tanhf(INFINITY) == 1.0f && kl__cpu_tanhf(-INFINITY) == -1.0f);
 	assert_true(kl__cpu_expf(-INFINITY) == 0.0f && kl__cpu_expf(0.0f) == 1.0f);
 	assert_true(isnan(kl__cpu_expf(NAN)) && isnan(kl__cpu_tanhf(NAN)));
-	print_message("kl__cpu_expf worst %.2f ulps, kl__cpu_tanhf worst %.2f ulps\n", we, wt);
+	assert_true(isnan(kl__cpu_erfcf(NAN)) && kl__cpu_erfcf(INFINITY) == 0.0f &&
+	            kl__cpu_erfcf(-INFINITY) == 2.0f && kl__cpu_erfcf(-0.0f) == 1.0f);
+	print_message("kl__cpu_expf worst %.2f ulps, kl__cpu_tanhf worst %.2f ulps, kl__cpu_erfcf "
+	              "worst %.2f ulps\n",
+	              we, wt, wc);
 }
 
 /* ---- the thread pool (pool.c) --------------------------------------------------- */
@@ -1447,6 +1463,11 @@ static void test_pool(void **state)
 			pool_check(nt, sizes[i], 0);
 	for (int r = 0; r < 500; r++)
 		pool_check(2 + r % 3, 1 + r % 50, r % 7 == 0 ? 3 : 0);
+	/* a region of few chunks, then one of more, back to back: a worker
+	 * still leaving the first must not claim a chunk of the second (it ran
+	 * twice and the caller waited forever: kiln bench, decoder_token) */
+	for (int r = 0; r < 4000; r++)
+		pool_check(2, r % 2 ? 2 : 8 + r % 5, 0);
 	struct timespec pause = {0, 2000000}; /* past the spin: workers sleep */
 	for (int r = 0; r < 5; r++) {
 		nanosleep(&pause, NULL);

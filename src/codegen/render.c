@@ -514,17 +514,17 @@ static uint32_t low_bits(uint32_t dims, int n)
 	return out;
 }
 
-/* pragma for a loop nest: parallel (with an if clause when the size is only
- * known at run time) and/or simd, with reduction clauses */
+/* A loop nest: parallel ones are outlined for kiln's thread pool (pool.c),
+ * their first loop shared out (a run-time condition when the size is only
+ * known at run time); simd ones get the simd pragma, with reduction clauses.
+ * A pass that is a reduction runs serially (the pool has no reduction
+ * clause), and so does a parallel nest inside an outlined one: the pool
+ * shares out the outer range only. */
 static void pragma(rctx *c, bool par, const char *ifcond, int collapse, bool simd,
                    const char *red)
 {
 	const kl_renderer *r = c->r;
-	/* a pass that is a reduction runs serially (the pool has no reduction
-	 * clause); a parallel nest is outlined, its first loop shared out */
-	if (par && red)
-		par = false;
-	if (par && c->pre && !c->outer_sb) {
+	if (par && !red && c->pre && !c->outer_sb) {
 		if (simd && collapse == 1) {
 			begin_outline(c, ifcond, NULL, 0);
 			pragma(c, false, NULL, 1, true, NULL);
@@ -533,19 +533,11 @@ static void pragma(rctx *c, bool par, const char *ifcond, int collapse, bool sim
 		}
 		return;
 	}
-	kl_sb extra = {0};
-	if (ifcond && par)
-		kl__sb_printf(&extra, r->if_fmt, ifcond);
-	if (red)
-		kl__sb_puts(&extra, red);
+	if (!simd)
+		return;
 	indent(c);
-	if (par)
-		kl__sb_printf(c->sb, simd ? r->par_for_simd_fmt : r->par_for_fmt, collapse,
-		              kl__sb_str(&extra));
-	else if (simd)
-		kl__sb_printf(c->sb, r->simd_fmt, collapse, kl__sb_str(&extra));
+	kl__sb_printf(c->sb, r->simd_fmt, collapse, red ? red : "");
 	kl__sb_puts(c->sb, "\n");
-	kl__sb_free(&extra);
 }
 
 /* parallelize when worth it: returns whether, and the run-time condition */

@@ -38,12 +38,7 @@ typedef struct kl_renderer {
 	 * type, i, const-qualifier, memory type, i, i (a format may skip the last) */
 	const char *buf_decl_fmt;
 	const char *index_t;            /* type of loop variables and indices */
-	/* "parallel for over the next n loops": %d = n, %s = an extra clause */
-	const char *par_for_fmt;
-	const char *par_for_simd_fmt;
 	const char *simd_fmt;           /* vectorizable loops: %d = n, %s = an extra clause */
-
-	const char *if_fmt;             /* clause: %s = condition */
 	const char *sym_fmt;            /* the value of symbol k: %d = k - 1 */
 	double par_threshold;           /* parallelize loops visiting at least this many elements */
 	/* A row kernel's f32 output rows of at least this many bytes in all

@@ -1,7 +1,8 @@
-/* render_c.c - the C renderer: spellings for C with OpenMP simd pragmas (the
- * parallel nests are outlined for kiln's thread pool: render.c) and the helpers every
- * generated C translation unit begins with (half-precision conversions,
- * NaN-propagating max/min, saturating float->int casts, Philox).
+/* render_c.c - the C renderer: spellings for C with OpenMP simd pragmas only
+ * (no OpenMP runtime: the parallel nests are outlined for kiln's thread pool,
+ * render.c) and the helpers every generated C translation unit begins with
+ * (half-precision conversions, NaN-propagating max/min, saturating
+ * float->int casts, Philox).
  *
  * The math here is the contract with the CPU backend and the reference: f16
  * and bf16 convert in registers with round-to-nearest-even, integer
@@ -47,10 +48,11 @@ static const char prelude[] =
 	"\tmemcpy(&f, &u, 4);\n"
 	"\treturn f;\n"
 	"}\n"
-	/* libm's expf and tanhf are a call per element, which keeps the simd
-	 * loops around them scalar: glibc declares the vector forms libmvec has
-	 * (within 4 ulp, NaN and inf as the scalar ones) only under -ffast-math,
-	 * so declare them here; the .so is linked with -lm, which brings libmvec. */
+	/* libm's expf, tanhf and erfcf (exact GELU) are a call per element,
+	 * which keeps the simd loops around them scalar: glibc declares the
+	 * vector forms libmvec has (within 4 ulp, NaN and inf as the scalar
+	 * ones) only under -ffast-math, so declare them here; the .so is linked
+	 * with -lm, which brings libmvec. */
 	"#if defined(__x86_64__) && defined(__GLIBC__)\n"
 	"#if __GLIBC_PREREQ(2, 22)\n"
 	"#pragma omp declare simd notinbranch\n"
@@ -59,6 +61,8 @@ static const char prelude[] =
 	"#if __GLIBC_PREREQ(2, 35)\n"
 	"#pragma omp declare simd notinbranch\n"
 	"float tanhf(float);\n"
+	"#pragma omp declare simd notinbranch\n"
+	"float erfcf(float);\n"
 	"#endif\n"
 	"#endif\n"
 	/* kiln's thread pool (pool.c), set when the binary is loaded: the
@@ -376,10 +380,7 @@ const kl_renderer kl__render_c = {
 	.kernel_fmt = "void %s(void *const *B, const int64_t *S)",
 	.buf_decl_fmt = "\t%s%s *restrict b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
 	.index_t = "int64_t",
-	.par_for_fmt = "#pragma omp parallel for collapse(%d)%s",
-	.par_for_simd_fmt = "#pragma omp parallel for simd collapse(%d)%s",
 	.simd_fmt = "#pragma omp simd collapse(%d)%s",
-	.if_fmt = " if(%s)",
 	.sym_fmt = "S[%d]",
 	.par_threshold = 32768,
 	/* past the last-level cache a result row streams out (8 MiB: above what

@@ -167,6 +167,11 @@ kl_device kl_ctx_device(const kl_ctx *ctx)
 	return ctx ? ctx->device : KL_CPU;
 }
 
+int kl_ctx_threads(const kl_ctx *ctx)
+{
+	return ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+}
+
 kl_status kl_memory_stats(kl_ctx *ctx, kl_memory_usage *out)
 {
 	if (!ctx)

@@ -177,12 +177,6 @@ static double median(double *v, int n)
 	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static int online_cpus(void)
-{
-	long n = sysconf(_SC_NPROCESSORS_ONLN);
-	return n > 0 ? (int)n : 1;
-}
-
 /* ---- the CPU's memory bandwidth ----------------------------------------------- */
 
 typedef struct kt_copy_job {
@@ -751,7 +745,8 @@ static void usage(FILE *f)
 	        "  --iters N      exactly N timed calls after the warm-up\n"
 	        "  --warmup N     N warm-up calls (default: CPU 1 when the first call was\n"
 	        "                 short, CUDA %d)\n"
-	        "  --threads N    CPU worker threads (default: all cores)\n"
+	        "  --threads N    CPU worker threads (default: the cores this process may\n"
+	        "                 use: affinity mask, cgroup quota)\n"
 	        "  --cold         instead of the table: the first call of one workload's\n"
 	        "                 compiled form (default swiglu_ffn) with an empty kernel\n"
 	        "                 cache (a cold compile), then in a second process that\n"
@@ -966,7 +961,9 @@ int kt_bench_main(int argc, char **argv)
 		return 0;
 	}
 	bool gpu = kl_ctx_device(ctx) == KL_CUDA;
-	int threads = o.threads ? o.threads : online_cpus();
+	/* the context's: --threads, else the cores this process may use
+	 * (affinity mask, cgroup quota), not the machine's online count */
+	int threads = kl_ctx_threads(ctx);
 	if (!o.json) {
 		if (gpu)
 			printf("kiln %s bench: device cuda\n", kl_version());

@@ -40,8 +40,10 @@ void kl__blas_release(void)
 	pthread_mutex_unlock(&hold_lock);
 }
 
-/* Multiply-adds below which one call beats a parallel region. */
+/* Multiply-adds below which one call beats a parallel region; kiln's small
+ * product (about twice OpenBLAS's rate on such shapes) needs more. */
 #define GEMM_PAR_MIN (1 << 17)
+#define SMALL_PAR_MIN (1 << 21)
 
 /* [lo, hi) of n items for thread t of nt, in multiples of align. */
 static void share(int n, int t, int nt, int align, int *lo, int *hi)
@@ -93,10 +95,50 @@ static void gemm_chunk(void *arg, int64_t p0, int64_t p1)
 	}
 }
 
+typedef struct small_job {
+	kl_gemm_small g;
+	int pieces;
+} small_job;
+
+static void small_chunk(void *arg, int64_t p0, int64_t p1)
+{
+	const small_job *j = arg;
+	for (int64_t p = p0; p < p1; p++) {
+		int lo, hi;
+		share(j->g.n, (int)p, j->pieces, 4, &lo, &hi);
+		if (lo < hi)
+			kl__gemm_small(&j->g, lo, hi);
+	}
+}
+
 void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, double alpha,
                    const void *A, int lda, const void *B, int ldb, double beta, void *C, int ldc)
 {
 	CBLAS_TRANSPOSE ta = (CBLAS_TRANSPOSE)ta_, tb = (CBLAS_TRANSPOSE)tb_;
+	if (!f64 && ta == CblasNoTrans && tb == CblasTrans && kl__gemm_small_fits(m, n, k)) {
+		/* few rows times a row-major weight (x W^T): kiln's own product
+		 * (gemm_small.c), one share of C's columns a thread (in multiples
+		 * of 4) when there is enough of it. On the busy 2-core machine
+		 * (load 10-12) mlp24's 8x256x256 steps (6-12 us each) took the
+		 * call 0.45-0.49 ms on one thread, 0.46-0.70 ms split in two and
+		 * 0.92-1.18 ms in eight pieces (cause not found). */
+		small_job j = {.g = {.m = m,
+		                     .n = n,
+		                     .k = k,
+		                     .lda = lda,
+		                     .ldw = ldb,
+		                     .ldc = ldc,
+		                     .alpha = (float)alpha,
+		                     .beta = (float)beta,
+		                     .A = A,
+		                     .W = B,
+		                     .C = C}};
+		bool par = nt > 1 && !kl__par_active() && (double)m * n * k >= SMALL_PAR_MIN &&
+		           n >= 32 * nt;
+		j.pieces = par ? nt : 1;
+		kl__par_for(par ? nt : 1, j.pieces, small_chunk, &j);
+		return;
+	}
 	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||
 	    (m < 2 * nt && n < 16 * nt)) {
 		gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);

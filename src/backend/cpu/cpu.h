@@ -17,7 +17,7 @@
 extern const kl_backend kl__cpu_backend;
 
 /* OpenBLAS runs single-threaded while a context is alive (backend/cpu/blas.c:
- * kiln splits its products over its own OpenMP team instead): the first
+ * kiln splits its products over its own thread pool instead): the first
  * kl_ctx_new sets its thread count to 1, the last kl_ctx_free puts it back. */
 void kl__blas_hold(void);
 void kl__blas_release(void);
@@ -70,7 +70,7 @@ kl_status kl__cpu_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
 
 /* Products through OpenBLAS (blas.c), row-major as cblas: C = alpha op(A)
  * op(B) + beta C, and y = alpha op(W) x + beta y with y contiguous; f64
- * picks d over s. Split over nt threads of kiln's OpenMP team, OpenBLAS
+ * picks d over s. Split over nt threads of kiln's pool (pool.c), OpenBLAS
  * single-threaded; inside a parallel region, or when small, one call. The
  * enum is cblas's, as an int here so that this header needs no cblas.h. */
 void kl__blas_gemm(int nt, bool f64, int ta, int tb, int m, int n, int k, double alpha,
@@ -78,6 +78,20 @@ void kl__blas_gemm(int nt, bool f64, int ta, int tb, int m, int n, int k, double
                    int ldc);
 void kl__blas_gemv(int nt, bool f64, int tw, int rows, int cols, double alpha, const void *W,
                    int ldw, const void *x, int incx, double beta, void *y);
+
+/* kiln's own f32 product for few rows against a row-major weight
+ * (gemm_small.c): C = alpha A W^T + beta C, A m x k, W n x k, both with k
+ * contiguous; kl__gemm_small computes C's columns [j0, j1). Used by
+ * kl__blas_gemm where kl__gemm_small_fits: OpenBLAS's packing costs such
+ * shapes more than their products. */
+typedef struct kl_gemm_small {
+	int m, n, k, lda, ldw, ldc;
+	float alpha, beta;
+	const float *A, *W;
+	float *C;
+} kl_gemm_small;
+bool kl__gemm_small_fits(int m, int n, int k);
+void kl__gemm_small(const kl_gemm_small *g, int j0, int j1);
 
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
@@ -132,6 +146,45 @@ static inline float kl__cpu_tanhf(float x)
 	float big = 1.0f - 2.0f / (kl__cpu_expf(2.0f * ac) + 1.0f);
 	big = x < 0 ? -big : big;
 	return ax < 0.55f ? small : big;
+}
+
+/* erfc in float, branch-free (libm's erfcf is a call per element: exact
+ * GELU's epilogue spent as long in it as in its product). |x| < 0.5:
+ * 1 - x P(x^2), P a least-squares fit of erf(x)/x (relative error 6e-8).
+ * Above: erfc(|x|) = e^-x^2 R(t), t = 1/(1 + |x|/2), R a fit of degree 9 in
+ * t of erfc(x) e^(x^2) on [0.5, 10.5] (relative error 3e-8); e^-x^2 as
+ * e^-h^2 e^-(x-h)(x+h) with h x's leading 12 bits (h^2 exact), so that x^2's
+ * rounding does not cost ~x^2 ulps; |x| capped at 10.5, past which erfc is
+ * below half the least subnormal (0); erfc(-|x|) = 2 - erfc(|x|). Within
+ * 7 ulp (4e-7 relative) against double's erfc over every 61st float of
+ * [-11, 11]; NaN gives NaN, +inf 0, -inf 2. */
+static inline float kl__cpu_erfcf(float x)
+{
+	float z = x * x;
+	float p = 4.717543721e-03f;
+	p = p * z - 2.675696090e-02f;
+	p = p * z + 1.128281951e-01f;
+	p = p * z - 3.761260808e-01f;
+	p = p * z + 1.128379107e+00f;
+	float small = 1.0f - x * p;
+	float ax = x < 0 ? -x : x;
+	float a = ax > 10.5f ? 10.5f : ax; /* NaN stays NaN */
+	a = a < 0.5f ? 0.5f : a;
+	float t = 1.0f / (1.0f + 0.5f * a);
+	float r = -7.389768213e-02f;
+	r = r * t + 3.489510417e-01f;
+	r = r * t - 6.065953374e-01f;
+	r = r * t + 4.017040730e-01f;
+	r = r * t - 1.050492004e-01f;
+	r = r * t + 2.341403663e-01f;
+	r = r * t + 2.351631224e-01f;
+	r = r * t + 2.835870683e-01f;
+	r = r * t + 2.819853425e-01f;
+	r = r * t + 3.500574167e-06f;
+	float h = kl__bits_f32(kl__f32_bits(a) & 0xfffff000u);
+	float big = r * kl__cpu_expf(-h * h) * kl__cpu_expf(-(a - h) * (a + h));
+	big = x < 0 ? 2.0f - big : big;
+	return ax < 0.5f ? small : big;
 }
 
 /* Integers narrow by wrapping (two's complement), as torch does. */

@@ -290,7 +290,7 @@ KL_CPU_CLONES static bool un_f32(const pw_plan *w, const float *A, float *restri
 	case KL_OP_TANH: UN_LOOP(float, kl__cpu_tanhf(a)); break;
 	case KL_OP_SIGMOID: UN_LOOP(float, sigmoidf_(a)); break;
 	case KL_OP_RELU: UN_LOOP(float, a < 0 ? 0.0f : a); break;
-	case KL_OP_GELU: UN_LOOP(float, 0.5f * a * erfcf(-a * c1)); break;
+	case KL_OP_GELU: UN_LOOP(float, 0.5f * a * kl__cpu_erfcf(-a * c1)); break;
 	case KL_OP_GELU_TANH:
 		UN_LOOP(float, a * sigmoidf_(2.0f * c2 * (a + 0.044715f * a * a * a)));
 		break;

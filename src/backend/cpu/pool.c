@@ -115,15 +115,19 @@ static void run_chunks(uint32_t g)
 		uint64_t t = atomic_load(&P.ticket);
 		if ((uint32_t)(t >> 32) != g)
 			return;
-		kl_par_fn fn = (kl_par_fn)atomic_load_explicit(&P.fn, memory_order_relaxed);
-		void *arg = (void *)atomic_load_explicit(&P.arg, memory_order_relaxed);
-		int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed);
-		int64_t nch = atomic_load_explicit(&P.nchunks, memory_order_relaxed);
+		/* acquire: a field of the next region read here orders its
+		 * caller's closing of the ticket (kl__par_for) before the claim
+		 * below, which then fails */
+		kl_par_fn fn = (kl_par_fn)atomic_load_explicit(&P.fn, memory_order_acquire);
+		void *arg = (void *)atomic_load_explicit(&P.arg, memory_order_acquire);
+		int64_t n = atomic_load_explicit(&P.n, memory_order_acquire);
+		int64_t nch = atomic_load_explicit(&P.nchunks, memory_order_acquire);
 		int64_t c = (int64_t)(t & 0xffffffffu);
 		if (c >= nch)
 			return;
-		/* the fields are region g's: another region writes them only after
-		 * every chunk of g was claimed, which moves the ticket past t */
+		/* the fields are region g's when the claim succeeds: another
+		 * region writes them only after every chunk of g was claimed and
+		 * after closing the ticket, either of which moves it past t */
 		if (!atomic_compare_exchange_weak(&P.ticket, &t, t + 1))
 			continue;
 		fn(arg, n * c / nch, n * (c + 1) / nch);
@@ -223,14 +227,21 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 		nch = n;
 	if (nch > INT32_MAX)
 		nch = INT32_MAX;
-	atomic_store_explicit(&P.fn, (uintptr_t)fn, memory_order_relaxed);
-	atomic_store_explicit(&P.arg, (uintptr_t)arg, memory_order_relaxed);
-	atomic_store_explicit(&P.n, n, memory_order_relaxed);
-	atomic_store_explicit(&P.nchunks, nch, memory_order_relaxed);
+	uint32_t g = atomic_load(&P.gen) + 1;
+	/* Close the ticket before the fields change: a worker still in the
+	 * last region's run_chunks may have read its ticket (all claimed) and
+	 * then read this region's larger nchunks; its claim must fail, or it
+	 * runs a chunk of this region twice and done overshoots nchunks (a
+	 * hang in the wait below: seen in kiln bench, a region of 2 chunks
+	 * followed by one of 8). No chunk index reaches 0xffffffff. */
+	atomic_store(&P.ticket, (uint64_t)g << 32 | 0xffffffffu);
+	atomic_store_explicit(&P.fn, (uintptr_t)fn, memory_order_release);
+	atomic_store_explicit(&P.arg, (uintptr_t)arg, memory_order_release);
+	atomic_store_explicit(&P.n, n, memory_order_release);
+	atomic_store_explicit(&P.nchunks, nch, memory_order_release);
 	atomic_store(&P.done, 0);
 	atomic_store(&P.waiting, 0);
 	atomic_store(&P.want, w);
-	uint32_t g = atomic_load(&P.gen) + 1;
 	atomic_store(&P.ticket, (uint64_t)g << 32);
 	atomic_store(&P.gen, g);
 	if (atomic_load(&P.sleepers) > 0)
