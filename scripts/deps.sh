@@ -8,8 +8,10 @@ set -euo pipefail
 # CPU JIT's generated C needs; binutils nm/readelf the install test's checks;
 # python3 the bench comparison (bench/compare.py) and its test; clang the
 # libFuzzer targets (fuzz/), with its compiler-rt (libFuzzer, sanitizers) and
-# OpenMP runtime, named after its version below.
-pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang)
+# OpenMP runtime, named after its version below. libopenmpi-dev and
+# openmpi-bin (mpirun): libkiln_dist's CPU backend and its tests (dist_*).
+pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang
+	libopenmpi-dev openmpi-bin)
 
 installed() {
 	[[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
