@@ -59,7 +59,9 @@ static double *host_f64(kl_tensor *t)
 {
 	int64_t n = kl_numel(t);
 	double *out = malloc((size_t)n * sizeof *out + 8);
+	bool grad = kl_set_grad_enabled(kl_tensor_ctx(t), false); /* t may be a parameter */
 	kl_tensor *w = kl_cast(t, KL_F64);
+	kl_set_grad_enabled(kl_tensor_ctx(t), grad);
 	if (!w || kl_to_host(w, out, (size_t)n * sizeof *out) != KL_OK) {
 		CHECK(0, "host_f64: %s", kl_last_error(kl_tensor_ctx(t)));
 		memset(out, 0, (size_t)n * sizeof *out);
@@ -196,8 +198,8 @@ static void collectives(kl_ctx *ctx, kl_comm *c)
 	      "bad root: %s", kl_last_error(ctx));
 	int64_t odd[2] = {2 * N + 1, 3};
 	kl_tensor *u = input(ctx, KL_F32, 2, odd, me, 1);
-	CHECK(!kl_comm_reduce_scatter(c, u, KL_REDUCE_SUM) &&
-	          strstr(kl_last_error(ctx), "kl_comm_reduce_scatter: dim 0"),
+	CHECK(N == 1 || (!kl_comm_reduce_scatter(c, u, KL_REDUCE_SUM) &&
+	                 strstr(kl_last_error(ctx), "kl_comm_reduce_scatter: dim 0")),
 	      "odd reduce_scatter: %s", kl_last_error(ctx));
 	CHECK(kl_comm_all_reduce(c, NULL, KL_REDUCE_SUM) == KL_EINVAL &&
 	          strstr(kl_last_error(ctx), "kl_comm_all_reduce: tensor is NULL"),
@@ -465,6 +467,11 @@ int main(int argc, char **argv)
 		exit_early(ctx, c, timeout);
 	else
 		CHECK(0, "unknown mode %s", argv[1]);
+	/* every tensor the test and libkiln_dist made is gone (LeakSanitizer is
+	 * off under mpirun: Open MPI's own leaks cannot be told apart) */
+	kl_memory_usage mu = {0};
+	CHECK(kl_memory_stats(ctx, &mu) == KL_OK && mu.in_use == 0, "%zu bytes of tensors left",
+	      mu.in_use);
 	if (!g_fail && g_rank == 0)
 		printf("dist_test %s: %d ranks ok\n", argv[1], kl_comm_size(c));
 	kl_comm_free(c);

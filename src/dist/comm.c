@@ -411,10 +411,13 @@ static void *stage_in(kl_comm *c, dist_kind k, kl_tensor *t, int64_t extra, size
 		             kl__dist_kind_name(k), nb * (size_t)extra);
 		return NULL;
 	}
+	/* moving values is not part of any gradient: nothing goes on the tape */
+	bool grad = kl_set_grad_enabled(c->ctx, false);
 	kl_scope_begin(c->ctx);
 	kl_tensor *src = kl_tensor_dtype(t) == w ? t : kl_cast(t, w);
 	kl_status st = src ? kl_to_host(src, buf, nb) : kl_last_status(c->ctx);
 	kl_scope_end(c->ctx);
+	kl_set_grad_enabled(c->ctx, grad);
 	if (st != KL_OK) {
 		free(buf);
 		return NULL;
@@ -426,10 +429,12 @@ static void *stage_in(kl_comm *c, dist_kind k, kl_tensor *t, int64_t extra, size
 static kl_status stage_out(kl_comm *c, kl_tensor *dst, const void *buf, size_t nbytes)
 {
 	kl_dtype w = wire_dtype(kl_tensor_dtype(dst));
+	bool grad = kl_set_grad_enabled(c->ctx, false);
 	kl_scope_begin(c->ctx);
 	kl_tensor *src = kl_from_host(c->ctx, w, kl_ndim(dst), kl_shape(dst), buf, nbytes);
 	kl_status st = src ? kl_copy(dst, src) : kl_last_status(c->ctx);
 	kl_scope_end(c->ctx);
+	kl_set_grad_enabled(c->ctx, grad);
 	return st;
 }
 
@@ -636,12 +641,14 @@ static kl_tensor *run_gather_scatter(kl_comm *c, dist_kind k, kl_tensor *t, kl_r
 		out = kl_from_host(c->ctx, w, nd, shape, res, onb);
 	} else if (st == KL_OK) {
 		kl_tensor *wide = NULL;
+		bool grad = kl_set_grad_enabled(c->ctx, false);
 		kl_scope_begin(c->ctx);
 		if ((wide = kl_from_host(c->ctx, w, nd, shape, res, onb)))
 			kl_retain(wide);
 		kl_scope_end(c->ctx);
 		out = wide ? kl_cast(wide, kl_tensor_dtype(t)) : NULL;
 		kl_release(wide);
+		kl_set_grad_enabled(c->ctx, grad);
 	}
 	free(res);
 	return out;

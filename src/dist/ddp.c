@@ -149,6 +149,7 @@ kl_status kl_ddp_sync_grads(kl_ddp *d)
 		}
 	}
 	kl_status st = KL_OK;
+	bool grad = kl_set_grad_enabled(ctx, false); /* nothing here goes on the tape */
 	for (int b = 0; st == KL_OK && b < d->nbuckets; b++) {
 		ddp_bucket *bk = &d->buckets[b];
 		kl_scope_begin(ctx);
@@ -172,5 +173,6 @@ kl_status kl_ddp_sync_grads(kl_ddp *d)
 		}
 		kl_scope_end(ctx);
 	}
+	kl_set_grad_enabled(ctx, grad);
 	return st;
 }
