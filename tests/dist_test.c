@@ -10,6 +10,9 @@
  *                          loss against a single-process run on the whole
  *                          batch (N x each rank's)
  *   dist_test train_adamw  the same with AdamW (see g_adamw's tolerance)
+ *   dist_test rendezvous   the TCP hand-over of NCCL's id (MASTER_ADDR/PORT)
+ *                          rank 0 to the others, a world size that differs,
+ *                          nobody connecting, nobody listening
  *   dist_test mismatch     one rank all-reduces another shape: every rank
  *                          fails naming the rank and the collective
  *   dist_test exit         the last rank leaves after 2 collectives: the
@@ -21,11 +24,14 @@
 #include <kiln_dist.h>
 #include <kiln_nn.h>
 
+#include "dist/dist.h" /* the TCP rendezvous, tested directly */
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static int g_rank = -1;
 /* train_adamw: AdamW, whose update (lr * m / sqrt(v)) can move a parameter
@@ -437,6 +443,66 @@ static void exit_early(kl_ctx *ctx, kl_comm *c, double timeout)
 	}
 }
 
+static void rendezvous(kl_ctx *ctx, kl_comm *c)
+{
+	int N = kl_comm_size(c), me = kl_comm_rank(c);
+	unsigned char blob[128], got[128];
+	for (int i = 0; i < 128; i++)
+		blob[i] = (unsigned char)(i * 37 + 11);
+	for (int round = 0; round < 2; round++) {
+		/* rank 0 listens on a free port and tells the others which */
+		int port = 0, fd = -1;
+		if (me == 0) {
+			fd = kl__dist_tcp_listen(ctx, 0, &port);
+			CHECK(fd >= 0, "listen: %s", kl_last_error(ctx));
+		}
+		kl_tensor *pt = kl_scalar(ctx, KL_I64, port);
+		CHECK(kl_comm_broadcast(c, pt, 0) == KL_OK, "port: %s", kl_last_error(ctx));
+		double pv = 0;
+		kl_item(pt, &pv);
+		kl_release(pt);
+		port = (int)pv;
+		if (me == 0) {
+			kl_status st = kl__dist_tcp_serve(ctx, fd, N, 10, blob, sizeof blob);
+			CHECK(st == KL_OK, "serve: %s", kl_last_error(ctx));
+		} else {
+			/* round 1: the last rank believes in one rank more */
+			bool liar = round == 1 && me == N - 1;
+			memset(got, 0, sizeof got);
+			kl_status st = kl__dist_tcp_fetch(ctx, me, liar ? N + 1 : N, "127.0.0.1", port,
+			                                  10, got, sizeof got);
+			if (liar) {
+				char want[96];
+				snprintf(want, sizeof want, "WORLD_SIZE is %d here but %d on rank 0", N + 1,
+				         N);
+				CHECK(st == KL_EINVAL && strstr(kl_last_error(ctx), want), "liar: %s",
+				      kl_last_error(ctx));
+			} else {
+				CHECK(st == KL_OK && !memcmp(got, blob, sizeof blob), "fetch: %s",
+				      st ? kl_last_error(ctx) : "wrong bytes");
+			}
+		}
+		CHECK(kl_comm_barrier(c) == KL_OK, "barrier: %s", kl_last_error(ctx));
+	}
+	/* nobody connects / nobody listens: errors within the timeout */
+	double t0 = now_s();
+	if (me == 0) {
+		int port = 0, fd = kl__dist_tcp_listen(ctx, 0, &port);
+		kl_status st = kl__dist_tcp_serve(ctx, fd, N, 0.3, blob, sizeof blob);
+		CHECK(st == KL_ESTATE && strstr(kl_last_error(ctx), "connected within"), "serve: %s",
+		      kl_last_error(ctx));
+	} else {
+		/* a port rank 0 listened on and closed: nobody there */
+		int port = 0, fd = kl__dist_tcp_listen(ctx, 0, &port);
+		close(fd);
+		kl_status st = kl__dist_tcp_fetch(ctx, me, N, "127.0.0.1", port, 0.3, got, sizeof got);
+		CHECK(st == KL_ESTATE && strstr(kl_last_error(ctx), "did not listen at MASTER_ADDR"),
+		      "fetch: %s", kl_last_error(ctx));
+	}
+	CHECK(now_s() - t0 < 3, "took %.1f s", now_s() - t0);
+	CHECK(kl_comm_barrier(c) == KL_OK, "barrier: %s", kl_last_error(ctx));
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2) {
@@ -461,6 +527,8 @@ int main(int argc, char **argv)
 		collectives(ctx, c);
 	else if (!strcmp(argv[1], "train") || !strcmp(argv[1], "train_adamw"))
 		g_adamw = argv[1][5] != 0, train(ctx, c);
+	else if (!strcmp(argv[1], "rendezvous"))
+		rendezvous(ctx, c);
 	else if (!strcmp(argv[1], "mismatch"))
 		mismatch(ctx, c);
 	else if (!strcmp(argv[1], "exit"))

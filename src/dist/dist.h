@@ -53,6 +53,17 @@ double kl__dist_now(void);
 /* Sleep a little while polling (grows from 20 us to 1 ms with *spins). */
 void kl__dist_backoff(int *spins);
 
+/* rendezvous.c: rank 0's blob (the NCCL id) to the other ranks over TCP.
+ * listen: a socket on port (0: any; *bound_port says which), -1 and the
+ * error set on failure. serve: hand blob to size - 1 ranks, then close fd.
+ * fetch: connect to addr:port (retrying) and read the blob. Each step is
+ * bounded by timeout seconds and fails naming the rank and the values. */
+int kl__dist_tcp_listen(kl_ctx *ctx, int port, int *bound_port);
+kl_status kl__dist_tcp_serve(kl_ctx *ctx, int fd, int size, double timeout, const void *blob,
+                             size_t len);
+kl_status kl__dist_tcp_fetch(kl_ctx *ctx, int rank, int size, const char *addr, int port,
+                             double timeout, void *blob, size_t len);
+
 /* nccl.c: KL_EDEVICE naming what is missing when NCCL cannot be used */
 kl_status kl__nccl_init(kl_comm *c, const kl_comm_opts *opts);
 void kl__nccl_free(kl_comm *c);

@@ -4,8 +4,9 @@
  *
  * Rank and size come from the environment (RANK/WORLD_SIZE as torchrun
  * sets them, else OMPI_COMM_WORLD_RANK/SIZE); rank 0 makes the NCCL id and
- * writes it to the rendezvous file (written to a temporary name, then
- * renamed), the others poll for it up to the timeout. Collectives run on
+ * hands it over TCP (MASTER_ADDR/MASTER_PORT, rendezvous.c) or writes it to
+ * the rendezvous file (a temporary name, then renamed), where the others
+ * poll for it up to the timeout. Collectives run on
  * the context's stream; the call waits for the stream (cuStreamQuery,
  * polled) up to the timeout and aborts the NCCL communicator past it, so a
  * missing rank is an error, never a hang. The cross-rank check of each call
@@ -118,7 +119,30 @@ static bool env_rank(const char *a, const char *b, long *out)
 	return !*end;
 }
 
-/* rank 0 writes the id; the others wait for it */
+/* MASTER_ADDR/MASTER_PORT: over TCP (rendezvous.c) */
+static kl_status rendezvous_tcp(kl_comm *c, const char *addr, const char *port_s, nccl_id *id)
+{
+	char *end = NULL;
+	long port = strtol(port_s, &end, 10);
+	if (*end || port < 1 || port > 65535)
+		return kl_set_error(c->ctx, KL_EINVAL, "kl_comm_init: MASTER_PORT \"%.16s\" is not a "
+		                    "port (1-65535)", port_s);
+	if (c->rank != 0)
+		return kl__dist_tcp_fetch(c->ctx, c->rank, c->size, addr, (int)port, c->timeout_s, id,
+		                          sizeof *id);
+	int fd = kl__dist_tcp_listen(c->ctx, (int)port, NULL);
+	if (fd < 0)
+		return kl_last_status(c->ctx);
+	int r = api.GetUniqueId(id);
+	if (r != NCCL_OK) {
+		close(fd);
+		return kl_set_error(c->ctx, KL_EDEVICE, "kl_comm_init: ncclGetUniqueId: %s",
+		                    api.GetErrorString(r));
+	}
+	return kl__dist_tcp_serve(c->ctx, fd, c->size, c->timeout_s, id, sizeof *id);
+}
+
+/* rank 0 writes the id to a file; the others wait for it */
 static kl_status rendezvous(kl_comm *c, const char *path, nccl_id *id)
 {
 	if (c->rank == 0) {
@@ -177,9 +201,12 @@ kl_status kl__nccl_init(kl_comm *c, const kl_comm_opts *opts)
 	c->rank = (int)rank;
 	c->size = (int)size;
 	const char *path = opts->rendezvous_file ? opts->rendezvous_file : getenv("KILN_DIST_FILE");
-	if (!path || !*path)
+	const char *maddr = getenv("MASTER_ADDR"), *mport = getenv("MASTER_PORT");
+	bool tcp = !opts->rendezvous_file && maddr && *maddr && mport && *mport;
+	if (!tcp && (!path || !*path))
 		return kl_set_error(c->ctx, KL_EINVAL,
-		                    "kl_comm_init: the NCCL backend needs a rendezvous file "
+		                    "kl_comm_init: the NCCL backend needs MASTER_ADDR and MASTER_PORT "
+		                    "(as torchrun sets them) or a rendezvous file "
 		                    "(opts.rendezvous_file or KILN_DIST_FILE)");
 	struct kl_nccl *n = calloc(1, sizeof *n);
 	if (!n)
@@ -189,7 +216,7 @@ kl_status kl__nccl_init(kl_comm *c, const kl_comm_opts *opts)
 	n->cu = d->cu;
 	c->nccl = n;
 	nccl_id id;
-	st = rendezvous(c, path, &id);
+	st = tcp ? rendezvous_tcp(c, maddr, mport, &id) : rendezvous(c, path, &id);
 	if (st != KL_OK)
 		return st;
 	api.CtxSetCurrent(n->cu);
