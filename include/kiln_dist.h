@@ -8,8 +8,9 @@
  *  - KL_COMM_NCCL: NCCL, loaded with dlopen (libnccl.so.2) like the rest of
  *    the CUDA stack, on tensors of a CUDA context, on its stream. Rank and
  *    size come from the environment as torchrun sets them (RANK, WORLD_SIZE;
- *    under mpirun OMPI_COMM_WORLD_RANK/SIZE), the NCCL id through a file
- *    (opts.rendezvous_file, else $KILN_DIST_FILE) that rank 0 writes.
+ *    under mpirun OMPI_COMM_WORLD_RANK/SIZE), the NCCL id from rank 0 over
+ *    TCP at MASTER_ADDR:MASTER_PORT (torchrun's variables), else through a
+ *    file (opts.rendezvous_file, else $KILN_DIST_FILE) that rank 0 writes.
  * KL_COMM_AUTO picks NCCL for a CUDA context, MPI for a CPU one.
  *
  * Every collective is checked before it moves data: each rank's call (which
@@ -44,7 +45,8 @@ typedef struct kl_comm_opts {
 	/* seconds a collective waits for the other ranks before it fails
 	 * (0: $KILN_DIST_TIMEOUT, else 300) */
 	double timeout_s;
-	/* NCCL's rendezvous file (NULL: $KILN_DIST_FILE) */
+	/* NCCL's rendezvous file (NULL: MASTER_ADDR/MASTER_PORT if set, else
+	 * $KILN_DIST_FILE) */
 	const char *rendezvous_file;
 } kl_comm_opts;
 
