@@ -9,7 +9,10 @@ set -euo pipefail
 # python3 the bench comparison (bench/compare.py) and its test; clang the
 # libFuzzer targets (fuzz/), with its compiler-rt (libFuzzer, sanitizers),
 # named after its version below (no OpenMP runtime: kiln has its own pool).
-pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang)
+# libopenmpi-dev and openmpi-bin (mpirun): libkiln_dist's CPU backend and its
+# tests (dist_*).
+pkgs=(cmake gcc libc6-dev make pkg-config libopenblas-dev libcmocka-dev binutils python3 clang
+	libopenmpi-dev openmpi-bin)
 
 installed() {
 	[[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]

@@ -13,6 +13,7 @@ as file:line with the rule it breaks, and the script exits 1. The layers
 (docs/design.md, "Layers"):
 
   tools -> api, nn        nn -> (public headers only)
+  dist -> backend, core (a library of its own beside libkiln; kiln_dist.h)
   api -> capture, runtime, backend, plan, graph, core
   capture -> runtime, graph, core
   runtime -> lower, codegen, backend, plan, graph, core
@@ -28,6 +29,7 @@ import sys
 ALLOWED = {
     "tools": {"api", "nn"},
     "nn": set(),
+    "dist": {"backend", "core"},
     "api": {"capture", "runtime", "backend", "plan", "graph", "core"},
     "capture": {"runtime", "graph", "core"},
     "runtime": {"lower", "codegen", "backend", "plan", "graph", "core"},
@@ -40,7 +42,7 @@ ALLOWED = {
 }
 # What codegen may see of lower: the kernel IR, nothing else.
 CODEGEN_FROM_LOWER = {"lower/kernel_ir.h"}
-PUBLIC = {"kiln.h", "kiln_nn.h"}
+PUBLIC = {"kiln.h", "kiln_nn.h", "kiln_dist.h"}
 # Made by the build (CMakeLists.txt), named by the layer that includes it.
 GENERATED = {"runtime": {"kiln_source_digest.h"}}
 
