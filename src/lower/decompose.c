@@ -199,6 +199,53 @@ static int32_t split_sum(dctx *d, const kl_node *src, int32_t x, uint32_t axes, 
 	return keepdim ? view(d, KL_OP_RESHAPE, t, ndim, ones) : t;
 }
 
+/* A float sum over the leading dims of x (a bias gradient: dY [B, T, N]
+ * summed to [N]) on CUDA, as partial sums of COL_ROWS rows, then their
+ * sum: [R, C] -> [R / COL_ROWS, COL_ROWS, C] -> [R / COL_ROWS, C] -> [C].
+ * The first is a column kernel (render_cuda_rows.c: a thread per output,
+ * a warp reading a row's neighbouring elements, coalesced) with R / 32 times
+ * the outputs to spread over the device; a sum over rows read as whole
+ * columns by a group of threads each (G lanes G rows apart) reads a sector
+ * per lane. Partials in x's dtype, which the caller makes f32 for
+ * f16/bf16. */
+#define COL_ROWS 32
+#define COL_MIN_PARTIALS 8192
+/* the count of leading reduced dims of a (0: not such a sum) */
+static int column_dims(dctx *d, const kl_node *src, const kl_node *a, uint32_t axes)
+{
+	kl_lctx *L = d->L;
+	if (L->o->target != KL_TARGET_CUDA || !L->o->fusion || sym_node(d, src))
+		return 0;
+	int nd0 = a->ndim, j = 0;
+	while (j < nd0 && (axes & (1u << j)))
+		j++;
+	/* the reduced dims lead, at least one dim is kept */
+	if (j == 0 || j == nd0 || (axes >> j) != 0)
+		return 0;
+	int64_t R = kl__numel(j, a->shape), C = kl__numel(nd0 - j, a->shape + j);
+	if (R % COL_ROWS || R / COL_ROWS < 2 || (R / COL_ROWS) * C < COL_MIN_PARTIALS)
+		return 0;
+	return j;
+}
+
+static int32_t column_sum(dctx *d, int j, int32_t x, bool keepdim)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *a = nd(d, x);
+	int nd0 = a->ndim;
+	int64_t out[KL_MAX_DIMS], R = kl__numel(j, a->shape), C = kl__numel(nd0 - j, a->shape + j);
+	int no = 0;
+	for (int i = 0; i < nd0; i++)
+		if (i >= j)
+			out[no++] = a->shape[i];
+		else if (keepdim)
+			out[no++] = 1;
+	int64_t sh3[3] = {R / COL_ROWS, COL_ROWS, C};
+	int32_t part = red(d, KL_OP_SUM, view(d, KL_OP_RESHAPE, x, 3, sh3), 1u << 1, false);
+	return view(d, KL_OP_RESHAPE, red(d, KL_OP_SUM, part, 1u << 0, false), no, out);
+}
+
 static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
 {
 	int32_t s = red(d, KL_OP_SUM, x, axes, keepdim);
@@ -690,6 +737,11 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		 * f16/bf16 so that the partials are not rounded to 16 bits */
 		if (kl_dtype_is_float(D) && in[0] >= 0 && split_rows(d, s, nd(d, in[0]), s->a.axes))
 			return cast(d, split_sum(d, s, cast(d, in[0], C), s->a.axes, s->a.keepdim), D);
+		int j = kl_dtype_is_float(D) && in[0] >= 0
+		                ? column_dims(d, s, nd(d, in[0]), s->a.axes)
+		                : 0;
+		if (j)
+			return cast(d, column_sum(d, j, cast(d, in[0], C), s->a.keepdim), D);
 		kl_node n = *s;
 		n.in[0] = in[0];
 		return add(d, &n);
