@@ -215,6 +215,18 @@ static int b_reduce_last(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 5;
 }
 
+/* sums over the leading dims (a bias gradient): partials of 32 rows in a
+ * column kernel (a thread an output, coalesced), then their sum; keepdim,
+ * a fused prologue and a fused epilogue */
+static int b_colsum(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = in[0];
+	out[0] = kl_sum(a, 2, (int[]){0, 1}, false);
+	out[1] = kl_mul_scalar(kl_sum(kl_exp(a), 1, (int[]){0}, true), 0.5);
+	return 2;
+}
+
 /* outputs of other widths than the input: chunks of 8 elements as 8, 16,
  * 32 and 64 bytes in one kernel */
 static int b_mixed(kl_tensor *const *in, kl_tensor **out, const void *p)
@@ -348,6 +360,7 @@ static const gcase CASES[] = {
          * (compute-sanitizer racecheck; wrong rows) */
         {"layer_norm view+1 2048x1024", b_layer_norm, 3, {2, 1, 1},
          {{2048, 1024}, {1024}, {1024}}, true, false, 1, 1, 1, 0, false},
+        {"column sums", b_colsum, 1, {3}, {{4, 64, 1056}}, true, false, 0, 0, 0, 0, false},
         {"reduce last", b_reduce_last, 1, {2}, {{6, 64}}, false, false, 0, 0, 1, 0, false},
         {"rms prims 4096", b_rms_prims, 2, {2, 1}, {{6, 4096}, {4096}},
          true, false, 1, 0, 1, 0, false},
@@ -1375,6 +1388,42 @@ static void test_cuda_many_buffers(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* A float sum over the leading dims lowers for CUDA as partials of 32 rows
+ * in a column kernel (one thread an output, no group reduction) and their
+ * sum; the source compiles for sm_90. Too few outputs, or the sum over the
+ * last dim: no column kernel. */
+static void test_cuda_column_sums(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	const int64_t shapes[2][3] = {{4, 64, 1056}, {4, 8, 64}};
+	const kl_dtype dts[2] = {KL_BF16, KL_F32};
+	for (int si = 0; si < 2; si++)
+		for (int di = 0; di < 2; di++) {
+			kl_tensor *in[1] = {kltest_rand(ctx, dts[di], 3, shapes[si], KLTEST_NORMAL,
+			                                KLTEST_CONTIG, 500 + (uint64_t)si)};
+			kl_trace *tr = trace(ctx, b_colsum, in, NULL);
+			assert_non_null(tr);
+			kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+			kl_program P;
+			char err[512];
+			if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+				fail_msg("column sums %s: lower: %s", kl_dtype_name(dts[di]), err);
+			bool col = has_group(P.source, false, 1);
+			if (col != (si == 0))
+				fail_msg("column sums %s [%lld,%lld,%lld]: column kernel %s", kl_dtype_name(dts[di]),
+				         (long long)shapes[si][0], (long long)shapes[si][1],
+				         (long long)shapes[si][2], col ? "taken" : "missing");
+			if (nvrtc_ok())
+				must_compile(ctx, &P, "column sums", "column sums %s",
+				             kl_dtype_name(dts[di]));
+			kl__program_free(&P);
+			kl__trace_free(tr);
+			kl_release(in[0]);
+		}
+	kl_ctx_free(ctx);
+}
+
 /* ---- with a GPU -------------------------------------------------------------------- */
 
 static kl_ctx *gctx;
@@ -1677,6 +1726,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_row_hold),
 	        cmocka_unit_test(test_cuda_pw_unroll),
 	        cmocka_unit_test(test_cuda_many_buffers),
+	        cmocka_unit_test(test_cuda_column_sums),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_eager),

@@ -169,6 +169,7 @@ F(f_logsumexp_all, kl_logsumexp(IN0, 0, NULL, true))
 #define S1(a) {1, {a}}
 #define S2(a, b) {2, {a, b}}
 #define S3(a, b, c) {3, {a, b, c}}
+#define S4(a, b, c, d) {4, {a, b, c, d}}
 #define S0 {0, {0}}
 #define N KLTEST_NORMAL
 #define P KLTEST_POS
@@ -241,6 +242,14 @@ static const gcase cases[] = {
 	{"matmul", KL_OP_MATMUL, f_matmul, 2, {S2(3, 4), S2(4, 5)}, {N, N}, PM, false, true},
 	{"matmul_batch_bcast", KL_OP_MATMUL, f_matmul, 2, {S3(2, 3, 4), S2(4, 5)}, {N, N}, ST, false,
 	 false},
+	/* sums over the batch of products (decompose.c folds each into one
+	 * product with k = batch * k, swapped where a transpose follows) */
+	{"linear_4d", KL_OP_MATMUL, f_linear, 3, {S4(2, 1, 3, 4), S2(5, 4), S1(5)}, {N, N, N}, CG,
+	 false, true},
+	{"linear_strided", KL_OP_MATMUL, f_linear, 3, {S3(3, 2, 4), S2(5, 4), S1(5)}, {N, N, N}, ST,
+	 false, false},
+	{"matmul_bcast_lhs", KL_OP_MATMUL, f_matmul, 2, {S2(3, 4), S4(2, 2, 4, 5)}, {N, N}, PM, false,
+	 true},
 	{"matmul_vec", KL_OP_MATMUL, f_matmul, 2, {S1(4), S3(2, 4, 3)}, {N, N}, CG, false, false},
 	{"matmul_1x1", KL_OP_MATMUL, f_matmul, 2, {S2(1, 1), S2(1, 1)}, {N, N}, CG, false, false},
 	{"matmul_k0", KL_OP_MATMUL, f_matmul, 2, {S2(3, 0), S2(0, 2)}, {N, N}, CG, false, false},

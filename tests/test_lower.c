@@ -658,6 +658,15 @@ static int b_linear_relu(kl_tensor *const *in, kl_tensor **out, const void *p)
 	return 1;
 }
 
+static int b_batch_sum_t(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	int ax0 = 0;
+	kl_tensor *xt = kl_transpose(in[0], 1, 2); /* X^T: its batch dims chain into k */
+	out[0] = kl_transpose(kl_sum(kl_matmul(xt, in[1]), 1, &ax0, false), 0, 1);
+	return 1;
+}
+
 static void test_kernel_counts(void **state)
 {
 	(void)state;
@@ -685,6 +694,10 @@ static void test_kernel_counts(void **state)
 	expect_steps("SwiGLU + residual", b_swiglu_resid, 1, SHP(2, 3, 16), false, 3, 3);
 	expect_steps("linear+bias+relu", b_linear_relu, 1, SHP(2, 3, 16), true, 0, 1);
 	expect_steps("linear+bias+relu", b_linear_relu, 1, SHP(2, 3, 16), false, 2, 1);
+	/* a sum over the batch of products, transposed (a linear's weight
+	 * gradient): one product, swapped; no partials, sum or transpose copy */
+	expect_steps("sum_b (A_b B_b)^T", b_batch_sum_t, 2, SHP(3, 4, 4), true, 0, 1);
+	expect_steps("sum_b (A_b B_b)^T", b_batch_sum_t, 2, SHP(3, 4, 4), false, 0, 1);
 	seed = kept;
 }
 
@@ -1290,6 +1303,15 @@ static int b_matmul(kl_tensor *const *in, kl_tensor **out, const void *p)
 		                   in[1]);
 		break;
 	case 3: out[0] = kl_matmul(kl_exp(in[0]), kl_transpose(in[1], -1, -2)); break;
+	case 5: { /* sums over the batch of products: one product each (decompose.c) */
+		int ax0 = 0, ax01[2] = {0, 1};
+		out[0] = kl_transpose(kl_sum(kl_matmul(in[0], in[1]), 1, &ax0, false), 0, 1);
+		out[1] = kl_sum(kl_matmul(kl_exp(in[0]), in[1]), 1, &ax0, true);
+		out[2] = kl_sum(kl_matmul(kl_reshape(in[0], 4, (int64_t[]){2, 1, 4, 6}),
+		                          kl_reshape(in[1], 4, (int64_t[]){1, 2, 6, 5})),
+		                2, ax01, false);
+		return 3;
+	}
 	default: /* vector products */
 		out[0] = kl_matmul(in[0], in[1]);
 		out[1] = kl_matmul(in[1], in[0]);
@@ -1337,6 +1359,13 @@ static void test_diff_matmul(void **state)
 	kl_tensor *in[2] = {rnd(KL_F32, SHP(2, 5, 8), KLTEST_NORMAL, KLTEST_CONTIG),
 	                    rnd(KL_F32, SHP(2, 7, 8), KLTEST_NORMAL, KLTEST_PERMUTED)};
 	add_case("bmm of a fused producer", b_matmul, &o, 2, in, 16.0, NULL);
+	o.mode = 5;
+	kl_tensor *bs[2] = {rnd(KL_F32, SHP(2, 4, 6), KLTEST_NORMAL, KLTEST_PERMUTED),
+	                    rnd(KL_F32, SHP(2, 6, 5), KLTEST_NORMAL, KLTEST_STRIDED)};
+	add_case("sums over the batch of products", b_matmul, &o, 2, bs, 16.0, NULL);
+	bs[0] = rnd(KL_BF16, SHP(2, 4, 6), KLTEST_NORMAL, KLTEST_CONTIG);
+	bs[1] = rnd(KL_BF16, SHP(2, 6, 5), KLTEST_NORMAL, KLTEST_CONTIG);
+	add_case("sums over the batch of bf16 products", b_matmul, &o, 2, bs, 16.0, NULL);
 	int f = run_cases("matmul");
 	assert_int_equal(f, 0);
 }

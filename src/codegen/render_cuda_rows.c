@@ -246,10 +246,13 @@ static void dot_partial(cctx *c, const vplan *vp, int blk, bool open)
 
 /* ---- row kernels -------------------------------------------------------------------------- */
 
-/* the group reduction of every accumulator pass p updates */
+/* the group reduction of every accumulator pass p updates (none for a
+ * column kernel's one thread a row: its accumulators hold the row's) */
 static void combine(cctx *c, int p)
 {
 	const kir_kernel *k = c->k;
+	if (c->G == 1)
+		return;
 	uint8_t *done = calloc((size_t)k->nacc + 1, 1);
 	if (!done) {
 		c->sb->oom = true;
@@ -588,6 +591,31 @@ static void row_loop(cctx *c, uint32_t outer, uint32_t inner, int G, const vplan
 	close_brace(c);
 }
 
+/* A column reduction: the kernel's innermost dim (the contiguous one of a
+ * dense operand) is kept and the rows are short, e.g. the first pass of a
+ * sum over the rows of [R, C] (a bias gradient: decompose.c makes it
+ * partial sums of COL_ROWS rows, [R / COL_ROWS, COL_ROWS, C], then their
+ * sum). A group of threads per output reads one column, G lanes G rows
+ * apart: every lane of a warp a sector of its own. One thread per output
+ * instead, consecutive threads consecutive outputs: a warp reads 32
+ * neighbouring elements of one row a step (coalesced), each thread its
+ * column's rows in order, no group reduction. Only where there are outputs
+ * to fill the device (COL_MIN_OUT threads) and each thread's loop is short
+ * (COL_MAX_ROWS); single-pass kernels without row-local arrays. */
+#define COL_MIN_OUT 8192
+#define COL_MAX_ROWS 64
+static bool column_kernel(const cctx *c, bool nstat, double nrows, bool rstat, double vr)
+{
+	const kir_kernel *k = c->k;
+	if (!nstat || !rstat || nrows < COL_MIN_OUT || vr > COL_MAX_ROWS || k->nlocal ||
+	    k->npass != 1 || kl__cuda_row_group())
+		return false;
+	for (int d = k->ndim - 1; d >= 0; d--)
+		if (!unit(k, d))
+			return !(k->rmask & (1u << d));
+	return false;
+}
+
 void kl__cu_render_rows(cctx *c)
 {
 	const kir_kernel *k = c->k;
@@ -605,7 +633,8 @@ void kl__cu_render_rows(cctx *c)
 	bool rstat = kl__render_extent(c->r, k, inner, &rn, &vr);
 	/* the scalar path: the smallest group at which a thread takes at most
 	 * 8 positions of a static row, else the block */
-	int G = kl__cuda_row_group();
+	bool col = column_kernel(c, nstat, nrows, rstat, vr);
+	int G = col ? 1 : kl__cuda_row_group();
 	for (int g = 32; !G && rstat && g < BLOCK; g *= 2)
 		if (vr <= 8.0 * g)
 			G = g;
@@ -619,7 +648,7 @@ void kl__cu_render_rows(cctx *c)
 	/* pairs of passes that one reduction serves */
 	kl_onepass *one = NULL;
 	bool var = false;
-	if (kl__cuda_row_onepass() && k->npass >= 2 &&
+	if (!col && kl__cuda_row_onepass() && k->npass >= 2 &&
 	    !(one = calloc((size_t)k->npass + 2, sizeof *one)))
 		c->sb->oom = true;
 	for (int p = 1; one && p < k->npass; p++) {
@@ -634,7 +663,8 @@ void kl__cu_render_rows(cctx *c)
 	line(c, "const int64_t nrows = %s, rn = %s;", kl__sb_str(&rows), kl__sb_str(&rn));
 	line(c, "(void)rn;");
 	vplan vp;
-	if (plan_rows(c, &vp, nstat && nrows < 9.0e18 ? (int64_t)nrows : INT64_MAX)) {
+	memset(&vp, 0, sizeof vp);
+	if (!col && plan_rows(c, &vp, nstat && nrows < 9.0e18 ? (int64_t)nrows : INT64_MAX)) {
 		kl__cu_plan_cond(c, &vp);
 		line(c, "if (kl_vok)");
 		row_loop(c, outer, inner, vp.G, &vp);

@@ -200,6 +200,53 @@ static int32_t split_sum(dctx *d, const kl_node *src, int32_t x, uint32_t axes, 
 	return keepdim ? view(d, KL_OP_RESHAPE, t, ndim, ones) : t;
 }
 
+/* A float sum over the leading dims of x (a bias gradient: dY [B, T, N]
+ * summed to [N]) on CUDA, as partial sums of COL_ROWS rows, then their
+ * sum: [R, C] -> [R / COL_ROWS, COL_ROWS, C] -> [R / COL_ROWS, C] -> [C].
+ * The first is a column kernel (render_cuda_rows.c: a thread per output,
+ * a warp reading a row's neighbouring elements, coalesced) with R / 32 times
+ * the outputs to spread over the device; a sum over rows read as whole
+ * columns by a group of threads each (G lanes G rows apart) reads a sector
+ * per lane. Partials in x's dtype, which the caller makes f32 for
+ * f16/bf16. */
+#define COL_ROWS 32
+#define COL_MIN_PARTIALS 8192
+/* the count of leading reduced dims of a (0: not such a sum) */
+static int column_dims(dctx *d, const kl_node *src, const kl_node *a, uint32_t axes)
+{
+	kl_lctx *L = d->L;
+	if (L->o->target != KL_TARGET_CUDA || !L->o->fusion || sym_node(d, src))
+		return 0;
+	int nd0 = a->ndim, j = 0;
+	while (j < nd0 && (axes & (1u << j)))
+		j++;
+	/* the reduced dims lead, at least one dim is kept */
+	if (j == 0 || j == nd0 || (axes >> j) != 0)
+		return 0;
+	int64_t R = kl__numel(j, a->shape), C = kl__numel(nd0 - j, a->shape + j);
+	if (R % COL_ROWS || R / COL_ROWS < 2 || (R / COL_ROWS) * C < COL_MIN_PARTIALS)
+		return 0;
+	return j;
+}
+
+static int32_t column_sum(dctx *d, int j, int32_t x, bool keepdim)
+{
+	if (x < 0)
+		return -1;
+	const kl_node *a = nd(d, x);
+	int nd0 = a->ndim;
+	int64_t out[KL_MAX_DIMS], R = kl__numel(j, a->shape), C = kl__numel(nd0 - j, a->shape + j);
+	int no = 0;
+	for (int i = 0; i < nd0; i++)
+		if (i >= j)
+			out[no++] = a->shape[i];
+		else if (keepdim)
+			out[no++] = 1;
+	int64_t sh3[3] = {R / COL_ROWS, COL_ROWS, C};
+	int32_t part = red(d, KL_OP_SUM, view(d, KL_OP_RESHAPE, x, 3, sh3), 1u << 1, false);
+	return view(d, KL_OP_RESHAPE, red(d, KL_OP_SUM, part, 1u << 0, false), no, out);
+}
+
 static int32_t mean(dctx *d, int32_t x, uint32_t axes, bool keepdim)
 {
 	int32_t s = red(d, KL_OP_SUM, x, axes, keepdim);
@@ -400,6 +447,108 @@ static int32_t product_of(dctx *d, int32_t a, int32_t b, int32_t sa, int32_t sb)
 	m.in[1] = sb;
 	int32_t in[2] = {a, b};
 	return decompose_one(d, &m, in);
+}
+
+/* ---- a batch of products summed: one product ---------------------------------------- */
+
+/* A src node's users: how many read it (an output counts), and the last. */
+typedef struct users {
+	int32_t *n, *last;
+} users;
+
+static bool src_sym_any(const kl_lctx *L, const int32_t *ids, int nid)
+{
+	if (!L->src_sym)
+		return false;
+	for (int i = 0; i < nid; i++)
+		for (int k = 0; k < KL_MAX_DIMS; k++)
+			if (L->src_sym[ids[i] * KL_MAX_DIMS + k] > 0)
+				return true;
+	return false;
+}
+
+/* The weight gradient of a linear layer over a batch, dW = sum_b X_b^T dY_b
+ * (the sum the weight's expand adds to a batched product), costs a product
+ * with b partials of W's size and a reduction over them. The same sum is
+ * ONE product whose inner dim runs over the batch as well:
+ *   sum_b A_b @ B_b = A' @ B',  A' = [m, (b.., k)] (A's batch dims moved
+ *   next to k), B' = [(b.., k), n]   (views: A' is X read as [m, B*T] for
+ *   a contiguous X)
+ * accumulated in the library's f32, never rounded per partial. When the sum
+ * goes on through reshapes dropping unit dims into a swap of its two dims
+ * (a linear's W^T: the gradient wanted is [n, m]), the product is computed
+ * swapped, B'^T @ A'^T, and that swap (*tail) takes it as it is: no
+ * transpose copy. s is a SUM over batch dims of a product read by it
+ * alone; returns the new node of s (-2: not such a sum). */
+static int32_t batch_sum_product(dctx *d, int32_t si, const int32_t *map, const users *u,
+                                 int32_t *tail, int32_t *tail_node)
+{
+	kl_lctx *L = d->L;
+	const kl_graph *g = L->src;
+	const kl_node *s = &g->nodes[si];
+	*tail = *tail_node = -1;
+	if (s->op != KL_OP_SUM || !kl_dtype_is_float((kl_dtype)s->dtype) || s->nin != 1)
+		return -2;
+	int32_t mi = s->in[0];
+	const kl_node *mm = &g->nodes[mi];
+	int r = mm->ndim;
+	if (mm->op != KL_OP_MATMUL || r < 3 || u->n[mi] != 1 || mm->dtype != s->dtype ||
+	    (L->mlead && L->mlead[mi] >= 0) || (L->am && L->am[mi].q >= 0))
+		return -2;
+	/* the axes: batch dims only, every one of size > 1 among them */
+	uint32_t bat = (1u << (r - 2)) - 1, big = 0;
+	for (int i = 0; i < r - 2; i++)
+		if (mm->shape[i] != 1)
+			big |= 1u << i;
+	if ((s->a.axes & ~bat) || !big || (big & ~s->a.axes))
+		return -2;
+	int32_t ids[4] = {si, mi, mm->in[0], mm->in[1]};
+	if (src_sym_any(L, ids, 4))
+		return -2;
+	int32_t a = map[mm->in[0]], b = map[mm->in[1]];
+	if (a < 0 || b < 0)
+		return -1;
+	int64_t m = mm->shape[r - 2], n = mm->shape[r - 1], k = nd(d, a)->shape[r - 1];
+	int64_t bk = kl__numel(r - 2, mm->shape) * k;
+	/* A [b.., m, k] -> [m, b.., k] -> [m, bk];  B [b.., k, n] -> [bk, n] */
+	kl_node p = mk(KL_OP_PERMUTE, (kl_dtype)nd(d, a)->dtype, r, nd(d, a)->shape, 1);
+	p.a.v[0] = r - 2;
+	p.shape[0] = m;
+	for (int i = 0; i < r - 2; i++) {
+		p.a.v[i + 1] = i;
+		p.shape[i + 1] = mm->shape[i];
+	}
+	p.a.v[r - 1] = r - 1;
+	p.shape[r - 1] = k;
+	p.in[0] = a;
+	int32_t saved = d->cur;
+	d->cur = mi; /* the product is the src product's, for explain */
+	int32_t a2 = view(d, KL_OP_RESHAPE, add(d, &p), 2, (int64_t[]){m, bk});
+	int32_t b2 = view(d, KL_OP_RESHAPE, b, 2, (int64_t[]){bk, n});
+	/* the users after s: reshapes (unit dims only) into a 2-D swap */
+	int32_t t = si;
+	while (u->n[t] == 1 && u->last[t] >= 0) {
+		const kl_node *x = &g->nodes[u->last[t]];
+		if (x->op == KL_OP_RESHAPE && kl__numel(x->ndim, x->shape) == m * n) {
+			t = u->last[t];
+			continue;
+		}
+		if (x->op == KL_OP_PERMUTE && x->ndim == 2 && x->a.v[0] == 1 && x->shape[0] == n &&
+		    x->shape[1] == m)
+			*tail_node = u->last[t];
+		break;
+	}
+	int32_t prod;
+	if (*tail_node >= 0) {
+		prod = product_of(d, transpose_last(d, b2), transpose_last(d, a2), mm->in[1],
+		                  mm->in[0]);
+		*tail = prod;
+		prod = transpose_last(d, prod);
+	} else {
+		prod = product_of(d, a2, b2, mm->in[0], mm->in[1]);
+	}
+	d->cur = saved;
+	return view(d, KL_OP_RESHAPE, prod, s->ndim, s->shape);
 }
 
 /* sdpa: one ATTENTION node whose operands are dense-row views (CONTIGUOUS:
@@ -710,6 +859,11 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 		 * f16/bf16 so that the partials are not rounded to 16 bits */
 		if (kl_dtype_is_float(D) && in[0] >= 0 && split_rows(d, s, nd(d, in[0]), s->a.axes))
 			return cast(d, split_sum(d, s, cast(d, in[0], C), s->a.axes, s->a.keepdim), D);
+		int j = kl_dtype_is_float(D) && in[0] >= 0
+		                ? column_dims(d, s, nd(d, in[0]), s->a.axes)
+		                : 0;
+		if (j)
+			return cast(d, column_sum(d, j, cast(d, in[0], C), s->a.keepdim), D);
 		kl_node n = *s;
 		n.in[0] = in[0];
 		return add(d, &n);
@@ -792,12 +946,32 @@ kl_status kl__decompose(kl_lctx *L)
 	const kl_graph *g = L->src;
 	dctx d = {.L = L};
 	kl__graph_init(&L->g);
-	int32_t *map = malloc(sizeof(*map) * (size_t)(g->n + 1));
-	int32_t *pre = malloc(sizeof(*pre) * (size_t)(g->n + 1));
-	if (!map || !pre) {
+	size_t cnt = (size_t)(g->n + 1);
+	int32_t *map = malloc(sizeof(*map) * cnt);
+	int32_t *pre = malloc(sizeof(*pre) * cnt);
+	/* over[i] >= 0: src node i is that new node (a batch sum's swap) */
+	int32_t *over = malloc(sizeof(*over) * cnt);
+	users u = {calloc(cnt, sizeof(int32_t)), malloc(sizeof(int32_t) * cnt)};
+	if (!map || !pre || !over || !u.n || !u.last) {
 		free(map);
 		free(pre);
+		free(over);
+		free(u.n);
+		free(u.last);
 		return KL_ENOMEM;
+	}
+	for (int32_t i = 0; i < g->n; i++) {
+		over[i] = -1;
+		u.last[i] = -1;
+	}
+	for (int32_t i = 0; i < g->n; i++)
+		for (int j = 0; j < g->nodes[i].nin; j++) {
+			u.n[g->nodes[i].in[j]]++;
+			u.last[g->nodes[i].in[j]] = i;
+		}
+	for (int32_t i = 0; i < g->noutputs; i++) {
+		u.n[g->outputs[i]]++;
+		u.last[g->outputs[i]] = -1;
 	}
 	for (int32_t i = 0; i < g->n && !d.oom; i++) {
 		const kl_node *s = &g->nodes[i];
@@ -805,6 +979,18 @@ kl_status kl__decompose(kl_lctx *L)
 		for (int j = 0; j < s->nin; j++)
 			in[j] = map[s->in[j]];
 		d.cur = i;
+		if (over[i] >= 0) {
+			map[i] = over[i];
+			continue;
+		}
+		int32_t tail, tail_node;
+		int32_t bs = batch_sum_product(&d, i, map, &u, &tail, &tail_node);
+		if (bs != -2) {
+			map[i] = bs;
+			if (tail_node >= 0)
+				over[tail_node] = tail;
+			continue;
+		}
 		if (L->mlead && L->mlead[i] >= 0) {
 			/* a product merged with others (merge.c) */
 			if (L->mlead[i] == i && !merged(&d, i, map, pre))
@@ -844,6 +1030,9 @@ kl_status kl__decompose(kl_lctx *L)
 	}
 	free(map);
 	free(pre);
+	free(over);
+	free(u.n);
+	free(u.last);
 	if (d.oom) {
 		snprintf(L->err, L->errcap, "kl__lower: out of memory decomposing the graph");
 		return KL_ENOMEM;

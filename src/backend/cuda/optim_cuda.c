@@ -25,6 +25,7 @@
 typedef struct kl_cuda_optim {
 	kl_cuda_module *mod[4];
 	CUfunction fn[4];
+	int per_sm[4]; /* resident blocks an SM (the occupancy query's, else 8) */
 	CUdeviceptr table, done;
 	size_t table_cap;
 } kl_cuda_optim;
@@ -35,6 +36,18 @@ typedef struct dev_item {
 	int64_t n, first;
 } dev_item;
 
+/* The kernel. A block takes a chunk of OPT_CHUNK elements of one parameter
+ * at a time (a grid-stride walk over all chunks); its coefficients (bias
+ * corrections: two pow() in double) are worked out again only when the
+ * block's parameter changes. A chunk whose arrays are all 16-byte aligned
+ * is moved in 16-byte vectors (8 bf16/f16, 4 f32, 2 f64 elements a load),
+ * OPT_UNROLL vectors a thread loaded before any is stored, so that each
+ * thread has OPT_UNROLL * 4 loads in flight (parameter, gradient, both
+ * moments); the chunk's tail and unaligned arrays (views at odd offsets)
+ * go one element at a time. Only the arrays the algorithm reads are
+ * touched: SGD without momentum reads no moment. The per-element math is
+ * kl_opt_one's, the same for both paths and as optim_cpu.c's. */
+#define OPT_UNROLL 2
 static const char optim_body[] =
         "struct kl_opt_item { T *p; const T *g; T *m; T *v; T *vmax; float *step;\n"
         "\tlong long n, first; };\n"
@@ -43,10 +56,38 @@ static const char optim_body[] =
         "\tlong long chunks; int n, algo, nesterov, amsgrad;\n"
         "\tdouble wd, mom, damp, b1, b2, eps;\n"
         "};\n"
+        "#define VEC (16 / (int)sizeof(T))\n"
+        "union kl_ov { uint4 u; T e[VEC]; };\n"
+        "/* one element: p, m, v (as stored) and vm updated in place */\n"
+        "__device__ __forceinline__ void kl_opt_one(const kl_opt_args &a, const R *coef, bool first,\n"
+        "\t\tR &p, R g, R &m, R &v, R &vm) {\n"
+        "\tif (a.algo == 2) {\n"
+        "\t\tm = m + (R)(1.0 - a.b1) * (g - m);\n"
+        "\t\tv = v * (R)a.b2 + (R)(1.0 - a.b2) * g * g;\n"
+        "\t\tR vv = v;\n"
+        "\t\tif (a.amsgrad) {\n"
+        "\t\t\tvv = (vm != vm || vm > v) ? vm : v;\n"
+        "\t\t\tvm = vv;\n"
+        "\t\t}\n"
+        "\t\tR den = sqrt(vv) / coef[2] + (R)a.eps;\n"
+        "\t\tp = p * coef[0] - coef[1] * (m / den);\n"
+        "\t} else {\n"
+        "\t\tR d = a.wd != 0.0 ? g + (R)a.wd * p : g;\n"
+        "\t\tif (a.mom != 0.0) {\n"
+        "\t\t\tm = first ? d : m * (R)a.mom + (R)(1.0 - a.damp) * d;\n"
+        "\t\t\td = a.nesterov ? d + (R)a.mom * m : m;\n"
+        "\t\t}\n"
+        "\t\tp = p - coef[1] * d;\n"
+        "\t}\n"
+        "}\n"
         "extern \"C\" __global__ void __launch_bounds__(" KL_STR(OPT_THREADS) ")\n"
         "kl_optim_step(kl_opt_args a) {\n"
         "\t__shared__ R coef[4]; /* decay, step size, sqrt(bc2) | lr; first */\n"
         "\t__shared__ int item;\n"
+        "\tconst bool useM = a.algo == 2 || a.mom != 0.0, useV = a.algo == 2;\n"
+        "\tconst bool useX = a.algo == 2 && a.amsgrad;\n"
+        "\tint have = -1; /* the item coef was worked out for (thread 0's) */\n"
+        "\tif (threadIdx.x == 0) coef[0] = coef[1] = coef[2] = coef[3] = (R)0;\n"
         "\tfor (long long c = blockIdx.x; c < a.chunks; c += gridDim.x) {\n"
         "\t\tif (threadIdx.x == 0) {\n"
         "\t\t\tint lo = 0, hi = a.n - 1; /* the last item whose first chunk <= c */\n"
@@ -55,48 +96,74 @@ static const char optim_body[] =
         "\t\t\t\tif (a.items[mid].first <= c) lo = mid; else hi = mid - 1;\n"
         "\t\t\t}\n"
         "\t\t\titem = lo;\n"
-        "\t\t\tdouble lr = *a.lr, s = (double)*a.items[lo].step;\n"
-        "\t\t\tif (a.algo == 2) {\n"
-        "\t\t\t\tcoef[0] = (R)(1.0 - lr * a.wd);\n"
-        "\t\t\t\tcoef[1] = (R)(lr / (1.0 - pow(a.b1, s + 1.0)));\n"
-        "\t\t\t\tcoef[2] = (R)sqrt(1.0 - pow(a.b2, s + 1.0));\n"
-        "\t\t\t} else {\n"
-        "\t\t\t\tcoef[1] = (R)lr;\n"
-        "\t\t\t\tcoef[3] = s == 0.0 ? (R)1 : (R)0;\n"
+        "\t\t\tif (lo != have) {\n"
+        "\t\t\t\thave = lo;\n"
+        "\t\t\t\tdouble lr = *a.lr, s = (double)*a.items[lo].step;\n"
+        "\t\t\t\tif (a.algo == 2) {\n"
+        "\t\t\t\t\tcoef[0] = (R)(1.0 - lr * a.wd);\n"
+        "\t\t\t\t\tcoef[1] = (R)(lr / (1.0 - pow(a.b1, s + 1.0)));\n"
+        "\t\t\t\t\tcoef[2] = (R)sqrt(1.0 - pow(a.b2, s + 1.0));\n"
+        "\t\t\t\t} else {\n"
+        "\t\t\t\t\tcoef[1] = (R)lr;\n"
+        "\t\t\t\t\tcoef[3] = s == 0.0 ? (R)1 : (R)0;\n"
+        "\t\t\t\t}\n"
         "\t\t\t}\n"
         "\t\t}\n"
         "\t\t__syncthreads();\n"
         "\t\tconst kl_opt_item it = a.items[item];\n"
-        "\t\tconst R decay = coef[0], ss = coef[1], bc2 = coef[2];\n"
+        "\t\tconst R cf[3] = {coef[0], coef[1], coef[2]};\n"
         "\t\tconst bool first = coef[3] != (R)0;\n"
         "\t\tlong long base = (c - it.first) * " KL_STR(OPT_CHUNK) "LL;\n"
-        "\t\tfor (int k = threadIdx.x; k < " KL_STR(OPT_CHUNK) "; k += blockDim.x) {\n"
-        "\t\t\tlong long i = base + k;\n"
-        "\t\t\tif (i >= it.n) break;\n"
-        "\t\t\tR p = ld(it.p[i]), g = ld(it.g[i]);\n"
-        "\t\t\tif (a.algo == 2) {\n"
-        "\t\t\t\tR m = ld(it.m[i]), v = ld(it.v[i]);\n"
-        "\t\t\t\tm = m + (R)(1.0 - a.b1) * (g - m);\n"
-        "\t\t\t\tv = v * (R)a.b2 + (R)(1.0 - a.b2) * g * g;\n"
-        "\t\t\t\tit.m[i] = st(m);\n"
-        "\t\t\t\tit.v[i] = st(v);\n"
-        "\t\t\t\tif (a.amsgrad) {\n"
-        "\t\t\t\t\tR vm = ld(it.vmax[i]);\n"
-        "\t\t\t\t\tv = (vm != vm || vm > v) ? vm : v;\n"
-        "\t\t\t\t\tit.vmax[i] = st(v);\n"
-        "\t\t\t\t}\n"
-        "\t\t\t\tR den = sqrt(v) / bc2 + (R)a.eps;\n"
-        "\t\t\t\tp = p * decay - ss * (m / den);\n"
-        "\t\t\t} else {\n"
-        "\t\t\t\tR d = a.wd != 0.0 ? g + (R)a.wd * p : g;\n"
-        "\t\t\t\tif (a.mom != 0.0) {\n"
-        "\t\t\t\t\tR b = first ? d : ld(it.m[i]) * (R)a.mom + (R)(1.0 - a.damp) * d;\n"
-        "\t\t\t\t\tit.m[i] = st(b);\n"
-        "\t\t\t\t\td = a.nesterov ? d + (R)a.mom * b : b;\n"
-        "\t\t\t\t}\n"
-        "\t\t\t\tp = p - ss * d;\n"
+        "\t\tlong long lim = it.n - base;\n"
+        "\t\tif (lim > " KL_STR(OPT_CHUNK) "LL) lim = " KL_STR(OPT_CHUNK) "LL;\n"
+        "\t\tT *p = it.p + base, *m = it.m + base, *v = it.v + base, *x = it.vmax + base;\n"
+        "\t\tconst T *g = it.g + base;\n"
+        "\t\tunsigned long long al = (unsigned long long)p | (unsigned long long)g;\n"
+        "\t\tif (useM) al |= (unsigned long long)m;\n"
+        "\t\tif (useV) al |= (unsigned long long)v;\n"
+        "\t\tif (useX) al |= (unsigned long long)x;\n"
+        "\t\tconst int nv = (al & 15ull) == 0 ? (int)(lim / VEC) : 0;\n"
+        "\t\tconst int U = " KL_STR(OPT_UNROLL) ", step = (int)blockDim.x;\n"
+        "\t\tfor (int k0 = threadIdx.x; k0 < nv; k0 += U * step) {\n"
+        "\t\t\tkl_ov P[U], G[U], M[U], V[U], X[U];\n"
+        "#pragma unroll\n"
+        "\t\t\tfor (int u = 0; u < U; u++) {\n"
+        "\t\t\t\tint k = k0 + u * step;\n"
+        "\t\t\t\tif (k >= nv) break;\n"
+        "\t\t\t\tP[u].u = ((const uint4 *)p)[k];\n"
+        "\t\t\t\tG[u].u = ((const uint4 *)g)[k];\n"
+        "\t\t\t\tif (useM) M[u].u = ((const uint4 *)m)[k];\n"
+        "\t\t\t\tif (useV) V[u].u = ((const uint4 *)v)[k];\n"
+        "\t\t\t\tif (useX) X[u].u = ((const uint4 *)x)[k];\n"
         "\t\t\t}\n"
-        "\t\t\tit.p[i] = st(p);\n"
+        "#pragma unroll\n"
+        "\t\t\tfor (int u = 0; u < U; u++) {\n"
+        "\t\t\t\tint k = k0 + u * step;\n"
+        "\t\t\t\tif (k >= nv) break;\n"
+        "#pragma unroll\n"
+        "\t\t\t\tfor (int e = 0; e < VEC; e++) {\n"
+        "\t\t\t\t\tR pe = ld(P[u].e[e]), me = useM ? ld(M[u].e[e]) : (R)0;\n"
+        "\t\t\t\t\tR ve = useV ? ld(V[u].e[e]) : (R)0, xe = useX ? ld(X[u].e[e]) : (R)0;\n"
+        "\t\t\t\t\tkl_opt_one(a, cf, first, pe, ld(G[u].e[e]), me, ve, xe);\n"
+        "\t\t\t\t\tP[u].e[e] = st(pe);\n"
+        "\t\t\t\t\tif (useM) M[u].e[e] = st(me);\n"
+        "\t\t\t\t\tif (useV) V[u].e[e] = st(ve);\n"
+        "\t\t\t\t\tif (useX) X[u].e[e] = st(xe);\n"
+        "\t\t\t\t}\n"
+        "\t\t\t\t((uint4 *)p)[k] = P[u].u;\n"
+        "\t\t\t\tif (useM) ((uint4 *)m)[k] = M[u].u;\n"
+        "\t\t\t\tif (useV) ((uint4 *)v)[k] = V[u].u;\n"
+        "\t\t\t\tif (useX) ((uint4 *)x)[k] = X[u].u;\n"
+        "\t\t\t}\n"
+        "\t\t}\n"
+        "\t\tfor (long long i = (long long)nv * VEC + threadIdx.x; i < lim; i += step) {\n"
+        "\t\t\tR pe = ld(p[i]), me = useM ? ld(m[i]) : (R)0;\n"
+        "\t\t\tR ve = useV ? ld(v[i]) : (R)0, xe = useX ? ld(x[i]) : (R)0;\n"
+        "\t\t\tkl_opt_one(a, cf, first, pe, ld(g[i]), me, ve, xe);\n"
+        "\t\t\tp[i] = st(pe);\n"
+        "\t\t\tif (useM) m[i] = st(me);\n"
+        "\t\t\tif (useV) v[i] = st(ve);\n"
+        "\t\t\tif (useX) x[i] = st(xe);\n"
         "\t\t}\n"
         "\t\t__syncthreads(); /* coef and item are rewritten for the next chunk */\n"
         "\t}\n"
@@ -219,6 +286,14 @@ static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, int k, kl_dtype dt, CUfunct
 			return st;
 		}
 		O->mod[k] = m;
+		/* the grid is as many blocks as the SMs hold at once: one wave,
+		 * each block walking its chunks (no tail wave of idle SMs) */
+		int nb = 0;
+		if (kl__cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(&nb, O->fn[k], OPT_THREADS, 0) !=
+		            CUDA_SUCCESS ||
+		    nb <= 0)
+			nb = 8;
+		O->per_sm[k] = nb;
 	}
 	*out = O->fn[k];
 	return KL_OK;
@@ -269,7 +344,8 @@ kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
 	          l->nesterov,    l->amsgrad,   l->weight_decay,
 	          l->momentum,    l->dampening, l->beta1,
 	          l->beta2,       l->eps};
-	int64_t blocks = chunks < (int64_t)d->sm_count * 8 ? chunks : (int64_t)d->sm_count * 8;
+	int64_t wave = (int64_t)d->sm_count * O->per_sm[k];
+	int64_t blocks = chunks < wave ? chunks : wave;
 	unsigned grid[3] = {(unsigned)(blocks > 0 ? blocks : 1), 1, 1};
 	unsigned block[3] = {OPT_THREADS, 1, 1};
 	void *argv[] = {&args};
