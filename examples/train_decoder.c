@@ -5,7 +5,11 @@
  *
  *   train_decoder [--steps N] [--d-model N] [--heads N] [--ffn N] [--seq N]
  *                 [--batch N] [--lr X] [--seed N] [--device cpu|cuda]
- *                 [--dtype f32|bf16] [--eager] [--print-every N] [--check]
+ *                 [--dtype f32|bf16] [--eager] [--replay] [--print-every N] [--check]
+ *
+ * --replay: compile the step .fullgraph in reduce-overhead: from the second
+ * step on each call replays the plan with the fused AdamW as its tail (on
+ * CUDA one CUDA graph launch a step) instead of running the step's body.
  *
  * --check: train twice from the same seed in fresh contexts and exit 1
  * unless the two runs' losses are bitwise equal at every step and the last
@@ -26,7 +30,7 @@ typedef struct opts {
 	uint64_t seed;
 	kl_device device;
 	kl_dtype dtype;
-	bool eager, check;
+	bool eager, check, replay;
 } opts;
 
 typedef struct trainer {
@@ -83,7 +87,9 @@ static int train(const opts *o, double *losses, bool quiet)
 	label = kl_randn(ctx, o->dtype, 3, shape, o->seed + 2);
 	if (!x || !label)
 		goto fail;
-	kl_compile_opts cop = {.disable = o->eager};
+	kl_compile_opts cop = {.disable = o->eager,
+	                       .fullgraph = o->replay,
+	                       .mode = o->replay ? KL_MODE_REDUCE_OVERHEAD : KL_MODE_DEFAULT};
 	if (!(f = kl_compile(ctx, step, &t, 2, 1, &cop)))
 		goto fail;
 	double t0 = now_ms();
@@ -100,8 +106,10 @@ static int train(const opts *o, double *losses, bool quiet)
 	}
 	if (!quiet)
 		printf("%d steps, %s, %s: %.2f ms a step; the step's graphs:\n", o->steps,
-		       o->eager ? "eager" : "compiled", kl_dtype_name(o->dtype),
-		       (now_ms() - t0) / o->steps);
+		       o->eager    ? "eager"
+		       : o->replay ? "compiled, replayed"
+		                   : "compiled",
+		       kl_dtype_name(o->dtype), (now_ms() - t0) / o->steps);
 	if (!quiet && !o->eager)
 		kl_explain(f, stdout);
 	rc = 0;
@@ -137,6 +145,10 @@ int main(int argc, char **argv)
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--eager")) {
 			o.eager = true;
+			continue;
+		}
+		if (!strcmp(a, "--replay")) {
+			o.replay = true;
 			continue;
 		}
 		if (!strcmp(a, "--check")) {

@@ -453,7 +453,7 @@ bool kl_requires_grad(const kl_tensor *t);
  * tape that loss depends on is consumed (freed): a second kl_backward
  * through it is an error (unless the first was kl_backward_ex with
  * retain_graph). The gradient ops themselves are
- * not recorded. Inside a compiled function the gradients are lazy tensors
+ * not recorded (with kl_backward_ex's create_graph they are). Inside a compiled function the gradients are lazy tensors
  * of its graph; each .grad set there is computed by the graph and
  * materialized when the call returns. */
 kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent);
@@ -464,8 +464,13 @@ typedef struct kl_backward_opts {
 	 * again and adds to the same .grad; the tape holds its tensors until a
 	 * backward without retain_graph consumes it or the program drops them */
 	bool retain_graph;
-	/* record the backward for higher derivatives: not supported, KL_EUNSUPPORTED
-	 * (nothing is computed, no .grad changes) */
+	/* record the backward for higher derivatives (torch's create_graph;
+	 * implies retain_graph): the gradient ops are recorded on the tape as
+	 * any op, so each .grad it sets requires grad and a kl_backward of a
+	 * function of it gives second derivatives (added to .grad as always:
+	 * clear it first to read them alone). Eager only: after a compiled
+	 * forward or inside a compiled function KL_EUNSUPPORTED (nothing is
+	 * computed, no .grad changes). */
 	bool create_graph;
 } kl_backward_opts;
 /* kl_backward with options (NULL: kl_backward's); errors name kl_backward_ex. */
@@ -517,6 +522,10 @@ typedef enum kl_mode {
  *    writes to it, the replay's own or anyone's (a row moved between
  *    calls), keep the replay. A replay repeats fn's writes in place after
  *    the plan ran (a cache write lands in the cache's memory during it).
+ *    The parameters and state a fused optimizer step inside fn updates
+ *    (kl_optim_step) are state too; freeing the optimizer fails the guard.
+ *    The context generator's draws (kl_dropout_rng) are made anew by each
+ *    replay.
  * A failed guard makes that call run fn again: when the graph it traces is
  * the same (same dtypes, shapes, strides) the plan is re-bound to the tensors
  * fn reads now, with no compile; otherwise the graph is recompiled, which
@@ -734,7 +743,8 @@ typedef struct kl_exported kl_exported;
  * package's target (opts->cuda_arch).
  * NULL and an error naming the reason: a sync point, a dynamic dim the
  * graph must keep static (with why), an example outside its range, an
- * output that is an input returned as is, a write in place into an input. */
+ * output that is an input returned as is, a write in place into an input,
+ * a draw from the context's generator (kl_dropout_rng in training mode). */
 kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
                        kl_tensor *const *example, const kl_export_opts *opts);
 /* The program as text: inputs, outputs, dims, parameters, constraints,
@@ -797,8 +807,25 @@ kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore
  * the graph, not part of it: a training loop that passes a new offset every
  * step compiles once, and each step's mask is bitwise the eager one. Such a
  * function traces its body at every call (a fullgraph variant is not
- * replayed: the body makes the key). */
+ * replayed: the body makes the key); kl_dropout_rng replays. */
 kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training);
+/* kl_dropout with the context's generator (torch's default generator):
+ * the mask of kl_dropout(x, p, seed, offset, training) for the generator's
+ * (seed, offset), after which its offset moves by one (only when a mask is
+ * drawn: training and 0 < p < 1). A .fullgraph compiled function that uses
+ * it replays: each replay draws the keys the traced call's body would
+ * draw next (its offsets moved as many as that call moved them), written
+ * into the graph's key inputs before the plan runs (on CUDA a copy on the
+ * stream, so a CUDA graph of the plan reads them as it replays); N replayed
+ * steps equal N eager steps with the same seed. A new seed or offset set
+ * inside a compiled function's body makes it trace at every call. */
+kl_tensor *kl_dropout_rng(kl_tensor *x, double p, bool training);
+/* The context's generator: kl_manual_seed sets its seed and offset 0 (a
+ * new context: seed 0, offset 0); its state is (seed, offset), read and
+ * set for checkpoints. NULL arguments are KL_EINVAL. */
+kl_status kl_manual_seed(kl_ctx *ctx, uint64_t seed);
+kl_status kl_rng_get_state(kl_ctx *ctx, uint64_t *seed, uint64_t *offset);
+kl_status kl_rng_set_state(kl_ctx *ctx, uint64_t seed, uint64_t offset);
 
 /* ---- optimizers (optim) ----------------------------------------------------
  * torch.optim.SGD and torch.optim.AdamW over an array of parameter tensors,
@@ -822,7 +849,10 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
  * an op later in that function that reads a parameter or its state fails
  * (KL_ESTATE: it would see the value before the step). With .unfused the
  * step is kiln ops and writes in place (kl_copy), which land when the graph
- * ends. */
+ * ends. A .fullgraph function whose step leaves no gradient in .grad
+ * (kl_grad_clear after kl_optim_step, inside it) replays after its first
+ * call: the plan, then the fused step over the gradients it computed; in
+ * KL_MODE_REDUCE_OVERHEAD on CUDA both in one CUDA graph launch. */
 
 typedef struct kl_optim kl_optim;
 

@@ -99,6 +99,15 @@ static kl_status host_noop(kl_ctx *c, kl_tensor *const *ts, int n, void *user)
 	return KL_OK;
 }
 
+/* dropout from the context's generator: a package would replay one mask */
+static kl_status rng_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout, (void)user;
+	out[0] = kl_dropout_rng(kl_exp(in[0]), 0.5, true);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
 static kl_status sync_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
                            void *user)
 {
@@ -336,6 +345,9 @@ static void test_sync_point_refused(void **state)
 	kl_export_opts o = {.ndims = 1, .dims = &ds};
 	assert_null(kl_export(ctx, mlp_body, NULL, 1, 1, &ex, &o));
 	assert_non_null(strstr(kl_last_error(ctx), "dim n"));
+	/* a draw from the context's generator is refused, naming it */
+	assert_null(kl_export(ctx, rng_body, NULL, 1, 1, &ex, NULL));
+	assert_non_null(strstr(kl_last_error(ctx), "kl_dropout_rng"));
 	kl_release(ex);
 }
 

@@ -926,6 +926,227 @@ static void test_dropout_compiled_loop(void **state)
 	kl_release(w);
 }
 
+/* Dropout from the context's generator in a training step that replays
+ * (issue 20): forward with two dropouts (of the input and of the hidden
+ * layer), MSE loss, backward, SGD in place, grads cleared. Run eagerly in
+ * f64 and f32, compiled (the body traced every call), fullgraph (the plan
+ * replayed from the second call: the replay makes each step's keys from
+ * the generator) and fullgraph in reduce-overhead (on CUDA one CUDA graph
+ * replayed, its key inputs written before each launch). Every mode
+ * reseeds the generator and runs the same steps: each step's input
+ * dropout is bitwise the eager one, masks differ from step to step, the
+ * weights and losses equal the float64 run within f32 tolerance, the
+ * replayed modes equal the traced one bitwise, and the generator has moved
+ * by two draws a step. */
+typedef struct rng_step {
+	kl_tensor *w;
+	double p, lr;
+	kl_optim *opt; /* NULL: SGD through ops and kl_copy */
+} rng_step;
+
+static kl_status body_rng_step(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                               int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	rng_step *b = user;
+	kl_tensor *h = kl_dropout_rng(in[0], b->p, true);
+	kl_tensor *y = kl_dropout_rng(kl_tanh(kl_matmul(h, b->w)), b->p, true);
+	kl_tensor *d = kl_sub(y, in[1]);
+	kl_tensor *loss = kl_mean(kl_mul(d, d), 0, NULL, false);
+	if (!loss)
+		return kl_last_status(ctx);
+	kl_status st = kl_backward(loss, NULL);
+	if (st != KL_OK)
+		return st;
+	if (b->opt) {
+		st = kl_optim_step(b->opt);
+	} else {
+		bool prev = kl_set_grad_enabled(ctx, false);
+		st = kl_copy(b->w, kl_sub(b->w, kl_mul_scalar(kl_grad(b->w), b->lr)));
+		kl_set_grad_enabled(ctx, prev);
+	}
+	kl_grad_clear(b->w);
+	out[0] = loss;
+	out[1] = h;
+	return st;
+}
+
+static kl_status body_reseed(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                             void *user)
+{
+	(void)nin, (void)nout, (void)user;
+	kl_status st = kl_manual_seed(ctx, 7);
+	out[0] = kl_dropout_rng(in[0], 0.5, true);
+	return st != KL_OK ? st : out[0] ? KL_OK : kl_last_status(ctx);
+}
+
+static void replayed_steps(bool adam)
+{
+	kl_ctx *ctx = g_ctx;
+	enum {
+		STEPS = 6,
+		MODES = 5
+	}; /* eager f64, eager f32, traced, fullgraph, + reduce-overhead */
+	const uint64_t seed = UINT64_C(0x5eed0fd40f0);
+	kl_tensor *x =
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){9, 17}, KLTEST_NORMAL, KLTEST_CONTIG, 31);
+	kl_tensor *tgt =
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){9, 5}, KLTEST_NORMAL, KLTEST_CONTIG, 32);
+	kl_tensor *w0 =
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){17, 5}, KLTEST_NORMAL, KLTEST_CONTIG, 33);
+	double *loss[MODES][STEPS], *wv[MODES][STEPS];
+	kl_tensor *h[MODES][STEPS];
+	for (int mode = 0; mode < MODES; mode++) {
+		kl_dtype dt = mode == 0 ? KL_F64 : KL_F32;
+		rng_step b = {kl_add_scalar(kl_cast(w0, dt), 0.0), 0.3, 0.5, NULL};
+		kl_tensor *xs = kl_cast(x, dt), *ts = kl_cast(tgt, dt);
+		assert_int_equal(kl_set_requires_grad(b.w, true), KL_OK);
+		kl_adamw_opts ao = kl_adamw_defaults();
+		ao.lr = 0.05;
+		if (adam)
+			assert_non_null(b.opt = kl_optim_adamw(ctx, 1, &b.w, NULL, &ao));
+		kl_compile_opts o = {.fullgraph = mode >= 3,
+		                     .mode = mode == 4 ? KL_MODE_REDUCE_OVERHEAD : KL_MODE_DEFAULT};
+		kl_fn *f = mode >= 2 ? kl_compile(ctx, body_rng_step, &b, 2, 2, &o) : NULL;
+		assert_int_equal(kl_manual_seed(ctx, seed), KL_OK);
+		int first_kernels = -1;
+		for (int s = 0; s < STEPS; s++) {
+			kl_tensor *in[2] = {xs, ts}, *out[2] = {NULL, NULL};
+			if (f) {
+				if (kl_fn_call(f, in, out) != KL_OK)
+					fail_msg("mode %d step %d: %s", mode, s,
+					         kl_last_error(ctx));
+			} else {
+				kl_scope_begin(ctx);
+				assert_int_equal(body_rng_step(ctx, in, 2, out, 2, &b), KL_OK);
+				kl_retain(out[0]);
+				kl_retain(out[1]);
+				kl_scope_end(ctx);
+			}
+			/* the replay: the plan and the fused step, no body; on CUDA in
+			 * reduce-overhead one graph launch holds both (the first call
+			 * warms up, the second captures) */
+			if (s == 0 && f)
+				first_kernels = kl_fn_last_kernels(f);
+			int want_k = mode == 4 && kl_ctx_device(ctx) == KL_CUDA ? 1 : first_kernels;
+			if (f && mode >= 3 && s > 0 && kl_fn_last_kernels(f) != want_k)
+				fail_msg("mode %d step %d: %d launches, want %d", mode, s,
+				         kl_fn_last_kernels(f), want_k);
+			loss[mode][s] = kltest_read(out[0]);
+			wv[mode][s] = kltest_read(b.w);
+			h[mode][s] = out[1];
+			kl_release(out[0]);
+			uint64_t sd, off;
+			assert_int_equal(kl_rng_get_state(ctx, &sd, &off), KL_OK);
+			if (sd != seed || off != 2 * (uint64_t)(s + 1))
+				fail_msg("mode %d step %d: generator at offset %llu, want %d", mode,
+				         s, (unsigned long long)off, 2 * (s + 1));
+		}
+		if (f) {
+			kl_fn_stats st;
+			assert_int_equal(kl_fn_get_stats(f, &st), KL_OK);
+			long want = mode >= 3 ? STEPS - 1 : 0;
+			if (st.compiles != 1 || st.replays != want)
+				fail_msg("mode %d: %d compiles, %ld replays (want 1 and %ld)", mode,
+				         st.compiles, st.replays, want);
+			/* a new optimizer in place of the one the replay holds: its
+			 * guards fail (the old state is gone), the call traces again */
+			if (adam && mode == 3) {
+				kl_optim_free(b.opt);
+				assert_non_null(b.opt = kl_optim_adamw(ctx, 1, &b.w, NULL, &ao));
+				kl_tensor *in[2] = {xs, ts}, *out[2] = {NULL, NULL};
+				assert_int_equal(kl_fn_call(f, in, out), KL_OK);
+				kl_release(out[0]);
+				kl_release(out[1]);
+				assert_int_equal(kl_fn_get_stats(f, &st), KL_OK);
+				assert_int_equal(st.replays, want);
+				double *sv = kltest_read(kl_optim_state(b.opt, 0, "step"));
+				assert_true(sv[0] == 1.0);
+				free(sv);
+			}
+			kl_fn_free(f);
+		}
+		kl_release(xs);
+		kl_release(ts);
+		kl_release(b.w);
+		kl_optim_free(b.opt);
+	}
+	const int64_t ws[2] = {17, 5};
+	for (int s = 0; s < STEPS; s++) {
+		/* the mask of step s: the eager dropout of x at the generator's offset 2s */
+		kl_tensor *want = kl_dropout(x, 0.3, seed, 2 * (uint64_t)s, true);
+		for (int mode = 1; mode < MODES; mode++) {
+			if (!same_bits(h[mode][s], want))
+				fail_msg("mode %d step %d: the input dropout differs from eager",
+				         mode, s);
+			char what[64];
+			snprintf(what, sizeof what, "w after step %d, mode %d%s", s, mode,
+			         adam ? " (AdamW)" : "");
+			/* AdamW divides by the gradient's root mean square: an entry
+			 * whose gradient is near 0 (near eps) moves by a share of lr
+			 * that f32 rounding of the gradient changes */
+			assert_true(kltest_compare(what, KL_F32, 2, ws, wv[mode][s], wv[0][s],
+			                           adam ? 100 : 1));
+			snprintf(what, sizeof what, "loss of step %d, mode %d", s, mode);
+			assert_true(kltest_compare(what, KL_F32, 0, NULL, loss[mode][s], loss[0][s],
+			                           adam ? 100 : 1));
+			/* replayed = traced, bit for bit */
+			if (mode >= 3 && (memcmp(wv[mode][s], wv[2][s], sizeof(double) * 85) ||
+			                  loss[mode][s][0] != loss[2][s][0]))
+				fail_msg(
+				        "mode %d step %d: replayed step differs from the traced one",
+				        mode, s);
+		}
+		if (s > 0 && same_bits(h[3][s], h[3][s - 1]))
+			fail_msg("step %d drew the mask of step %d", s, s - 1);
+		kl_release(want);
+	}
+	for (int mode = 0; mode < MODES; mode++)
+		for (int s = 0; s < STEPS; s++) {
+			free(loss[mode][s]);
+			free(wv[mode][s]);
+			kl_release(h[mode][s]);
+		}
+	if (adam)
+		goto done;
+	/* a reseed inside the body: the call's draws are not the generator's
+	 * next ones, so the function traces every call */
+	kl_fn *f = kl_compile(ctx, body_reseed, NULL, 1, 1, &(kl_compile_opts){.fullgraph = true});
+	kl_tensor *want = kl_dropout(x, 0.5, 7, 0, true);
+	for (int c = 0; c < 3; c++) {
+		kl_tensor *out = NULL;
+		assert_int_equal(kl_fn_call(f, &x, &out), KL_OK);
+		assert_true(same_bits(out, want));
+		kl_release(out);
+	}
+	kl_fn_stats st;
+	assert_int_equal(kl_fn_get_stats(f, &st), KL_OK);
+	assert_int_equal(st.replays, 0);
+	kl_fn_free(f);
+	kl_release(want);
+done:
+	kl_release(x);
+	kl_release(tgt);
+	kl_release(w0);
+}
+
+static void test_dropout_replayed_steps(void **state)
+{
+	(void)state;
+	replayed_steps(false);
+}
+
+/* The same step with the fused AdamW (kl_optim_step inside the body, a
+ * deferred action of the graph): a fullgraph variant replays it, the plan
+ * then the fused step over the plan's gradients, the step counts moving
+ * in the fused update itself. */
+static void test_adamw_replayed_steps(void **state)
+{
+	(void)state;
+	replayed_steps(true);
+}
+
 /* ---- nn parameters ---------------------------------------------------------------------- */
 
 static void test_nn_parameters(void **state)
@@ -1012,11 +1233,19 @@ static void test_nn_parameters(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-	        cmocka_unit_test(test_adamw_reference), cmocka_unit_test(test_sgd_reference),
-	        cmocka_unit_test(test_save_load_resume), cmocka_unit_test(test_optim_errors),
-	        cmocka_unit_test(test_losses),          cmocka_unit_test(test_dropout),
+	        cmocka_unit_test(test_adamw_reference),
+	        cmocka_unit_test(test_sgd_reference),
+	        cmocka_unit_test(test_save_load_resume),
+	        cmocka_unit_test(test_optim_errors),
+	        cmocka_unit_test(test_losses),
+	        cmocka_unit_test(test_dropout),
 	        cmocka_unit_test(test_dropout_compiled_loop),
-	        cmocka_unit_test(test_nn_parameters),     cmocka_unit_test(test_step_in_graph),
+	        cmocka_unit_test(test_dropout_replayed_steps),
+	        cmocka_unit_test(test_adamw_replayed_steps),
+	        cmocka_unit_test(test_nn_parameters),
+	        cmocka_unit_test(test_step_in_graph),
 	};
+	if (getenv("KILN_TEST_FILTER")) /* one test by name (a GPU run's targeted stage) */
+		cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1002,10 +1002,16 @@ static void test_bucket_graphs(void **state)
 #ifdef KILN_HAVE_CUDA
 		kl__cuda_counters(&cc);
 		long nc = (long)(sizeof bs / sizeof bs[0]);
-		if (cuda && cc.replays - replays0 != nc - warm)
-			fail_msg("cuda%s: %ld graph launches in %ld calls, want %ld",
-			         limited ? " (2 graphs kept)" : "", cc.replays - replays0, nc,
-			         nc - warm);
+		/* at most every call but the warm-ups; at least every call but a
+		 * warm-up and one more call a bucket (a re-capture after a library
+		 * call's buffer moved goes through a warm-up again) */
+		long nl = (long)(cc.replays - replays0);
+		if (cuda && (nl > nc - warm || nl < nc - 2 * warm))
+			fail_msg("cuda%s: %ld graph launches in %ld calls, want %ld..%ld",
+			         limited ? " (2 graphs kept)" : "", nl, nc, nc - 2 * warm, nc - warm);
+		if (cuda)
+			print_message("bucket graphs%s: %ld captures, %ld launches in %ld calls\n",
+			              limited ? " (2 graphs kept)" : "", (long)fs.graph_captures, nl, nc);
 #else
 		(void)replays0, (void)warm;
 #endif

@@ -35,9 +35,10 @@
 static kl_ctx *ctx;
 static int fails;
 
-enum { EAGER, COMPILED_FORWARD, WHOLE_STEP };
+enum { EAGER, COMPILED_FORWARD, WHOLE_STEP, REPLAYED };
 static const char *const mode_name[] = {"eager", "compiled forward + eager backward",
-                                        "whole step compiled"};
+                                        "whole step compiled",
+                                        "whole step replayed (fullgraph, reduce-overhead)"};
 
 typedef struct fixture {
 	kl_safetensors *st;
@@ -183,6 +184,18 @@ static kl_status step_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor *
 	return st == KL_OK ? kl_optim_step(m->opt) : st;
 }
 
+/* the whole step, the gradients cleared inside: a fullgraph variant of it
+ * replays (plan, then the fused AdamW as the plan's tail: on CUDA in
+ * reduce-overhead one CUDA graph launch a step) */
+static kl_status step_clear_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                                 int nout, void *user)
+{
+	model *m = user;
+	kl_status st = step_body(c, in, nin, out, nout, user);
+	kl_nn_grad_clear(&m->layer.base);
+	return st;
+}
+
 /* The gradient of parameter p of m as torch reports it: kl_grad, or for the
  * FFN's gate and up weights (views of gate_up, which the forward reads) their
  * rows of gate_up's gradient. A new reference (called inside a scope). */
@@ -231,9 +244,15 @@ static void train(const fixture *f, int mode)
 	kl_tensor *x0 = kl_safetensors_get(f->st, "x"), *x = kl_cast(x0, f->dt);
 	kl_release(x0);
 	kl_fn *fn = NULL;
+	int first_kernels = -1;
 	if (mode != EAGER) {
-		kl_fn_body b = mode == WHOLE_STEP ? step_body : forward_body;
-		fn = kl_compile(ctx, b, &m, 1, 1, NULL);
+		kl_fn_body b = mode == WHOLE_STEP ? step_body
+		               : mode == REPLAYED ? step_clear_body
+		                                  : forward_body;
+		kl_compile_opts o = {.fullgraph = mode == REPLAYED,
+		                     .mode = mode == REPLAYED ? KL_MODE_REDUCE_OVERHEAD
+		                                              : KL_MODE_DEFAULT};
+		fn = kl_compile(ctx, b, &m, 1, 1, &o);
 		assert_non_null(fn);
 	}
 	for (int s = 0; s < 3; s++) {
@@ -244,18 +263,27 @@ static void train(const fixture *f, int mode)
 			fail_msg("%s: kl_fn_call: %s", label, kl_last_error(ctx));
 		}
 		assert_non_null(loss);
-		if (mode != WHOLE_STEP && kl_backward(loss, NULL) != KL_OK)
+		if (mode < WHOLE_STEP && kl_backward(loss, NULL) != KL_OK)
 			fail_msg("%s: kl_backward: %s", label, kl_last_error(ctx));
+		/* replays from the second call: the plan and the fused step; on
+		 * CUDA one graph launch (captured at the second call) */
+		int want_k = kl_ctx_device(ctx) == KL_CUDA ? 1 : first_kernels;
+		if (mode == REPLAYED && s == 0)
+			first_kernels = kl_fn_last_kernels(fn);
+		else if (mode == REPLAYED && kl_fn_last_kernels(fn) != want_k)
+			fail_msg("%s: step %d: %d launches, want %d", label, s,
+			         kl_fn_last_kernels(fn), want_k);
 		if (s == 0) {
 			char what[128];
 			snprintf(what, sizeof what, "%s: loss", label);
 			kl_tensor *want = kl_safetensors_get(f->st, "loss");
 			expect_rel(f, what, kl_reshape(loss, 1, (int64_t[]){1}), want);
 			kl_release(want);
-			expect_params(f, &m, "grad.", true, label);
+			if (mode != REPLAYED)
+				expect_params(f, &m, "grad.", true, label);
 		}
 		kl_release(loss);
-		if (mode != WHOLE_STEP && kl_optim_step(m.opt) != KL_OK)
+		if (mode < WHOLE_STEP && kl_optim_step(m.opt) != KL_OK)
 			fail_msg("%s: kl_optim_step: %s", label, kl_last_error(ctx));
 		kl_nn_grad_clear(&m.layer.base);
 	}
@@ -268,7 +296,12 @@ static void train(const fixture *f, int mode)
 		assert_int_equal(kl_explain(fn, mem), KL_OK);
 		fclose(mem);
 		assert_non_null(strstr(text, "graph 0"));
-		if (mode == WHOLE_STEP) {
+		if (mode == REPLAYED) {
+			kl_fn_stats fs;
+			assert_int_equal(kl_fn_get_stats(fn, &fs), KL_OK);
+			assert_int_equal(fs.replays, 2);
+			assert_null(strstr(text, "graph 1"));
+		} else if (mode == WHOLE_STEP) {
 			/* one graph: forward, loss and backward, then the update, one
 			 * launch over every parameter */
 			assert_null(strstr(text, "graph 1"));
@@ -350,6 +383,12 @@ static void test_decoder_whole_step(void **state)
 	run_mode(WHOLE_STEP);
 }
 
+static void test_decoder_whole_step_replayed(void **state)
+{
+	(void)state;
+	run_mode(REPLAYED);
+}
+
 static int setup(void **state)
 {
 	(void)state;
@@ -367,9 +406,12 @@ static int teardown(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_decoder_eager),
-		cmocka_unit_test(test_decoder_compiled_forward),
-		cmocka_unit_test(test_decoder_whole_step),
+	        cmocka_unit_test(test_decoder_eager),
+	        cmocka_unit_test(test_decoder_compiled_forward),
+	        cmocka_unit_test(test_decoder_whole_step),
+	        cmocka_unit_test(test_decoder_whole_step_replayed),
 	};
+	if (getenv("KILN_TEST_FILTER")) /* one test by name (a GPU run's targeted stage) */
+		cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

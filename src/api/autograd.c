@@ -268,7 +268,8 @@ static kl_status give_grad(kl_ctx *ctx, kl_tensor *leaf, kl_tensor *g)
 	if (leaf->grad)
 		v = kl_add(leaf->grad, g);
 	else if (g->st && !kl_is_contiguous(g))
-		v = kl__eager_contiguous(ctx, g); /* a dense .grad, as torch's */
+		/* a dense .grad, as torch's (recorded when the backward is) */
+		v = ctx->no_grad ? kl__eager_contiguous(ctx, g) : kl_contiguous(g);
 	if (!v)
 		return kl_last_status(ctx);
 	if (v == g)
@@ -395,6 +396,92 @@ static kl_status run_grad_nodes(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 			st = kl_last_status(ctx);
 		tp->ts[i] = r; /* owned here (and by the open scope, if any) */
 	}
+	free(need);
+	return st;
+}
+
+/* create_graph: the gradient nodes [base, g.n) run as ops recorded on the
+ * tape like any forward (grad mode on), so the gradients they give the
+ * leaves are differentiable. The nodes are taken off the tape first (the
+ * ops append their own); the forward tensors they read are held through
+ * the run, since recording may prune and renumber the tape. */
+static kl_status run_grad_recorded(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
+                                   const int32_t *leaves, const int32_t *grads)
+{
+	int32_t end = tp->g.n, ng = end - base;
+	kl_node *gn = malloc(sizeof *gn * (size_t)(ng + 1));
+	kl_tensor **loc = calloc((size_t)ng + 1, sizeof *loc);
+	kl_tensor **fw = calloc((size_t)base + 1, sizeof *fw);
+	kl_tensor **lt = calloc((size_t)nl + 1, sizeof *lt);
+	bool *need = calloc((size_t)ng + 1, sizeof *need);
+	kl_status st = KL_OK;
+	if (!gn || !loc || !fw || !lt || !need)
+		st = kl__err(ctx, KL_ENOMEM, "kl_backward_ex: out of memory");
+	if (st == KL_OK)
+		memcpy(gn, tp->g.nodes + base, sizeof *gn * (size_t)ng);
+	for (int j = 0; st == KL_OK && j < nl; j++) {
+		lt[j] = kl_retain(tp->ts[leaves[j]]);
+		if (grads[j] >= base)
+			need[grads[j] - base] = true;
+		else if (grads[j] >= 0 && !fw[grads[j]])
+			fw[grads[j]] = kl_retain(tp->ts[grads[j]]);
+	}
+	for (int32_t i = ng - 1; st == KL_OK && i >= 0; i--)
+		for (int k = 0; need[i] && k < gn[i].nin; k++) {
+			int32_t x = gn[i].in[k];
+			if (x >= base) {
+				need[x - base] = true;
+			} else if (!fw[x]) {
+				if (!tp->ts[x])
+					st = kl__err(ctx, KL_ESTATE,
+					             "kl_backward_ex: create_graph: a value "
+					             "the backward reads was freed");
+				else
+					fw[x] = kl_retain(tp->ts[x]);
+			}
+		}
+	/* the gradient nodes leave the tape: only the cotangent input holds a
+	 * tensor there */
+	for (int32_t i = base; i < end; i++) {
+		if (st == KL_OK && tp->ts[i])
+			loc[i - base] = kl_retain(tp->ts[i]);
+		if (tp->ts[i]) {
+			kl_release(tp->ts[i]);
+			tp->ts[i] = NULL;
+			tp->nlive--;
+		}
+	}
+	tp->g.n = base;
+	bool prev = ctx->no_grad;
+	ctx->no_grad = false;
+	for (int32_t i = 0; i < ng && st == KL_OK; i++) {
+		if (!need[i] || loc[i])
+			continue;
+		kl_node c = gn[i];
+		kl_tensor *in[KL_NODE_MAX_IN];
+		for (int k = 0; k < c.nin; k++)
+			in[k] = c.in[k] >= base ? loc[c.in[k] - base] : fw[c.in[k]];
+		kl_tensor *r = kl__dispatch(ctx, &c, in);
+		if (!r)
+			st = kl_last_status(ctx);
+		else
+			loc[i] = kl_retain(r), kl__tensor_discard(r);
+	}
+	for (int j = 0; st == KL_OK && j < nl; j++)
+		if (grads[j] >= 0)
+			st = give_grad(ctx, lt[j],
+			               grads[j] >= base ? loc[grads[j] - base] : fw[grads[j]]);
+	ctx->no_grad = prev;
+	for (int32_t i = 0; loc && i < ng; i++)
+		kl_release(loc[i]);
+	for (int32_t i = 0; fw && i < base; i++)
+		kl_release(fw[i]);
+	for (int j = 0; lt && j < nl; j++)
+		kl_release(lt[j]);
+	free(gn);
+	free(loc);
+	free(fw);
+	free(lt);
 	free(need);
 	return st;
 }
@@ -543,7 +630,7 @@ static kl_status run_grad_graph(kl_ctx *ctx, kl_tape *tp, int32_t base, int nl,
 
 /* kl_backward and kl_backward_ex (the public frame names the errors);
  * retain: the loss's graph stays on the tape for another backward */
-static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain)
+static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain, bool create)
 {
 	if (!loss)
 		return kl__err(cotangent ? cotangent->ctx : NULL, KL_EINVAL, "kl_backward: loss is NULL");
@@ -556,7 +643,7 @@ static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain)
 	bool on_tape = tp && loss->tape_node >= 0 && tp->rg[loss->tape_node];
 	if (!on_tape && loss->requires_grad) {
 		bool prev = ctx->no_grad;
-		ctx->no_grad = true;
+		ctx->no_grad = !create;
 		st = leaf_backward(ctx, loss, cotangent);
 		ctx->no_grad = prev;
 		return st;
@@ -623,6 +710,22 @@ static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain)
 	bool compiled = false;
 	for (int32_t i = 0; !ctx->trace && i < base; i++)
 		compiled |= anc[i] && tp->ver[i] == VER_LAZY;
+	if (st == KL_OK && create && (compiled || ctx->trace))
+		st = kl__err(ctx, KL_EUNSUPPORTED,
+		             "kl_backward_ex: create_graph %s is not supported (the backward "
+		             "is recorded op by op, eagerly); loss %s",
+		             ctx->trace ? "inside a compiled function" : "after a compiled forward",
+		             desc(loss, a, sizeof a));
+	if (st == KL_OK && create) {
+		st = run_grad_recorded(ctx, tp, base, nl, leaves, grads);
+		ctx->no_grad = prev;
+		if (tp->nlive == 0)
+			tp->g.n = 0;
+		free(anc);
+		free(leaves);
+		free(grads);
+		return st;
+	}
 	if (st == KL_OK && compiled)
 		st = run_grad_graph(ctx, tp, base, nl, leaves, grads);
 	else if (st == KL_OK)
@@ -659,22 +762,15 @@ static kl_status backward(kl_tensor *loss, kl_tensor *cotangent, bool retain)
 kl_status kl_backward(kl_tensor *loss, kl_tensor *cotangent)
 {
 	KL_API("kl_backward");
-	return backward(loss, cotangent, false);
+	return backward(loss, cotangent, false, false);
 }
 
 kl_status kl_backward_ex(kl_tensor *loss, kl_tensor *cotangent, const kl_backward_opts *opts)
 {
 	KL_API("kl_backward_ex");
 	kl_backward_opts o = opts ? *opts : (kl_backward_opts){0};
-	if (o.create_graph) {
-		char a[256];
-		return kl__err(loss ? loss->ctx : NULL, KL_EUNSUPPORTED,
-		               "kl_backward_ex: create_graph (recording the backward for higher "
-		               "derivatives) is not supported: the gradients of loss %s are "
-		               "computed without a graph of their own",
-		               loss ? desc(loss, a, sizeof a) : "(NULL)");
-	}
-	return backward(loss, cotangent, o.retain_graph);
+	/* torch: create_graph keeps the graph (retain_graph defaults to it) */
+	return backward(loss, cotangent, o.retain_graph || o.create_graph, o.create_graph);
 }
 
 /* ---- the rest of the public API ------------------------------------------------------ */

@@ -67,3 +67,45 @@ void kl_ctx_free(kl_ctx *ctx)
 	free(ctx);
 	kl__blas_release();
 }
+
+/* ---- the context's generator ------------------------------------------------- */
+
+/* A new seed or offset while a trace records: the call's draws are not the
+ * ones a replay would make from the generator, so fn runs at every call. */
+static void rng_moved(kl_ctx *ctx)
+{
+	if (ctx->trace)
+		ctx->trace->per_call = true;
+}
+
+kl_status kl_manual_seed(kl_ctx *ctx, uint64_t seed)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_manual_seed: ctx is NULL");
+	ctx->rng_seed = seed;
+	ctx->rng_offset = 0;
+	rng_moved(ctx);
+	return KL_OK;
+}
+
+kl_status kl_rng_get_state(kl_ctx *ctx, uint64_t *seed, uint64_t *offset)
+{
+	if (!ctx || !seed || !offset)
+		return kl__err(ctx, KL_EINVAL, "kl_rng_get_state: %s is NULL",
+		               !ctx    ? "ctx"
+		               : !seed ? "seed"
+		                       : "offset");
+	*seed = ctx->rng_seed;
+	*offset = ctx->rng_offset;
+	return KL_OK;
+}
+
+kl_status kl_rng_set_state(kl_ctx *ctx, uint64_t seed, uint64_t offset)
+{
+	if (!ctx)
+		return kl__err(NULL, KL_EINVAL, "kl_rng_set_state: ctx is NULL");
+	ctx->rng_seed = seed;
+	ctx->rng_offset = offset;
+	rng_moved(ctx);
+	return KL_OK;
+}

@@ -15,11 +15,14 @@ kl_tensor *kl__dispatch(kl_ctx *ctx, kl_node *n, kl_tensor *const *in);
 /* rand (op KL_OP_RAND) or randn of dtype dt keyed at run time: the node
  * reads key from two 0-dim i32 tensors made here (see ops.def), so a
  * compiled graph serves every key (dropout's (seed, offset) in a training
- * loop) and the trace is marked per_call (never replayed). The same values
- * as kl_rand(ctx, dt, ndim, shape, key). A reference the caller releases
- * (not the open scope's); NULL with the error set. */
+ * loop). With rng_offset NULL the key is the caller's and the trace is
+ * marked per_call (never replayed); else key is the context generator's
+ * at *rng_offset (kl_dropout_rng), recorded so that a replay makes the
+ * next call's key itself. The same values as kl_rand(ctx, dt, ndim,
+ * shape, key). A reference the caller releases (not the open scope's);
+ * NULL with the error set. */
 kl_tensor *kl__rand_keyed(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int64_t *shape,
-                          uint64_t key);
+                          uint64_t key, const uint64_t *rng_offset);
 /* A dense copy of materialized a through the backend's CONTIGUOUS, run at
  * once even while a trace is active (never recorded: after a graph break a
  * new trace would only record the copy). NULL with the error set. */

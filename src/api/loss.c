@@ -128,9 +128,11 @@ kl_tensor *kl_cross_entropy(kl_tensor *logits, kl_tensor *target, int64_t ignore
 	return r;
 }
 
-kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training)
+/* kl_dropout and kl_dropout_rng: rng says the key is the context
+ * generator's (its offset moves when a mask is drawn). */
+static kl_tensor *dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training,
+                          bool rng)
 {
-	KL_API("kl_dropout");
 	kl_ctx *ctx;
 	if (!check_in(&ctx, 1, &x, (const char *[]){"x"}))
 		return NULL;
@@ -150,15 +152,18 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
 		return kl_reshape(x, x->ndim, x->shape); /* x itself, a new handle */
 	if (p == 1)
 		return kl_mul_scalar(x, 0.0);
+	if (rng) {
+		seed = ctx->rng_seed;
+		offset = ctx->rng_offset++;
+	}
 	/* the mask's generator key: Philox of (seed, offset), so that each
 	 * (seed, offset) pair draws its own stream of kl_rand */
-	uint32_t k[4];
-	kl__philox(seed, offset, k);
-	uint64_t key = (uint64_t)k[0] | (uint64_t)k[1] << 32;
+	uint64_t key = kl__philox_key(seed, offset);
 	kl_scope_begin(ctx);
 	/* in a trace the key is an input of the graph, not an attribute: every
 	 * (seed, offset) runs the same compiled graph */
-	kl_tensor *r = ctx->trace ? kl__rand_keyed(ctx, KL_OP_RAND, KL_F32, x->ndim, x->shape, key)
+	kl_tensor *r = ctx->trace ? kl__rand_keyed(ctx, KL_OP_RAND, KL_F32, x->ndim, x->shape, key,
+	                                           rng ? &offset : NULL)
 	                          : kl_retain(kl_rand(ctx, KL_F32, x->ndim, x->shape, key));
 	/* torch: input * (bernoulli(1 - p) / (1 - p)) */
 	kl_tensor *noise = kl_retain(kl_div_scalar(kl_cast(kl_ge_scalar(r, p), x->dtype), 1.0 - p));
@@ -167,4 +172,16 @@ kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bo
 	kl_tensor *y = noise ? kl_mul(x, noise) : NULL;
 	kl_release(noise);
 	return y;
+}
+
+kl_tensor *kl_dropout(kl_tensor *x, double p, uint64_t seed, uint64_t offset, bool training)
+{
+	KL_API("kl_dropout");
+	return dropout(x, p, seed, offset, training, false);
+}
+
+kl_tensor *kl_dropout_rng(kl_tensor *x, double p, bool training)
+{
+	KL_API("kl_dropout_rng");
+	return dropout(x, p, 0, 0, training, true);
 }

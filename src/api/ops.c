@@ -187,7 +187,7 @@ kl_tensor *kl_randn(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, ui
 }
 
 kl_tensor *kl__rand_keyed(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const int64_t *shape,
-                          uint64_t key)
+                          uint64_t key, const uint64_t *rng_offset)
 {
 	int32_t w[2] = {(int32_t)(uint32_t)key, (int32_t)(uint32_t)(key >> 32)};
 	kl_tensor *r = NULL;
@@ -199,11 +199,15 @@ kl_tensor *kl__rand_keyed(kl_ctx *ctx, kl_op op, kl_dtype dt, int ndim, const in
 		node_init(&nd, op, dt, ndim, shape, 2);
 		r = kl_retain(kl__dispatch(ctx, &nd, k));
 	}
-	kl_scope_end(ctx);
-	/* the graph reads values of this call: a fullgraph replay could not
-	 * repeat it with the next call's key */
-	if (r && ctx->trace)
+	/* the graph reads values of this call: a fullgraph replay repeats it
+	 * only when it can make the next call's key (the generator's) */
+	if (r && ctx->trace && !rng_offset)
 		ctx->trace->per_call = true;
+	if (r && ctx->trace && rng_offset && kl__trace_rng_draw(ctx, k, *rng_offset) != KL_OK) {
+		kl_release(r);
+		r = NULL;
+	}
+	kl_scope_end(ctx);
 	return r;
 }
 

@@ -323,56 +323,54 @@ static kl_status step_ops(kl_optim *o, oparam *q, kl_tensor *g)
 
 /* ---- the step: fused ---------------------------------------------------------------- */
 
-static kl_status step_fused(kl_optim *o, kl_tensor *const *g)
+static const kl_dtype fused_dts[4] = {KL_F32, KL_BF16, KL_F16, KL_F64};
+
+/* The launch over every parameter of dtype fused_dts[k] that has a gradient
+ * g[i] (materialized, dense), its items written into items[]; l->n 0 when
+ * there is none. */
+static void fused_launch(const kl_optim *o, kl_tensor *const *g, int k, kl_optim_item *items,
+                         kl_optim_launch *l)
 {
-	kl_ctx *ctx = o->ctx;
-	kl_optim_item *items = malloc(sizeof *items * (size_t)o->n);
-	if (!items)
-		return kl__err(ctx, KL_ENOMEM, "out of memory");
-	kl_status st = KL_OK;
-	static const kl_dtype dts[4] = {KL_F32, KL_BF16, KL_F16, KL_F64};
-	for (int k = 0; k < 4 && st == KL_OK; k++) {
-		int n = 0;
-		for (int i = 0; i < o->n; i++) {
-			oparam *q = &o->ps[i];
-			if (!g[i] || q->p->dtype != dts[k])
-				continue;
-			items[n++] = (kl_optim_item){
-			        .p = kl__tensor_data(q->p),
-			        .g = kl__tensor_data(g[i]),
-			        .m = q->m ? kl__tensor_data(q->m) : NULL,
-			        .v = q->v ? kl__tensor_data(q->v) : NULL,
-			        .vmax = q->vmax ? kl__tensor_data(q->vmax) : NULL,
-			        .step = kl__tensor_data(q->step),
-			        .n = kl_numel(q->p),
-			};
-		}
-		if (n == 0)
+	int n = 0;
+	for (int i = 0; i < o->n; i++) {
+		const oparam *q = &o->ps[i];
+		if (!g[i] || q->p->dtype != fused_dts[k])
 			continue;
-		kl_optim_launch l = {
-		        .algo = o->algo,
-		        .dtype = dts[k],
-		        .n = n,
-		        .items = items,
-		        .lr = kl__tensor_data(o->lr),
+		items[n++] = (kl_optim_item){
+		        .p = kl__tensor_data(q->p),
+		        .g = kl__tensor_data(g[i]),
+		        .m = q->m ? kl__tensor_data(q->m) : NULL,
+		        .v = q->v ? kl__tensor_data(q->v) : NULL,
+		        .vmax = q->vmax ? kl__tensor_data(q->vmax) : NULL,
+		        .step = kl__tensor_data(q->step),
+		        .n = kl_numel(q->p),
 		};
-		if (o->algo == KL_ALGO_SGD) {
-			l.weight_decay = o->sgd.weight_decay;
-			l.momentum = o->sgd.momentum;
-			l.dampening = o->sgd.dampening;
-			l.nesterov = o->sgd.nesterov;
-		} else {
-			l.weight_decay = o->adam.weight_decay;
-			l.amsgrad = o->adam.amsgrad;
-			l.beta1 = o->adam.beta1;
-			l.beta2 = o->adam.beta2;
-			l.eps = o->adam.eps;
-		}
-		st = ctx->be->optim_step(ctx, &l);
 	}
-	free(items);
-	if (st != KL_OK)
-		return st;
+	*l = (kl_optim_launch){
+	        .algo = o->algo,
+	        .dtype = fused_dts[k],
+	        .n = n,
+	        .items = items,
+	        .lr = kl__tensor_data(o->lr),
+	};
+	if (o->algo == KL_ALGO_SGD) {
+		l->weight_decay = o->sgd.weight_decay;
+		l->momentum = o->sgd.momentum;
+		l->dampening = o->sgd.dampening;
+		l->nesterov = o->sgd.nesterov;
+	} else {
+		l->weight_decay = o->adam.weight_decay;
+		l->amsgrad = o->adam.amsgrad;
+		l->beta1 = o->adam.beta1;
+		l->beta2 = o->adam.beta2;
+		l->eps = o->adam.eps;
+	}
+}
+
+/* The step changed the memory of every parameter with a gradient g[i],
+ * its state and the step counts. */
+static void fused_written(kl_optim *o, kl_tensor *const *g)
+{
 	for (int i = 0; i < o->n; i++) {
 		oparam *q = &o->ps[i];
 		if (!g[i])
@@ -386,7 +384,25 @@ static kl_status step_fused(kl_optim *o, kl_tensor *const *g)
 			kl__storage_written(q->vmax->st);
 	}
 	kl__storage_written(o->steps->st);
-	return KL_OK;
+}
+
+static kl_status step_fused(kl_optim *o, kl_tensor *const *g)
+{
+	kl_ctx *ctx = o->ctx;
+	kl_optim_item *items = malloc(sizeof *items * (size_t)o->n);
+	if (!items)
+		return kl__err(ctx, KL_ENOMEM, "out of memory");
+	kl_status st = KL_OK;
+	for (int k = 0; k < 4 && st == KL_OK; k++) {
+		kl_optim_launch l;
+		fused_launch(o, g, k, items, &l);
+		if (l.n > 0)
+			st = ctx->be->optim_step(ctx, &l);
+	}
+	free(items);
+	if (st == KL_OK)
+		fused_written(o, g);
+	return st;
 }
 
 /* Inside a compiled function the fused step runs once the graph has run
@@ -397,38 +413,122 @@ typedef struct deferred_step {
 	kl_tensor **g; /* per parameter, held; NULL: none */
 } deferred_step;
 
+/* The fused step over gradients gsrc[i] per parameter (NULL: none),
+ * materialized; adds its launches (one per dtype) to *launches. */
+static kl_status fused_from(kl_ctx *ctx, kl_optim *o, kl_tensor *const *gsrc, int *launches)
+{
+	kl_status st = KL_OK;
+	bool no_grad = ctx->no_grad, seen[4] = {0};
+	ctx->no_grad = true;
+	kl_scope_begin(ctx);
+	kl_tensor **g = calloc((size_t)o->n, sizeof *g);
+	if (!g)
+		st = kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+	for (int i = 0; g && i < o->n && st == KL_OK; i++) {
+		if (gsrc[i] && !(g[i] = kl_contiguous(gsrc[i])))
+			st = kl_last_status(ctx);
+		/* one launch per dtype (f32, bf16, f16, f64) */
+		kl_dtype dt = o->ps[i].p->dtype;
+		int k = dt == KL_F32 ? 0 : dt == KL_BF16 ? 1 : dt == KL_F16 ? 2 : 3;
+		*launches += gsrc[i] && !seen[k];
+		seen[k] |= gsrc[i] != NULL;
+	}
+	if (st == KL_OK)
+		st = step_fused(o, g);
+	free(g);
+	kl_scope_end(ctx);
+	ctx->no_grad = no_grad;
+	return st;
+}
+
 static kl_status run_deferred(kl_ctx *ctx, void *user, bool run, int *launches)
 {
 	deferred_step *d = user;
-	kl_status st = KL_OK;
-	kl_optim *o = d->o;
-	if (run) {
-		bool no_grad = ctx->no_grad, seen[4] = {0};
-		ctx->no_grad = true;
-		kl_scope_begin(ctx);
-		kl_tensor **g = calloc((size_t)o->n, sizeof *g);
-		if (!g)
-			st = kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
-		for (int i = 0; g && i < o->n && st == KL_OK; i++) {
-			if (d->g[i] && !(g[i] = kl_contiguous(d->g[i])))
-				st = kl_last_status(ctx);
-			/* one launch per dtype (f32, bf16, f16, f64) */
-			kl_dtype dt = o->ps[i].p->dtype;
-			int k = dt == KL_F32 ? 0 : dt == KL_BF16 ? 1 : dt == KL_F16 ? 2 : 3;
-			*launches += d->g[i] && !seen[k];
-			seen[k] |= d->g[i] != NULL;
-		}
-		if (st == KL_OK)
-			st = step_fused(o, g);
-		free(g);
-		kl_scope_end(ctx);
-		ctx->no_grad = no_grad;
-	}
-	for (int i = 0; i < o->n; i++)
+	kl_status st = run ? fused_from(ctx, d->o, d->g, launches) : KL_OK;
+	for (int i = 0; i < d->o->n; i++)
 		kl_release(d->g[i]);
 	free(d->g);
 	free(d);
 	return st;
+}
+
+/* The step again in a fullgraph replay: read k is the gradient of
+ * parameter param[k]. Two halves (kl_deferred.again_prepare / launch):
+ * where the backend splits the fused step (CUDA), prepare writes each
+ * dtype's pointer table into device memory of this step's own and launch
+ * launches over it, so that a CUDA graph of the replay captures the launch
+ * and each replay reads the table written before it; elsewhere prepare
+ * notes the gradients and launch runs the fused step. The replay's guards
+ * hold the optimizer's state tensors, so it never runs once the optimizer
+ * is freed (free_again touches only ctx and the tables). */
+typedef struct again_step {
+	kl_ctx *ctx;
+	kl_optim *o;
+	int nreads;
+	int *param;
+	kl_tensor **g;           /* per parameter, this call's gradient (borrowed) */
+	kl_optim_item *items[4]; /* per dtype (fused_dts) */
+	kl_optim_launch l[4];
+	void *table[4];
+	size_t cap[4];
+} again_step;
+
+static kl_status prepare_again(kl_ctx *ctx, void *user, kl_tensor *const *reads)
+{
+	again_step *a = user;
+	kl_optim *o = a->o;
+	for (int i = 0; i < o->n; i++)
+		a->g[i] = NULL;
+	for (int k = 0; k < a->nreads; k++)
+		a->g[a->param[k]] = reads[k];
+	if (!ctx->be->optim_table || !ctx->be->optim_launch)
+		return KL_OK;
+	for (int i = 0; i < o->n; i++)
+		if (a->g[i] && !kl_is_contiguous(a->g[i]))
+			return kl__err(ctx, KL_EINVAL,
+			               "kl_optim_step: the gradient of '%s' the replay "
+			               "computed is not dense",
+			               o->ps[i].name);
+	kl_status st = KL_OK;
+	for (int k = 0; k < 4 && st == KL_OK; k++) {
+		if (!a->items[k] && !(a->items[k] = malloc(sizeof *a->items[k] * (size_t)o->n)))
+			return kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+		fused_launch(o, a->g, k, a->items[k], &a->l[k]);
+		if (a->l[k].n > 0)
+			st = ctx->be->optim_table(ctx, &a->l[k], &a->table[k], &a->cap[k]);
+	}
+	if (st == KL_OK)
+		fused_written(o, a->g);
+	return st;
+}
+
+static kl_status launch_again(kl_ctx *ctx, void *user, int *launches)
+{
+	again_step *a = user;
+	if (!ctx->be->optim_table || !ctx->be->optim_launch)
+		return fused_from(ctx, a->o, a->g, launches);
+	kl_status st = KL_OK;
+	for (int k = 0; k < 4 && st == KL_OK; k++)
+		if (a->l[k].n > 0) {
+			st = ctx->be->optim_launch(ctx, &a->l[k], a->table[k]);
+			(*launches)++;
+		}
+	return st;
+}
+
+static void free_again(void *user)
+{
+	again_step *a = user;
+	if (!a)
+		return;
+	for (int k = 0; k < 4; k++) {
+		free(a->items[k]);
+		if (a->table[k])
+			a->ctx->be->free(a->ctx, a->table[k]);
+	}
+	free(a->param);
+	free(a->g);
+	free(a);
 }
 
 static kl_status defer_step(kl_optim *o, kl_tensor *const *grads)
@@ -471,7 +571,23 @@ static kl_status defer_step(kl_optim *o, kl_tensor *const *grads)
 	kl_status st = kl__trace_defer(ctx, run_deferred, d, what, nr, reads, ng, guard);
 	free(reads);
 	free(guard);
-	return st;
+	if (st != KL_OK)
+		return st;
+	again_step *a = calloc(1, sizeof *a);
+	if (a) {
+		a->ctx = ctx;
+		a->param = calloc((size_t)nr + 1, sizeof *a->param);
+		a->g = calloc((size_t)o->n + 1, sizeof *a->g);
+	}
+	if (!a || !a->param || !a->g) {
+		free_again(a);
+		return kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+	}
+	a->o = o;
+	for (int i = 0; i < o->n; i++)
+		if (grads[i])
+			a->param[a->nreads++] = i;
+	return kl__trace_defer_again(ctx, prepare_again, launch_again, a, free_again);
 }
 
 kl_status kl_optim_step_grads(kl_optim *o, kl_tensor *const *grads)

@@ -516,9 +516,9 @@ typedef struct call {
 	bool taped; /* the call left values on the autograd tape: never replayed */
 	double compile_ms, run_ms; /* the segments' compiles and runs (the startup log) */
 	bool wrote; /* fn wrote tensors in place (kl_copy, kl_cache_write) */
-	/* fullgraph: the writes are recorded for replays (v->w_src, w_dst);
-	 * false when the graph also ran deferred actions (the fused optimizer
-	 * step), which only fn's trace can repeat */
+	/* fullgraph: the writes are recorded for replays (v->w_src, w_dst),
+	 * and the deferred actions (the fused optimizer step: v->re); false
+	 * when one of those has no replay form (only fn's trace repeats it) */
 	bool writes_replay;
 	bool no_replay; /* something only fn's trace can repeat */
 } call;
@@ -829,11 +829,19 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		st = kl__write_into(ctx, tr->wdst[w], tr->wsrc[w]);
 	if (st == KL_OK)
 		st = kl__trace_run_deferred(ctx, tr, &cs->launches);
-	/* the writes are done: the captured versions recorded next are theirs */
+	/* the writes are done: the captured versions recorded next are theirs;
+	 * a replay repeats the writes, then the deferred actions that have a
+	 * replay form (the fused optimizer step) */
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay && !reason &&
-	    !deferred && tr->nwrites > 0 &&
-	    kl__replay_record_writes(f, cs->v, cs->in, tr, lazy, n, &cs->writes_replay) != KL_OK)
-		st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+	    (deferred || tr->nwrites > 0)) {
+		bool again = true;
+		if (kl__replay_record_writes(f, cs->v, cs->in, tr, lazy, n, &cs->writes_replay) !=
+		            KL_OK ||
+		    (deferred && cs->writes_replay &&
+		     kl__replay_record_deferred(cs->v, tr, lazy, n, &again) != KL_OK))
+			st = kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		cs->writes_replay &= again;
+	}
 	free(all);
 	if (st == KL_OK && f->o.fullgraph && cs->seg == 0 && !cs->v->replay &&
 	    kl__replay_record_inputs(f, cs->v, cs->in, tr, &cs->no_replay) != KL_OK)
@@ -964,6 +972,10 @@ static kl_status traced_call(kl_fn *f, kl_variant *v, bool fresh, kl_tensor *con
 	kl_ctx *ctx = f->ctx;
 	call cs = {.f = f, .v = v, .in = in, .new_variant = fresh};
 	double t0 = kl__now_ms();
+	/* what an earlier traced call recorded for replays it never made
+	 * (captured tensors of that call, its deferred actions) goes */
+	if (f->o.fullgraph && !v->replay)
+		kl__replay_reset(v);
 	kl_status st = kl__trace_begin(ctx);
 	if (st != KL_OK)
 		return st;

@@ -67,6 +67,21 @@ typedef struct kl_variant {
 	 * (-1 - j: fn input j (j < nin) or captured[j - nin]) */
 	int nw;
 	int32_t *w_src, *w_dst;
+	/* and the actions deferred to the graph's end it repeats after the
+	 * writes (the fused optimizer step: kl_deferred.again): action q reads
+	 * graph outputs re[q].rd[0..nreads); captured[re[q].state[..]] are the
+	 * tensors it changes (state: written, never version-guarded; held, so
+	 * that freeing their owner fails the guard before a replay) */
+	struct kl_vagain {
+		kl_status (*prepare)(kl_ctx *ctx, void *user, kl_tensor *const *reads);
+		kl_status (*launch)(kl_ctx *ctx, void *user, int *launches);
+		void *user;
+		void (*free_user)(void *user);
+		int nreads, nstate;
+		int32_t *rd, *state;
+	} *re;
+	int nre;
+	uint64_t re_id; /* the replay's tail's identity (kl_run_tail.id): unique in the process */
 	/* and the value checks it runs first (kl_vcheck): chk[i].in is the graph
 	 * input whose values are checked */
 	struct kl_vcheck_rec {
@@ -84,12 +99,23 @@ typedef struct kl_variant {
 	int bw_saved, bw_recompute;
 	int64_t bw_bytes;
 	bool bw_taped, bw_joint;
+	/* and the context generator's draws it makes again (kl_dropout_rng):
+	 * draw d's key words go into captured[rng_cap[2d]] and
+	 * captured[rng_cap[2d + 1]] (-1: the graph does not read it), keyed at
+	 * the generator's offset before the call plus rng_rel[d]; the call
+	 * then moves the offset by rng_advance */
+	int nrng;
+	int32_t *rng_cap;
+	uint64_t *rng_rel, rng_advance;
 	kl_tensor **captured; /* each holds one capture reference (capture_refs) */
 	uint64_t *cap_version; /* captured[i]'s storage version when captured */
 	/* captured[i]'s memory is state fn itself writes in place (a KV cache):
 	 * writes to it, fn's or anyone's, do not fail its guard (the plan reads
 	 * the memory at every call); identity still does */
 	bool *cap_state;
+	/* captured[i] is a key word of a generator draw: the variant's own,
+	 * written before each replay, never guarded */
+	bool *cap_rng;
 	int ncaptured;
 } kl_variant;
 
@@ -166,6 +192,10 @@ kl_status kl__replay_record_writes(kl_fn *f, kl_variant *v, kl_tensor *const *in
 kl_status kl__replay_record_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
                                     kl_tensor **out, kl_tensor **lazy, int nl);
 bool kl__replay_stale(kl_fn *f, kl_variant *v);
+/* ... and the deferred actions of tr (after the writes), each read one of
+ * lazy[0..n); *ok false when one has no replay form or reads no output. */
+kl_status kl__replay_record_deferred(kl_variant *v, kl_trace *tr, kl_tensor *const *lazy, int n,
+                                     bool *ok);
 kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out);
 
 /* joint.c: keep[] (tr->g.n entries) says which nodes of tr's graph the

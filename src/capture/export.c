@@ -222,12 +222,15 @@ kl_exported *kl_export(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout
 		kl_release(outs[k]);
 	free(outs);
 	kl_variant *v = e->f->last;
-	if (!v || v->nsegs != 1 || !v->segs[0].e || !v->replay || v->segs[0].after[0]) {
+	if (!v || v->nsegs != 1 || !v->segs[0].e || !v->replay || v->segs[0].after[0] ||
+	    v->nrng > 0) {
 		kl__err(ctx, KL_EUNSUPPORTED,
 		        "kl_export: fn is not one whole graph of pure ops (%s)",
 		        !v || !v->segs || !v->nsegs || !v->segs[0].e ? "it computes nothing lazily"
-		        : v->segs[0].after[0]                          ? v->segs[0].after
-		                              : "it writes in place or records for autograd");
+		        : v->segs[0].after[0]                        ? v->segs[0].after
+		        : v->nrng > 0 ? "it draws from the context's generator (kl_dropout_rng in "
+		                        "training mode): a package would repeat one mask"
+		                      : "it writes in place or records for autograd");
 		return fail(e);
 	}
 	const kl_compiled *c0 = v->segs[0].e->c;

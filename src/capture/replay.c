@@ -5,6 +5,7 @@
  * captured tensors, and the replay itself.
  */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -21,6 +22,22 @@ void kl__replay_reset(kl_variant *v)
 	free(v->cap_version);
 	free(v->cap_state);
 	v->cap_state = NULL;
+	free(v->cap_rng);
+	v->cap_rng = NULL;
+	free(v->rng_cap);
+	free(v->rng_rel);
+	v->rng_cap = NULL;
+	v->rng_rel = NULL;
+	v->nrng = 0;
+	v->rng_advance = 0;
+	for (int q = 0; q < v->nre; q++) {
+		v->re[q].free_user(v->re[q].user);
+		free(v->re[q].rd);
+		free(v->re[q].state);
+	}
+	free(v->re);
+	v->re = NULL;
+	v->nre = 0;
 	free(v->in_src);
 	free(v->out_src);
 	free(v->w_src);
@@ -65,6 +82,8 @@ static const char *captured_stale(const kl_variant *v, char *why, size_t cap)
 	/* on every replay: two compares a tensor, words only on a failure */
 	for (int i = 0; i < v->ncaptured; i++) {
 		const kl_tensor *t = v->captured[i];
+		if (v->cap_rng && v->cap_rng[i])
+			continue;
 		bool gone = t->refs <= t->capture_refs;
 		if (!gone && (t->st->version == v->cap_version[i] || (v->cap_state && v->cap_state[i])))
 			continue;
@@ -123,6 +142,24 @@ kl_status kl__replay_record_inputs(kl_fn *f, kl_variant *v, kl_tensor *const *in
 			return KL_ENOMEM;
 		v->in_src[i] = -1 - k;
 	}
+	/* the generator's draws: which captured tensors hold their key words */
+	free(v->rng_cap);
+	free(v->rng_rel);
+	v->nrng = tr->nrng;
+	v->rng_advance = f->ctx->rng_offset - tr->rng_start;
+	v->rng_cap = malloc(sizeof *v->rng_cap * 2 * (size_t)(tr->nrng ? tr->nrng : 1));
+	v->rng_rel = malloc(sizeof *v->rng_rel * (size_t)(tr->nrng ? tr->nrng : 1));
+	if (!v->rng_cap || !v->rng_rel)
+		return KL_ENOMEM;
+	for (int d = 0; d < tr->nrng; d++) {
+		v->rng_rel[d] = tr->rng_rel[d];
+		for (int w = 0; w < 2; w++) {
+			int i = 0;
+			while (i < n && tr->in_tensors[i] != tr->rng_key[2 * d + w])
+				i++;
+			v->rng_cap[2 * d + w] = i < n && v->in_src[i] < 0 ? -1 - v->in_src[i] : -1;
+		}
+	}
 	return KL_OK;
 }
 
@@ -166,6 +203,64 @@ kl_status kl__replay_record_writes(kl_fn *f, kl_variant *v, kl_tensor *const *in
 	return KL_OK;
 }
 
+kl_status kl__replay_record_deferred(kl_variant *v, kl_trace *tr, kl_tensor *const *lazy, int n,
+                                     bool *ok)
+{
+	*ok = false;
+	for (int q = 0; q < tr->ndefer; q++) {
+		kl_deferred *d = &tr->defer[q];
+		if (!d->again_user)
+			return KL_OK; /* no replay form: fn must run */
+		for (int k = 0; k < d->nreads; k++) {
+			int j = 0;
+			while (j < n && lazy[j] != d->reads[k])
+				j++;
+			if (j == n)
+				return KL_OK; /* a value no graph output holds */
+		}
+	}
+	int nd = tr->ndefer > 0 ? tr->ndefer : 1;
+	v->re = calloc((size_t)nd, sizeof *v->re);
+	if (!v->re)
+		return KL_ENOMEM;
+	for (int q = 0; q < tr->ndefer; q++) {
+		kl_deferred *d = &tr->defer[q];
+		struct kl_vagain *a = &v->re[q];
+		a->rd = calloc((size_t)d->nreads + 1, sizeof *a->rd);
+		a->state = calloc((size_t)d->nguard + 1, sizeof *a->state);
+		if (!a->rd || !a->state) {
+			free(a->rd);
+			free(a->state);
+			return KL_ENOMEM;
+		}
+		for (int k = 0; k < d->nreads; k++) {
+			int j = 0;
+			while (lazy[j] != d->reads[k])
+				j++;
+			a->rd[a->nreads++] = j;
+		}
+		for (int k = 0; k < d->nguard; k++) {
+			int c = capture(v, d->guard[k]);
+			if (c < 0) {
+				free(a->rd);
+				free(a->state);
+				return KL_ENOMEM;
+			}
+			a->state[a->nstate++] = c;
+		}
+		a->prepare = d->again_prepare;
+		a->launch = d->again_launch;
+		a->user = d->again_user;
+		a->free_user = d->free_again;
+		d->again_user = NULL;
+		v->nre = q + 1;
+	}
+	static atomic_uint_fast64_t tails;
+	v->re_id = atomic_fetch_add(&tails, 1) + 1;
+	*ok = true;
+	return KL_OK;
+}
+
 kl_status kl__replay_record_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *in,
                                     kl_tensor **out, kl_tensor **lazy, int nl)
 {
@@ -202,8 +297,50 @@ kl_status kl__replay_record_outputs(kl_fn *f, kl_variant *v, kl_tensor *const *i
 		for (int i = 0; i < v->ncaptured; i++)
 			v->cap_state[i] |= v->captured[i]->st == ws;
 	}
+	for (int q = 0; q < v->nre; q++)
+		for (int k = 0; k < v->re[q].nstate; k++)
+			for (int i = 0; i < v->ncaptured; i++)
+				v->cap_state[i] |=
+				        v->captured[i]->st == v->captured[v->re[q].state[k]]->st;
+	free(v->cap_rng);
+	v->cap_rng = calloc((size_t)(v->ncaptured ? v->ncaptured : 1), sizeof *v->cap_rng);
+	if (!v->cap_rng)
+		return KL_ENOMEM;
+	for (int d = 0; d < 2 * v->nrng; d++)
+		if (v->rng_cap[d] >= 0)
+			v->cap_rng[v->rng_cap[d]] = true;
 	v->replay = true;
 	return KL_OK;
+}
+
+/* The deferred actions of a replay as one kl_run_tail: prepare gathers
+ * each action's reads from the plan's outputs. */
+static kl_status tail_prepare(kl_ctx *ctx, void *user, kl_tensor *const *outputs)
+{
+	const kl_variant *v = user;
+	kl_status st = KL_OK;
+	for (int q = 0; q < v->nre && st == KL_OK; q++) {
+		const struct kl_vagain *a = &v->re[q];
+		kl_tensor *rd[64],
+		        **reads = a->nreads <= 64 ? rd : malloc(sizeof *reads * (size_t)a->nreads);
+		if (!reads)
+			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		for (int k = 0; k < a->nreads; k++)
+			reads[k] = outputs[a->rd[k]];
+		st = a->prepare(ctx, a->user, reads);
+		if (reads != rd)
+			free(reads);
+	}
+	return st;
+}
+
+static kl_status tail_launch(kl_ctx *ctx, void *user, int *launches)
+{
+	const kl_variant *v = user;
+	kl_status st = KL_OK;
+	for (int q = 0; q < v->nre && st == KL_OK; q++)
+		st = v->re[q].launch(ctx, v->re[q].user, launches);
+	return st;
 }
 
 kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out)
@@ -224,8 +361,29 @@ kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tenso
 		for (int c = 0; st == KL_OK && c < v->nchk; c++)
 			st = kl__check_values(ctx, gin[v->chk[c].in], v->chk[c].hi, v->chk[c].dim,
 			                      v->chk[c].op, v->chk[c].what);
+		/* the generator's keys this call draws, into the graph's key
+		 * inputs (on CUDA a copy queued before the plan's launches) */
+		uint64_t seed = ctx->rng_seed, base = ctx->rng_offset;
+		for (int d = 0; st == KL_OK && d < v->nrng; d++) {
+			uint64_t key = kl__philox_key(seed, base + v->rng_rel[d]);
+			int32_t w[2] = {(int32_t)(uint32_t)key, (int32_t)(uint32_t)(key >> 32)};
+			for (int k = 0; st == KL_OK && k < 2; k++)
+				if (v->rng_cap[2 * d + k] >= 0)
+					st = ctx->be->from_host(
+					        ctx,
+					        kl__tensor_data(v->captured[v->rng_cap[2 * d + k]]),
+					        &w[k], sizeof w[k]);
+		}
+		/* the deferred actions (the fused optimizer step) run as the plan's
+		 * tail, inside its CUDA graph, unless writes in place come first:
+		 * the traced call ran them after its writes */
+		kl_run_tail tail = {tail_prepare, tail_launch, v,
+		                    (const void *)(uintptr_t)v->re_id};
+		bool in_plan = v->nre > 0 && v->nw == 0;
 		if (st == KL_OK)
-			st = kl__compiled_run(ctx, e->c, gin, gout);
+			st = kl__compiled_run_tail(ctx, e->c, gin, gout, in_plan ? &tail : NULL);
+		if (st == KL_OK)
+			ctx->rng_offset = base + v->rng_advance;
 		/* the writes in place, as the traced call made them (a cache
 		 * write's value is the cache's memory already: only its version
 		 * moves); the captured tensors they wrote keep their guard */
@@ -238,6 +396,13 @@ kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tenso
 					v->cap_version[i] = dst->st->version;
 		}
 	}
+	/* else the deferred actions after the writes, as the traced call ran them */
+	int more = 0;
+	if (st == KL_OK && e && v->nre > 0 && v->nw > 0) {
+		st = tail_prepare(ctx, v, gout);
+		if (st == KL_OK)
+			st = tail_launch(ctx, v, &more);
+	}
 	if (st == KL_OK) {
 		for (int k = 0; k < f->nout; k++) {
 			int32_t s = v->out_src[k];
@@ -246,7 +411,7 @@ kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tenso
 			                   : j < f->nin ? in[j]
 			                                : v->captured[j - f->nin]);
 		}
-		f->last_kernels = e ? e->c->last_launches : 0;
+		f->last_kernels = (e ? e->c->last_launches : 0) + more;
 		f->last = v;
 		v->calls++;
 		f->replays++;

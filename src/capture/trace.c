@@ -6,6 +6,33 @@
 
 #include "capture/trace.h"
 
+kl_status kl__trace_rng_draw(kl_ctx *ctx, kl_tensor *const k[2], uint64_t offset)
+{
+	kl_trace *tr = ctx->trace;
+	if (!tr)
+		return KL_OK;
+	if (ctx->rng_seed != tr->rng_seed || offset < tr->rng_start) {
+		tr->per_call = true; /* reseeded inside the call: not a replay's advance */
+		return KL_OK;
+	}
+	if (tr->nrng == tr->cap_rng) {
+		int nc = tr->cap_rng ? 2 * tr->cap_rng : 4;
+		kl_tensor **p = realloc(tr->rng_key, sizeof *p * 2 * (size_t)nc);
+		if (!p)
+			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		tr->rng_key = p;
+		uint64_t *q = realloc(tr->rng_rel, sizeof *q * (size_t)nc);
+		if (!q)
+			return kl__err(ctx, KL_ENOMEM, "kl_fn_call: out of memory");
+		tr->rng_rel = q;
+		tr->cap_rng = nc;
+	}
+	tr->rng_key[2 * tr->nrng] = kl_retain(k[0]);
+	tr->rng_key[2 * tr->nrng + 1] = kl_retain(k[1]);
+	tr->rng_rel[tr->nrng++] = offset - tr->rng_start;
+	return KL_OK;
+}
+
 kl_status kl__trace_begin(kl_ctx *ctx)
 {
 	if (!ctx)
@@ -16,6 +43,8 @@ kl_status kl__trace_begin(kl_ctx *ctx)
 	if (!tr)
 		return kl__err(ctx, KL_ENOMEM, "kl__trace_begin: out of memory");
 	tr->id = ++ctx->next_trace_id;
+	tr->rng_start = ctx->rng_offset;
+	tr->rng_seed = ctx->rng_seed;
 	kl__graph_init(&tr->g);
 	ctx->trace = tr;
 	return KL_OK;
@@ -73,10 +102,16 @@ void kl__trace_free(kl_trace *tr)
 		for (int i = 0; i < tr->nchk; i++)
 			kl_release(tr->chk[i].t);
 		free(tr->chk);
+		for (int i = 0; i < 2 * tr->nrng; i++)
+			kl_release(tr->rng_key[i]);
+		free(tr->rng_key);
+		free(tr->rng_rel);
 		for (int i = 0; i < tr->ndefer; i++) {
 			kl_deferred *d = &tr->defer[i];
 			if (!d->done)
 				d->fn(NULL, d->user, false, NULL);
+			if (d->again_user)
+				d->free_again(d->again_user);
 			for (int k = 0; k < d->nreads; k++)
 				kl_release(d->reads[k]);
 			for (int k = 0; k < d->nguard; k++)
@@ -464,6 +499,25 @@ kl_status kl__trace_defer(kl_ctx *ctx, kl_status (*fn)(kl_ctx *, void *, bool, i
 	snprintf(d.what, sizeof d.what, "%s", what);
 	d.mark = tr->g.n;
 	tr->defer[tr->ndefer++] = d;
+	return KL_OK;
+}
+
+kl_status kl__trace_defer_again(kl_ctx *ctx,
+                                kl_status (*prepare)(kl_ctx *, void *, kl_tensor *const *),
+                                kl_status (*launch)(kl_ctx *, void *, int *), void *user,
+                                void (*free_again)(void *))
+{
+	kl_trace *tr = ctx->trace;
+	if (!tr || tr->ndefer == 0 || tr->defer[tr->ndefer - 1].again_user) {
+		free_again(user);
+		return kl__err(ctx, KL_ESTATE,
+		               "kl__trace_defer_again: no deferred action to give it");
+	}
+	kl_deferred *d = &tr->defer[tr->ndefer - 1];
+	d->again_prepare = prepare;
+	d->again_launch = launch;
+	d->again_user = user;
+	d->free_again = free_again;
 	return KL_OK;
 }
 

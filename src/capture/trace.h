@@ -23,6 +23,16 @@ typedef struct kl_deferred {
 	int nguard;
 	int32_t mark; /* the trace's node count when it was recorded */
 	bool done;
+	/* optional (kl__trace_defer_again): the same action in a fullgraph
+	 * replay, in two halves as a kl_run_tail (runtime/compiled.h):
+	 * again_prepare with reads[k] the replay's value of this action's read
+	 * k (materialized) before the plan runs, again_launch after its steps
+	 * (inside its CUDA graph under reduce-overhead). again_user is the
+	 * trace's (free_again) until a variant takes it (capture/replay.c) */
+	kl_status (*again_prepare)(kl_ctx *ctx, void *user, kl_tensor *const *reads);
+	kl_status (*again_launch)(kl_ctx *ctx, void *user, int *launches);
+	void *again_user;
+	void (*free_again)(void *user);
 } kl_deferred;
 
 /* A range check on the values of a materialized tensor a graph reads
@@ -67,6 +77,15 @@ typedef struct kl_trace {
 	/* the graph reads values made for this call only (a run-time rng key,
 	 * kl__rand_keyed): a fullgraph replay would reuse them */
 	bool per_call;
+	/* keys drawn from the context's generator (kl_dropout_rng), which a
+	 * replay can make again: draw i's key words are the materialized
+	 * tensors rng_key[2i], rng_key[2i + 1] (INPUTs of the graph, a reference
+	 * held on each), drawn at the generator offset rng_start + rng_rel[i];
+	 * rng_start and rng_seed are the generator's when the trace began */
+	kl_tensor **rng_key;
+	uint64_t *rng_rel;
+	int nrng, cap_rng;
+	uint64_t rng_start, rng_seed;
 	/* value checks before the graph runs (kl__trace_check) */
 	kl_vcheck *chk;
 	int nchk, cap_chk;
@@ -106,6 +125,11 @@ kl_status kl__trace_write(kl_ctx *ctx, kl_tensor *dst, kl_tensor *val);
  * A dense dst is one backend copy (on the device); a strided one goes
  * through the host. dense must not overlap dst unless it is dst. */
 kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense);
+/* Record that key words k[0], k[1] (materialized 0-dim i32 tensors the
+ * active trace reads) hold the context generator's key at offset (see
+ * kl_trace.rng_key); a key of a seed other than the trace's start marks
+ * the trace per_call. */
+kl_status kl__trace_rng_draw(kl_ctx *ctx, kl_tensor *const k[2], uint64_t offset);
 /* Record an action that runs after the active trace's graph (see
  * kl_deferred): reads[] are made outputs of the graph, guard[] may not be
  * read by any node recorded after this call (the graph would see them
@@ -114,6 +138,12 @@ kl_status kl__write_into(kl_ctx *ctx, kl_tensor *dst, kl_tensor *dense);
 kl_status kl__trace_defer(kl_ctx *ctx, kl_status (*fn)(kl_ctx *, void *, bool, int *),
                           void *user, const char *what, int nreads, kl_tensor *const *reads,
                           int nguard, kl_tensor *const *guard);
+/* Give the latest deferred action of the active trace its replay form
+ * (kl_deferred.again); takes user (free_again(user) on failure). */
+kl_status kl__trace_defer_again(kl_ctx *ctx,
+                                kl_status (*prepare)(kl_ctx *, void *, kl_tensor *const *),
+                                kl_status (*launch)(kl_ctx *, void *, int *), void *user,
+                                void (*free_again)(void *));
 /* The first deferred action of tr whose guarded memory a later node reads,
  * as an error (KL_ESTATE, naming the op); KL_OK when none does. */
 kl_status kl__trace_check_deferred(kl_ctx *ctx, const kl_trace *tr);

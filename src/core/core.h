@@ -132,6 +132,15 @@ typedef struct kl_backend {
 	 * the CPU, one kernel launch on CUDA). NULL: the front end updates each
 	 * parameter through ops instead. */
 	kl_status (*optim_step)(kl_ctx *ctx, const kl_optim_launch *l);
+	/* optim_step in two halves, for a step inside a CUDA graph: optim_table
+	 * writes l's pointer table into device memory the caller owns (*table,
+	 * *cap bytes; grown through the backend's own allocator, freed with
+	 * free) and readies the kernel; optim_launch launches over that table
+	 * with no allocation and no copy, so a stream capture records it and a
+	 * graph replay reads the table written before it. NULL where
+	 * optim_step is the only way (the CPU). */
+	kl_status (*optim_table)(kl_ctx *ctx, const kl_optim_launch *l, void **table, size_t *cap);
+	kl_status (*optim_launch)(kl_ctx *ctx, const kl_optim_launch *l, const void *table);
 } kl_backend;
 
 /* ---- the context ---------------------------------------------------------- */
@@ -169,6 +178,11 @@ struct kl_ctx {
 	FILE *profile;    /* kl_profile's stream while it runs (each compiled graph's
 	                   * steps are timed and reported there), else NULL */
 	int profile_segs; /* graphs reported so far by the running kl_profile */
+	/* the context's generator (kl_manual_seed, kl_dropout_rng): draw k of
+	 * it keys its mask with kl__philox_key(rng_seed, rng_offset), then
+	 * rng_offset moves by one; a fullgraph replay moves it as the traced
+	 * call did (capture/replay.c) */
+	uint64_t rng_seed, rng_offset;
 	int profile_graph; /* the graph about to run, numbered from 0 in the call as
 	                    * kl_explain numbers them (the capture layer sets it) */
 	void *tape;   /* the autograd tape (api/autograd.c), NULL until first used */
@@ -297,6 +311,9 @@ static inline uint64_t kl__rand_key(int32_t lo, int32_t hi)
 	return (uint64_t)(uint32_t)lo | (uint64_t)(uint32_t)hi << 32;
 }
 double kl__rand_normal(uint64_t seed, uint64_t i);  /* Box-Muller */
+/* The key of the rand stream for (seed, offset): kl_dropout's mask for a
+ * (seed, offset) pair is rand keyed by it (eager, traced and replayed). */
+uint64_t kl__philox_key(uint64_t seed, uint64_t offset);
 /* What element i of rand(seed) of float dtype dt holds: kl__rand_uniform
  * rounded to dt, except that values that round up to 1 (possible in f16 and
  * bf16 only) become the largest value below 1, so [0, 1) holds in every

@@ -26,6 +26,13 @@ void kl__philox(uint64_t seed, uint64_t counter, uint32_t out[4])
 	out[3] = c3;
 }
 
+uint64_t kl__philox_key(uint64_t seed, uint64_t offset)
+{
+	uint32_t k[4];
+	kl__philox(seed, offset, k);
+	return (uint64_t)k[0] | (uint64_t)k[1] << 32;
+}
+
 /* 24 bits: exactly representable in f32, so every float dtype sees the same
  * grid of values and the result is < 1 in all of them */
 double kl__rand_uniform(uint64_t seed, uint64_t i)

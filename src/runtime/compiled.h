@@ -115,6 +115,25 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *pro
  * output is left behind. */
 kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
                            kl_tensor **outputs);
+/* Work that runs after c's steps, as part of the plan (a fullgraph replay
+ * of a training step: the fused optimizer step over the gradients the plan
+ * computes). prepare runs at every call, before the steps and outside any
+ * CUDA graph capture, with the call's outputs (materialized): it readies
+ * what launch reads (on CUDA the optimizer's pointer table, written into
+ * device memory of its own). launch enqueues the work (adding to
+ * *launches) after the steps: under reduce-overhead it is captured into
+ * c's CUDA graph with them, so its launches' arguments must not change
+ * from call to call (one graph launch a call then runs both). A graph
+ * captured with one tail is captured again for another (id compared). */
+typedef struct kl_run_tail {
+	kl_status (*prepare)(kl_ctx *ctx, void *user, kl_tensor *const *outputs);
+	kl_status (*launch)(kl_ctx *ctx, void *user, int *launches);
+	void *user;
+	const void *id; /* what the tail is (its launches' identity) */
+} kl_run_tail;
+/* kl__compiled_run with a tail (NULL: none). */
+kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
+                                kl_tensor **outputs, const kl_run_tail *tail);
 
 /* The steps of c with the nodes fused into each, bytes, FLOPs, planned peak. */
 void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
@@ -148,9 +167,12 @@ kl_status kl__cuda_rt_load(kl_ctx *ctx, kl_compiled *c, const char *dir, uint64_
 void kl__cuda_rt_prepare(kl_ctx *ctx, kl_compiled *c);
 /* A device arena of at least bytes; *base receives its address. */
 kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **base);
-/* Run every step on the stream (B: device addresses per buffer), through
- * a CUDA graph under reduce-overhead / max-autotune. */
-kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms);
+/* Run every step on the stream (B: device addresses per buffer), then
+ * tail's launch (NULL: none; *tail_launches its launches when not a graph
+ * replay), through a CUDA graph under reduce-overhead / max-autotune, the
+ * tail captured into it. */
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                          const kl_run_tail *tail, int *tail_launches);
 /* kl_profile: us[s] = microseconds of step s run alone, by device events over
  * about 2 ms of plain launches (no graph); the buffers as the last run left
  * them. */

@@ -261,6 +261,12 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
                            kl_tensor **outputs)
 {
+	return kl__compiled_run_tail(ctx, c, inputs, outputs, NULL);
+}
+
+kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
+                                kl_tensor **outputs, const kl_run_tail *tail)
+{
 	const kl_program *p = &c->prog;
 	for (int j = 0; j < c->nout; j++)
 		outputs[j] = NULL;
@@ -304,12 +310,17 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 			B[b] = NULL;
 	}
 	st = bind_outputs(ctx, c, inputs, outputs, syms, B);
+	int tail_launches = 0;
+	if (st == KL_OK && tail)
+		st = tail->prepare(ctx, tail->user, outputs);
 	if (st == KL_OK && c->cuda) {
-		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms);
+		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms, tail, &tail_launches);
 	} else if (st == KL_OK) {
 		kl__par_set_threads(ctx->nthreads);
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++)
 			st = cpu_step(ctx, c, &p->steps[s], B, syms);
+		if (st == KL_OK && tail)
+			st = tail->launch(ctx, tail->user, &tail_launches);
 	}
 	if (st == KL_OK && ctx->profile)
 		st = profile_steps(ctx, c, B, syms);
@@ -324,7 +335,8 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 		return st;
 	}
 	c->runs++;
-	c->last_launches = c->cuda && kl__cuda_rt_replaying(c) ? 1 : (int)p->nsteps;
+	/* a CUDA graph replay: one launch, the tail's inside it */
+	c->last_launches = c->cuda && kl__cuda_rt_replaying(c) ? 1 : (int)p->nsteps + tail_launches;
 	c->launches += (uint64_t)c->last_launches;
 	return KL_OK;
 }

@@ -54,9 +54,12 @@ kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **ba
 	return absent(ctx);
 }
 
-kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                          const kl_run_tail *tail, int *tail_launches)
 {
 	(void)c;
+	(void)tail;
+	(void)tail_launches;
 	(void)B;
 	(void)syms;
 	return absent(ctx);

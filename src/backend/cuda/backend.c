@@ -161,6 +161,8 @@ const kl_backend kl__cuda_backend = {
         .memory = cuda_memory,
         .synchronize = cuda_synchronize,
         .optim_step = kl__cuda_optim_step,
+        .optim_table = kl__cuda_optim_table,
+        .optim_launch = kl__cuda_optim_launch,
 };
 
 /* A library kiln needs for any real work, made ready at device open so

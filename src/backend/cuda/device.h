@@ -189,6 +189,10 @@ kl_status kl__cuda_launch(kl_ctx *ctx, kl_cuda_dev *d, CUfunction f, const unsig
 
 /* kl_backend.optim_step: every item of l in one kernel launch. */
 kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l);
+/* kl_backend.optim_table / optim_launch: the step in two halves, for a
+ * CUDA graph (see core.h) */
+kl_status kl__cuda_optim_table(kl_ctx *ctx, const kl_optim_launch *l, void **table, size_t *cap);
+kl_status kl__cuda_optim_launch(kl_ctx *ctx, const kl_optim_launch *l, const void *table);
 void kl__cuda_optim_release(kl_cuda_dev *d);
 /* The kernel's source for parameters of dtype dt (malloc'd; NULL for a
  * dtype it does not serve or out of memory). */

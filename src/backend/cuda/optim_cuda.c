@@ -299,47 +299,56 @@ static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, int k, kl_dtype dt, CUfunct
 	return KL_OK;
 }
 
-kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
+/* Write l's pointer table into the device buffer *table of *cap bytes
+ * (grown as needed: the stream orders the copy after the launch that last
+ * read it) and load l's kernel; *chunks: the launch's chunks. */
+static kl_status put_table(kl_ctx *ctx, kl_cuda_dev *d, const kl_optim_launch *l,
+                           CUdeviceptr *table, size_t *cap, int64_t *chunks)
 {
-	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
 	int k = dt_slot(l->dtype);
 	if (k < 0)
 		return kl__err(ctx, KL_EINVAL, "kl_optim_step: parameters of dtype %s",
 		               kl_dtype_name(l->dtype));
-	if (l->n <= 0)
-		return KL_OK;
 	CUfunction fn = NULL;
 	kl_status st = get_fn(ctx, d, k, l->dtype, &fn);
 	if (st != KL_OK)
 		return st;
-	kl_cuda_optim *O = d->optim;
-	size_t bytes = sizeof(dev_item) * (size_t)l->n;
+	size_t bytes = sizeof(dev_item) * (size_t)(l->n > 0 ? l->n : 1);
 	dev_item *host = malloc(bytes);
 	if (!host)
 		return kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
-	int64_t chunks = kl__optim_table(l, OPT_CHUNK, host);
-	/* the table's buffer grows; the stream orders the copy after the
-	 * launch that last read it */
-	if (bytes > O->table_cap) {
-		if (O->table)
-			kl__cuda_free(ctx, d, O->table);
-		O->table = 0;
-		O->table_cap = 0;
-		st = kl__cuda_malloc(ctx, d, bytes, &O->table);
+	*chunks = kl__optim_table(l, OPT_CHUNK, host);
+	if (bytes > *cap) {
+		if (*table)
+			kl__cuda_free(ctx, d, *table);
+		*table = 0;
+		*cap = 0;
+		st = kl__cuda_malloc(ctx, d, bytes, table);
 		if (st == KL_OK)
-			O->table_cap = bytes;
+			*cap = bytes;
 	}
 	if (st == KL_OK)
-		st = kl__cuda_h2d(ctx, d, O->table, host, bytes);
+		st = kl__cuda_h2d(ctx, d, *table, host, bytes);
 	free(host);
-	if (st != KL_OK)
-		return st;
+	return st;
+}
+
+/* The kernel over the table at `table` (put_table's): one launch, no
+ * allocation and no copy, so a CUDA graph can capture it. */
+static kl_status launch_over(kl_ctx *ctx, kl_cuda_dev *d, const kl_optim_launch *l,
+                             CUdeviceptr table, int64_t chunks)
+{
+	int k = dt_slot(l->dtype);
+	kl_cuda_optim *O = d->optim;
+	if (k < 0 || !O || !O->fn[k])
+		return kl__err(ctx, KL_ESTATE, "kl_optim_step: the %s kernel is not loaded",
+		               kl_dtype_name(l->dtype));
 	struct {
 		CUdeviceptr items, done, lr;
 		long long chunks;
 		int n, algo, nesterov, amsgrad;
 		double wd, mom, damp, b1, b2, eps;
-	} args = {O->table,       O->done,      (CUdeviceptr)(uintptr_t)l->lr,
+	} args = {table,          O->done,      (CUdeviceptr)(uintptr_t)l->lr,
 	          chunks,         l->n,         (int)l->algo,
 	          l->nesterov,    l->amsgrad,   l->weight_decay,
 	          l->momentum,    l->dampening, l->beta1,
@@ -349,5 +358,36 @@ kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
 	unsigned grid[3] = {(unsigned)(blocks > 0 ? blocks : 1), 1, 1};
 	unsigned block[3] = {OPT_THREADS, 1, 1};
 	void *argv[] = {&args};
-	return kl__cuda_launch(ctx, d, fn, grid, block, 0, argv, 0);
+	return kl__cuda_launch(ctx, d, O->fn[k], grid, block, 0, argv, 0);
+}
+
+kl_status kl__cuda_optim_step(kl_ctx *ctx, const kl_optim_launch *l)
+{
+	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+	if (l->n <= 0)
+		return KL_OK;
+	if (!d->optim && !(d->optim = calloc(1, sizeof *d->optim)))
+		return kl__err(ctx, KL_ENOMEM, "kl_optim_step: out of memory");
+	int64_t chunks = 0;
+	kl_status st = put_table(ctx, d, l, &d->optim->table, &d->optim->table_cap, &chunks);
+	return st == KL_OK ? launch_over(ctx, d, l, d->optim->table, chunks) : st;
+}
+
+kl_status kl__cuda_optim_table(kl_ctx *ctx, const kl_optim_launch *l, void **table, size_t *cap)
+{
+	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+	CUdeviceptr t = (CUdeviceptr)(uintptr_t)*table;
+	int64_t chunks = 0;
+	kl_status st = put_table(ctx, d, l, &t, cap, &chunks);
+	*table = (void *)(uintptr_t)t;
+	return st;
+}
+
+kl_status kl__cuda_optim_launch(kl_ctx *ctx, const kl_optim_launch *l, const void *table)
+{
+	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
+	int64_t chunks = 0;
+	for (int i = 0; i < l->n; i++)
+		chunks += (l->items[i].n + OPT_CHUNK - 1) / OPT_CHUNK;
+	return l->n <= 0 ? KL_OK : launch_over(ctx, d, l, (CUdeviceptr)(uintptr_t)table, chunks);
 }

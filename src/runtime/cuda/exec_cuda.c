@@ -778,7 +778,8 @@ static void log_capture(kl_ctx *ctx, kl_compiled *c)
 	        nm, ncp, list);
 }
 
-static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                         const kl_run_tail *tail)
 {
 	kl_cuda_rt *rt = c->dev;
 	const kl_program *p = &c->prog;
@@ -798,6 +799,10 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	if (rs == KL_OK)
 		rs = capture_copies(ctx, c, B, KL_BUF_OUTPUT);
 	rt->recording = false;
+	/* the tail after the outputs' copies out: it reads the call's outputs */
+	int tl = 0;
+	if (rs == KL_OK && tail)
+		rs = tail->launch(ctx, tail->user, &tl);
 	char why[KL_ERR_CAP] = "";
 	if (rs != KL_OK)
 		snprintf(why, sizeof why, "%s", kl_last_error(ctx));
@@ -812,6 +817,7 @@ static kl_status capture(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	}
 	for (int32_t b = 0; b < p->nbufs; b++)
 		rt->g->bound[b] = B[b];
+	rt->g->tail_id = tail ? tail->id : NULL;
 	rt->captures++;
 	rt->capture_ms += kl__now_ms() - t0;
 	atomic_fetch_add(&n_captures, 1);
@@ -934,12 +940,21 @@ static kl_status repoint(kl_ctx *ctx, kl_compiled *c, void *const *B, const int6
 	return KL_OK;
 }
 
-static kl_status graph_off(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+/* The steps as plain launches, then the tail's. */
+static kl_status plain(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                       const kl_run_tail *tail, int *tl)
+{
+	kl_status st = launch_steps(ctx, c, B, syms, 0, c->prog.nsteps);
+	return st == KL_OK && tail ? tail->launch(ctx, tail->user, tl) : st;
+}
+
+static kl_status graph_off(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                           const kl_run_tail *tail, int *tl)
 {
 	kl_cuda_rt *rt = c->dev;
 	kl__cuda_graph_free(&rt->g->graph);
 	rt->g->gs = KL_G_OFF;
-	return launch_steps(ctx, c, B, syms, 0, c->prog.nsteps);
+	return plain(ctx, c, B, syms, tail, tl);
 }
 
 static void log_replay(kl_ctx *ctx, kl_compiled *c, int nk, int ncp)
@@ -956,10 +971,14 @@ static void log_replay(kl_ctx *ctx, kl_compiled *c, int nk, int ncp)
 }
 
 static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
-                                    const int64_t *syms);
+                                    const int64_t *syms, const kl_run_tail *tail, int *tl);
 
-kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms)
+kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
+                          const kl_run_tail *tail, int *tail_launches)
 {
+	int tl_scratch = 0;
+	if (!tail_launches)
+		tail_launches = &tl_scratch;
 	kl_cuda_rt *rt = c->dev;
 	const int32_t ns = c->prog.nsteps;
 	kl_status st = kl__cuda_bind(ctx, rt->dev);
@@ -978,7 +997,7 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 			memset(rt->has_algo, 0, sizeof *rt->has_algo * (size_t)(ns > 0 ? ns : 1));
 		}
 	}
-	st = run_graph_or_steps(ctx, c, B, syms);
+	st = run_graph_or_steps(ctx, c, B, syms, tail, tail_launches);
 	/* cache writes report a position out of range when the call ends */
 	for (int32_t s = 0; st == KL_OK && s < ns; s++)
 		if (c->prog.steps[s].kind == KL_STEP_CACHE_WRITE) {
@@ -989,18 +1008,18 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 }
 
 static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
-                                    const int64_t *syms)
+                                    const int64_t *syms, const kl_run_tail *tail, int *tl)
 {
 	kl_cuda_rt *rt = c->dev;
 	const int32_t ns = c->prog.nsteps;
 	kl_status st = KL_OK;
 	/* dynamic dims: rt->g is the graph of these sizes (pick_slot) */
 	if (!graph_mode(c) || rt->g->gs == KL_G_OFF)
-		return launch_steps(ctx, c, B, syms, 0, ns);
+		return plain(ctx, c, B, syms, tail, tl);
 	if (rt->g->gs == KL_G_WARMUP) {
 		/* warm the allocator and cuBLASLt's workspace: nothing may be
 		 * allocated while capturing */
-		st = launch_steps(ctx, c, B, syms, 0, ns);
+		st = plain(ctx, c, B, syms, tail, tl);
 		if (st == KL_OK) {
 			rt->g->gs = KL_G_CAPTURE;
 			memcpy(rt->g->warm, B, sizeof *B * (size_t)c->prog.nbufs);
@@ -1009,6 +1028,11 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 		return st;
 	}
 	int nk = 0, ncp = 0;
+	if (rt->g->gs == KL_G_READY && (tail ? tail->id : NULL) != rt->g->tail_id) {
+		kl__log(ctx, KL_LOG_CUDAGRAPHS, "re-capture: the work after the steps changed (%s)",
+		        tail ? "a fused optimizer step or another tail" : "none now");
+		rt->g->gs = KL_G_CAPTURE;
+	}
 	if (rt->g->gs == KL_G_READY) {
 		replay_verdict v = R_READY;
 		st = repoint(ctx, c, B, syms, &v, &nk, &ncp);
@@ -1018,20 +1042,20 @@ static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
 			        "now on",
 			        kl_last_error(ctx));
 			kl_clear_error(ctx);
-			return graph_off(ctx, c, B, syms);
+			return graph_off(ctx, c, B, syms, tail, tl);
 		}
 		if (v == R_OFF)
-			return graph_off(ctx, c, B, syms);
+			return graph_off(ctx, c, B, syms, tail, tl);
 		if (v == R_RECAPTURE)
 			rt->g->gs = KL_G_CAPTURE;
 	}
 	if (rt->g->gs == KL_G_CAPTURE) {
-		st = capture(ctx, c, B, syms);
+		st = capture(ctx, c, B, syms, tail);
 		if (st != KL_OK) {
 			kl__log(ctx, KL_LOG_CUDAGRAPHS, "skip: capture failed: %s",
 			        kl_last_error(ctx));
 			kl_clear_error(ctx);
-			return graph_off(ctx, c, B, syms);
+			return graph_off(ctx, c, B, syms, tail, tl);
 		}
 		rt->g->gs = KL_G_READY;
 	}

@@ -38,6 +38,7 @@ typedef struct kl_cuda_gslot {
 	CUDA_MEMCPY3D *copy_params;
 	CUgraphNode *knode;     /* per step: its kernel node (NULL: none) */
 	CUDA_KERNEL_NODE_PARAMS *kparams;
+	const void *tail_id; /* the kl_run_tail captured after the steps (NULL: none) */
 } kl_cuda_gslot;
 
 typedef struct kl_cuda_rt {
