@@ -18,6 +18,11 @@ static inline void kl__le_put64(uint8_t *p, uint64_t v)
 		p[i] = (uint8_t)(v >> (8 * i));
 }
 
+static inline uint16_t kl__le_get16(const uint8_t *p)
+{
+	return (uint16_t)(p[0] | p[1] << 8);
+}
+
 static inline uint32_t kl__le_get32(const uint8_t *p)
 {
 	uint32_t v = 0;

@@ -36,11 +36,36 @@ int kl__pkg_cuda_target_arch(const char *t)
 	return k >= 2 && t[8] != '0' && v >= 30 ? v : 0;
 }
 
-/* a 64-bit little-endian ELF file for the CUDA machine (EM_CUDA, 190) */
+/* a 64-bit little-endian ELF file for the CUDA machine (EM_CUDA, 190)
+ * whose header, program headers and section headers all lie inside it,
+ * as does every section with contents: the driver follows those offsets
+ * without checking them, so a damaged table must stop here */
 static bool cubin_ok(const uint8_t *b, size_t n)
 {
-	return n >= 64 && memcmp(b, "\x7f" "ELF", 4) == 0 && b[4] == 2 && b[5] == 1 &&
-	       (uint16_t)(b[18] | b[19] << 8) == 190;
+	if (n < 64 || memcmp(b, "\x7f" "ELF", 4) != 0 || b[4] != 2 || b[5] != 1 ||
+	    kl__le_get16(b + 18) != 190 || kl__le_get16(b + 52) != 64)
+		return false;
+	uint64_t phoff = kl__le_get64(b + 32), shoff = kl__le_get64(b + 40);
+	unsigned phent = kl__le_get16(b + 54), phnum = kl__le_get16(b + 56);
+	unsigned shent = kl__le_get16(b + 58), shnum = kl__le_get16(b + 60);
+	unsigned shstr = kl__le_get16(b + 62);
+	if ((phnum && (phent != 56 || phoff > n || (uint64_t)phnum * 56 > n - phoff)) ||
+	    shent != 64 || shnum == 0 || shoff > n || (uint64_t)shnum * 64 > n - shoff ||
+	    shstr >= shnum)
+		return false;
+	for (unsigned i = 0; i < phnum; i++) {
+		const uint8_t *ph = b + phoff + (size_t)i * 56;
+		uint64_t off = kl__le_get64(ph + 8), sz = kl__le_get64(ph + 32);
+		if (off > n || sz > n - off)
+			return false;
+	}
+	for (unsigned i = 0; i < shnum; i++) {
+		const uint8_t *sh = b + shoff + (size_t)i * 64;
+		uint64_t off = kl__le_get64(sh + 24), sz = kl__le_get64(sh + 32);
+		if (kl__le_get32(sh + 4) != 8 /* SHT_NOBITS */ && (off > n || sz > n - off))
+			return false;
+	}
+	return true;
 }
 
 /* printable text (tabs and newlines too) naming its target */
