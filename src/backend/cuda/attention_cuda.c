@@ -598,11 +598,12 @@ typedef struct kl_atb_args {
 } kl_atb_args;
 
 #define BWD_SMEM_PRE(d) ((unsigned)(2 * 64 * (d) * 2))
-/* kl_attnb_kv: K and V tiles of 64 rows, Q and dO of QB (64, 32 at head dim
- * 128), dS^T (64 x 64 16-bit), L and D of QB rows */
+/* kl_attnb_kv: K and V tiles of 64 rows, two each of Q and dO of QB rows
+ * (64, 32 at head dim 128), dS^T (64 x 64 16-bit), two each of L and D of QB
+ * rows */
 #define BWD_QB(d) ((d) == 128 ? 32 : 64)
 #define BWD_SMEM_KV(d)                                                                             \
-	((unsigned)(2 * 64 * (d) * 2 + 2 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 2 * BWD_QB(d) * 4))
+	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 4 * BWD_QB(d) * 4))
 
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
 {
