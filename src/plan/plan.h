@@ -163,6 +163,18 @@ typedef struct kl_attn_step {
 	int64_t len_off, len_st;
 } kl_attn_step;
 
+/* The element offset of flat batch index b (over a's batch[] entries) in an
+ * operand whose per-entry strides are bs (q_bs, k_bs, ... of a). */
+static inline int64_t kl__attn_batch_off(const kl_attn_step *a, const int64_t *bs, int64_t b)
+{
+	int64_t off = 0;
+	for (int i = a->nbatch - 1; i >= 0; i--) {
+		off += (b % a->batch[i]) * bs[i];
+		b /= a->batch[i];
+	}
+	return off;
+}
+
 /* Whether the CUDA backend runs the attention backward step for dtype dt
  * and head dim d (its tensor-core kernels: f16/bf16, d 64 or 128); lowering
  * expands any other sdpa_bwd for CUDA into primitives. */

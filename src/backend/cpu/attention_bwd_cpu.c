@@ -32,17 +32,6 @@ typedef struct attn_bwd_job {
 
 #define BQ 64
 
-/* one operand's element offset for flat batch index b */
-static int64_t boff(const kl_attn_step *a, const int64_t *bs, int64_t b)
-{
-	int64_t off = 0;
-	for (int i = a->nbatch - 1; i >= 0; i--) {
-		off += (b % a->batch[i]) * bs[i];
-		b /= a->batch[i];
-	}
-	return off;
-}
-
 static const void *elem(const void *p, kl_dtype dt, int64_t off)
 {
 	return (const char *)p + off * (int64_t)kl_dtype_size(dt);
@@ -74,15 +63,15 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 		T *q = buf, *dO = q + tq * D, *k = dO + tq * D, *v = k + tk * D;                   \
 		T *dk = v + tk * D, *dv = dk + tk * D, *dq = dv + tk * D, *Di = dq + BQ * D;       \
 		T *s = Di + tq, *dp = s + BQ * tk, *orow = dp + BQ * tk;                           \
-		bload_##NAME(q, job->q, dt, a->q_off + boff(a, a->q_bs, b), tq, D, a->q_rs,        \
+		bload_##NAME(q, job->q, dt, a->q_off + kl__attn_batch_off(a, a->q_bs, b), tq, D, a->q_rs,        \
 		             a->q_cs);                                                             \
-		bload_##NAME(k, job->k, dt, a->k_off + boff(a, a->k_bs, b), tk, D, a->k_rs,        \
+		bload_##NAME(k, job->k, dt, a->k_off + kl__attn_batch_off(a, a->k_bs, b), tk, D, a->k_rs,        \
 		             a->k_cs);                                                             \
-		bload_##NAME(v, job->v, dt, a->v_off + boff(a, a->v_bs, b), tk, D, a->v_rs,        \
+		bload_##NAME(v, job->v, dt, a->v_off + kl__attn_batch_off(a, a->v_bs, b), tk, D, a->v_rs,        \
 		             a->v_cs);                                                             \
-		bload_##NAME(dO, job->go, dt, a->go_off + boff(a, a->go_bs, b), tq, D, a->go_rs,   \
+		bload_##NAME(dO, job->go, dt, a->go_off + kl__attn_batch_off(a, a->go_bs, b), tq, D, a->go_rs,   \
 		             a->go_cs);                                                            \
-		int64_t fo = a->fo_off + boff(a, a->fo_bs, b);                                     \
+		int64_t fo = a->fo_off + kl__attn_batch_off(a, a->fo_bs, b);                                     \
 		for (int64_t i = 0; i < tq; i++) {                                                 \
 			LOAD(orow, elem(job->o, dt, fo + i * a->fo_rs), dt, a->fo_cs, D);          \
 			T acc = 0;                                                                 \
@@ -93,7 +82,7 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 		for (int64_t i = 0; i < tk * D; i++)                                               \
 			dk[i] = dv[i] = 0;                                                         \
 		size_t es = kl_dtype_size(dt);                                                     \
-		int64_t ob = boff(a, a->o_bs, b);                                                  \
+		int64_t ob = kl__attn_batch_off(a, a->o_bs, b);                                                  \
 		for (int64_t q0 = 0; q0 < tq; q0 += BQ) {                                          \
 			int64_t nq = tq - q0 < BQ ? tq - q0 : BQ;                                  \
 			/* the keys some row of the block sees: [0, kend) */                       \

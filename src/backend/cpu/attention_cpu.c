@@ -29,17 +29,6 @@ typedef struct attn_job {
 #define BQ 64
 #define BK 128
 
-/* one operand's element offset for flat batch index b */
-static int64_t batch_off(const kl_attn_step *a, const int64_t *bs, int64_t b)
-{
-	int64_t off = 0;
-	for (int i = a->nbatch - 1; i >= 0; i--) {
-		off += (b % a->batch[i]) * bs[i];
-		b /= a->batch[i];
-	}
-	return off;
-}
-
 static const void *at(const void *p, kl_dtype dt, int64_t off)
 {
 	return (const char *)p + off * (int64_t)kl_dtype_size(dt);
@@ -79,10 +68,10 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			for (int64_t t = lo; t < hi; t++) {                                        \
 				int64_t b = t / nqb, q0 = (t % nqb) * BQ;                          \
 				int64_t nq = a->tq - q0 < BQ ? a->tq - q0 : BQ;                    \
-				int64_t qo = a->q_off + batch_off(a, a->q_bs, b),                  \
-				        ko = a->k_off + batch_off(a, a->k_bs, b),                  \
-				        vo = a->v_off + batch_off(a, a->v_bs, b),                  \
-				        oo = batch_off(a, a->o_bs, b);                             \
+				int64_t qo = a->q_off + kl__attn_batch_off(a, a->q_bs, b),                  \
+				        ko = a->k_off + kl__attn_batch_off(a, a->k_bs, b),                  \
+				        vo = a->v_off + kl__attn_batch_off(a, a->v_bs, b),                  \
+				        oo = kl__attn_batch_off(a, a->o_bs, b);                             \
 				int64_t end = a->tk; /* the row's keys end here */                 \
 				if (job->lens)                                                     \
 					end = kl__attn_len_at(a, job->lens, b / job->len_div);     \
