@@ -79,7 +79,7 @@ NORM_SCALED_FN(row_f64, double)
  * double either way. SAFE: the mean square below which the T path is
  * exact (inv a normal T, x - mean finite). */
 #define ROW_FN(NAME, T, NATIVE, EXPF, LOADF, STOREF, SAFE)                                   \
-	static void NAME(const rw_plan *p, int64_t r, T *xbuf, T *ybuf)                        \
+	KL_CPU_CLONES static void NAME(const rw_plan *p, int64_t r, T *xbuf, T *ybuf)                     \
 	{                                                                                      \
 		int64_t xoff, yoff, L = p->L;                                                  \
 		row_offsets(p, r, &xoff, &yoff);                                               \
