@@ -600,10 +600,11 @@ typedef struct kl_atb_args {
 #define BWD_SMEM_PRE(d) ((unsigned)(2 * 64 * (d) * 2))
 /* kl_attnb_kv: K and V tiles of 64 rows, two each of Q and dO of QB rows
  * (64, 32 at head dim 128), dS^T (64 x 64 16-bit), two each of L and D of QB
- * rows */
+ * rows, the f32 dq piece (QB rows of d + 8) */
 #define BWD_QB(d) ((d) == 128 ? 32 : 64)
 #define BWD_SMEM_KV(d)                                                                             \
-	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 4 * BWD_QB(d) * 4))
+	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 4 * BWD_QB(d) * 4 +  \
+	            BWD_QB(d) * ((d) + 8) * 4))
 
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
 {
