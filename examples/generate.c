@@ -307,23 +307,26 @@ int main(int argc, char **argv)
 	for (int64_t B = 1; B <= R; B = B < 4 ? B * 2 : B == 4 ? 8 : B + 8) {
 		int64_t *z = calloc((size_t)B, sizeof *z);
 		kl_scope_begin(ctx);
-		kl_tensor *zt = z ? kl_from_host(ctx, KL_I64, 1, (int64_t[]){B}, z, sizeof *z * (size_t)B)
-		                  : NULL;
-		/* three tensors, as in a real step (one tensor passed twice would
-		 * trace another graph) */
-		kl_tensor *zp = zt ? kl_add_scalar(zt, 0) : NULL;
-		kl_tensor *ones = zt ? kl_add_scalar(zt, 1) : NULL, *out = NULL;
-		/* twice: a bucket's first call warms its plan up, the second
-		 * captures its CUDA graph (reduce-overhead), so that no capture
-		 * lands inside the run */
-		kl_status st = kl_last_status(ctx);
-		for (int k = 0; k < 2 && zt && zp && ones; k++) {
-			st = kl_fn_call(df, (kl_tensor *[]){zt, zp, ones}, &out);
-			kl_release(out);
-			out = NULL;
-			if (st != KL_OK)
-				break;
+		/* three calls: a bucket's first warms its plan up, the second
+		 * captures its CUDA graph (reduce-overhead), the third replays it.
+		 * Each call's tensors are new and the earlier ones stay alive, so
+		 * every call sees other addresses, as the run's steps will: the
+		 * capture stages what moved through static copies instead of
+		 * pinning addresses that the run would then move (a re-capture
+		 * a bucket inside the run). Three tensors, as in a real step (one
+		 * tensor passed twice would trace another graph). */
+		kl_status st = z ? KL_OK : KL_ENOMEM;
+		kl_tensor *outs[3] = {NULL, NULL, NULL};
+		for (int k = 0; k < 3 && st == KL_OK; k++) {
+			kl_tensor *zt =
+			        kl_from_host(ctx, KL_I64, 1, (int64_t[]){B}, z, sizeof *z * (size_t)B);
+			kl_tensor *zp = zt ? kl_add_scalar(zt, 0) : NULL;
+			kl_tensor *ones = zt ? kl_add_scalar(zt, 1) : NULL;
+			st = zt && zp && ones ? kl_fn_call(df, (kl_tensor *[]){zt, zp, ones}, &outs[k])
+			                      : kl_last_status(ctx);
 		}
+		for (int k = 0; k < 3; k++)
+			kl_release(outs[k]);
 		kl_scope_end(ctx);
 		free(z);
 		if (st != KL_OK)
