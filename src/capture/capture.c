@@ -1143,6 +1143,52 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
 
 /* Shape buckets: pad the batched inputs up to the nearest bucket, call, and
  * cut the batched outputs back to the call's batch (views). */
+/* Input i of a call, bound dense (pin[i]) for its dynamic dims. A leaf that
+ * requires grad is copied with grad mode off into a leaf of its own that
+ * holds the original's .grad: fn's backward accumulates there, and
+ * dense_grads_back hands the result to the original after the call (a
+ * copy on the tape would leave the original's gradient NULL). The same
+ * tensor passed twice shares one copy. */
+static kl_status bind_dense(kl_fn *f, kl_tensor *const *in, kl_tensor **pin, int i)
+{
+	kl_ctx *ctx = f->ctx;
+	for (int j = 0; j < i; j++)
+		if (in[j] == in[i] && pin[j] != in[j]) {
+			pin[i] = pin[j];
+			return KL_OK;
+		}
+	bool leaf = in[i]->requires_grad;
+	bool prev = leaf ? kl_set_grad_enabled(ctx, false) : false;
+	pin[i] = kl_contiguous(in[i]);
+	if (leaf)
+		kl_set_grad_enabled(ctx, prev);
+	if (!pin[i])
+		return kl_last_status(ctx);
+	if (leaf) {
+		kl_status st = kl_set_requires_grad(pin[i], true);
+		if (st != KL_OK)
+			return st;
+		if (in[i]->grad)
+			pin[i]->grad = kl_retain(in[i]->grad);
+	}
+	return KL_OK;
+}
+
+/* After a call that bound leaves dense: each original leaf takes its
+ * copy's .grad (its old .grad plus what fn's backward added). */
+static void dense_grads_back(kl_fn *f, kl_tensor *const *in, kl_tensor **pin)
+{
+	for (int i = 0; i < f->nin; i++) {
+		if (pin[i] == in[i] || !in[i]->requires_grad || in[i]->grad == pin[i]->grad)
+			continue;
+		kl_tensor *g = pin[i]->grad;
+		if (g)
+			kl_retain(g);
+		kl_release(in[i]->grad);
+		in[i]->grad = g;
+	}
+}
+
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 {
 	if (!f || !f->nbk || !in || (f->nout > 0 && !out) || f->ctx->trace)
@@ -1285,9 +1331,8 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 	} else {
 		/* dynamic inputs are bound dense: one layout serves every size */
 		for (int i = 0; st == KL_OK && i < f->nin; i++)
-			if (f->dyn[i] && !kl_is_contiguous(in[i]) &&
-			    !(pin[i] = kl_contiguous(in[i])))
-				st = kl_last_status(ctx);
+			if (f->dyn[i] && !kl_is_contiguous(in[i]))
+				st = bind_dense(f, in, pin, i);
 		kl_variant *v = st == KL_OK ? find_variant(f, pin) : NULL;
 		bool fresh = false, stale = false;
 		if (v && v->retired)
@@ -1344,6 +1389,8 @@ static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 	}
 	f->failed_calls += st != KL_OK;
 	f->last_failed = st != KL_OK;
+	if (st == KL_OK)
+		dense_grads_back(f, in, pin);
 	if (st == KL_OK && !owned)
 		for (int k = 0; k < f->nout; k++)
 			kl_retain(out[k]);
