@@ -36,7 +36,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 
 /* rows x cols of (base + off) with strides rs, cs into a dense tile; with
  * transposed set the tile is cols x rows */
-#define ATTN_KERNEL(NAME, T, LOAD, STORE, EXP, EXP_ROW, F64)                                       \
+#define ATTN_KERNEL(NAME, T, NATIVE, LOAD, STORE, EXP, EXP_ROW, F64)                               \
 	static void load_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off, int64_t rows,   \
 	                        int64_t cols, int64_t rs, int64_t cs)                              \
 	{                                                                                          \
@@ -44,6 +44,23 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 			return;                                                                    \
 		for (int64_t r = 0; r < rows; r++)                                                 \
 			LOAD(dst + r * cols, at(src, dt, off + r * rs), dt, cs, cols);             \
+	}                                                                                          \
+                                                                                                   \
+	/* an operand tile for BLAS: read in place when it is already T with unit  \
+	 * column stride and rows at least cols apart (its leading dimension *ld), \
+	 * else copied into dst (leading dimension cols) */                        \
+	static const T *tile_##NAME(T *dst, const void *src, kl_dtype dt, int64_t off,             \
+	                            int64_t rows, int64_t cols, int64_t rs, int64_t cs,            \
+	                            int64_t *ld)                                                   \
+	{                                                                                          \
+		if (dt == NATIVE && cols > 0 && cs == 1 && (rows <= 1 || rs >= cols) &&            \
+		    rs <= INT32_MAX) {                                                             \
+			*ld = rows <= 1 ? cols : rs;                                               \
+			return (const T *)at(src, dt, off);                                        \
+		}                                                                                  \
+		load_##NAME(dst, src, dt, off, rows, cols, rs, cs);                                \
+		*ld = cols;                                                                        \
+		return dst;                                                                        \
 	}                                                                                          \
                                                                                                    \
 	static void chunk_##NAME(void *arg, int64_t lo, int64_t hi)                                \
@@ -76,7 +93,9 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 				if (job->lens)                                                     \
 					end = kl__attn_len_at(a, job->lens, b / job->len_div);     \
 				int64_t lag = end - a->tq;                                         \
-				load_##NAME(q, Q, dt, qo + q0 * a->q_rs, nq, D, a->q_rs, a->q_cs); \
+				int64_t ldq, ldk, ldv;                                             \
+				const T *qt = tile_##NAME(q, Q, dt, qo + q0 * a->q_rs, nq, D,     \
+				                          a->q_rs, a->q_cs, &ldq);                 \
 				for (int64_t i = 0; i < nq; i++) {                                 \
 					m[i] = -(T)INFINITY;                                       \
 					l[i] = 0;                                                  \
@@ -89,14 +108,14 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 					kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;              \
 				for (int64_t k0 = 0; k0 < kend; k0 += BK) {                        \
 					int64_t nk = kend - k0 < BK ? kend - k0 : BK;              \
-					load_##NAME(kb, K, dt, ko + k0 * a->k_rs, nk, D, a->k_rs,  \
-					            a->k_cs);                                      \
-					load_##NAME(v, V, dt, vo + k0 * a->v_rs, nk, DV, a->v_rs,  \
-					            a->v_cs);                                      \
+					const T *kt = tile_##NAME(kb, K, dt, ko + k0 * a->k_rs,    \
+					                          nk, D, a->k_rs, a->k_cs, &ldk);  \
+					const T *vt = tile_##NAME(v, V, dt, vo + k0 * a->v_rs, nk, \
+					                          DV, a->v_rs, a->v_cs, &ldv);     \
 					/* S = q k^T * scale: nq x nk, rows BK apart */            \
 					kl__blas_gemm(1, F64, CblasNoTrans, CblasTrans, (int)nq,   \
-					              (int)nk, (int)D, a->scale, q, (int)D, kb,    \
-					              (int)D, 0.0, s, BK);                         \
+					              (int)nk, (int)D, a->scale, qt, (int)ldq, kt, \
+					              (int)ldk, 0.0, s, BK);                       \
 					for (int64_t i = 0; i < nq; i++) {                         \
 						T *si = s + i * BK;                                \
 						int64_t lim =                                      \
@@ -129,7 +148,7 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 					}                                                          \
 					/* acc += P v (P in s) */                                  \
 					kl__blas_gemm(1, F64, CblasNoTrans, CblasNoTrans, (int)nq, \
-					              (int)DV, (int)nk, 1.0, s, BK, v, (int)DV,    \
+					              (int)DV, (int)nk, 1.0, s, BK, vt, (int)ldv,  \
 					              1.0, acc, (int)DV);                          \
 				}                                                                  \
 				for (int64_t i = 0; i < nq; i++) {                                 \
@@ -187,8 +206,8 @@ double kl__cpu_exp_row_f64(double *s, int64_t n, double mx)
 
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
-ATTN_KERNEL(f32, float, kl__cpu_load_f32, STORE_F32, exp_f32, kl__cpu_exp_row_f32, false)
-ATTN_KERNEL(f64, double, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_row_f64, true)
+ATTN_KERNEL(f32, float, KL_F32, kl__cpu_load_f32, STORE_F32, exp_f32, kl__cpu_exp_row_f32, false)
+ATTN_KERNEL(f64, double, KL_F64, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_row_f64, true)
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, const void *lens, void *o)
