@@ -350,6 +350,16 @@ static void test_bwd_plan(void **state)
 	assert_int_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
 	R.steps[s].at.bwd = 2;
 	assert_int_not_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
+	R.steps[s].at.bwd = 1;
+	/* the lengths' inner dims are read without lengths too: out of range is
+	 * refused (a fuzzed package indexed batch[] with one) */
+	R.steps[s].at.len_inner = -1526726655;
+	assert_int_not_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
+	assert_non_null(strstr(err, "inner dims"));
+	R.steps[s].at.len_inner = R.steps[s].at.nbatch + 1;
+	assert_int_not_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
+	R.steps[s].at.len_inner = 0;
+	assert_int_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
 	kl__program_free(&R);
 	free(bytes);
 	kl__compiled_free(cc);

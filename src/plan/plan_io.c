@@ -174,6 +174,8 @@ static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 int64_t kl__attn_len_div(const kl_attn_step *a)
 {
 	int64_t div = 1;
+	if (a->len < 0)
+		return 1; /* no lengths: nothing divides */
 	for (int i = a->nbatch - a->len_inner; i < a->nbatch; i++)
 		div *= a->batch[i] > 0 ? a->batch[i] : 1;
 	return div;
@@ -501,6 +503,10 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 		if (i != 3 && ids[i] == a->o)
 			return kl__plan_fail(err, cap, "step %d: attention backward writes its operand %c",
 			                     s, "qkvoOG"[i]);
+	/* read even without lengths (kl__attn_len_div): in range either way */
+	if (a->len_inner < 0 || a->len_inner > a->nbatch)
+		return kl__plan_fail(err, cap, "step %d: attention lengths' inner dims %d of %d", s,
+		                     a->len_inner, a->nbatch);
 	if (a->len < 0)
 		return a->len == -1 ? KL_OK
 		                    : kl__plan_fail(err, cap, "step %d: attention lengths %d out of range",
