@@ -1141,8 +1141,6 @@ static kl_status eager_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out, boo
 
 static kl_status fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
 
-/* Shape buckets: pad the batched inputs up to the nearest bucket, call, and
- * cut the batched outputs back to the call's batch (views). */
 /* Input i of a call, bound dense (pin[i]) for its dynamic dims. A leaf that
  * requires grad is copied with grad mode off into a leaf of its own that
  * holds the original's .grad: fn's backward accumulates there, and
@@ -1189,6 +1187,8 @@ static void dense_grads_back(kl_fn *f, kl_tensor *const *in, kl_tensor **pin)
 	}
 }
 
+/* Shape buckets: pad the batched inputs up to the nearest bucket, call, and
+ * cut the batched outputs back to the call's batch (views). */
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out)
 {
 	if (!f || !f->nbk || !in || (f->nout > 0 && !out) || f->ctx->trace)
