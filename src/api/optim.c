@@ -427,9 +427,10 @@ static kl_status fused_from(kl_ctx *ctx, kl_optim *o, kl_tensor *const *gsrc, in
 	for (int i = 0; g && i < o->n && st == KL_OK; i++) {
 		if (gsrc[i] && !(g[i] = kl_contiguous(gsrc[i])))
 			st = kl_last_status(ctx);
-		/* one launch per dtype (f32, bf16, f16, f64) */
-		kl_dtype dt = o->ps[i].p->dtype;
-		int k = dt == KL_F32 ? 0 : dt == KL_BF16 ? 1 : dt == KL_F16 ? 2 : 3;
+		/* one launch per dtype of fused_dts */
+		int k = 0;
+		while (k < 3 && fused_dts[k] != o->ps[i].p->dtype)
+			k++;
 		*launches += gsrc[i] && !seen[k];
 		seen[k] |= gsrc[i] != NULL;
 	}
