@@ -22,7 +22,8 @@ MAX_BATCH = 1000
 BATCH_MS = 2.0
 
 MEMORY_BOUND = ("memory_bandwidth", "relu_fma", "pointwise8", "softmax", "layer_norm",
-                "rms_norm", "rms_norm_prims", "decoder_token", "adamw")
+                "rms_norm", "rms_norm_prims", "decoder_token", "adamw", "decode_step")
+DECODE_STACK = 4  # decode_step's layers (KT_STACK in src/tools/tools.h)
 # issue 21's rows: a training step, the optimizer alone, attention's backward
 TRAIN = ("train_decoder", "adamw", "attention_bwd", "attention_bwd_causal", "train_gpt")
 GPT_VOCAB = 256  # examples/train_gpt.c: byte-level
@@ -85,6 +86,16 @@ class Spec:
             self.shape = f"{b}x{t}x{dim},h{h},ffn{f}"
             self.bytes = (2 * n * dim + 4 * dim * dim + 3 * dim * f + 6 * dim) * es
             self.flops = 8.0 * n * dim * dim + 4.0 * n * t * dim + 6.0 * n * dim * f
+        elif name == "decode_step":
+            # DECODE_STACK DecoderLayers on one token a row over a KV cache of
+            # t positions (of 2t): every weight read once and the keys and
+            # values attended, x read and the output written
+            b, t, dim, h, f = d
+            self.shape = f"{DECODE_STACK}x({b}x1x{dim},h{h},ffn{f},kv{t})"
+            self.bytes = (DECODE_STACK * (decoder_params(dim, f) + 2 * b * t * dim) +
+                          2 * b * dim) * es
+            self.flops = DECODE_STACK * (8.0 * b * dim * dim + 4.0 * b * t * dim +
+                                         6.0 * b * dim * f)
         elif name == "train_decoder":
             # the seed's step on decoder_layer's problem: three times the
             # forward's products; x and the label read, and per parameter
@@ -138,7 +149,9 @@ def specs(quick):
         pw, rows, gemm, ffn, mlp, copy = ([256], (512, 256), (128, 128, 128),
                                           (1, 32, 64, 128), (8, 32, 24), (256, 256))
         attn, layer, token = (1, 2, 64, 32), (1, 16, 64, 4, 256), (1, 1, 64, 4, 256)
+        decode = (1, 16, 64, 4, 256)
     else:
+        decode = (1, 512, 2048, 16, 8192)
         pw, rows, gemm, ffn, mlp, copy = ([4096, 8192], (16384, 4096), (8192, 8192, 8192),
                                           (4, 1024, 2048, 8192), (8, 256, 24), (32768, 16384))
         attn = (4, 16, 1024, 128)
@@ -153,6 +166,7 @@ def specs(quick):
     out += [Spec(n, "bf16", attn) for n in ("attention", "attention_causal")]
     out.append(Spec("decoder_layer", "bf16", layer))
     out.append(Spec("decoder_token", "bf16", token))
+    out.append(Spec("decode_step", "bf16", decode))
     out += [Spec(n, "bf16", layer) for n in ("train_decoder", "adamw")]
     out += [Spec(n, "bf16", attn) for n in ("attention_bwd", "attention_bwd_causal")]
     # GPT-2 small's shape, byte-level (examples/train_gpt.c)

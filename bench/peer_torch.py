@@ -160,6 +160,8 @@ def make(torch, spec, dev):
         _, DecoderLayer = seed_modules(torch, d, h, f)
         torch.manual_seed(0)
         return DecoderLayer().to(device=dev, dtype=dt).eval(), [randn(b, t, d)]
+    if n == "decode_step":
+        return decode_stack(torch, spec, dev, dt, randn)
     if n == "mlp24":
         b, d, layers = spec.dims
         mods = []
@@ -167,6 +169,47 @@ def make(torch, spec, dev):
             mods += [torch.nn.Linear(d, d), torch.nn.GELU()]
         return torch.nn.Sequential(*mods).to(device=dev, dtype=dt).eval(), [randn(b, d)]
     raise ValueError(n)
+
+
+def decode_stack(torch, spec, dev, dt, randn):
+    """decode_step: the seed's DecoderLayers with a static KV cache, the way
+    gpt-fast serves with torch.compile: the caches are buffers of the module
+    (so reduce-overhead's CUDA graph keeps their addresses), the new key and
+    value written in place at the input position, attention over the cache
+    masked to each row's length."""
+    F = torch.nn.functional
+    b, t, d, h, f = spec.dims
+    dh = d // h
+    _, DecoderLayer = seed_modules(torch, d, h, f)
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(DecoderLayer() for _ in range(pc.DECODE_STACK))
+            for i in range(pc.DECODE_STACK):
+                self.register_buffer(f"k{i}", torch.zeros(b, h, 2 * t, dh))
+                self.register_buffer(f"v{i}", torch.zeros(b, h, 2 * t, dh))
+
+        def forward(self, x, pos, lengths):
+            keep = torch.arange(2 * t, device=x.device) < lengths[:, None, None, None]
+            for i, layer in enumerate(self.layers):
+                a = layer.attn
+                qkv = F.linear(layer.norm1(x), a.in_proj_weight, a.in_proj_bias)
+                q, k, v = qkv.view(b, 1, 3, h, dh).permute(2, 0, 3, 1, 4)
+                kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+                kc[:, :, pos] = k
+                vc[:, :, pos] = v
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=keep)
+                x = x + a.out_proj(o.transpose(1, 2).reshape(b, 1, d))
+                x = x + layer.ffn(layer.norm2(x))
+            return x
+
+    torch.manual_seed(0)
+    m = Stack().to(device=dev, dtype=dt).eval()
+    for name, buf in m.named_buffers():
+        buf.copy_(randn(*buf.shape))
+    pos = torch.full((1,), t - 1, device=dev, dtype=torch.long)
+    return m, [randn(b, 1, d), pos, torch.full((b,), t, device=dev, dtype=torch.long)]
 
 
 def make_train(torch, spec, dev, mode):

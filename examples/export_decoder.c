@@ -185,6 +185,7 @@ int main(int argc, char **argv)
 		CHECK(kl_to_host(kl_slice(kl_reshape(y, 1, (int64_t[]){8 * d}), 0, 0, 1, 1), &first,
 		                 sizeof first) == KL_OK);
 		double b = now_ms() - a;
+		printf("  load %d: %.2f ms, first result %.2f ms\n", r, l, b);
 		best = b < best ? b : best;
 		best_load = l < best_load ? l : best_load;
 		kl_release(y);

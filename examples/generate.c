@@ -129,19 +129,8 @@ static kl_status decode(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **
 	int64_t B = kl_shape(in[0])[0];
 	kl_tensor *x = kl_reshape(kl_nn_embedding_forward(&m->emb, in[0]), 3,
 	                          (int64_t[]){B, 1, m->o->d});
-	for (int i = 0; i < m->o->layers && x; i++) {
-		const kl_nn_decoder *l = &m->layer[i];
-		kl_tensor *q, *k, *v;
-		qkv(m, l, x, &q, &k, &v);
-		kl_status st = kl_cache_write(m->kc[i], 2, in[1], k);
-		if (st == KL_OK)
-			st = kl_cache_write(m->vc[i], 2, in[1], v);
-		if (st != KL_OK)
-			return st;
-		/* the bucket's rows of the caches: B is a bucket size here */
-		kl_tensor *kr = kl_slice(m->kc[i], 0, 0, B, 1), *vr = kl_slice(m->vc[i], 0, 0, B, 1);
-		x = finish_layer(m, l, x, kl_sdpa_lengths(q, kr, vr, in[2], false, 0));
-	}
+	for (int i = 0; i < m->o->layers && x; i++)
+		x = kl_nn_decoder_decode(&m->layer[i], x, m->kc[i], m->vc[i], in[1], in[2]);
 	out[0] = x ? kl_reshape(pick(m, x), 1, (int64_t[]){B}) : NULL;
 	return out[0] ? KL_OK : kl_last_status(ctx);
 }

@@ -135,6 +135,16 @@ kl_status kl_nn_mha_init(kl_nn_mha *m, kl_ctx *ctx, int64_t d_model, int64_t n_h
  * attn_mask = triu(-inf, 1), T == S required). */
 kl_tensor *kl_nn_mha_forward(const kl_nn_mha *m, kl_tensor *query, kl_tensor *key,
                              kl_tensor *value, bool causal);
+/* One decode step of self-attention over a KV cache: x [B, 1, d] (one new
+ * token a row); k_cache and v_cache [R, H, T, d/H] (R >= B, dense, the
+ * module's dtype) hold every row's earlier keys and values. The token's key
+ * and value are written in place at pos[b] of row b (kl_cache_write, pos
+ * [B] KL_I64), then the token attends over the first lengths[b] positions
+ * of its row (kl_sdpa_lengths, lengths [B] KL_I64, normally pos + 1): rows
+ * B..R-1 are neither read nor written. Written for kl_compile with the
+ * caches as state: a step neither copies the caches nor changes shape. */
+kl_tensor *kl_nn_mha_decode(const kl_nn_mha *m, kl_tensor *x, kl_tensor *k_cache,
+                            kl_tensor *v_cache, kl_tensor *pos, kl_tensor *lengths);
 
 /* The seed's SwiGLU FeedForward: down_proj(silu(gate_proj(x)) * up_proj(x)),
  * three Linears without bias. Parameters "gate_proj.weight" [ffn, d],
@@ -168,6 +178,10 @@ kl_status kl_nn_decoder_init(kl_nn_decoder *m, kl_ctx *ctx, int64_t d_model, int
                              int64_t ffn_dim, kl_dtype dt, uint64_t seed);
 /* x [B, T, d_model] -> [B, T, d_model]; causal as in kl_nn_mha_forward. */
 kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool causal);
+/* The layer on one new token a row, attention through kl_nn_mha_decode
+ * over the layer's caches (same arguments): x [B, 1, d] -> [B, 1, d]. */
+kl_tensor *kl_nn_decoder_decode(const kl_nn_decoder *m, kl_tensor *x, kl_tensor *k_cache,
+                                kl_tensor *v_cache, kl_tensor *pos, kl_tensor *lengths);
 
 /* ---- every module ----------------------------------------------------------- */
 

@@ -115,3 +115,58 @@ kl_tensor *kl_nn_mha_forward(const kl_nn_mha *m, kl_tensor *query, kl_tensor *ke
 	kl_release(o);
 	return y;
 }
+
+kl_tensor *kl_nn_mha_decode(const kl_nn_mha *m, kl_tensor *x, kl_tensor *k_cache,
+                            kl_tensor *v_cache, kl_tensor *pos, kl_tensor *lengths)
+{
+	if (!kl__nn_is(m ? &m->base : NULL, KL_NN_MHA, "kl_nn_mha_decode", x))
+		return NULL;
+	kl_ctx *ctx = m->base.ctx;
+	int64_t d = m->d_model, H = m->n_heads, Dh = d / H;
+	kl_tensor *t[4] = {k_cache, v_cache, pos, lengths};
+	const char *nm[4] = {"k_cache", "v_cache", "pos", "lengths"};
+	for (int i = 0; i < 4; i++)
+		if (!t[i]) {
+			kl_set_error(ctx, KL_EINVAL, "kl_nn_mha_decode: %s is NULL%s%s", nm[i],
+			             kl_last_status(ctx) != KL_OK ? " after: " : "",
+			             kl_last_status(ctx) != KL_OK ? kl_last_error(ctx) : "");
+			return NULL;
+		}
+	if (kl_ndim(x) != 3 || kl_dim(x, 1) != 1 || kl_dim(x, 2) != d) {
+		kl_set_error(ctx, KL_EINVAL, "kl_nn_mha_decode: x has %d dims [%lld, %lld, ...], need "
+		             "[batch, 1, %lld] (one token a row)", kl_ndim(x),
+		             (long long)kl_dim(x, 0), kl_ndim(x) > 1 ? (long long)kl_dim(x, 1) : -1LL,
+		             (long long)d);
+		return NULL;
+	}
+	int64_t B = kl_dim(x, 0);
+	for (int i = 0; i < 2; i++)
+		if (kl_ndim(t[i]) != 4 || kl_dim(t[i], 0) < B || kl_dim(t[i], 1) != H ||
+		    kl_dim(t[i], 3) != Dh) {
+			kl_set_error(ctx, KL_EINVAL, "kl_nn_mha_decode: %s must be [rows >= %lld, %lld, "
+			             "positions, %lld]; it has %d dims, rows %lld", nm[i], (long long)B,
+			             (long long)H, (long long)Dh, kl_ndim(t[i]), (long long)kl_dim(t[i], 0));
+			return NULL;
+		}
+	kl_scope_begin(ctx);
+	kl_tensor *qkv = kl_linear(x, m->in_proj_weight, m->in_proj_bias); /* [B, 1, 3d] */
+	kl_tensor *q = heads(kl_slice(qkv, 2, 0, d, 1), B, 1, H, Dh);
+	kl_tensor *k = heads(kl_slice(qkv, 2, d, 2 * d, 1), B, 1, H, Dh);
+	kl_tensor *v = heads(kl_slice(qkv, 2, 2 * d, 3 * d, 1), B, 1, H, Dh);
+	kl_status st = kl_cache_write(k_cache, 2, pos, k);
+	if (st == KL_OK)
+		st = kl_cache_write(v_cache, 2, pos, v);
+	kl_tensor *o = NULL;
+	if (st == KL_OK) {
+		kl_tensor *kr = kl_slice(k_cache, 0, 0, B, 1), *vr = kl_slice(v_cache, 0, 0, B, 1);
+		o = kl_sdpa_lengths(q, kr, vr, lengths, false, 1.0 / sqrt((double)Dh));
+		o = kl_reshape(kl_permute(o, (int[]){0, 2, 1, 3}), 3, (int64_t[]){B, 1, d});
+	}
+	kl_retain(o);
+	kl_scope_end(ctx);
+	if (!o)
+		return NULL;
+	kl_tensor *y = kl_nn_linear_forward(&m->out_proj, o);
+	kl_release(o);
+	return y;
+}

@@ -308,14 +308,11 @@ kl_status kl_nn_decoder_init(kl_nn_decoder *m, kl_ctx *ctx, int64_t d_model, int
 	return kl__nn_init_end(&m->base, st);
 }
 
-kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool causal)
+/* x + h, then the FeedForward half of the layer */
+static kl_tensor *decoder_rest(const kl_nn_decoder *m, kl_tensor *x, kl_tensor *h)
 {
-	if (!kl__nn_is(m ? &m->base : NULL, KL_NN_DECODER, "kl_nn_decoder_forward", x))
-		return NULL;
 	kl_ctx *ctx = m->base.ctx;
 	kl_scope_begin(ctx);
-	kl_tensor *h = kl_nn_rmsnorm_forward(&m->norm1, x);
-	h = kl_nn_mha_forward(&m->attn, h, h, h, causal);
 	kl_tensor *x1 = kl_add(x, h);
 	kl_tensor *h2 = kl_nn_ffn_forward(&m->ffn, kl_nn_rmsnorm_forward(&m->norm2, x1));
 	kl_retain(x1);
@@ -324,6 +321,39 @@ kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool caus
 	kl_tensor *y = kl_add(x1, h2);
 	kl_release(x1);
 	kl_release(h2);
+	return y;
+}
+
+kl_tensor *kl_nn_decoder_forward(const kl_nn_decoder *m, kl_tensor *x, bool causal)
+{
+	if (!kl__nn_is(m ? &m->base : NULL, KL_NN_DECODER, "kl_nn_decoder_forward", x))
+		return NULL;
+	kl_ctx *ctx = m->base.ctx;
+	kl_scope_begin(ctx);
+	kl_tensor *h = kl_nn_rmsnorm_forward(&m->norm1, x);
+	h = kl_nn_mha_forward(&m->attn, h, h, h, causal);
+	kl_retain(h);
+	kl_scope_end(ctx);
+	kl_tensor *y = decoder_rest(m, x, h);
+	kl_release(h);
+	return y;
+}
+
+kl_tensor *kl_nn_decoder_decode(const kl_nn_decoder *m, kl_tensor *x, kl_tensor *k_cache,
+                                kl_tensor *v_cache, kl_tensor *pos, kl_tensor *lengths)
+{
+	if (!kl__nn_is(m ? &m->base : NULL, KL_NN_DECODER, "kl_nn_decoder_decode", x))
+		return NULL;
+	kl_ctx *ctx = m->base.ctx;
+	kl_scope_begin(ctx);
+	kl_tensor *h = kl_nn_rmsnorm_forward(&m->norm1, x);
+	h = kl_nn_mha_decode(&m->attn, h, k_cache, v_cache, pos, lengths);
+	kl_retain(h);
+	kl_scope_end(ctx);
+	if (!h)
+		return NULL;
+	kl_tensor *y = decoder_rest(m, x, h);
+	kl_release(h);
 	return y;
 }
 

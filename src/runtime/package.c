@@ -685,6 +685,7 @@ const kl_pkg_manifest *kl__pkg_manifest(const kl_pkg *p)
 kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool own_map,
                      bool describe)
 {
+	double t_open = kl__now_ms(), t_checked = 0, t_weights = 0, t_plan = 0;
 	kl_pkg *p = calloc(1, sizeof *p);
 	if (!p) {
 		if (own_map)
@@ -817,6 +818,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		p->prog = prog;
 		return p;
 	}
+	t_checked = kl__now_ms();
 	if (p->arch && ctx->device != KL_CUDA) {
 		kl__err(ctx, KL_EUNSUPPORTED,
 		        "%s: a CUDA package (sm_%d) needs a CUDA context; this one is the CPU "
@@ -873,6 +875,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 			goto fail_set;
 		}
 	}
+	t_weights = kl__now_ms();
 	/* graph outputs: the plan's output count */
 	int32_t ngout = 0;
 	for (int32_t i = 0; i < prog.nbufs; i++)
@@ -884,6 +887,7 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		st = kl_last_status(ctx);
 		goto fail_set;
 	}
+	t_plan = kl__now_ms();
 	if (p->arch) {
 		/* reduce-overhead: the second call captures a CUDA graph, later
 		 * ones replay it */
@@ -891,6 +895,11 @@ kl_pkg *kl__pkg_open(kl_ctx *ctx, const char *fn, void *data, size_t len, bool o
 		if (kl__pkg_cuda_load(ctx, fn, p->c, &p->cu) != KL_OK)
 			goto fail_set;
 	}
+	kl__log(ctx, KL_LOG_STARTUP,
+	        "%s: %zu bytes checked %.3f ms, %d weights uploaded %.3f ms, plan %.3f ms, "
+	        "kernels %.3f ms",
+	        fn, len, t_checked - t_open, p->m.nparams, t_weights - t_checked, t_plan - t_weights,
+	        kl__now_ms() - t_plan);
 	return p;
 fail:
 	kl__err(ctx, st == KL_OK ? KL_EFORMAT : st, "%s: bad package: %s", fn, why);

@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tools.h"
@@ -39,7 +40,8 @@ static kl_status setup_status(kl_ctx *ctx, kl_tensor **in, int n)
 
 void *kt_state_user(kt_state *state)
 {
-	return state && (state->base.kind || state->opt || state->leaf[0]) ? state : NULL;
+	return state && (state->base.kind || state->opt || state->leaf[0] || state->nstack) ? state
+	                                                                                   : NULL;
 }
 
 void kt_state_free(kt_state *state)
@@ -51,6 +53,11 @@ void kt_state_free(kt_state *state)
 		kl_release(state->leaf[i]);
 	if (state->base.kind)
 		kl_nn_free(&state->base);
+	for (int i = 0; i < state->nstack; i++) {
+		kl_nn_free(&state->stack[i].base);
+		kl_release(state->cache[2 * i]);
+		kl_release(state->cache[2 * i + 1]);
+	}
 	memset(state, 0, sizeof *state);
 }
 
@@ -375,6 +382,75 @@ static kl_status decoder_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_ten
 		return kl_set_error(ctx, KL_EINVAL,
 		                    "bench: the DecoderLayer body was given no module");
 	out[0] = kl_nn_decoder_forward(&state->decoder, in[0], false);
+	return body_status(ctx, out);
+}
+
+/* One decode step of a stack of KT_STACK DecoderLayers at batch b (issue
+ * 23): a token a row attends over a KV cache (kl_nn_decoder_decode: the
+ * new key and value written in place at position t - 1, attention over the
+ * first t positions of a cache of 2t). dims: batch, t, d_model, heads, ffn;
+ * inputs: x [b, 1, d], pos [b] (t - 1), lengths [b] (t). The caches are
+ * state (as a server holds them), so a compiled step writes them in place.
+ * Bytes: every weight once and the keys and values attended (the floor a
+ * decode step cannot beat: its weights and cache read once). */
+static kl_status decode_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, kt_cost *cost)
+{
+	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
+	kt_state *state = cost->state;
+	if (!state)
+		return kl_set_error(ctx, KL_EINVAL,
+		                    "bench %s: the harness keeps no module for this setup to make "
+		                    "(kt_cost.state is NULL)",
+		                    w->name);
+	for (int i = 0; i < KT_STACK; i++) {
+		kl_status st = kl_nn_decoder_init(&state->stack[i], ctx, d, h, f, w->dtype,
+		                                  1401 + (uint64_t)i);
+		if (st != KL_OK)
+			return st;
+		state->nstack = i + 1;
+		for (int j = 0; j < 2; j++) {
+			kl_tensor *c = kl_randn(ctx, w->dtype, 4, (int64_t[]){b, h, 2 * t, d / h},
+			                        1411 + 2 * (uint64_t)i + (uint64_t)j);
+			if (!c)
+				return kl_last_status(ctx);
+			state->cache[2 * i + j] = c;
+		}
+	}
+	int64_t *p = malloc(sizeof *p * (size_t)b);
+	if (!p)
+		return kl_set_error(ctx, KL_ENOMEM, "bench %s: out of memory", w->name);
+	for (int64_t i = 0; i < b; i++)
+		p[i] = t - 1;
+	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, 1, d}, 1402);
+	in[1] = kl_from_host(ctx, KL_I64, 1, &b, p, sizeof *p * (size_t)b);
+	in[2] = in[1] ? kl_add_scalar(in[1], 1) : NULL;
+	free(p);
+	double dd = (double)d, ff = (double)f, n = (double)b;
+	double wbytes = (4 * dd * dd + 3 * dd * ff + 6 * dd) * esize(w);
+	double kv = 2 * n * (double)t * dd * esize(w);
+	*cost = (kt_cost){.bytes = KT_STACK * (wbytes + kv) + 2 * n * dd * esize(w),
+	                  .flops = KT_STACK * (8 * n * dd * dd + 4 * n * (double)t * dd +
+	                                       6 * n * dd * ff),
+	                  .memory_bound = true,
+	                  .state = state};
+	snprintf(cost->shape, sizeof cost->shape, "%dx(%lldx1x%lld,h%lld,ffn%lld,kv%lld)",
+	         KT_STACK, (long long)b, (long long)d, (long long)h, (long long)f, (long long)t);
+	return setup_status(ctx, in, 3);
+}
+
+static kl_status decode_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)nin;
+	(void)nout;
+	const kt_state *state = user;
+	if (!state || !state->nstack)
+		return kl_set_error(ctx, KL_EINVAL, "bench: the decode step was given no stack");
+	kl_tensor *x = in[0];
+	for (int i = 0; i < state->nstack && x; i++)
+		x = kl_nn_decoder_decode(&state->stack[i], x, state->cache[2 * i],
+		                         state->cache[2 * i + 1], in[1], in[2]);
+	out[0] = x;
 	return body_status(ctx, out);
 }
 
@@ -753,6 +829,13 @@ const kt_workload kt_workloads[] = {
 	{"decoder_token", "the seed's DecoderLayer on one token, x 1x1x2048, 16 heads, ffn 8192, "
 	                  "bf16",
 	 GPU, FUSED, KL_BF16, {1, 1, 2048, 16, 8192}, 1, 1, decoder_token_setup, decoder_body, NULL},
+	/* issue 23: a decode step over a KV cache, state written in place */
+	{"decode_step", "4 DecoderLayers (small) on one token a row over a KV cache of 64, "
+	                "batch 1, d 256, 4 heads, ffn 1024, f32",
+	 CPU, FUSED, KL_F32, {1, 64, 256, 4, 1024}, 3, 1, decode_setup, decode_body, NULL},
+	{"decode_step", "4 of the seed's DecoderLayers on one token over a KV cache of 512, "
+	                "batch 1, d 2048, 16 heads, ffn 8192, bf16",
+	 GPU, FUSED, KL_BF16, {1, 512, 2048, 16, 8192}, 3, 1, decode_setup, decode_body, NULL},
 	/* issue 23: the dynamic plan (batch and sequence symbolic, traced at
 	 * another length) against the static plan at the same sizes */
 	{"gpt2_block", "GPT-2 block, x 2x128x768, 12 heads, f32: static vs dynamic plan", CPU,

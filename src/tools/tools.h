@@ -47,6 +47,7 @@ typedef enum kt_mode {
  * training step updates them in place). The harness frees it with
  * kt_state_free after the workload's last mode; an untouched (zeroed) state
  * holds nothing, and the body gets NULL. */
+#define KT_STACK 4
 typedef struct kt_state {
 	union {
 		kl_nn_module base;
@@ -54,6 +55,10 @@ typedef struct kt_state {
 	};
 	kl_optim *opt;
 	kl_tensor *leaf[3];
+	/* decode_step: a stack of layers and each layer's key and value caches */
+	kl_nn_decoder stack[KT_STACK];
+	kl_tensor *cache[2 * KT_STACK];
+	int nstack;
 } kt_state;
 
 /* The body's user for a run whose state is state: state, or NULL when the
