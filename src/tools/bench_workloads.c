@@ -832,7 +832,7 @@ const kt_workload kt_workloads[] = {
 	/* issue 23: a decode step over a KV cache, state written in place */
 	{"decode_step", "4 DecoderLayers (small) on one token a row over a KV cache of 64, "
 	                "batch 1, d 256, 4 heads, ffn 1024, f32",
-	 CPU, FUSED, KL_F32, {1, 64, 256, 4, 1024}, 3, 1, decode_setup, decode_body, NULL},
+	 CPU, ALL, KL_F32, {1, 64, 256, 4, 1024}, 3, 1, decode_setup, decode_body, NULL},
 	{"decode_step", "4 of the seed's DecoderLayers on one token over a KV cache of 512, "
 	                "batch 1, d 2048, 16 heads, ffn 8192, bf16",
 	 GPU, FUSED, KL_BF16, {1, 512, 2048, 16, 8192}, 3, 1, decode_setup, decode_body, NULL},
