@@ -55,8 +55,17 @@ static int check_case(const gcase *g, bool via_blas, uint64_t *st)
 		kl__blas_gemm(3, false, CblasNoTrans, CblasTrans, g->m, g->n, g->k,
 		              g->alpha, A, g->lda, W, g->ldw, g->beta, C, g->ldc);
 	} else {
-		kl_gemm_small s = {g->m,     g->n,     g->k, g->lda, g->ldw, g->ldc,
-		                   g->alpha, g->beta, A,    W,      C};
+		kl_gemm_small s = {.m = g->m,
+		                   .n = g->n,
+		                   .k = g->k,
+		                   .lda = g->lda,
+		                   .ldw = g->ldw,
+		                   .ldc = g->ldc,
+		                   .alpha = g->alpha,
+		                   .beta = g->beta,
+		                   .A = A,
+		                   .W = W,
+		                   .C = C};
 		kl__gemm_small(&s, 0, g->n);
 	}
 	int bad = 0;
@@ -132,7 +141,8 @@ static void test_specials(void **state)
 	float C[8 * 12];
 	A[2 * k + 17] = NAN;
 	A[5 * k + 39] = INFINITY; /* the scalar tail */
-	kl_gemm_small s = {m, n, k, k, k, n, 1, 0, A, W, C};
+	kl_gemm_small s = {
+	        .m = m, .n = n, .k = k, .lda = k, .ldw = k, .ldc = n, .alpha = 1, .A = A, .W = W, .C = C};
 	kl__gemm_small(&s, 0, n);
 	int bad = 0;
 	for (int i = 0; i < m; i++)

@@ -83,15 +83,25 @@ void kl__blas_gemv(int nt, bool f64, int tw, int rows, int cols, double alpha, c
  * (gemm_small.c): C = alpha A W^T + beta C, A m x k, W n x k, both with k
  * contiguous; kl__gemm_small computes C's columns [j0, j1). Used by
  * kl__blas_gemm where kl__gemm_small_fits: OpenBLAS's packing costs such
- * shapes more than their products. */
+ * shapes more than their products. A product step's epilogue rides along:
+ * C = act(C + rbeta R + bias) on each block of columns while it is in L1
+ * (R: m x n at row stride ldr, or NULL; bias: n values, or NULL; act
+ * KL_OP_INPUT for none), so a zeroed tail of the struct is a plain product.
+ * kl__gemm_small_par: the product over nt threads of the pool, each a share
+ * of C's columns, when it is big enough to repay the region. */
 typedef struct kl_gemm_small {
 	int m, n, k, lda, ldw, ldc;
 	float alpha, beta;
 	const float *A, *W;
 	float *C;
+	const float *R, *bias;
+	int ldr;
+	float rbeta;
+	kl_op act;
 } kl_gemm_small;
 bool kl__gemm_small_fits(int m, int n, int k);
 void kl__gemm_small(const kl_gemm_small *g, int j0, int j1);
+void kl__gemm_small_par(int nt, const kl_gemm_small *g);
 
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
