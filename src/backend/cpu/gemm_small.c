@@ -18,7 +18,7 @@
  * is picked at the first call. The multiply-adds are FMAs (CMakeLists.txt).
  * A product step's epilogue (residual, bias, activation) runs on each panel
  * of 64 columns as soon as it is done, from L1, on the thread that computed
- * it. OpenBLAS is ahead from about 64 rows (kl__gemm_small_fits).
+ * it. OpenBLAS is ahead somewhere past 128 rows (kl__gemm_small_fits).
  */
 #include "backend/cpu/cpu.h"
 
@@ -57,8 +57,12 @@ bool kl__gemm_small_fits(int m, int n, int k)
 {
 #ifdef GS_VEC
 	/* measured against OpenBLAS on one core: ahead from 2 rows to 32, and
-	 * only once k fills a few vectors */
-	return m >= 2 && m <= 32 && n >= 4 && k >= 32;
+	 * only once k fills a few vectors. With the 4 x 4 AVX-512 block and the
+	 * fused epilogue also at 128 rows (the small DecoderLayer's products on
+	 * 2 threads, a loaded machine: 128x768x256 +bias 553-573 us against
+	 * 675-691, 128x256x1024 +residual 700 against 1018-1050), not at 512
+	 * (swiglu_ffn 13.0 ms against 11.5) */
+	return m >= 2 && m <= 128 && n >= 4 && k >= 32;
 #else
 	(void)m;
 	(void)n;
