@@ -1,7 +1,8 @@
 /* matmul_step.c - a plan's matrix-product step on the CPU: BLAS (operands
  * packed to f32 / f64 where BLAS cannot take them as they are; integer
  * products by loops) followed by one pass over the product for its epilogue
- * (residual, bias, activation through the eager unary kernels).
+ * (residual, bias, activation through the eager unary kernels); kiln's own
+ * small product (gemm_small.c) applies the epilogue itself, panel by panel.
  */
 #include <cblas.h>
 #include <inttypes.h>
