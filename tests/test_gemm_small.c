@@ -4,7 +4,8 @@
  * a multiple of 8, leading dimensions past the row), alpha and beta, against
  * the same product in double; NaN in C is ignored when beta is 0 and NaN in
  * A reaches exactly its row; and the Linear layer through the public ops
- * (matmul by a transposed weight, bias, GELU) against the f64 reference.
+ * (matmul by a transposed weight, bias, GELU) against the f64 reference;
+ * and the fused epilogue (residual, bias, activation) at edge sizes.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -55,8 +56,17 @@ static int check_case(const gcase *g, bool via_blas, uint64_t *st)
 		kl__blas_gemm(3, false, CblasNoTrans, CblasTrans, g->m, g->n, g->k,
 		              g->alpha, A, g->lda, W, g->ldw, g->beta, C, g->ldc);
 	} else {
-		kl_gemm_small s = {g->m,     g->n,     g->k, g->lda, g->ldw, g->ldc,
-		                   g->alpha, g->beta, A,    W,      C};
+		kl_gemm_small s = {.m = g->m,
+		                   .n = g->n,
+		                   .k = g->k,
+		                   .lda = g->lda,
+		                   .ldw = g->ldw,
+		                   .ldc = g->ldc,
+		                   .alpha = g->alpha,
+		                   .beta = g->beta,
+		                   .A = A,
+		                   .W = W,
+		                   .C = C};
 		kl__gemm_small(&s, 0, g->n);
 	}
 	int bad = 0;
@@ -132,7 +142,8 @@ static void test_specials(void **state)
 	float C[8 * 12];
 	A[2 * k + 17] = NAN;
 	A[5 * k + 39] = INFINITY; /* the scalar tail */
-	kl_gemm_small s = {m, n, k, k, k, n, 1, 0, A, W, C};
+	kl_gemm_small s = {
+	        .m = m, .n = n, .k = k, .lda = k, .ldw = k, .ldc = n, .alpha = 1, .A = A, .W = W, .C = C};
 	kl__gemm_small(&s, 0, n);
 	int bad = 0;
 	for (int i = 0; i < m; i++)
@@ -150,6 +161,97 @@ static void test_specials(void **state)
 	assert_int_equal(bad, 0);
 }
 
+/* The fused epilogue, C = act(alpha A W^T + rbeta R + bias), at the edges of
+ * the blocks (rows 1-17, 33, 128; odd n and k, n past a panel), with
+ * leading dimensions past the row, C filled with NaN before each run, split
+ * over 2 threads where kl__gemm_small_par splits, against double */
+static void test_epilogue(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = KL_CPU, .nthreads = 2});
+	assert_non_null(ctx); /* the pool's threads */
+	uint64_t st = seed0 ^ 0xe91;
+	const int ns[] = {1, 5, 17, 67, 130}, ks[] = {1, 31, 33, 257};
+	const kl_op acts[] = {KL_OP_INPUT, KL_OP_GELU, KL_OP_RELU, KL_OP_GELU_TANH};
+	int bad = 0, t = 0;
+	for (int m = 1; m <= 130; m = m < 17 ? m + 1 : m == 17 ? 33 : m == 33 ? 128 : 131)
+		for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+			for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++, t++) {
+				int n = ns[ni], k = ks[ki], lda = k + 3, ldw = k + 1, ldc = n + 2,
+				    ldr = n + 5;
+				kl_op act = acts[t % 4];
+				bool res = t % 3 != 0, bias = t % 2 == 0;
+				float *A = rand_buf(&st, (size_t)(m * lda));
+				float *W = rand_buf(&st, (size_t)(n * ldw));
+				float *R = rand_buf(&st, (size_t)(m * ldr));
+				float *b = rand_buf(&st, (size_t)n);
+				float *C = malloc((size_t)(m * ldc) * sizeof *C);
+				assert_non_null(C);
+				for (int i = 0; i < m * ldc; i++)
+					C[i] = NAN;
+				kl_gemm_small g = {.m = m,
+				                   .n = n,
+				                   .k = k,
+				                   .lda = lda,
+				                   .ldw = ldw,
+				                   .ldc = ldc,
+				                   .alpha = 0.75f,
+				                   .A = A,
+				                   .W = W,
+				                   .C = C,
+				                   .R = res ? R : NULL,
+				                   .ldr = ldr,
+				                   .rbeta = -0.5f,
+				                   .bias = bias ? b : NULL,
+				                   .act = act};
+				kl__gemm_small_par(2, &g);
+				for (int i = 0; i < m; i++)
+					for (int j = 0; j < ldc; j++) {
+						float v = C[i * ldc + j];
+						if (j >= n) { /* past the columns: untouched */
+							bad += !isnan(v);
+							continue;
+						}
+						double ref = 0, mag = 0;
+						for (int p = 0; p < k; p++) {
+							double x = (double)A[i * lda + p] *
+							           (double)W[j * ldw + p];
+							ref += x;
+							mag += fabs(x);
+						}
+						ref *= 0.75;
+						if (res)
+							ref += -0.5 * R[i * ldr + j];
+						if (bias)
+							ref += b[j];
+						if (act == KL_OP_GELU)
+							ref = 0.5 * ref * erfc(-ref / sqrt(2.0));
+						else if (act == KL_OP_GELU_TANH)
+							ref = 0.5 * ref *
+							      (1 + tanh(0.7978845608028654 *
+							                (ref + 0.044715 * ref * ref * ref)));
+						else if (act == KL_OP_RELU)
+							ref = ref < 0 ? 0 : ref;
+						double tol = 1e-6 * (mag * (1 + k / 64.0) + 2);
+						if (!(fabs(v - ref) <= tol)) {
+							if (bad < 5)
+								print_error("epilogue m %d n %d k %d act %d: "
+								            "C[%d][%d] = %.9g, want %.9g\n",
+								            m, n, k, (int)act, i, j,
+								            (double)v, ref);
+							bad++;
+						}
+					}
+				free(A);
+				free(W);
+				free(R);
+				free(b);
+				free(C);
+			}
+	kl_ctx_free(ctx);
+	assert_int_equal(bad, 0);
+}
+
 /* x W^T + b, then exact GELU, through the public ops: the shapes that take
  * the small product, eager and compiled, against the f64 reference */
 static kl_tensor *linear_gelu(kl_tensor *const *in, const void *param)
@@ -163,9 +265,9 @@ static void test_linear(void **state)
 	(void)state;
 	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = KL_CPU, .nthreads = 2});
 	assert_non_null(ctx);
-	const int64_t shapes[][3] = {{8, 256, 256}, {3, 70, 45}, {17, 33, 129}};
+	const int64_t shapes[][3] = {{8, 256, 256}, {3, 70, 45}, {17, 33, 129}, {128, 130, 67}};
 	bool ok = true;
-	for (size_t s = 0; s < 3; s++) {
+	for (size_t s = 0; s < 4; s++) {
 		int64_t m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
 		kltest_range r = KLTEST_NORMAL;
 		kl_tensor *in[3] = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){m, k}, r, KLTEST_CONTIG,
@@ -191,6 +293,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_shapes),
 		cmocka_unit_test(test_specials),
+		cmocka_unit_test(test_epilogue),
 		cmocka_unit_test(test_linear),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);

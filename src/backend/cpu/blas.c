@@ -41,9 +41,11 @@ void kl__blas_release(void)
 }
 
 /* Multiply-adds below which one call beats a parallel region; kiln's small
- * product (about twice OpenBLAS's rate on such shapes) needs more. */
+ * product (about twice OpenBLAS's rate on such shapes) needs more: mlp24's
+ * 8x256x256 steps (2^19) took the call 385-389 us on one thread, 207-322 us
+ * split in two (Zen 4, 2 cores). */
 #define GEMM_PAR_MIN (1 << 17)
-#define SMALL_PAR_MIN (1 << 21)
+#define SMALL_PAR_MIN (1 << 18)
 
 /* [lo, hi) of n items for thread t of nt, in multiples of align. */
 static void share(int n, int t, int nt, int align, int *lo, int *hi)
@@ -111,32 +113,39 @@ static void small_chunk(void *arg, int64_t p0, int64_t p1)
 	}
 }
 
+void kl__gemm_small_par(int nt, const kl_gemm_small *g)
+{
+	/* one share of C's columns a thread (in multiples of 4) when there is
+	 * enough of it. On the busy 2-core machine (load 10-12) mlp24's
+	 * 8x256x256 steps (6-12 us each) once took the call 0.45-0.49 ms on
+	 * one thread, 0.46-0.70 ms split in two and 0.92-1.18 ms in eight
+	 * pieces; with the pool's busy fallback (pool.c) and the epilogue
+	 * split with the product, two threads win from SMALL_PAR_MIN. */
+	small_job j = {.g = *g};
+	bool par = nt > 1 && !kl__par_active() && (double)g->m * g->n * g->k >= SMALL_PAR_MIN &&
+	           g->n >= 32 * nt;
+	j.pieces = par ? nt : 1;
+	kl__par_for(par ? nt : 1, j.pieces, small_chunk, &j);
+}
+
 void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, double alpha,
                    const void *A, int lda, const void *B, int ldb, double beta, void *C, int ldc)
 {
 	CBLAS_TRANSPOSE ta = (CBLAS_TRANSPOSE)ta_, tb = (CBLAS_TRANSPOSE)tb_;
 	if (!f64 && ta == CblasNoTrans && tb == CblasTrans && kl__gemm_small_fits(m, n, k)) {
-		/* few rows times a row-major weight (x W^T): kiln's own product
-		 * (gemm_small.c), one share of C's columns a thread (in multiples
-		 * of 4) when there is enough of it. On the busy 2-core machine
-		 * (load 10-12) mlp24's 8x256x256 steps (6-12 us each) took the
-		 * call 0.45-0.49 ms on one thread, 0.46-0.70 ms split in two and
-		 * 0.92-1.18 ms in eight pieces (cause not found). */
-		small_job j = {.g = {.m = m,
-		                     .n = n,
-		                     .k = k,
-		                     .lda = lda,
-		                     .ldw = ldb,
-		                     .ldc = ldc,
-		                     .alpha = (float)alpha,
-		                     .beta = (float)beta,
-		                     .A = A,
-		                     .W = B,
-		                     .C = C}};
-		bool par = nt > 1 && !kl__par_active() && (double)m * n * k >= SMALL_PAR_MIN &&
-		           n >= 32 * nt;
-		j.pieces = par ? nt : 1;
-		kl__par_for(par ? nt : 1, j.pieces, small_chunk, &j);
+		/* few rows times a row-major weight (x W^T): kiln's own product */
+		kl_gemm_small g = {.m = m,
+		                   .n = n,
+		                   .k = k,
+		                   .lda = lda,
+		                   .ldw = ldb,
+		                   .ldc = ldc,
+		                   .alpha = (float)alpha,
+		                   .beta = (float)beta,
+		                   .A = A,
+		                   .W = B,
+		                   .C = C};
+		kl__gemm_small_par(nt, &g);
 		return;
 	}
 	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||

@@ -1,7 +1,8 @@
 /* matmul_step.c - a plan's matrix-product step on the CPU: BLAS (operands
  * packed to f32 / f64 where BLAS cannot take them as they are; integer
  * products by loops) followed by one pass over the product for its epilogue
- * (residual, bias, activation through the eager unary kernels).
+ * (residual, bias, activation through the eager unary kernels); kiln's own
+ * small product (gemm_small.c) applies the epilogue itself, panel by panel.
  */
 #include <cblas.h>
 #include <inttypes.h>
@@ -155,6 +156,15 @@ static void *scratch(const mm_scratch *c, size_t bytes)
 	return *c->p;
 }
 
+typedef struct epi_args {
+	const kl_matmul_step *mm;
+	kl_dtype dt; /* C's, R's and the bias's */
+	kl_op act;   /* KL_OP_INPUT: none */
+	void *c;
+	const void *r, *bias;
+	int64_t co, ro;
+} epi_args;
+
 typedef struct mm_args {
 	const kl_matmul_step *mm;
 	kl_dtype ta, tb, tc;
@@ -163,8 +173,9 @@ typedef struct mm_args {
 	int64_t ao, bo, co;
 } mm_args;
 
-/* One product C = alpha A B + beta C at element offsets ao, bo, co. */
-static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
+/* One product C = alpha A B + beta C at element offsets ao, bo, co. *fused
+ * is set when the product applied e's epilogue itself. */
+static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args *e, bool *fused)
 {
 	const kl_matmul_step *mm = x->mm;
 	int64_t m = mm->m, n = mm->n, k = mm->k;
@@ -190,6 +201,33 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
 			return KL_OK;
 		}
 		size_t es = kl_dtype_size(x->tc);
+		if (x->tc == KL_F32 && tra == CblasNoTrans && trb == CblasTrans &&
+		    kl__gemm_small_fits((int)m, (int)n, (int)k) && e->mm->r_ld <= INT_MAX) {
+			/* few rows times a row-major weight: kiln's own product, the
+			 * epilogue on each block of columns while it is in L1 (mlp24:
+			 * GELU's second pass over C had cost a fifth of the step) */
+			kl_gemm_small g = {
+			        .m = (int)m,
+			        .n = (int)n,
+			        .k = (int)k,
+			        .lda = (int)lda,
+			        .ldw = (int)ldb,
+			        .ldc = ldc,
+			        .alpha = (float)mm->alpha,
+			        .beta = (float)mm->beta,
+			        .A = (const float *)x->a + x->ao,
+			        .W = (const float *)x->b + x->bo,
+			        .C = (float *)x->c + x->co,
+			        .R = e->mm->has_r ? (const float *)e->r + e->ro : NULL,
+			        .ldr = (int)e->mm->r_ld,
+			        .rbeta = (float)e->mm->beta,
+			        .bias = e->mm->has_bias ? (const float *)e->bias + e->mm->bias_off
+			                                : NULL,
+			        .act = e->act};
+			kl__gemm_small_par(kl__par_threads(), &g);
+			*fused = true;
+			return KL_OK;
+		}
 		kl__blas_gemm(kl__par_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
 		              mm->alpha, (const char *)x->a + (size_t)x->ao * es, (int)lda,
 		              (const char *)x->b + (size_t)x->bo * es, (int)ldb, mm->beta,
@@ -268,15 +306,6 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x)
 }
 
 /* ---- epilogues: C = act(C + beta * R + bias), one row at a time ------------------ */
-
-typedef struct epi_args {
-	const kl_matmul_step *mm;
-	kl_dtype dt; /* C's, R's and the bias's */
-	kl_op act;   /* KL_OP_INPUT: none */
-	void *c;
-	const void *r, *bias;
-	int64_t co, ro;
-} epi_args;
 
 #define EPI_CHUNK 256
 
@@ -400,15 +429,15 @@ kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_
 			x.co += idx[i] * mm->c_bstride[i];
 			e.ro += idx[i] * mm->r_bstride[i];
 		}
-		if (gemm_one(c, &x) != KL_OK)
+		bool fused = false;
+		e.co = x.co;
+		if (gemm_one(c, &x, &e, &fused) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM,
 			               "kl_fn_call: out of memory converting a %" PRId64 "x%" PRId64
 			               "x%" PRId64 " matmul",
 			               mm->m, mm->n, mm->k);
-		if (epi) {
-			e.co = x.co;
+		if (epi && !fused)
 			epilogue_rows(&e, kl__par_threads());
-		}
 		int i = mm->nbatch - 1;
 		for (; i >= 0; i--) {
 			if (++idx[i] < mm->batch[i])
