@@ -379,7 +379,8 @@ typedef struct lcase {
 
 /* a length 0 (no key: 0), Tk, partial ones; causal rows before the length
  * that see no key (len < Tq); a size-1 first dim and a size-1 inner one;
- * the key blocks of the CPU kernel (128) and the query blocks (64) crossed */
+ * the key blocks of the CPU kernels (f32 64, f64 128) and the query blocks
+ * (64) crossed */
 static const lcase LCASES[] = {
         {{2, 4, 2, 1, 150, 16, 16, false}, {0, 150, 77, 1}, KL_I32},
         {{2, 4, 2, 70, 150, 16, 8, true}, {0, 150, 70, 20}, KL_I64},

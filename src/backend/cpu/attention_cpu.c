@@ -5,10 +5,11 @@
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
  * softmax). Blocks a causal mask hides entirely are never visited, nor keys
  * past a row's length (kl_sdpa_lengths: the causal diagonal then ends at the
- * length, and a query row with no allowed key gives 0). The two
- * products of a block (S = q k^T * scale, acc += P v) are single-threaded
- * BLAS calls inside the chunks of kiln's thread pool (blas.c, pool.c). f16, bf16 and f32 compute
- * in float, f64 in double; the result rounds once.
+ * length, and a query row with no allowed key gives 0). f32, f16 and bf16
+ * (computed in float) run kiln's own register-blocked kernel (below, "f32,
+ * f16, bf16"); f64 runs ATTN_KERNEL, whose block products (S = q k^T *
+ * scale, acc += P v) are single-threaded BLAS calls inside the chunks of
+ * kiln's thread pool (blas.c, pool.c). The result rounds once.
  */
 #include <cblas.h>
 #include <math.h>
