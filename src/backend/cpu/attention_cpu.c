@@ -495,10 +495,10 @@ static bool att_buf_new(att_buf *w, const kl_attn_step *a, int64_t qv, int64_t s
 	return true;
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__x86_64__)
 #define ATT_X86 1
-ATT_F32_ISA(v4, __attribute__((target("arch=x86-64-v4"))), 16, 8, 8)
-ATT_F32_ISA(v3, __attribute__((target("arch=x86-64-v3"))), 8, 4, 4)
+ATT_F32_ISA(v4, __attribute__((target("avx512f,avx512vl,avx2,fma"))), 16, 8, 8)
+ATT_F32_ISA(v3, __attribute__((target("avx2,fma"))), 8, 4, 4)
 #endif
 ATT_F32_ISA(base, , 4, 4, 4)
 
@@ -518,9 +518,11 @@ static bool run_f32v(const kl_attn_step *a, kl_dtype dt, const void *Q, const vo
 #ifdef ATT_X86
 	bool base = force && !strcmp(force, "base");
 	bool avx2 = force && !strcmp(force, "avx2");
-	if (!base && !avx2 && __builtin_cpu_supports("x86-64-v4"))
+	bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+	if (!base && !avx2 && has_avx2 && __builtin_cpu_supports("avx512f") &&
+	    __builtin_cpu_supports("avx512vl"))
 		chunk = att_chunk_v4;
-	else if (!base && __builtin_cpu_supports("x86-64-v3"))
+	else if (!base && has_avx2)
 		chunk = att_chunk_v3;
 #endif
 	kl__par_for_call(nb * ((a->tq + ATT_BQ - 1) / ATT_BQ), chunk, &j);
