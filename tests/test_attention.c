@@ -73,7 +73,7 @@ static const acase CASES[] = {
         {1, 3, 0, 33, 70, 64, 64, false}, {1, 2, 0, 45, 100, 64, 48, true},
         {2, 2, 3, 1, 77, 128, 128, false}, {2, 2, 2, 70, 70, 128, 128, true},
         {2, 1, 2, 17, 130, 16, 16, true}, {1, 2, 0, 1, 9, 64, 64, true},
-        /* the CPU kernel's query (64) and key (64) blocks crossed, head dims
+        /* the CPU kernel's query (64) and key (128) blocks crossed, head dims
          * that are no whole vector, Tq > Tk causal (early rows see no key) */
         {1, 1, 0, 130, 257, 24, 20, false}, {1, 2, 0, 130, 257, 40, 72, true},
         {0, 0, 0, 65, 65, 1, 3, true},     {1, 2, 0, 70, 40, 16, 16, true},
@@ -379,8 +379,7 @@ typedef struct lcase {
 
 /* a length 0 (no key: 0), Tk, partial ones; causal rows before the length
  * that see no key (len < Tq); a size-1 first dim and a size-1 inner one;
- * the key blocks of the CPU kernels (f32 64, f64 128) and the query blocks
- * (64) crossed */
+ * the key blocks of the CPU kernels (128) and the query blocks (64) crossed */
 static const lcase LCASES[] = {
         {{2, 4, 2, 1, 150, 16, 16, false}, {0, 150, 77, 1}, KL_I32},
         {{2, 4, 2, 70, 150, 16, 8, true}, {0, 150, 70, 20}, KL_I64},

@@ -231,7 +231,7 @@ ATTN_KERNEL(f64, double, KL_F64, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_r
 #if defined(__GNUC__) || defined(__clang__)
 #define ATT_VEC 1
 #define ATT_BQ 64 /* queries a work item */
-#define ATT_BK 64 /* keys a block */
+#define ATT_BK 128 /* keys a block */
 
 typedef struct att_buf {
 	float *qt, *k, *v, *st, *o, *m, *l, *msub, *corr, *bm;
