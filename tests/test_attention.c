@@ -73,6 +73,10 @@ static const acase CASES[] = {
         {1, 3, 0, 33, 70, 64, 64, false}, {1, 2, 0, 45, 100, 64, 48, true},
         {2, 2, 3, 1, 77, 128, 128, false}, {2, 2, 2, 70, 70, 128, 128, true},
         {2, 1, 2, 17, 130, 16, 16, true}, {1, 2, 0, 1, 9, 64, 64, true},
+        /* the CPU kernel's query (64) and key (128) blocks crossed, head dims
+         * that are no whole vector, Tq > Tk causal (early rows see no key) */
+        {1, 1, 0, 130, 257, 24, 20, false}, {1, 2, 0, 130, 257, 40, 72, true},
+        {0, 0, 0, 65, 65, 1, 3, true},     {1, 2, 0, 70, 40, 16, 16, true},
 };
 
 /* the CUDA kernels the GPU tests force in turn: KILN_ATTENTION_KERNEL, and
@@ -154,6 +158,14 @@ static void test_sdpa_eager_cpu(void **state)
 	const kl_dtype dts[4] = {KL_F32, KL_F64, KL_BF16, KL_F16};
 	assert_int_equal(run_eager_cases(ctx, dts, 4, KLTEST_CONTIG), 0);
 	assert_int_equal(run_eager_cases(ctx, dts, 1, KLTEST_STRIDED), 0);
+	/* the CPU kernel's narrower builds (AVX2+FMA, baseline) */
+	const char *isa[2] = {"avx2", "base"};
+	for (int i = 0; i < 2; i++) {
+		setenv("KILN_ATTENTION_KERNEL", isa[i], 1);
+		assert_int_equal(run_eager_cases(ctx, dts, 1, KLTEST_CONTIG), 0);
+		assert_int_equal(run_eager_cases(ctx, dts + 2, 1, KLTEST_STRIDED), 0);
+		unsetenv("KILN_ATTENTION_KERNEL");
+	}
 	kl_ctx_free(ctx);
 }
 
@@ -367,7 +379,7 @@ typedef struct lcase {
 
 /* a length 0 (no key: 0), Tk, partial ones; causal rows before the length
  * that see no key (len < Tq); a size-1 first dim and a size-1 inner one;
- * the key blocks of the CPU kernel (128) and the query blocks (64) crossed */
+ * the key blocks of the CPU kernels (128) and the query blocks (64) crossed */
 static const lcase LCASES[] = {
         {{2, 4, 2, 1, 150, 16, 16, false}, {0, 150, 77, 1}, KL_I32},
         {{2, 4, 2, 70, 150, 16, 8, true}, {0, 150, 70, 20}, KL_I64},

@@ -5,15 +5,17 @@
  * output, rescaled by exp(m_old - m_new) whenever the maximum grows (online
  * softmax). Blocks a causal mask hides entirely are never visited, nor keys
  * past a row's length (kl_sdpa_lengths: the causal diagonal then ends at the
- * length, and a query row with no allowed key gives 0). The two
- * products of a block (S = q k^T * scale, acc += P v) are single-threaded
- * BLAS calls inside the chunks of kiln's thread pool (blas.c, pool.c). f16, bf16 and f32 compute
- * in float, f64 in double; the result rounds once.
+ * length, and a query row with no allowed key gives 0). f32, f16 and bf16
+ * (computed in float) run kiln's own register-blocked kernel (below, "f32,
+ * f16, bf16"); f64 runs ATTN_KERNEL, whose block products (S = q k^T *
+ * scale, acc += P v) are single-threaded BLAS calls inside the chunks of
+ * kiln's thread pool (blas.c, pool.c). The result rounds once.
  */
 #include <cblas.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/cpu/cpu.h"
 
@@ -176,10 +178,12 @@ static const void *at(const void *p, kl_dtype dt, int64_t off)
 		return atomic_load(&j.ok);                                                         \
 	}
 
+#if !defined(__GNUC__) && !defined(__clang__)
 static inline float exp_f32(float x)
 {
 	return kl__cpu_expf(x);
 }
+#endif
 
 /* s[j] = e^(s[j] - mx) for j < n; returns their sum. The kernel's hot loop,
  * built for the wider vector units too (KL_CPU_CLONES). */
@@ -206,8 +210,325 @@ double kl__cpu_exp_row_f64(double *s, int64_t n, double mx)
 
 #define STORE_F32(p, dt, st, src, n) kl__cpu_store_f32((void *)(p), dt, st, src, n)
 #define STORE_F64(p, dt, st, src, n) kl__cpu_store_f64((void *)(p), dt, st, src, n)
+#if !defined(__GNUC__) && !defined(__clang__)
 ATTN_KERNEL(f32, float, KL_F32, kl__cpu_load_f32, STORE_F32, exp_f32, kl__cpu_exp_row_f32, false)
+#endif
 ATTN_KERNEL(f64, double, KL_F64, kl__cpu_load_f64, STORE_F64, exp, kl__cpu_exp_row_f64, true)
+
+/* ---- f32, f16, bf16: kiln's own register-blocked kernel ----
+ *
+ * The scores are built transposed, S^T = K (Q scale)^T, keys down and
+ * queries across, so that nothing per key block is transposed: a key row is
+ * read where it lies and broadcast one element at a time against the work
+ * item's Q^T (packed once, scale folded in), and the softmax then runs across
+ * the queries as whole vectors (the row max of S is an element-wise max down
+ * S^T). The micro-kernels keep their accumulators in vector registers:
+ * S^T as SMR keys x 2 vectors of queries over d, O += P V as PMR queries x 2
+ * vectors of O's columns over the block's keys, O first rescaled by the
+ * online softmax's correction. Built for AVX-512 (16 lanes, 8 x 2
+ * accumulators), AVX2+FMA (8 lanes, 4 x 2) and the baseline (4 lanes); this
+ * file contracts a * b + c to FMA (CMakeLists.txt). */
+#if defined(__GNUC__) || defined(__clang__)
+#define ATT_VEC 1
+#define ATT_BQ 64 /* queries a work item */
+#define ATT_BK 128 /* keys a block */
+
+typedef struct att_buf {
+	float *qt, *k, *v, *st, *o, *m, *l, *msub, *corr, *bm;
+	int64_t nqp, dvp;
+} att_buf;
+
+#define ATT_ROUND(x, m) (((x) + (m) - 1) / (m) * (m))
+
+/* The kernel for one instruction set: TGT its target attribute (empty for the
+ * baseline), VW floats a vector, SMR key rows an S^T block, PMR query rows an
+ * O block. */
+#define ATT_F32_ISA(SUF, TGT, VW, SMR, PMR)                                                        \
+	typedef float att_v_##SUF __attribute__((vector_size(VW * sizeof(float))));                \
+	typedef int32_t att_i_##SUF __attribute__((vector_size(VW * sizeof(float))));              \
+                                                                                                   \
+	/* lanes of x above m, else m's (C has no ?: on vectors) */                \
+	TGT static inline __attribute__((always_inline)) att_v_##SUF att_max_##SUF(                \
+	        att_v_##SUF x, att_v_##SUF m)                                                      \
+	{                                                                                          \
+		att_i_##SUF gt = x > m;                                                            \
+		return (att_v_##SUF)(((att_i_##SUF)x & gt) | ((att_i_##SUF)m & ~gt));              \
+	}                                                                                          \
+                                                                                                   \
+	/* S^T rows j0 .. j0 + SMR (key rows kr[]) x queries [i0, i0 + 2 VW), and  \
+	 * bm[0, 2 VW) = max(bm, those rows) (NaN left to the exps: it reaches l)  \
+	 */                                                                        \
+	TGT static inline __attribute__((always_inline)) void att_st_##SUF(                        \
+	        const float *const *kr, const float *qt, int64_t ldq, int64_t d, float *st,        \
+	        int64_t ldst, float *bm)                                                           \
+	{                                                                                          \
+		att_v_##SUF a[SMR][2];                                                             \
+		_Pragma("GCC unroll 8") for (int r = 0; r < SMR; r++)                              \
+		{                                                                                  \
+			a[r][0] = (att_v_##SUF){0};                                                \
+			a[r][1] = (att_v_##SUF){0};                                                \
+		}                                                                                  \
+		for (int64_t c = 0; c < d; c++) {                                                  \
+			att_v_##SUF x0, x1;                                                        \
+			memcpy(&x0, qt + c * ldq, sizeof x0);                                      \
+			memcpy(&x1, qt + c * ldq + VW, sizeof x1);                                 \
+			_Pragma("GCC unroll 8") for (int r = 0; r < SMR; r++)                      \
+			{                                                                          \
+				float kv = kr[r][c];                                               \
+				a[r][0] += kv * x0;                                                \
+				a[r][1] += kv * x1;                                                \
+			}                                                                          \
+		}                                                                                  \
+		att_v_##SUF m0, m1;                                                                \
+		memcpy(&m0, bm, sizeof m0);                                                        \
+		memcpy(&m1, bm + VW, sizeof m1);                                                   \
+		_Pragma("GCC unroll 8") for (int r = 0; r < SMR; r++)                              \
+		{                                                                                  \
+			memcpy(st + r * ldst, &a[r][0], sizeof a[r][0]);                           \
+			memcpy(st + r * ldst + VW, &a[r][1], sizeof a[r][1]);                      \
+			m0 = att_max_##SUF(a[r][0], m0);                                           \
+			m1 = att_max_##SUF(a[r][1], m1);                                           \
+		}                                                                                  \
+		memcpy(bm, &m0, sizeof m0);                                                        \
+		memcpy(bm + VW, &m1, sizeof m1);                                                   \
+	}                                                                                          \
+                                                                                                   \
+	/* O rows i0 .. i0 + PMR, columns [c0, c0 + 2 VW): O = O corr + P V over nk  \
+	 * keys, P read down S^T's columns */                                         \
+	TGT static inline __attribute__((always_inline)) void att_pv_##SUF(                        \
+	        float *o, int64_t ldo, const float *corr, const float *p, int64_t ldp,             \
+	        const float *v, int64_t ldv, int64_t nk)                                           \
+	{                                                                                          \
+		att_v_##SUF a[PMR][2];                                                             \
+		_Pragma("GCC unroll 8") for (int r = 0; r < PMR; r++)                              \
+		{                                                                                  \
+			memcpy(&a[r][0], o + r * ldo, sizeof a[r][0]);                             \
+			memcpy(&a[r][1], o + r * ldo + VW, sizeof a[r][1]);                        \
+			a[r][0] *= corr[r];                                                        \
+			a[r][1] *= corr[r];                                                        \
+		}                                                                                  \
+		for (int64_t j = 0; j < nk; j++) {                                                 \
+			att_v_##SUF x0, x1;                                                        \
+			memcpy(&x0, v + j * ldv, sizeof x0);                                       \
+			memcpy(&x1, v + j * ldv + VW, sizeof x1);                                  \
+			_Pragma("GCC unroll 8") for (int r = 0; r < PMR; r++)                      \
+			{                                                                          \
+				float pv = p[j * ldp + r];                                         \
+				a[r][0] += pv * x0;                                                \
+				a[r][1] += pv * x1;                                                \
+			}                                                                          \
+		}                                                                                  \
+		_Pragma("GCC unroll 8") for (int r = 0; r < PMR; r++)                              \
+		{                                                                                  \
+			memcpy(o + r * ldo, &a[r][0], sizeof a[r][0]);                             \
+			memcpy(o + r * ldo + VW, &a[r][1], sizeof a[r][1]);                        \
+		}                                                                                  \
+	}                                                                                          \
+                                                                                                   \
+	TGT static void att_item_##SUF(const attn_job *job, const att_buf *w, int64_t t)           \
+	{                                                                                          \
+		const kl_attn_step *a = job->a;                                                    \
+		kl_dtype dt = job->dt;                                                             \
+		int64_t nqb = (a->tq + ATT_BQ - 1) / ATT_BQ, nqp = w->nqp, dvp = w->dvp;           \
+		int64_t D = a->d, DV = a->dv;                                                      \
+		int64_t b = t / nqb, q0 = (t % nqb) * ATT_BQ;                                      \
+		int64_t nq = a->tq - q0 < ATT_BQ ? a->tq - q0 : ATT_BQ;                            \
+		int64_t qo = a->q_off + kl__attn_batch_off(a, a->q_bs, b),                         \
+		        ko = a->k_off + kl__attn_batch_off(a, a->k_bs, b),                         \
+		        vo = a->v_off + kl__attn_batch_off(a, a->v_bs, b),                         \
+		        oo = kl__attn_batch_off(a, a->o_bs, b);                                    \
+		int64_t end = a->tk; /* the item's keys end here */                                \
+		if (job->lens)                                                                     \
+			end = kl__attn_len_at(a, job->lens, b / job->len_div);                     \
+		int64_t lag = end - a->tq;                                                         \
+		/* Q^T scaled, its padding columns 0 */                                            \
+		float *qt = w->qt, *st = w->st, *o = w->o, *m = w->m, *l = w->l;                   \
+		float scale = (float)a->scale;                                                     \
+		memset(qt, 0, sizeof(float) * (size_t)(D * nqp));                                  \
+		for (int64_t i = 0; i < nq; i++) {                                                 \
+			float *row = w->k; /* free until the key loop */                           \
+			kl__cpu_load_f32(row, at(job->q, dt, qo + (q0 + i) * a->q_rs), dt,          \
+			                 a->q_cs, D);                                              \
+			for (int64_t c = 0; c < D; c++)                                            \
+				qt[c * nqp + i] = row[c] * scale;                                  \
+		}                                                                                  \
+		memset(o, 0, sizeof(float) * (size_t)(nqp * dvp));                                 \
+		for (int64_t i = 0; i < nqp; i++) {                                                \
+			m[i] = -INFINITY;                                                          \
+			l[i] = 0;                                                                  \
+		}                                                                                  \
+		/* keys past the last row's limit are masked for every row */                      \
+		int64_t kend = end;                                                                \
+		if (a->causal && q0 + nq + lag < kend)                                             \
+			kend = q0 + nq + lag > 0 ? q0 + nq + lag : 0;                              \
+		bool k_in_place = dt == KL_F32 && a->k_cs == 1;                                    \
+		bool v_in_place = dt == KL_F32 && a->v_cs == 1 && dvp == DV;                       \
+		for (int64_t k0 = 0; k0 < kend; k0 += ATT_BK) {                                    \
+			int64_t nk = kend - k0 < ATT_BK ? kend - k0 : ATT_BK;                      \
+			const float *kb = w->k, *vb = w->v;                                        \
+			int64_t ldk = D, ldv = dvp;                                                \
+			if (k_in_place) {                                                          \
+				kb = at(job->k, dt, ko + k0 * a->k_rs);                            \
+				ldk = a->k_rs;                                                     \
+			} else {                                                                   \
+				for (int64_t j = 0; j < nk; j++)                                   \
+					kl__cpu_load_f32(w->k + j * D,                             \
+					                 at(job->k, dt, ko + (k0 + j) * a->k_rs),  \
+					                 dt, a->k_cs, D);                          \
+			}                                                                          \
+			if (v_in_place) {                                                          \
+				vb = at(job->v, dt, vo + k0 * a->v_rs);                            \
+				ldv = a->v_rs;                                                     \
+			} else {                                                                   \
+				for (int64_t j = 0; j < nk; j++) {                                 \
+					float *vr = w->v + j * dvp;                                \
+					kl__cpu_load_f32(vr, at(job->v, dt, vo + (k0 + j) * a->v_rs), \
+					                 dt, a->v_cs, DV);                         \
+					for (int64_t c = DV; c < dvp; c++)                         \
+						vr[c] = 0;                                         \
+				}                                                                  \
+			}                                                                          \
+			/* S^T = K Q^T scale, SMR keys at a time (the last block's           \
+			 * missing rows repeat its last key and are never read), and per     \
+			 * query the block's max */                                          \
+			float *bm = w->bm, *msub = w->msub, *corr = w->corr;                       \
+			for (int64_t i = 0; i < nqp; i++)                                          \
+				bm[i] = -INFINITY;                                                 \
+			for (int64_t j0 = 0; j0 < nk; j0 += SMR) {                                 \
+				const float *kr[SMR];                                              \
+				for (int r = 0; r < SMR; r++)                                      \
+					kr[r] = kb + (j0 + r < nk ? j0 + r : nk - 1) * ldk;        \
+				for (int64_t i0 = 0; i0 < nqp; i0 += 2 * VW)                       \
+					att_st_##SUF(kr, qt + i0, nqp, D, st + j0 * nqp + i0, nqp, \
+					             bm + i0);                                     \
+			}                                                                          \
+			/* causal: query i sees key k0 + j from i = k0 + j - lag - q0; a    \
+			 * block that crosses the diagonal is masked and its max taken again */ \
+			if (a->causal && k0 + nk - 1 - lag - q0 > 0) {                             \
+				for (int64_t i = 0; i < nqp; i++)                                  \
+					bm[i] = -INFINITY;                                         \
+				for (int64_t j = 0; j < nk; j++) {                                 \
+					float *sj = st + j * nqp;                                  \
+					int64_t from = k0 + j - lag - q0;                          \
+					from = from < 0 ? 0 : from > nqp ? nqp : from;             \
+					for (int64_t i = 0; i < from; i++)                         \
+						sj[i] = -INFINITY;                                 \
+					_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++)      \
+						bm[i] = sj[i] > bm[i] ? sj[i] : bm[i];             \
+				}                                                                  \
+			}                                                                          \
+			/* the new max; a query with no allowed key yet subtracts 0, so     \
+			 * that its exps are 0 (not NaN) and its O and l stay 0 */            \
+			_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++)                      \
+			{                                                                          \
+				float mx = bm[i] > m[i] ? bm[i] : m[i];                            \
+				float sub = mx == -INFINITY ? 0.0f : mx;                           \
+				corr[i] = kl__cpu_expf(m[i] - sub);                                \
+				m[i] = mx;                                                         \
+				msub[i] = sub;                                                     \
+				bm[i] = 0; /* now the block's sum */                              \
+			}                                                                          \
+			for (int64_t j = 0; j < nk; j++) {                                         \
+				float *sj = st + j * nqp;                                          \
+				_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++)              \
+				{                                                                  \
+					float e = kl__cpu_expf(sj[i] - msub[i]);                   \
+					sj[i] = e;                                                 \
+					bm[i] += e;                                                \
+				}                                                                  \
+			}                                                                          \
+			_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++) l[i] =               \
+			        l[i] * corr[i] + bm[i];                                            \
+			/* O = O corr + P V */                                                     \
+			for (int64_t i0 = 0; i0 < nqp; i0 += PMR)                                  \
+				for (int64_t c0 = 0; c0 < dvp; c0 += 2 * VW)                       \
+					att_pv_##SUF(o + i0 * dvp + c0, dvp, corr + i0, st + i0,   \
+					             nqp, vb + c0, ldv, nk);                       \
+		}                                                                                  \
+		for (int64_t i = 0; i < nq; i++) {                                                 \
+			float *oi = o + i * dvp;                                                   \
+			float li = l[i];                                                           \
+			if (li > 0) {                                                              \
+				_Pragma("omp simd") for (int64_t c = 0; c < DV; c++) oi[c] /= li;  \
+			} else {                                                                   \
+				for (int64_t c = 0; c < DV; c++)                                   \
+					oi[c] = job->lens ? 0.0f : NAN;                            \
+			}                                                                          \
+			STORE_F32(at(job->o, dt, oo + (q0 + i) * a->o_rs), dt, 1, oi, DV);         \
+		}                                                                                  \
+	}                                                                                          \
+                                                                                                   \
+	static void att_chunk_##SUF(void *arg, int64_t lo, int64_t hi)                             \
+	{                                                                                          \
+		attn_job *job = arg;                                                               \
+		att_buf w;                                                                         \
+		if (!att_buf_new(&w, job->a, 2 * VW, SMR)) {                                       \
+			atomic_store(&job->ok, false);                                             \
+			return;                                                                    \
+		}                                                                                  \
+		for (int64_t t = lo; t < hi; t++)                                                  \
+			att_item_##SUF(job, &w, t);                                                \
+		free(w.qt);                                                                        \
+	}
+
+static bool att_buf_new(att_buf *w, const kl_attn_step *a, int64_t qv, int64_t smr)
+{
+	int64_t nq = a->tq < ATT_BQ ? a->tq : ATT_BQ;
+	w->nqp = ATT_ROUND(nq, qv);
+	w->dvp = ATT_ROUND(a->dv, qv);
+	int64_t bk = ATT_ROUND(ATT_BK, smr), nqp = w->nqp;
+	size_t n = (size_t)(a->d * nqp + ATT_BK * a->d + ATT_BK * w->dvp + bk * nqp +
+	                    nqp * w->dvp + 6 * nqp);
+	float *p = malloc(sizeof(float) * n);
+	if (!p)
+		return false;
+	w->qt = p;
+	w->k = w->qt + a->d * nqp;
+	w->v = w->k + ATT_BK * a->d;
+	w->st = w->v + ATT_BK * w->dvp;
+	w->o = w->st + bk * nqp;
+	w->m = w->o + nqp * w->dvp;
+	w->l = w->m + nqp;
+	w->msub = w->l + nqp;
+	w->corr = w->msub + nqp;
+	w->bm = w->corr + nqp;
+	return true;
+}
+
+#if defined(__x86_64__)
+#define ATT_X86 1
+ATT_F32_ISA(v4, __attribute__((target("avx512f,avx512vl,avx2,fma"))), 16, 8, 8)
+ATT_F32_ISA(v3, __attribute__((target("avx2,fma"))), 8, 4, 4)
+#endif
+ATT_F32_ISA(base, , 4, 4, 4)
+
+static bool run_f32v(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,
+                     const void *V, const void *L, void *O)
+{
+	int64_t nb = 1;
+	for (int i = 0; i < a->nbatch; i++)
+		nb *= a->batch[i];
+	attn_job j = {.a = a, .dt = dt, .q = Q, .k = K, .v = V, .lens = L, .o = O,
+	              .len_div = kl__attn_len_div(a), .ok = true};
+	/* the widest the CPU has; KILN_ATTENTION_KERNEL=avx2|base forces a
+	 * narrower one (the tests run each) */
+	const char *force = getenv("KILN_ATTENTION_KERNEL");
+	void (*chunk)(void *, int64_t, int64_t) = att_chunk_base;
+	(void)force;
+#ifdef ATT_X86
+	bool base = force && !strcmp(force, "base");
+	bool avx2 = force && !strcmp(force, "avx2");
+	bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+	if (!base && !avx2 && has_avx2 && __builtin_cpu_supports("avx512f") &&
+	    __builtin_cpu_supports("avx512vl"))
+		chunk = att_chunk_v4;
+	else if (!base && has_avx2)
+		chunk = att_chunk_v3;
+#endif
+	kl__par_for_call(nb * ((a->tq + ATT_BQ - 1) / ATT_BQ), chunk, &j);
+	return atomic_load(&j.ok);
+}
+#endif /* ATT_VEC */
 
 bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const void *k,
                        const void *v, const void *lens, void *o)
@@ -219,7 +540,13 @@ bool kl__cpu_attention(const kl_attn_step *a, kl_dtype dt, const void *q, const 
 			return true;
 	if (a->len < 0)
 		lens = NULL;
-	return dt == KL_F64 ? run_f64(a, dt, q, k, v, lens, o) : run_f32(a, dt, q, k, v, lens, o);
+	if (dt == KL_F64)
+		return run_f64(a, dt, q, k, v, lens, o);
+#ifdef ATT_VEC
+	return run_f32v(a, dt, q, k, v, lens, o);
+#else
+	return run_f32(a, dt, q, k, v, lens, o);
+#endif
 }
 
 kl_status kl__cpu_sdpa(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, kl_tensor *out)
