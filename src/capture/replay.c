@@ -120,6 +120,15 @@ kl_status kl__replay_record_inputs(kl_fn *f, kl_variant *v, kl_tensor *const *in
 			*no_replay = true; /* a check of no graph input: fn must run */
 			continue;
 		}
+		/* the same input against the same bound once (a decoder stack's
+		 * layers each check its lengths: one read of them a call, not one
+		 * a layer; on CUDA each read waits for the device) */
+		int dup = 0;
+		while (dup < v->nchk && !(v->chk[dup].in == i && v->chk[dup].dim == tr->chk[c].dim &&
+		                          v->chk[dup].hi == tr->chk[c].hi))
+			dup++;
+		if (dup < v->nchk)
+			continue;
 		v->chk[v->nchk++] = (struct kl_vcheck_rec){i, tr->chk[c].dim, tr->chk[c].hi,
 		                                           tr->chk[c].op, tr->chk[c].what};
 	}
