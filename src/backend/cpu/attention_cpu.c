@@ -243,7 +243,7 @@ typedef struct att_buf {
 /* The kernel for one instruction set: TGT its target attribute (empty for the
  * baseline), VW floats a vector, SMR key rows an S^T block, PMR query rows an
  * O block. */
-#define ATT_F32_ISA(SUF, TGT, VW, SMR, PMR)                                                        \
+#define ATT_F32_ISA(SUF, TGT, VW, SMR, PMR, EXP2)                                                        \
 	typedef float att_v_##SUF __attribute__((vector_size(VW * sizeof(float))));                \
 	typedef int32_t att_i_##SUF __attribute__((vector_size(VW * sizeof(float))));              \
                                                                                                    \
@@ -253,6 +253,30 @@ typedef struct att_buf {
 	{                                                                                          \
 		att_i_##SUF gt = x > m;                                                            \
 		return (att_v_##SUF)(((att_i_##SUF)x & gt) | ((att_i_##SUF)m & ~gt));              \
+	}                                                                                          \
+                                                                                                   \
+	/* 2^x for x <= 0 (above 0 while 2^x is finite), NaN to NaN: 2^n 2^f, n  \
+	 * = round(x), f in [-1/2, 1/2] through a degree-5 fit (relative error   \
+	 * 2.3e-7); 2^n as two factors, so that x below -126 goes to 0 through  \
+	 * the subnormals (x clamped at -160, where the product is 0) */   \
+	TGT static inline __attribute__((always_inline)) att_v_##SUF att_exp2g_##SUF(              \
+	        att_v_##SUF x)                                                                     \
+	{                                                                                          \
+		const att_v_##SUF lo = (att_v_##SUF){0} - 160.0f;                                  \
+		att_i_##SUF under = x < lo; /* NaN is not */                                       \
+		x = (att_v_##SUF)(((att_i_##SUF)x & ~under) | ((att_i_##SUF)lo & under));          \
+		att_v_##SUF n = (x + 12582912.0f) - 12582912.0f;                                   \
+		att_v_##SUF f = x - n;                                                             \
+		att_v_##SUF p = f * 1.327647129e-3f + 9.675541893e-3f;                             \
+		p = p * f + 5.550713092e-2f;                                                       \
+		p = p * f + 2.402212024e-1f;                                                       \
+		p = p * f + 6.931469440e-1f;                                                       \
+		p = p * f + 1.000000119f;                                                          \
+		att_i_##SUF ni = __builtin_convertvector(n, att_i_##SUF);                          \
+		att_i_##SUF n1 = ni >> 1, n2 = ni - n1;                                            \
+		att_v_##SUF s1 = (att_v_##SUF)((n1 + 127) << 23);                                  \
+		att_v_##SUF s2 = (att_v_##SUF)((n2 + 127) << 23);                                  \
+		return p * s1 * s2;                                                                \
 	}                                                                                          \
                                                                                                    \
 	/* S^T rows j0 .. j0 + SMR (key rows kr[]) x queries [i0, i0 + 2 VW), and  \
@@ -343,7 +367,7 @@ typedef struct att_buf {
 		int64_t lag = end - a->tq;                                                         \
 		/* Q^T scaled, its padding columns 0 */                                            \
 		float *qt = w->qt, *st = w->st, *o = w->o, *m = w->m, *l = w->l;                   \
-		float scale = (float)a->scale;                                                     \
+		float scale = (float)(a->scale * ATT_LOG2E); /* scores in base 2 */                \
 		memset(qt, 0, sizeof(float) * (size_t)(D * nqp));                                  \
 		for (int64_t i = 0; i < nq; i++) {                                                 \
 			float *row = w->k; /* free until the key loop */                           \
@@ -423,19 +447,22 @@ typedef struct att_buf {
 			{                                                                          \
 				float mx = bm[i] > m[i] ? bm[i] : m[i];                            \
 				float sub = mx == -INFINITY ? 0.0f : mx;                           \
-				corr[i] = kl__cpu_expf(m[i] - sub);                                \
+				corr[i] = kl__cpu_expf((m[i] - sub) * ATT_LN2);                    \
 				m[i] = mx;                                                         \
 				msub[i] = sub;                                                     \
 				bm[i] = 0; /* now the block's sum */                              \
 			}                                                                          \
-			for (int64_t j = 0; j < nk; j++) {                                         \
-				float *sj = st + j * nqp;                                          \
-				_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++)              \
-				{                                                                  \
-					float e = kl__cpu_expf(sj[i] - msub[i]);                   \
-					sj[i] = e;                                                 \
-					bm[i] += e;                                                \
+			for (int64_t i0 = 0; i0 < nqp; i0 += VW) {                                 \
+				att_v_##SUF ms, sum = {0};                                         \
+				memcpy(&ms, msub + i0, sizeof ms);                                 \
+				for (int64_t j = 0; j < nk; j++) {                                 \
+					att_v_##SUF x;                                             \
+					memcpy(&x, st + j * nqp + i0, sizeof x);                   \
+					x = EXP2(x - ms);                                          \
+					memcpy(st + j * nqp + i0, &x, sizeof x);                   \
+					sum += x;                                                  \
 				}                                                                  \
+				memcpy(bm + i0, &sum, sizeof sum);                                 \
 			}                                                                          \
 			_Pragma("omp simd") for (int64_t i = 0; i < nqp; i++) l[i] =               \
 			        l[i] * corr[i] + bm[i];                                            \
@@ -495,12 +522,33 @@ static bool att_buf_new(att_buf *w, const kl_attn_step *a, int64_t qv, int64_t s
 	return true;
 }
 
+#define ATT_LOG2E 1.4426950408889634
+#define ATT_LN2 0.693147180559945309f
+
 #if defined(__x86_64__)
 #define ATT_X86 1
-ATT_F32_ISA(v4, __attribute__((target("avx512f,avx512vl,avx2,fma"))), 16, 8, 8)
-ATT_F32_ISA(v3, __attribute__((target("avx2,fma"))), 8, 4, 4)
+#include <immintrin.h>
+
+/* 2^x as att_exp2g's, n and 2^n by AVX-512's round and scale (x clamped at
+ * -160 so that f stays finite; NaN passes: max returns its second operand) */
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) static inline
+        __attribute__((always_inline)) __m512
+        att_exp2_avx512(__m512 x)
+{
+	x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
+	__m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m512 f = _mm512_sub_ps(x, n);
+	__m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(1.327647129e-3f), _mm512_set1_ps(9.675541893e-3f));
+	p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
+	p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
+	p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
+	p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119f));
+	return _mm512_scalef_ps(p, n);
+}
+ATT_F32_ISA(v4, __attribute__((target("avx512f,avx512vl,avx2,fma"))), 16, 8, 8, att_exp2_avx512)
+ATT_F32_ISA(v3, __attribute__((target("avx2,fma"))), 8, 4, 4, att_exp2g_v3)
 #endif
-ATT_F32_ISA(base, , 4, 4, 4)
+ATT_F32_ISA(base, , 4, 4, 4, att_exp2g_base)
 
 static bool run_f32v(const kl_attn_step *a, kl_dtype dt, const void *Q, const void *K,
                      const void *V, const void *L, void *O)
