@@ -478,8 +478,9 @@ typedef struct att_buf {
 		for (int64_t i = 0; i < nq; i++) {                                                 \
 			float *oi = o + i * dvp;                                                   \
 			float li = l[i];                                                           \
-			if (li > 0) {                                                              \
-				_Pragma("omp simd") for (int64_t c = 0; c < DV; c++) oi[c] /= li;  \
+			if (li > 0) { /* times 1 / l: a division a vector was 2% */                \
+				float inv = 1.0f / li;                                             \
+				_Pragma("omp simd") for (int64_t c = 0; c < DV; c++) oi[c] *= inv; \
 			} else {                                                                   \
 				for (int64_t c = 0; c < DV; c++)                                   \
 					oi[c] = job->lens ? 0.0f : NAN;                            \
