@@ -71,7 +71,10 @@ static const char prelude[] =
 	 * 1.5 * 2^23 rounding trick, r = x - n ln2 in two fmas, exp(r) a
 	 * degree-6 fit of relative error 2e-9 on [-ln2/2, ln2/2] (fitted for
 	 * kiln), then 2^n as two factors, so a result below FLT_MIN rounds once
-	 * to its subnormal and one past FLT_MAX is inf. Within 1.06 ulp of
+	 * to its subnormal and one past FLT_MAX is inf: k's bits are
+	 * 0x4B400000 + n, so b = n + 254 takes one subtraction and the biased
+	 * exponents are b >> 1 = n/2 + 127 (rounded down) and b - (b >> 1) =
+	 * n - n/2 + 127. Within 1.06 ulp of
 	 * exp over every float (checked exhaustively against double exp);
 	 * NaN stays NaN (the clamps pass it), -inf is 0, +inf is inf. The
 	 * clamps keep n*ln2 exact enough and both factors normal; each is one
@@ -91,11 +94,11 @@ static const char prelude[] =
 	"\tp = fmaf(p, r, 0.4999999420898756f);\n"
 	"\tp = fmaf(p, r, 1.0000000321654536f);\n"
 	"\tp = fmaf(p, r, 1.0f);\n"
-	"\tint32_t ki;\n"
-	"\tmemcpy(&ki, &k, 4);\n"
-	"\tki -= 0x4B400000;\n"
-	"\tint32_t n1 = ki >> 1, n2 = ki - n1;\n"
-	"\tuint32_t s1 = (uint32_t)(n1 + 127) << 23, s2 = (uint32_t)(n2 + 127) << 23;\n"
+	"\tint32_t b;\n"
+	"\tmemcpy(&b, &k, 4);\n"
+	"\tb -= 0x4B400000 - 254;\n"
+	"\tint32_t b1 = b >> 1;\n"
+	"\tuint32_t s1 = (uint32_t)b1 << 23, s2 = (uint32_t)(b - b1) << 23;\n"
 	"\tfloat f1, f2;\n"
 	"\tmemcpy(&f1, &s1, 4);\n"
 	"\tmemcpy(&f2, &s2, 4);\n"
