@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "codegen/render.h"
+#include "codegen/row_onepass.h"
 
 /* ---- index expressions -------------------------------------------------------------- */
 
@@ -110,6 +111,10 @@ typedef struct rctx {
 	int32_t stream[KIR_MAX_LOCAL];
 	int nstream;
 	int stream_var; /* the reduced dim the rows run along */
+	/* the last pass is lc<stream_lc>[iJ] * t<stream_m>, streamed by
+	 * kl_stream_scale_f32 (no loop of its own); stream_m < 0: not so.
+	 * stream_pf: a load of pass 1 whose next row to prefetch, else -1 */
+	int32_t stream_m, stream_lc, stream_pf;
 	/* A parallel loop nest is outlined (kiln's thread pool runs it, not
 	 * OpenMP: pool.c): its text goes to a function of its own, appended to
 	 * pre, whose first loop runs over [kl_lo, kl_hi) of its range; the
@@ -124,6 +129,7 @@ typedef struct rctx {
 	int par_rest_n;     /* collapse of that pragma */
 	kl_sb par_range;    /* the range's extent (in tiles for a column tile loop) */
 	kl_sb par_cond;     /* the run-time condition to use the pool ("" always) */
+	uint8_t *fsum;      /* per accumulator: a sum kept in float (exp_sum_float_max) */
 } rctx;
 
 static int stream_slot(const rctx *c, int32_t id)
@@ -231,6 +237,10 @@ static void emit_ins(rctx *c, int32_t id)
 		}
 		break;
 	case KIR_ACC_INIT: {
+		if (c->fsum && c->fsum[in->acc] && !c->col) {
+			kl__sb_printf(sb, "float %s = 0;\n", acc);
+			return;
+		}
 		kl_accvar v[2];
 		int nv = r->acc_vars((kl_op)in->op, (kl_dtype)in->in_dt, v);
 		for (int i = 0; i < nv; i++) {
@@ -252,6 +262,10 @@ static void emit_ins(rctx *c, int32_t id)
 		return;
 	}
 	case KIR_ACC:
+		if (c->fsum && c->fsum[in->acc] && !c->col) {
+			kl__sb_printf(sb, "%s += %s;\n", acc, a);
+			return;
+		}
 		r->acc_update(sb, (kl_op)in->op, (kl_dtype)in->in_dt, acc, c->col ? "[jj]" : "", a,
 		              b);
 		kl__sb_puts(sb, "\n");
@@ -760,6 +774,62 @@ static void render_columns(rctx *c, int J)
 	kl__sb_free(&ext);
 }
 
+/* whether address ix is i<J> plus terms free of i<J> (unit) or exactly i<J> (only) */
+static bool row_unit(const kir_kernel *k, int32_t ix, int J, bool only)
+{
+	const kl_ix *e = kl__ix_get(&k->ixa, ix);
+	bool unit = false, other = false;
+	for (int t = 0; t < e->nt; t++) {
+		const kl_atom *at = &k->ixa.atoms[e->at[t]];
+		if (at->kind == KL_AT_VAR && at->var == J && e->k[t] == 1)
+			unit = true;
+		else if ((at->vars & (1u << J)) || only)
+			other = true;
+	}
+	return unit && !other && (!only || e->c == 0);
+}
+
+/* The one streamed store's pass is nothing but lc[iJ] * m, m computed
+ * before the pass (softmax's normalization): then the stream itself
+ * scales (stream_m, stream_lc), and it prefetches the next row of pass
+ * 1's first contiguous f32 load (stream_pf). */
+static void plan_stream_scale(rctx *c, int J)
+{
+	const kir_kernel *k = c->k;
+	int last = 2 * k->npass - 1;
+	c->stream_m = c->stream_lc = c->stream_pf = -1;
+	if (c->nstream != 1)
+		return;
+	const kir_ins *st = &k->ins[c->stream[0]];
+	const kir_ins *mul = &k->ins[st->a];
+	if (mul->opc != KIR_BINARY || mul->op != KL_OP_MUL || mul->dt != KL_F32 ||
+	    mul->in_dt != KL_F32 || mul->blk != last)
+		return;
+	int32_t ld = -1, m = -1;
+	int32_t ops[2] = {mul->a, mul->b};
+	for (int j = 0; j < 2; j++) {
+		const kir_ins *o = &k->ins[ops[j]];
+		if (o->opc == KIR_LLOAD && o->blk == last && ld < 0)
+			ld = ops[j];
+		else if (o->blk != last)
+			m = ops[j];
+	}
+	if (ld < 0 || m < 0 || k->ins[m].dt != KL_F32 || k->local_dt[k->ins[ld].acc] != KL_F32 ||
+	    !row_unit(k, k->ins[ld].ad.ix, J, true))
+		return;
+	for (int32_t i = 0; i < k->nins; i++) /* nothing else in the pass */
+		if (k->ins[i].blk == last && c->live[i] && i != ld && i != st->a && i != c->stream[0])
+			return;
+	c->stream_m = m;
+	c->stream_lc = k->ins[ld].acc;
+	for (int32_t i = 0; i < k->nins && c->stream_pf < 0; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->opc == KIR_LOAD && in->blk == 1 && c->live[i] && in->in_dt == KL_F32 &&
+		    in->a < 0 && !in->ad.ns && row_unit(k, in->ad.ix, J, false))
+			c->stream_pf = i;
+	}
+}
+
 /* Stores of the last pass that write f32 rows contiguously along the one
  * reduced dim J (address: a base over the outer dims, plus iJ) go to a row
  * array and out through the target's streaming copy, when the whole result
@@ -768,6 +838,7 @@ static void plan_stream(rctx *c, uint32_t outer, uint32_t inner)
 {
 	const kir_kernel *k = c->k;
 	c->nstream = 0;
+	c->stream_m = -1;
 	if (c->r->stream_min_bytes <= 0 || k->npass < 2 || popc(inner) != 1)
 		return;
 	int J = 0;
@@ -803,12 +874,32 @@ static void plan_stream(rctx *c, uint32_t outer, uint32_t inner)
 			c->stream[c->nstream++] = i;
 	}
 	c->stream_var = J;
+	plan_stream_scale(c, J);
 }
 
 /* after the last pass: each streamed row from its array to memory */
 static void flush_stream(rctx *c)
 {
 	const kir_kernel *k = c->k;
+	if (c->stream_m >= 0) {
+		const kir_ins *in = &k->ins[c->stream[0]];
+		int64_t n = k->dims[c->stream_var].v;
+		indent(c);
+		kl__sb_printf(c->sb, "{ int64_t i%d = 0; kl_stream_scale_f32(&b%d[", c->stream_var,
+		              (int)in->buf);
+		put_addr(c->sb, c->r, &k->ixa, &in->ad);
+		kl__sb_printf(c->sb, "], lc%d, t%d, %lld, ", (int)c->stream_lc, (int)c->stream_m,
+		              (long long)n);
+		if (c->stream_pf >= 0) {
+			const kir_ins *ld = &k->ins[c->stream_pf];
+			kl__sb_printf(c->sb, "&b%d[", (int)ld->buf);
+			put_addr(c->sb, c->r, &k->ixa, &ld->ad);
+			kl__sb_printf(c->sb, "] + %lld); }\n", (long long)n);
+		} else {
+			kl__sb_puts(c->sb, "NULL); }\n");
+		}
+		return;
+	}
 	for (int i = 0; i < c->nstream; i++) {
 		const kir_ins *in = &k->ins[c->stream[i]];
 		indent(c);
@@ -817,6 +908,41 @@ static void flush_stream(rctx *c)
 		put_addr(c->sb, c->r, &k->ixa, &in->ad);
 		kl__sb_printf(c->sb, "], ss%d, %lld); }\n", i,
 		              (long long)k->dims[c->stream_var].v);
+	}
+}
+
+/* The softmax sums (row_onepass.c's LSE pattern) over a static row of at
+ * most exp_sum_float_max elements whose terms are computed in float: those
+ * accumulators are kept in float (c->fsum). */
+static void plan_float_sums(rctx *c, uint32_t inner)
+{
+	const kir_kernel *k = c->k;
+	int64_t rn = 1;
+	for (int d = 0; d < k->ndim; d++)
+		if (inner & (1u << d)) {
+			if (k->dims[d].sym > 0)
+				return;
+			rn *= k->dims[d].v;
+		}
+	if (c->r->exp_sum_float_max <= 0 || rn > c->r->exp_sum_float_max || k->npass < 2)
+		return;
+	for (int p = 1; p < k->npass; p++) {
+		kl_onepass op;
+		if (!kl__onepass_match(k, c->live, p, rn, &op) || op.kind != KL_ONEPASS_LSE)
+			continue;
+		bool fl = true;
+		for (int32_t i = 0; i < k->nins; i++) {
+			const kir_ins *in = &k->ins[i];
+			if (in->opc == KIR_ACC && in->acc == op.acc_b)
+				fl &= in->in_dt == KL_F32 || in->in_dt == KL_F16 || in->in_dt == KL_BF16;
+		}
+		if (!fl)
+			continue;
+		if (!c->fsum && !(c->fsum = calloc((size_t)k->nacc + 1, 1))) {
+			c->sb->oom = true;
+			return;
+		}
+		c->fsum[op.acc_b] = 1;
 	}
 }
 
@@ -837,6 +963,7 @@ static void render_reduction(rctx *c)
 		else
 			outer |= 1u << d;
 	}
+	plan_float_sums(c, inner);
 	kl_sb cond = {0};
 	bool par = want_par(c, outer | inner, k->npass ? k->npass : 1, &cond);
 	const char *ifc = cond.n ? kl__sb_str(&cond) : NULL;
@@ -855,7 +982,7 @@ static void render_reduction(rctx *c)
 		              (long long)k->row_n);
 	}
 	plan_stream(c, outer, inner);
-	for (int i = 0; i < c->nstream; i++) {
+	for (int i = 0; i < c->nstream && c->stream_m < 0; i++) {
 		indent(c);
 		kl__sb_printf(c->sb, "_Alignas(64) %s ss%d[%lld];\n", c->r->ctype[KL_F32], i,
 		              (long long)k->dims[c->stream_var].v);
@@ -870,6 +997,12 @@ static void render_reduction(rctx *c)
 		kl_sb red = {0};
 		bool sums = pass_sums(c, p, &red);
 		const char *rc = red.n ? kl__sb_str(&red) : NULL;
+		if (p == k->npass && c->stream_m >= 0) { /* the stream is the pass */
+			flush_stream(c);
+			kl__sb_free(&red);
+			emit_block(c, 2 * p);
+			continue;
+		}
 		if (inner && sums && !no_rows)
 			/* no outer loop to share out: the pass itself runs in parallel */
 			/* no outer loop to share out: one thread (the pass's
@@ -886,6 +1019,9 @@ static void render_reduction(rctx *c)
 	}
 	close_loops(c);
 	c->nstream = 0;
+	c->stream_m = -1;
+	free(c->fsum);
+	c->fsum = NULL;
 	kl__sb_free(&cond);
 }
 

@@ -46,6 +46,11 @@ typedef struct kl_renderer {
 	 * out with non-temporal stores by the prelude's kl_stream_f32(dst, src,
 	 * n), so that a large result costs no read-for-ownership. */
 	double stream_min_bytes;
+	/* The sum of a softmax row (sum(exp(v - max(v))), row_onepass.c's LSE
+	 * pattern: every term in [0, 1]) over a static row of at most this many
+	 * elements is kept in float, not double (0: never): the vector lanes
+	 * are partial sums of at most n/V terms each */
+	int64_t exp_sum_float_max;
 	/* expression callbacks: append the spelling of one operation */
 	void (*constant)(kl_sb *sb, kl_dtype dt, double k);
 	void (*cast)(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a);
