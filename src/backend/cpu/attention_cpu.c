@@ -259,7 +259,7 @@ typedef struct att_buf {
 	 * = round(x), f in [-1/2, 1/2] through a degree-5 fit (relative error   \
 	 * 2.3e-7); 2^n as two factors, so that x below -126 goes to 0 through  \
 	 * the subnormals (x clamped at -160, where the product is 0) */   \
-	TGT static inline __attribute__((always_inline)) att_v_##SUF att_exp2g_##SUF(              \
+	TGT static inline __attribute__((always_inline, unused)) att_v_##SUF att_exp2g_##SUF(              \
 	        att_v_##SUF x)                                                                     \
 	{                                                                                          \
 		const att_v_##SUF lo = (att_v_##SUF){0} - 160.0f;                                  \
