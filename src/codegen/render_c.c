@@ -113,30 +113,9 @@ static const char prelude[] =
 	"} kl_penv;\n"
 	"void (*kl_jit_par_for)(int64_t, void (*)(void *, int64_t, int64_t), void *);\n"
 	/* a row out with non-temporal stores (no read-for-ownership of the
-	 * destination), fenced so the stores are visible when the kernel returns */
-	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"
-	"{\n"
-	"\tint64_t i = 0;\n"
-	"#if defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))\n"
-	"\ttypedef float kl_v8f __attribute__((vector_size(32)));\n"
-	"\tfor (; i < n && ((uintptr_t)(d + i) & 31u); i++)\n"
-	"\t\td[i] = s[i];\n"
-	"\tfor (; i + 8 <= n; i += 8) {\n"
-	"\t\tkl_v8f v;\n"
-	"\t\tmemcpy(&v, s + i, sizeof v);\n"
-	"#if defined(__clang__)\n"
-	"\t\t__builtin_nontemporal_store(v, (kl_v8f *)(void *)(d + i));\n"
-	"#else\n"
-	"\t\t__builtin_ia32_movntps256(d + i, v);\n"
-	"#endif\n"
-	"\t}\n"
-	"\t__builtin_ia32_sfence();\n"
-	"#endif\n"
-	"\tfor (; i < n; i++)\n"
-	"\t\td[i] = s[i];\n"
-	"}\n"
-	/* the same for a row whose last pass only scales a row-local array by
-	 * one value (softmax's normalization): the multiply rides on the
+	 * destination), fenced so the stores are visible when the kernel
+	 * returns, times m: a row whose last pass only scales a row-local array
+	 * by one value (softmax's normalization) has the multiply ride on the
 	 * stream, one pass over the row fewer. pf: the next row's input (may
 	 * be NULL), fetched a line per 16 elements meanwhile, since the row's
 	 * exp pass leaves the memory idle for longer than the prefetchers
@@ -167,7 +146,10 @@ static const char prelude[] =
 	"#endif\n"
 	"\tfor (; i < n; i++)\n"
 	"\t\td[i] = s[i] * m;\n"
-	"}\n";
+	"}\n"
+	/* the plain copy out: m = 1 and no prefetch fold away once inlined */
+	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"
+	"{ kl_stream_scale_f32(d, s, 1.0f, n, NULL); }\n";
 
 static bool is_f(kl_dtype dt)
 {

@@ -41,10 +41,6 @@ static void cu_cast(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a)
 
 static void cu_unary(kl_sb *sb, kl_op op, kl_dtype dt, const char *a)
 {
-	if (op == KL_OP_EXP && dt != KL_F64) { /* the op table's; C spells its own kl_expf */
-		kl__sb_printf(sb, "expf(%s)", a);
-		return;
-	}
 	kl__render_c.unary(sb, op, dt, a);
 }
 

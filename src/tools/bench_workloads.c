@@ -329,6 +329,27 @@ static kl_status attention_causal_body(kl_ctx *ctx, kl_tensor *const *in, int ni
 	return body_status(ctx, out);
 }
 
+static int64_t decoder_nparams(int64_t d, int64_t f)
+{
+	return 4 * d * d + 3 * d * f + 6 * d;
+}
+
+static kl_status no_state(kl_ctx *ctx, const kt_workload *w)
+{
+	return kl_set_error(ctx, KL_EINVAL,
+	                    "bench %s: the harness keeps no state for this setup to make "
+	                    "(kt_cost.state is NULL)",
+	                    w->name);
+}
+
+/* The products' FLOPs of one DecoderLayer forward over n tokens in
+ * sequences of t (d_model d, FeedForward width f): the in-projection 6nd^2,
+ * attention 4ntd, the out-projection 2nd^2, the FeedForward 6ndf. */
+static double decoder_flops(double n, double t, double d, double f)
+{
+	return 8 * n * d * d + 4 * n * t * d + 6 * n * d * f;
+}
+
 /* The seed's DecoderLayer (kiln_nn.h: pre-norm, RMSNorm, MultiheadAttention
  * with one fused in-projection, not causal as in the seed, SwiGLU
  * FeedForward), weights from kl_nn_decoder_init (PyTorch's initialization,
@@ -343,17 +364,14 @@ static kl_status decoder_setup_kind(kl_ctx *ctx, const kt_workload *w, kl_tensor
 	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
 	kt_state *state = cost->state;
 	if (!state)
-		return kl_set_error(ctx, KL_EINVAL,
-		                    "bench %s: the harness keeps no module for this setup to make "
-		                    "(kt_cost.state is NULL)",
-		                    w->name);
+		return no_state(ctx, w);
 	kl_status st = kl_nn_decoder_init(&state->decoder, ctx, d, h, f, w->dtype, 1201);
 	if (st != KL_OK)
 		return st;
 	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1202);
-	double n = (double)b * (double)t, tt = (double)t, dd = (double)d, ff = (double)f;
-	*cost = (kt_cost){.bytes = (2 * n * dd + 4 * dd * dd + 3 * dd * ff + 6 * dd) * esize(w),
-	                  .flops = 8 * n * dd * dd + 4 * n * tt * dd + 6 * n * dd * ff,
+	double n = (double)b * (double)t, dd = (double)d;
+	*cost = (kt_cost){.bytes = (2 * n * dd + (double)decoder_nparams(d, f)) * esize(w),
+	                  .flops = decoder_flops(n, (double)t, dd, (double)f),
 	                  .memory_bound = memory_bound,
 	                  .state = state};
 	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld,ffn%lld", (long long)b,
@@ -398,10 +416,7 @@ static kl_status decode_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
 	int64_t b = w->dims[0], t = w->dims[1], d = w->dims[2], h = w->dims[3], f = w->dims[4];
 	kt_state *state = cost->state;
 	if (!state)
-		return kl_set_error(ctx, KL_EINVAL,
-		                    "bench %s: the harness keeps no module for this setup to make "
-		                    "(kt_cost.state is NULL)",
-		                    w->name);
+		return no_state(ctx, w);
 	for (int i = 0; i < KT_STACK; i++) {
 		kl_status st = kl_nn_decoder_init(&state->stack[i], ctx, d, h, f, w->dtype,
 		                                  1401 + (uint64_t)i);
@@ -425,12 +440,11 @@ static kl_status decode_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in,
 	in[1] = kl_from_host(ctx, KL_I64, 1, &b, p, sizeof *p * (size_t)b);
 	in[2] = in[1] ? kl_add_scalar(in[1], 1) : NULL;
 	free(p);
-	double dd = (double)d, ff = (double)f, n = (double)b;
-	double wbytes = (4 * dd * dd + 3 * dd * ff + 6 * dd) * esize(w);
+	double dd = (double)d, n = (double)b;
+	double wbytes = (double)decoder_nparams(d, f) * esize(w);
 	double kv = 2 * n * (double)t * dd * esize(w);
 	*cost = (kt_cost){.bytes = KT_STACK * (wbytes + kv) + 2 * n * dd * esize(w),
-	                  .flops = KT_STACK * (8 * n * dd * dd + 4 * n * (double)t * dd +
-	                                       6 * n * dd * ff),
+	                  .flops = KT_STACK * decoder_flops(n, (double)t, dd, (double)f),
 	                  .memory_bound = true,
 	                  .state = state};
 	snprintf(cost->shape, sizeof cost->shape, "%dx(%lldx1x%lld,h%lld,ffn%lld,kv%lld)",
@@ -521,19 +535,6 @@ static kl_status gpt2_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor
  * (parameter, gradient and two moments read, parameter and moments written). */
 static const double TRAIN_LR = 1e-4;
 
-static int64_t decoder_nparams(int64_t d, int64_t f)
-{
-	return 4 * d * d + 3 * d * f + 6 * d;
-}
-
-static kl_status no_state(kl_ctx *ctx, const kt_workload *w)
-{
-	return kl_set_error(ctx, KL_EINVAL,
-	                    "bench %s: the harness keeps no state for this setup to make "
-	                    "(kt_cost.state is NULL)",
-	                    w->name);
-}
-
 /* The DecoderLayer with its parameters marked and AdamW over them. */
 static kl_status train_state(kl_ctx *ctx, const kt_workload *w, kt_state *state)
 {
@@ -560,10 +561,10 @@ static kl_status train_setup(kl_ctx *ctx, const kt_workload *w, kl_tensor **in, 
 		return st;
 	in[0] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1202);
 	in[1] = kl_randn(ctx, w->dtype, 3, (int64_t[]){b, t, d}, 1203);
-	double n = (double)b * (double)t, tt = (double)t, dd = (double)d, ff = (double)f;
+	double n = (double)b * (double)t, dd = (double)d;
 	double p = (double)decoder_nparams(d, f);
 	*cost = (kt_cost){.bytes = (2 * n * dd + 9 * p) * esize(w),
-	                  .flops = 3 * (8 * n * dd * dd + 4 * n * tt * dd + 6 * n * dd * ff),
+	                  .flops = 3 * decoder_flops(n, (double)t, dd, (double)f),
 	                  .memory_bound = false,
 	                  .state = state};
 	snprintf(cost->shape, sizeof cost->shape, "%lldx%lldx%lld,h%lld,ffn%lld", (long long)b,
