@@ -556,10 +556,11 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;
-	/* few rows (decode): split the keys so that every SM has warps */
+	/* few rows (decode): split the keys (16 or more a split) so that every
+	 * SM has warps */
 	int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 1) * 32;
-	if (a.rows < want && s->tk > 64) {
-		int64_t ns = (s->tk + 63) / 64, room = want / a.rows;
+	if (a.rows < want && s->tk > 16) {
+		int64_t ns = (s->tk + 15) / 16, room = want / a.rows;
 		ns = ns < room ? ns : room;
 		a.nsplit = (int)(ns < 1 ? 1 : ns > 64 ? 64 : ns);
 	}
