@@ -175,6 +175,13 @@ static kl_status decode_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor
 	return out[0] ? KL_OK : kl_last_status(c);
 }
 
+static void expect_msg(const char *what, const char *a, const char *b, const char *c2)
+{
+	const char *e = kl_last_error(ctx);
+	if (!strstr(e, a) || !strstr(e, b) || !strstr(e, c2))
+		fail_msg("%s: the error \"%s\" does not name %s, %s and %s", what, e, a, b, c2);
+}
+
 static char *explain_str(kl_fn *f)
 {
 	char *buf = NULL;
@@ -245,6 +252,32 @@ static void run_decode(bool read_old, bool full)
 			kl_release(dst);
 			memcpy(vc + 3 * H * T * D, vc, sizeof(double) * H * T * D);
 		}
+	}
+	/* lengths the caches cannot hold, with good positions: the call fails
+	 * naming the length and writes neither cache (on CUDA the lengths are
+	 * checked on the device, before the writes of the same call) */
+	for (int bad = 0; bad < 2; bad++) {
+		double q[R * H * D], k[R * H * D];
+		fill(q, R * H * D, &seed);
+		fill(k, 2 * H * D, &seed);
+		int64_t pos[2] = {len[0], len[1]}, l2[R];
+		memcpy(l2, len, sizeof l2);
+		l2[2] = bad ? -3 : T + 2;
+		kl_tensor *in[5] = {from(KL_F32, 4, (int64_t[]){R, H, 1, D}, q),
+		                    from(KL_F32, 4, (int64_t[]){2, H, 1, D}, k),
+		                    from(KL_F32, 4, (int64_t[]){2, H, 1, D}, k), positions(pos, 2),
+		                    positions(l2, R)};
+		kl_tensor *out[2] = {NULL, NULL};
+		char want[32];
+		snprintf(want, sizeof want, "lengths[2] = %lld", (long long)l2[2]);
+		kl_clear_error(ctx);
+		assert_int_equal(kl_fn_call(f, in, out), KL_EINVAL);
+		expect_msg("decode with a bad length", "kl_sdpa_lengths", want, "disagrees");
+		assert_null(out[0]);
+		assert_true(same_values(d.kc, kc, R * H * T * D, "k cache after a bad length"));
+		assert_true(same_values(d.vc, vc, R * H * T * D, "v cache after a bad length"));
+		for (int i = 0; i < 5; i++)
+			kl_release(in[i]);
 	}
 	kl_fn_stats fs;
 	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
@@ -361,12 +394,6 @@ static kl_status write_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor 
 	return out[0] ? KL_OK : kl_last_status(c);
 }
 
-static void expect_msg(const char *what, const char *a, const char *b, const char *c2)
-{
-	const char *e = kl_last_error(ctx);
-	if (!strstr(e, a) || !strstr(e, b) || !strstr(e, c2))
-		fail_msg("%s: the error \"%s\" does not name %s, %s and %s", what, e, a, b, c2);
-}
 
 static void test_cache_write_errors(void **state)
 {

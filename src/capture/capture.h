@@ -82,14 +82,9 @@ typedef struct kl_variant {
 	} *re;
 	int nre;
 	uint64_t re_id; /* the replay's tail's identity (kl_run_tail.id): unique in the process */
-	/* and the value checks it runs first (kl_vcheck): chk[i].in is the graph
-	 * input whose values are checked */
-	struct kl_vcheck_rec {
-		int32_t in;
-		int dim;
-		int64_t hi;
-		const char *op, *what;
-	} *chk;
+	/* and the value checks its runs make first (a trace's kl_vcheck):
+	 * chk[i].in is the graph input whose values are checked */
+	kl_value_check *chk;
 	int nchk;
 	/* fn's forward left values on the autograd tape for a kl_backward after
 	 * the call: how many its last traced call kept (the min-cut partition of

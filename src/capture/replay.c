@@ -121,16 +121,16 @@ kl_status kl__replay_record_inputs(kl_fn *f, kl_variant *v, kl_tensor *const *in
 			continue;
 		}
 		/* the same input against the same bound once (a decoder stack's
-		 * layers each check its lengths: one read of them a call, not one
-		 * a layer; on CUDA each read waits for the device) */
+		 * layers each check its lengths: one check of them a call, not one
+		 * a layer) */
 		int dup = 0;
 		while (dup < v->nchk && !(v->chk[dup].in == i && v->chk[dup].dim == tr->chk[c].dim &&
 		                          v->chk[dup].hi == tr->chk[c].hi))
 			dup++;
 		if (dup < v->nchk)
 			continue;
-		v->chk[v->nchk++] = (struct kl_vcheck_rec){i, tr->chk[c].dim, tr->chk[c].hi,
-		                                           tr->chk[c].op, tr->chk[c].what};
+		v->chk[v->nchk++] = (kl_value_check){i, tr->chk[c].dim, tr->chk[c].hi, tr->chk[c].op,
+		                                     tr->chk[c].what};
 	}
 	free(v->in_src);
 	v->in_src = calloc((size_t)(n ? n : 1), sizeof *v->in_src);
@@ -367,9 +367,6 @@ kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tenso
 			gin[i] = v->in_src[i] >= 0 ? in[v->in_src[i]]
 			                           : v->captured[-1 - v->in_src[i]];
 		ctx->profile_graph = 0;
-		for (int c = 0; st == KL_OK && c < v->nchk; c++)
-			st = kl__check_values(ctx, gin[v->chk[c].in], v->chk[c].hi, v->chk[c].dim,
-			                      v->chk[c].op, v->chk[c].what);
 		/* the generator's keys this call draws, into the graph's key
 		 * inputs (on CUDA a copy queued before the plan's launches) */
 		uint64_t seed = ctx->rng_seed, base = ctx->rng_offset;
@@ -390,7 +387,8 @@ kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tenso
 		                    (const void *)(uintptr_t)v->re_id};
 		bool in_plan = v->nre > 0 && v->nw == 0;
 		if (st == KL_OK)
-			st = kl__compiled_run_tail(ctx, e->c, gin, gout, in_plan ? &tail : NULL);
+			st = kl__compiled_run_tail(ctx, e->c, gin, gout, in_plan ? &tail : NULL, v->chk,
+			                           v->nchk);
 		if (st == KL_OK)
 			ctx->rng_offset = base + v->rng_advance;
 		/* the writes in place, as the traced call made them (a cache

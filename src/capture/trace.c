@@ -385,9 +385,7 @@ kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim,
 		int64_t v = t->dtype == KL_I32 ? (int64_t)*(const int32_t *)(h + at)
 		                               : *(const int64_t *)(h + at);
 		if (v < 0 || v > hi)
-			st = kl__err(ctx, KL_EINVAL, "%s: %s[%lld] = %lld disagrees with the cache: k "
-			             "holds %lld keys (dim %d)", op, what, (long long)i, (long long)v,
-			             (long long)hi, dim);
+			st = kl__err_value(ctx, op, what, i, v, hi, dim);
 	}
 	free(h);
 	return st;

@@ -203,6 +203,12 @@ void kl__ctx_free_tensors(kl_ctx *ctx);
  * op kl_zeros is built on says kl_full, the dispatcher says the node's op,
  * the allocator says kl_tensor), and a message without one gets it in front. */
 kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...) KL_PRINTF(3, 4);
+/* A value check's failure (kl_sdpa_lengths' lengths against the cache),
+ * KL_EINVAL "<op>: <what>[i] = v disagrees with the cache: k holds <hi>
+ * keys (dim <dim>)": one message wherever the values were checked (the
+ * host, or the device's error word). */
+kl_status kl__err_value(kl_ctx *ctx, const char *op, const char *what, int64_t i, int64_t v,
+                        int64_t hi, int dim);
 
 /* ---- a growable string (strbuf.c) ----------------------------------------- */
 

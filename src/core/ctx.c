@@ -78,6 +78,13 @@ kl_status kl__err(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 	return status;
 }
 
+kl_status kl__err_value(kl_ctx *ctx, const char *op, const char *what, int64_t i, int64_t v,
+                        int64_t hi, int dim)
+{
+	return kl__err(ctx, KL_EINVAL, "%s: %s[%lld] = %lld disagrees with the cache: k holds %lld "
+	               "keys (dim %d)", op, what, (long long)i, (long long)v, (long long)hi, dim);
+}
+
 kl_status kl_set_error(kl_ctx *ctx, kl_status status, const char *fmt, ...)
 {
 	char msg[KL_ERR_CAP];

@@ -131,9 +131,22 @@ typedef struct kl_run_tail {
 	void *user;
 	const void *id; /* what the tail is (its launches' identity) */
 } kl_run_tail;
-/* kl__compiled_run with a tail (NULL: none). */
+/* A check of an input's values the run makes before its steps (a replay
+ * of kl_sdpa_lengths: the lengths against the cache's keys): every value of
+ * inputs[in] (1-D, i32 or i64) must lie in [0, hi], else the call fails
+ * with kl__err_value and writes nothing. The CPU reads the values in place;
+ * CUDA checks them on the device, on the stream before the steps, and the
+ * call reads the result with its cache writes' (one wait a call). op and
+ * what are static strings. */
+typedef struct kl_value_check {
+	int in, dim;
+	int64_t hi;
+	const char *op, *what;
+} kl_value_check;
+/* kl__compiled_run with a tail (NULL: none) and value checks (chk[0..nchk)). */
 kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
-                                kl_tensor **outputs, const kl_run_tail *tail);
+                                kl_tensor **outputs, const kl_run_tail *tail,
+                                const kl_value_check *chk, int nchk);
 
 /* The steps of c with the nodes fused into each, bytes, FLOPs, planned peak. */
 void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *indent);
@@ -172,7 +185,8 @@ kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **ba
  * replay), through a CUDA graph under reduce-overhead / max-autotune, the
  * tail captured into it. */
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
-                          const kl_run_tail *tail, int *tail_launches);
+                          const kl_run_tail *tail, int *tail_launches,
+                          kl_tensor *const *inputs, const kl_value_check *chk, int nchk);
 /* kl_profile: us[s] = microseconds of step s run alone, by device events over
  * about 2 ms of plain launches (no graph); the buffers as the last run left
  * them. */

@@ -261,11 +261,32 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
                            kl_tensor **outputs)
 {
-	return kl__compiled_run_tail(ctx, c, inputs, outputs, NULL);
+	return kl__compiled_run_tail(ctx, c, inputs, outputs, NULL, NULL, 0);
+}
+
+/* The value checks on the CPU: the values are host memory, read in place. */
+static kl_status cpu_checks(kl_ctx *ctx, kl_tensor *const *inputs, const kl_value_check *chk,
+                            int nchk)
+{
+	for (int k = 0; k < nchk; k++) {
+		const kl_tensor *t = inputs[chk[k].in];
+		int64_t n = t->ndim == 1 ? t->shape[0] : 0;
+		const char *base = (const char *)t->st->data;
+		for (int64_t i = 0; i < n; i++) {
+			int64_t at = t->offset + i * t->strides[0];
+			int64_t v = t->dtype == KL_I32 ? (int64_t)((const int32_t *)base)[at]
+			                               : ((const int64_t *)base)[at];
+			if (v < 0 || v > chk[k].hi)
+				return kl__err_value(ctx, chk[k].op, chk[k].what, i, v, chk[k].hi,
+				                     chk[k].dim);
+		}
+	}
+	return KL_OK;
 }
 
 kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
-                                kl_tensor **outputs, const kl_run_tail *tail)
+                                kl_tensor **outputs, const kl_run_tail *tail,
+                                const kl_value_check *chk, int nchk)
 {
 	const kl_program *p = &c->prog;
 	for (int j = 0; j < c->nout; j++)
@@ -285,6 +306,14 @@ kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *i
 	for (int32_t b = 0; b < p->nbufs && st == KL_OK; b++)
 		if (p->bufs[b].role == KL_BUF_INPUT)
 			st = check_input(ctx, c, &p->bufs[b], inputs[p->bufs[b].index], syms);
+	for (int k = 0; k < nchk && st == KL_OK; k++) {
+		const kl_tensor *t = chk[k].in >= 0 && chk[k].in < c->nin ? inputs[chk[k].in] : NULL;
+		if (!t || t->ndim != 1 || (t->dtype != KL_I32 && t->dtype != KL_I64))
+			st = kl__err(ctx, KL_EINVAL, "kl_fn_call: value check %d names input %d, not "
+			             "a 1-D integer input", k, chk[k].in);
+	}
+	if (st == KL_OK && !c->cuda)
+		st = cpu_checks(ctx, inputs, chk, nchk);
 	if (st == KL_OK)
 		st = ensure_plan(ctx, c, syms);
 	void **B = malloc(sizeof(void *) * (size_t)(p->nbufs ? p->nbufs : 1));
@@ -314,7 +343,8 @@ kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *i
 	if (st == KL_OK && tail)
 		st = tail->prepare(ctx, tail->user, outputs);
 	if (st == KL_OK && c->cuda) {
-		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms, tail, &tail_launches);
+		st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms, tail, &tail_launches, inputs,
+		                     chk, nchk);
 	} else if (st == KL_OK) {
 		kl__par_set_threads(ctx->nthreads);
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++)

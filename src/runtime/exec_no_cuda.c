@@ -55,8 +55,12 @@ kl_status kl__cuda_rt_arena(kl_ctx *ctx, kl_compiled *c, size_t bytes, void **ba
 }
 
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
-                          const kl_run_tail *tail, int *tail_launches)
+                          const kl_run_tail *tail, int *tail_launches,
+                          kl_tensor *const *inputs, const kl_value_check *chk, int nchk)
 {
+	(void)inputs;
+	(void)chk;
+	(void)nchk;
 	(void)c;
 	(void)tail;
 	(void)tail_launches;

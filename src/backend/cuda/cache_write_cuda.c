@@ -9,10 +9,15 @@
  * reads all the positions before it writes anything, so a write with one
  * position outside [0, cap - s] writes nothing at all (no row, no block
  * races ahead): the first bad row, its position and the step's tag go into
- * a device error word, which kl__cuda_cache_write_check reads when the
- * call ends (and clears). While the word is set, the later cache writes of
- * the call write nothing either (the CPU stops at the refused step). The
- * check is on the device so the step stays one launch inside a CUDA graph.
+ * a device error word, which kl__cuda_err_word reads when the call ends
+ * (and clears). While the word is set, the later cache writes of the call
+ * write nothing either (the CPU stops at the refused step). The check is on
+ * the device so the step stays one launch inside a CUDA graph.
+ *
+ * The same module holds the value check (kl_check_range: a compiled
+ * replay's kl_sdpa_lengths lengths against the cache), launched before the
+ * call's steps into the same word, so a call with bad lengths writes no
+ * cache either and its host waits once, at the end, not also before.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +28,7 @@
 
 typedef struct kl_cuda_cw {
 	kl_cuda_module *mod;
-	CUfunction fn;
+	CUfunction fn, check;
 	CUdeviceptr err; /* [0]: the first bad row + 1 (0: none), [1]: its position, [2]: tag */
 } kl_cuda_cw;
 
@@ -80,6 +85,30 @@ static const char cw_body[] =
         "\t\tdefault: kl_cw_copy<unsigned long long>(out, val, d, e); break;\n"
         "\t\t}\n"
         "\t}\n"
+        "}\n"
+        "/* a value check: the first of v[0..n) (stride st) outside [0, hi] into the\n"
+        " * error word, unless it holds an error already; one block */\n"
+        "extern \"C\" __global__ void __launch_bounds__(256)\n"
+        "kl_check_range(const void *v, int v64, long long n, long long st, long long hi,\n"
+        "               unsigned long long *err, unsigned long long tag)\n"
+        "{\n"
+        "\t__shared__ long long first;\n"
+        "\tif (threadIdx.x == 0)\n"
+        "\t\tfirst = n;\n"
+        "\t__syncthreads();\n"
+        "\tfor (long long i = threadIdx.x; i < n; i += blockDim.x) {\n"
+        "\t\tlong long x = kl_cw_pos(v, v64, i * st);\n"
+        "\t\tif (x < 0 || x > hi) {\n"
+        "\t\t\tatomicMin(&first, i);\n"
+        "\t\t\tbreak;\n"
+        "\t\t}\n"
+        "\t}\n"
+        "\t__syncthreads();\n"
+        "\tif (threadIdx.x == 0 && first < n &&\n"
+        "\t    atomicCAS(err, 0ull, (unsigned long long)(first + 1)) == 0ull) {\n"
+        "\t\terr[1] = (unsigned long long)kl_cw_pos(v, v64, first * st);\n"
+        "\t\terr[2] = tag;\n"
+        "\t}\n"
         "}\n";
 
 char *kl__cuda_cache_write_source(void)
@@ -126,6 +155,8 @@ static kl_status get_fn(kl_ctx *ctx, kl_cuda_dev *d, kl_cuda_cw **out)
 		free(src);
 		if (st == KL_OK)
 			st = kl__cuda_module_fn(ctx, m, "kl_cache_write", &W->fn);
+		if (st == KL_OK)
+			st = kl__cuda_module_fn(ctx, m, "kl_check_range", &W->check);
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
 			return st;
@@ -182,19 +213,48 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 	return kl__cuda_launch(ctx, d, W->fn, grid, block, 0, argv, 0);
 }
 
-kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_step *steps,
-                                     int32_t nsteps)
+kl_status kl__cuda_value_check(kl_ctx *ctx, kl_cuda_dev *d, CUdeviceptr v, kl_dtype dt,
+                               int64_t n, int64_t stride, int64_t hi, uint64_t tag)
 {
+	kl_cuda_cw *W = NULL;
+	kl_status st = get_fn(ctx, d, &W);
+	if (st != KL_OK || n <= 0)
+		return st;
+	struct {
+		CUdeviceptr v;
+		int v64;
+		long long n, st, hi;
+		CUdeviceptr err;
+		unsigned long long tag;
+	} a = {v, dt == KL_I64, n, stride, hi, W->err, tag};
+	void *argv[] = {&a.v, &a.v64, &a.n, &a.st, &a.hi, &a.err, &a.tag};
+	unsigned grid[3] = {1, 1, 1}, block[3] = {CW_THREADS, 1, 1};
+	return kl__cuda_launch(ctx, d, W->check, grid, block, 0, argv, 0);
+}
+
+kl_status kl__cuda_err_word(kl_ctx *ctx, kl_cuda_dev *d, uint64_t e[3])
+{
+	e[0] = e[1] = e[2] = 0;
 	kl_cuda_cw *W = d->cw;
 	if (!W || !W->err)
 		return KL_OK;
-	uint64_t e[3] = {0, 0, 0};
-	kl_status st = kl__cuda_d2h(ctx, d, e, W->err, sizeof e);
+	kl_status st = kl__cuda_d2h(ctx, d, e, W->err, 3 * sizeof *e);
 	if (st != KL_OK || e[0] == 0)
 		return st;
-	st = kl__cuda_memset(ctx, d, W->err, 0, sizeof e);
-	if (st != KL_OK)
-		return st;
+	return kl__cuda_memset(ctx, d, W->err, 0, 3 * sizeof *e);
+}
+
+kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_step *steps,
+                                     int32_t nsteps)
+{
+	uint64_t e[3];
+	kl_status st = kl__cuda_err_word(ctx, d, e);
+	return st != KL_OK || e[0] == 0 ? st : kl__cuda_cache_write_err(ctx, e, steps, nsteps);
+}
+
+kl_status kl__cuda_cache_write_err(kl_ctx *ctx, const uint64_t e[3], const kl_step *steps,
+                                   int32_t nsteps)
+{
 	/* the tag is the step's index + 1 */
 	const kl_cw_step *c = e[2] >= 1 && e[2] <= (uint64_t)nsteps &&
 	                                      steps[e[2] - 1].kind == KL_STEP_CACHE_WRITE

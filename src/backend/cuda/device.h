@@ -220,6 +220,19 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
  * sizes); the error word is cleared. Waits for the stream. */
 kl_status kl__cuda_cache_write_check(kl_ctx *ctx, kl_cuda_dev *d, const kl_step *steps,
                                      int32_t nsteps);
+/* The error word read and cleared (waits for the stream): e[0] the first
+ * bad row or index + 1 (0: none), e[1] its position or value, e[2] the tag
+ * of the launch that set it. */
+kl_status kl__cuda_err_word(kl_ctx *ctx, kl_cuda_dev *d, uint64_t e[3]);
+/* The cache write's error of a word whose tag is a step's index + 1. */
+kl_status kl__cuda_cache_write_err(kl_ctx *ctx, const uint64_t e[3], const kl_step *steps,
+                                   int32_t nsteps);
+/* A value check on the stream (one launch, nothing waits): the first of
+ * v's n values (i32 or i64, stride elements apart) outside [0, hi] goes
+ * into the error word with tag, unless the word holds an error already;
+ * the cache writes after it then write nothing. */
+kl_status kl__cuda_value_check(kl_ctx *ctx, kl_cuda_dev *d, CUdeviceptr v, kl_dtype dt,
+                               int64_t n, int64_t stride, int64_t hi, uint64_t tag);
 /* eager cache_write (dense operands; out is in[0] or a new tensor) */
 kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in,
                                      kl_tensor *out);

@@ -199,7 +199,7 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 		else
 			alias = bf;
 	}
-	st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms, NULL, NULL);
+	st = kl__cuda_rt_run(ctx, c, (void *const *)B, syms, NULL, NULL, NULL, NULL, 0);
 	if (st == KL_OK && alias) {
 		/* the result is a view of an input: out gets a copy, which only a
 		 * dense view allows in one piece */

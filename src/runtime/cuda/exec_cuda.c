@@ -973,8 +973,41 @@ static void log_replay(kl_ctx *ctx, kl_compiled *c, int nk, int ncp)
 static kl_status run_graph_or_steps(kl_ctx *ctx, kl_compiled *c, void *const *B,
                                     const int64_t *syms, const kl_run_tail *tail, int *tl);
 
+/* The value checks on the stream, tagged (1 << 32) + k so the error word
+ * tells them from the cache writes (tag: step index + 1). */
+static kl_status launch_checks(kl_ctx *ctx, kl_cuda_dev *d, kl_tensor *const *in,
+                               const kl_value_check *chk, int nchk)
+{
+	kl_status st = KL_OK;
+	for (int k = 0; k < nchk && st == KL_OK; k++) {
+		const kl_tensor *t = in[chk[k].in];
+		st = kl__cuda_value_check(ctx, d, (CUdeviceptr)(uintptr_t)kl__tensor_data(t),
+		                          t->dtype, t->shape[0], t->strides[0], chk[k].hi,
+		                          (1ull << 32) + (uint64_t)k);
+	}
+	return st;
+}
+
+/* After a call whose stream ran value checks or cache writes: the error
+ * word (one wait for the stream), as the error of the launch that set it. */
+static kl_status read_checks(kl_ctx *ctx, kl_compiled *c, const kl_value_check *chk, int nchk)
+{
+	kl_cuda_rt *rt = c->dev;
+	uint64_t e[3];
+	kl_status st = kl__cuda_err_word(ctx, rt->dev, e);
+	if (st != KL_OK || e[0] == 0)
+		return st;
+	if (e[2] >> 32 == 1 && (e[2] & 0xffffffffu) < (uint64_t)nchk) {
+		const kl_value_check *k = &chk[e[2] & 0xffffffffu];
+		return kl__err_value(ctx, k->op, k->what, (int64_t)(e[0] - 1), (int64_t)e[1], k->hi,
+		                     k->dim);
+	}
+	return kl__cuda_cache_write_err(ctx, e, c->prog.steps, c->prog.nsteps);
+}
+
 kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int64_t *syms,
-                          const kl_run_tail *tail, int *tail_launches)
+                          const kl_run_tail *tail, int *tail_launches,
+                          kl_tensor *const *inputs, const kl_value_check *chk, int nchk)
 {
 	int tl_scratch = 0;
 	if (!tail_launches)
@@ -997,13 +1030,23 @@ kl_status kl__cuda_rt_run(kl_ctx *ctx, kl_compiled *c, void *const *B, const int
 			memset(rt->has_algo, 0, sizeof *rt->has_algo * (size_t)(ns > 0 ? ns : 1));
 		}
 	}
-	st = run_graph_or_steps(ctx, c, B, syms, tail, tail_launches);
-	/* cache writes report a position out of range when the call ends */
-	for (int32_t s = 0; st == KL_OK && s < ns; s++)
-		if (c->prog.steps[s].kind == KL_STEP_CACHE_WRITE) {
-			st = kl__cuda_cache_write_check(ctx, rt->dev, c->prog.steps, ns);
-			break;
-		}
+	/* the value checks go first on the stream: a bad value stops the
+	 * call's cache writes (the attention kernels clamp lengths to the keys,
+	 * so nothing reads out of bounds meanwhile) */
+	st = launch_checks(ctx, rt->dev, inputs, chk, nchk);
+	bool armed = nchk > 0;
+	if (st == KL_OK)
+		st = run_graph_or_steps(ctx, c, B, syms, tail, tail_launches);
+	/* both report when the call ends: one wait for the device a call */
+	for (int32_t s = 0; !armed && s < ns; s++)
+		armed = c->prog.steps[s].kind == KL_STEP_CACHE_WRITE;
+	if (armed && st == KL_OK)
+		return read_checks(ctx, c, chk, nchk);
+	if (armed) {
+		/* the call failed already: its error stands, the word is cleared */
+		uint64_t e[3];
+		(void)kl__cuda_err_word(ctx, rt->dev, e);
+	}
 	return st;
 }
 

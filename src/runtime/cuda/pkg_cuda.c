@@ -109,6 +109,19 @@ kl_status kl__pkg_cuda_build(kl_ctx *ctx, const char *fn, const kl_program *prog
 			st = add_module(ctx, fn, sec, src, "kiln_gemv.cu", KL_PKG_MOD_FIXED, false);
 		free(src);
 	}
+	/* cache writes: their kernel and the value check's (cache_write_cuda.c) */
+	bool cw = false;
+	for (int32_t s = 0; s < prog->nsteps && !cw; s++)
+		cw = prog->steps[s].kind == KL_STEP_CACHE_WRITE;
+	if (st == KL_OK && cw) {
+		char *src = kl__cuda_cache_write_source();
+		if (!src)
+			st = kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
+		else
+			st = add_module(ctx, fn, sec, src, "kiln_cache_write.cu", KL_PKG_MOD_FIXED,
+			                false);
+		free(src);
+	}
 	if (st != KL_OK)
 		kl__pkg_cuda_images_free(sec);
 	return st;
