@@ -611,6 +611,17 @@ kl_fn *kl_compile(kl_ctx *ctx, kl_fn_body fn, void *user, int nin, int nout,
                   const kl_compile_opts *opts);
 /* Call the compiled function: out[] receives nout new references. */
 kl_status kl_fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
+/* Buckets ahead of time: call f at every bucket size up to max_batch (0:
+ * all), so that a serving loop's first request of each size compiles and
+ * captures nothing. in are example inputs at any batch b: each call gets
+ * new tensors at the bucket's batch B holding in's first min(b, B) rows and
+ * zeros after them (new addresses each call, as a loop's calls have). On
+ * CUDA under reduce-overhead / max-autotune each bucket is called three
+ * times (warm-up, capture, a replay), elsewhere once. These are real
+ * calls: writes in place happen as in kl_fn_call (give a decode step's
+ * positions of rows that are free). The captures and their time are in
+ * kl_fn_get_stats; KILN_LOGS=cudagraphs prints the buckets' total. */
+kl_status kl_fn_warmup(kl_fn *f, kl_tensor *const *in, int64_t max_batch);
 /* The graphs, breaks (reason and op), guards of each variant, kernels with
  * the nodes fused into each, bytes and FLOPs per kernel, planned peak memory.
  * The graphs of a call are numbered from 0 (graph 0 ends at the first break),

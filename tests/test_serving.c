@@ -1048,6 +1048,81 @@ static void test_bucket_graphs(void **state)
 	kl_scope_end(ctx);
 }
 
+/* kl_fn_warmup: every bucket compiled (and on CUDA captured) ahead of
+ * time; the calls after it at any batch compile and capture nothing, and
+ * their results equal the eager unpadded call's */
+static void test_bucket_warmup(void **state)
+{
+	(void)state;
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	kl_scope_begin(ctx);
+	mlp m = {kltest_rand(ctx, KL_F32, 2, (int64_t[]){5, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 7),
+	         kltest_rand(ctx, KL_F32, 1, (int64_t[]){5}, KLTEST_NORMAL, KLTEST_CONTIG, 8)};
+	kl_fn *f = kl_compile(ctx, mlp_body, &m, 2, 3,
+	                      &(kl_compile_opts){.mode = KL_MODE_REDUCE_OVERHEAD,
+	                                         .nbuckets = 4,
+	                                         .buckets = (int64_t[]){1, 2, 4, 8},
+	                                         .bucket_in_dims = (int[]){0, 1},
+	                                         .bucket_out_dims = (int[]){0, 0, -1}});
+	assert_non_null(f);
+	/* example inputs at batch 3: buckets 1 and 2 take their first rows,
+	 * 4 and 8 pad them */
+	kl_tensor *ex[2] = {
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, 6}, KLTEST_NORMAL, KLTEST_CONTIG, 9),
+	        kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, 3}, KLTEST_NORMAL, KLTEST_CONTIG, 10)};
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_warmup(f, ex, 16), KL_EINVAL);
+	expect_msg("max_batch over the buckets", "kl_fn_warmup", "max_batch 16", "largest bucket 8");
+	kl_tensor *odd[2] = {ex[0], kl_zeros(ctx, KL_F32, 2, (int64_t[]){3, 2})};
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_warmup(f, odd, 0), KL_EINVAL);
+	expect_msg("batches differ", "kl_fn_warmup", "batch dims differ", "input 1 dim 1 is 2");
+	if (kl_fn_warmup(f, ex, 0) != KL_OK)
+		fail_msg("kl_fn_warmup: %s", kl_last_error(ctx));
+	kl_fn_stats w;
+	assert_int_equal(kl_fn_get_stats(f, &w), KL_OK);
+	assert_int_equal(w.compiles, 1);
+	assert_int_equal(w.calls, cuda ? 12 : 4);
+	if (cuda && w.graph_captures < 4)
+		fail_msg("kl_fn_warmup captured %ld graphs for 4 buckets", w.graph_captures);
+	for (int64_t b = 8; b >= 1; b--) {
+		kl_tensor *in[2] = {
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){b, 6}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    70 + (uint64_t)b),
+		        kltest_rand(ctx, KL_F32, 2, (int64_t[]){3, b}, KLTEST_NORMAL, KLTEST_CONTIG,
+		                    80 + (uint64_t)b)};
+		kl_tensor *want[3], *got[3];
+		assert_int_equal(mlp_body(ctx, in, 2, want, 3, &m), KL_OK);
+		if (kl_fn_call(f, in, got) != KL_OK)
+			fail_msg("batch %lld: %s", (long long)b, kl_last_error(ctx));
+		for (int j = 0; j < 3; j++) {
+			double *wv = kltest_read(want[j]);
+			char what[80];
+			snprintf(what, sizeof what, "after warm-up, output %d at batch %lld", j,
+			         (long long)b);
+			assert_int_equal(kl_numel(got[j]), kl_numel(want[j]));
+			assert_true(same_values(got[j], wv, kl_numel(want[j]), what));
+			free(wv);
+			kl_release(got[j]);
+		}
+	}
+	kl_fn_stats fs;
+	assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+	assert_int_equal(fs.compiles, 1);
+	assert_int_equal(fs.recompiles, 0);
+	if (fs.graph_captures != w.graph_captures)
+		fail_msg("%ld CUDA graph captures after kl_fn_warmup", fs.graph_captures -
+		         w.graph_captures);
+	kl_fn_free(f);
+	/* a function without buckets */
+	f = kl_compile(ctx, mlp_body, &m, 2, 3, NULL);
+	kl_clear_error(ctx);
+	assert_int_equal(kl_fn_warmup(f, ex, 0), KL_EINVAL);
+	expect_msg("no buckets", "kl_fn_warmup", "no buckets", "nbuckets");
+	kl_fn_free(f);
+	kl_scope_end(ctx);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -1067,6 +1142,7 @@ int main(void)
 	        cmocka_unit_test(test_bucket_recompile_limit),
 	        cmocka_unit_test(test_graph_slots_pick),
 	        cmocka_unit_test(test_bucket_graphs),
+	        cmocka_unit_test(test_bucket_warmup),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);
