@@ -11,7 +11,11 @@ median), the main peer's best mode (--peer; default torch on cuda, ONNX
 Runtime "ort" on cpu, issue 22), peer/kiln (above 1: kiln is faster), JAX's
 when present, and the target of ANCHORS.md / issues 4, 5 and 21 with ✔ or ✘
 (where none was set: kiln's best at most the peer's). Rows whose sizes are
-not the ones a target was set for get no mark. Then the training step's peak
+not the ones a target was set for get no mark. Rows are keyed by workload,
+shape and dtype (a peer's row without a dtype serves every dtype); an f16 or
+bf16 row beside an f32 row of the same workload and shape (the CPU's, issue
+22) is held to at most 1.5x that row's best time instead ("f16/f32 1.23x").
+Then the training step's peak
 memory against torch.compile's, and the start-up rows (kiln --cold) against
 their targets and torch's first call (on cpu only when there are any).
 Exit status 0 when a table was printed, 2 when there was nothing to compare.
@@ -63,6 +67,10 @@ COLD_TARGETS = [
     ("train_decoder", "4x1024x2048,h16,ffn8192", "warm_process", 0.050, False, "<= 50 ms"),
 ]
 TIMED_SKIP = {"copy", "cold_compile", "warm_process"}
+# an f16/bf16 row's best at most this times the f32 row's of the same
+# workload and shape (issue 22: "f16/bf16 within 1.5x of f32's time")
+HALF_VS_F32 = 1.5
+HALF_DTYPES = ("f16", "bf16")
 OK, NO = "\u2714", "\u2718"
 
 
@@ -139,9 +147,18 @@ def bw_frac(r, copy_gbps):
     return g / copy_gbps if g and copy_gbps else None
 
 
+def half_check(dtype, k_best, f32_best):
+    """(target text, mark) of an f16/bf16 row against the f32 row's best."""
+    text = f"<= {HALF_VS_F32:g}x f32"
+    if k_best is None:
+        return text, NO + " (no row)"
+    got = num(k_best, "median_us") / num(f32_best, "median_us")
+    return text, (OK if got <= HALF_VS_F32 else NO) + f" ({dtype}/f32 {got:.2f}x)"
+
+
 def check(key, kiln_rows, k_best, t_best, copy_gbps=None, peer="torch", device="cuda"):
     """(target text, mark) for one workload and shape."""
-    tgt = TARGETS.get(key) if device == "cuda" else None  # the GPU's (ANCHORS.md)
+    tgt = TARGETS.get(key[:2]) if device == "cuda" else None  # the GPU's (ANCHORS.md)
     if tgt is None:
         if k_best is None or t_best is None:
             return "", ""
@@ -199,15 +216,23 @@ def main():
         return 2
     has_jax = "jax" in peers
 
-    # workloads in kiln's order, then any only a peer measured
+    # workloads in kiln's order, then any only a peer measured; a key is
+    # (workload, shape, dtype), a peer's row without a dtype joins its
+    # workload and shape's first key
     keys = []
     for r in kiln + [r for rs in peers.values() for r in rs]:
-        k = (r["workload"], r.get("shape", ""))
-        if k not in keys and r.get("mode") not in ("cold_compile", "warm_process"):
-            keys.append(k)
+        k = (r["workload"], r.get("shape", ""), r.get("dtype") or "")
+        if r.get("mode") in ("cold_compile", "warm_process") or k in keys:
+            continue
+        if not k[2] and any(x[:2] == k[:2] for x in keys):
+            continue
+        keys.append(k)
 
     def of(rs, key):
-        return [r for r in rs if (r["workload"], r.get("shape", "")) == key]
+        """rs of key's workload and shape; of its dtype too where key and the
+        row both name one (a 2-tuple key: any dtype)"""
+        return [r for r in rs if (r["workload"], r.get("shape", "")) == key[:2] and
+                (len(key) < 3 or not key[2] or not r.get("dtype") or r["dtype"] == key[2])]
 
     copy = next((r for r in kiln if r["workload"] == "memory_bandwidth" and
                  r.get("mode") == "copy"), None)
@@ -227,7 +252,13 @@ def main():
             text, mark = "(ANCHORS 4.26 TB/s)", ""
         else:
             k_best, t_best, j_best = best(k_rows), best(t_rows), best(j_rows)
-            text, mark = check(key, k_rows, k_best, t_best, copy_gbps, main_peer, opts.device)
+            f32_best = (best(of(kiln, key[:2] + ("f32",))) if key[2] in HALF_DTYPES
+                        else None)
+            if f32_best is not None:
+                text, mark = half_check(key[2], k_best, f32_best)
+            else:
+                text, mark = check(key, k_rows, k_best, t_best, copy_gbps, main_peer,
+                                   opts.device)
         dtype = next((r.get("dtype") for r in k_rows + t_rows + j_rows if r.get("dtype")), "")
 
         def ratio(peer_row):

@@ -117,6 +117,22 @@ for w in "${names[@]}"; do
 		fi
 	done
 done
+# issue 22: the CPU's f16/bf16 rows (--list: a description ending in the
+# dtype), eager and default, at the shape of their workload's f32 row
+mapfile -t halves < <(awk '$NF == "f16" || $NF == "bf16" {print $1 " " $NF}' "$work/list")
+(( ${#halves[@]} >= 8 )) || fail "bench --list: ${#halves[@]} f16/bf16 rows"
+for h in "${halves[@]}"; do
+	read -r w dt <<<"$h"
+	f32=$(grep -F "{\"workload\":\"$w\",\"device\":\"cpu\",\"dtype\":\"f32\"," "$work/json" |
+		grep -F '"mode":"eager"' | head -1 | grep -Eo '"shape":"[^"]*"') || fail "$w: no f32 row"
+	for mode in eager default; do
+		line=$(grep -F "{\"workload\":\"$w\",\"device\":\"cpu\",\"dtype\":\"$dt\",$f32," \
+			"$work/json" | grep -F "\"mode\":\"$mode\"") || fail "$w $dt: no $mode line at $f32"
+		for key in ms iters speedup checksum peak_bytes; do
+			grep -Eq "\"$key\":${num}[,}]" <<<"$line" || fail "$w $dt $mode: no numeric $key"
+		done
+	done
+done
 # issue 21: the training rows. The step compiled whole (forward, loss,
 # backward, AdamW) and the forward alone compiled with kl_backward and the
 # optimizer after it; the optimizer alone against the copy bandwidth.

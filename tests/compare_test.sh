@@ -132,13 +132,19 @@ has '^attention_causal +4x16x1024x128 +bf16 +52\.0 us default 330 TFLOP/s +- +- 
 	echo '{"peer":"ort","workload":"mlp24","device":"cpu","dtype":"f32","shape":"24x(8x256)","mode":"ort-fused-op","median_us":300.0,"bw_tbs":0.02,"tflops":0.08}'
 	echo '{"peer":"ort","workload":"softmax","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"ort","median_us":9900.0,"bw_tbs":0.0136}'
 	echo '{"peer":"torch","workload":"softmax","device":"cpu","dtype":"f32","shape":"4096x4096","mode":"eager","median_us":1.0,"bw_tbs":9}'
+	# half rows of the same workload and shape: against the f32 row's best
+	echo '{"workload":"softmax","device":"cpu","dtype":"f16","shape":"4096x4096","mode":"eager","median_us":20000.0,"bw_tbs":0.004}'
+	echo '{"workload":"softmax","device":"cpu","dtype":"f16","shape":"4096x4096","mode":"default","median_us":11070.0,"bw_tbs":0.006}'
+	echo '{"workload":"softmax","device":"cpu","dtype":"bf16","shape":"4096x4096","mode":"default","median_us":14400.0,"bw_tbs":0.005}'
 } >"$work/cpu.jsonl"
 "$py" "$cmp" --device cpu "$work/cpu.jsonl" >"$work/out" || fail "exit $? on cpu rows"
 has '^kiln vs ONNX Runtime on cpu'
 has '^workload +shape +dtype +kiln best +ort best +ort/kiln +target'
 has '^mlp24 +24x\(8x256\) +f32 +500\.0 us default 50 GFLOP/s +300\.0 us ort-fused-op 80 GFLOP/s +0\.60x +<= ort +✘$'
 has '^softmax +4096x4096 +f32 +9\.000 ms default 14\.9 GB/s +9\.900 ms ort 13\.6 GB/s +1\.10x +<= ort +✔$'
-has '^targets met: 1/2$'
+has '^softmax +4096x4096 +f16 +11\.070 ms default 6 GB/s +- +- +<= 1\.5x f32 +✔ \(f16/f32 1\.23x\)$'
+has '^softmax +4096x4096 +bf16 +14\.400 ms default 5 GB/s +- +- +<= 1\.5x f32 +✘ \(bf16/f32 1\.60x\)$'
+has '^targets met: 2/4$'
 grep -q 'cold compile' "$work/out" && fail "start-up rows in the cpu table"
 
 # issue 21: the training rows. train_decoder against 2.9 ms and its peak

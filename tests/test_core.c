@@ -561,9 +561,14 @@ static void test_f32_to_half_sweep(void **state)
 		uint32_t bits = (uint32_t)u;
 		float f;
 		memcpy(&f, &bits, 4);
+		/* the round trips (generated C's kl_rh, kl_rbf) are the narrowing
+		 * then the widening, bit for bit, NaN payloads included */
+		float r16 = kl__f16_to_f32(kl__f32_to_f16(f)), rb = kl__bf16_to_f32(kl__f32_to_bf16(f));
+		assert_int_equal(kl__f32_bits(kl__f32_round_f16(f)), kl__f32_bits(r16));
+		assert_int_equal(kl__f32_bits(kl__f32_round_bf16(f)), kl__f32_bits(rb));
 		if (isnan(f)) {
-			assert_true(isnan(kl__f16_to_f32(kl__f32_to_f16(f))));
-			assert_true(isnan(kl__bf16_to_f32(kl__f32_to_bf16(f))));
+			assert_true(isnan(r16));
+			assert_true(isnan(rb));
 			continue;
 		}
 		double w16 = ref_round(f, 10, -14, f16max);
@@ -585,6 +590,22 @@ static void test_f32_to_half_sweep(void **state)
 		uint16_t want = (h & 1) ? (uint16_t)(h + 1) : (uint16_t)h;
 		assert_int_equal(kl__f32_to_f16(mid), want);
 		assert_int_equal(kl__f32_to_f16(-mid), want | 0x8000);
+		/* the ties and their neighbours through the round trip too */
+		for (int d = -1; d <= 1; d++) {
+			float m = kl__bits_f32(kl__f32_bits(mid) + (uint32_t)d);
+			float w = kl__f16_to_f32(kl__f32_to_f16(m));
+			assert_int_equal(kl__f32_bits(kl__f32_round_f16(m)), kl__f32_bits(w));
+			assert_int_equal(kl__f32_bits(kl__f32_round_f16(-m)), kl__f32_bits(-w));
+		}
+	}
+	for (uint32_t h = 0; h < 0x7f80; h++) { /* bf16's ties: every finite value's */
+		float mid = kl__bits_f32((h << 16) | 0x8000u);
+		for (int d = -1; d <= 1; d++) {
+			float m = kl__bits_f32(kl__f32_bits(mid) + (uint32_t)d);
+			float w = kl__bf16_to_f32(kl__f32_to_bf16(m));
+			assert_int_equal(kl__f32_bits(kl__f32_round_bf16(m)), kl__f32_bits(w));
+			assert_int_equal(kl__f32_bits(kl__f32_round_bf16(-m)), kl__f32_bits(-w));
+		}
 	}
 	/* doubles round once, not through f32 (1 + 2^-11 + 2^-40 is above the
 	 * tie, but rounds to the tie in f32) */

@@ -6,58 +6,11 @@
 #ifndef KILN_CODEGEN_HELPERS_H
 #define KILN_CODEGEN_HELPERS_H
 
-#include "core/sat.h" /* KL_SATCONV_TEXT: kl_f2i32, kl_f2i64, kl_sati32 */
+#include "core/half.h" /* KL_HALFCONV_TEXT: kl_h2f, kl_f2h, kl_bf2f, kl_f2bf */
+#include "core/sat.h"  /* KL_SATCONV_TEXT: kl_f2i32, kl_f2i64, kl_sati32 */
 
 #define KL_RENDER_HELPERS \
-	"KL_FN float kl_h2f(uint16_t h)\n" \
-	"{\n" \
-	"\tuint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;\n" \
-	"\tif (e == 0) {\n" \
-	"\t\tfloat v = (float)m * 5.9604644775390625e-08f;\n" \
-	"\t\treturn s ? -v : v;\n" \
-	"\t}\n" \
-	"\tx = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112u) << 23) | (m << 13));\n" \
-	"\tfloat f;\n" \
-	"\tmemcpy(&f, &x, 4);\n" \
-	"\treturn f;\n" \
-	"}\n" \
-	"KL_FN uint16_t kl_f2h(float f)\n" \
-	"{\n" \
-	"\tuint32_t x;\n" \
-	"\tmemcpy(&x, &f, 4);\n" \
-	"\tuint32_t s = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;\n" \
-	"\tif (a > 0x7f800000u)\n" \
-	"\t\treturn (uint16_t)(s | 0x7e00u | ((a >> 13) & 0x3ffu));\n" \
-	"\tif (a >= 0x477ff000u)\n" \
-	"\t\treturn (uint16_t)(s | 0x7c00u);\n" \
-	"\tif (a < 0x38800000u) {\n" \
-	"\t\tfloat v = fabsf(f) * 16777216.0f;\n" \
-	"\t\tuint32_t m = (uint32_t)v;\n" \
-	"\t\tfloat r = v - (float)m;\n" \
-	"\t\tif (r > 0.5f || (r == 0.5f && (m & 1u)))\n" \
-	"\t\t\tm++;\n" \
-	"\t\treturn (uint16_t)(s | m);\n" \
-	"\t}\n" \
-	"\ta -= 0x38000000u;\n" \
-	"\ta += 0x0fffu + ((a >> 13) & 1u);\n" \
-	"\treturn (uint16_t)(s | (a >> 13));\n" \
-	"}\n" \
-	"KL_FN float kl_bf2f(uint16_t h)\n" \
-	"{\n" \
-	"\tuint32_t x = (uint32_t)h << 16;\n" \
-	"\tfloat f;\n" \
-	"\tmemcpy(&f, &x, 4);\n" \
-	"\treturn f;\n" \
-	"}\n" \
-	"KL_FN uint16_t kl_f2bf(float f)\n" \
-	"{\n" \
-	"\tuint32_t x;\n" \
-	"\tmemcpy(&x, &f, 4);\n" \
-	"\tif ((x & 0x7fffffffu) > 0x7f800000u)\n" \
-	"\t\treturn (uint16_t)((x >> 16) | 0x40u);\n" \
-	"\tx += 0x7fffu + ((x >> 16) & 1u);\n" \
-	"\treturn (uint16_t)(x >> 16);\n" \
-	"}\n" \
+	KL_HALFCONV_TEXT \
 	"KL_FN float kl_maxf(float a, float b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n" \
 	"KL_FN float kl_minf(float a, float b) { return a != a ? a : b != b ? b : a < b ? a : b; }\n" \
 	"KL_FN double kl_maxd(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }\n" \

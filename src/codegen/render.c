@@ -194,7 +194,18 @@ static void emit_ins(rctx *c, int32_t id)
 		kl__sb_printf(sb, "b%d[", (int)in->buf);
 		put_addr(sb, r, &c->k->ixa, &in->ad);
 		kl__sb_puts(sb, "] = ");
-		kl__sb_printf(sb, r->store_fmt[dt], a);
+		/* a value just rounded to the half type it is stored as: narrowing
+		 * what it was rounded from gives the same bits, and the round trip
+		 * is left to whatever else reads it (nothing, often) */
+		const kir_ins *v = in->a >= 0 ? &c->k->ins[in->a] : NULL;
+		bool narrow = v && v->opc == KIR_CAST && v->dt == dt &&
+		              (dt == KL_F16 || dt == KL_BF16) &&
+		              (v->in_dt == KL_F32 || v->in_dt == KL_F16 || v->in_dt == KL_BF16);
+		if (narrow)
+			vname(b, sizeof(b), v->a);
+		kl__sb_printf(sb, r->store_fmt[dt], narrow ? b : a);
+		if (narrow) /* maybe its only reader (-Wunused-variable) */
+			kl__sb_printf(sb, "; (void)%s", a);
 		kl__sb_puts(sb, ";\n");
 		return;
 	}

@@ -213,12 +213,13 @@ static void c_cast(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a)
 	switch (to) {
 	case KL_F16:
 	case KL_BF16:
-		kl__sb_puts(sb, to == KL_F16 ? "kl_h2f(kl_f2h(" : "kl_bf2f(kl_f2bf(");
+		/* the round trip in one helper (half.h's, branch-free) */
+		kl__sb_puts(sb, to == KL_F16 ? "kl_rh(" : "kl_rbf(");
 		if (from == KL_F64) /* one correct rounding, not two */
 			kl__sb_printf(sb, "kl_d2f_odd(%s)", a);
 		else
 			to_float(sb, from, a);
-		kl__sb_puts(sb, "))");
+		kl__sb_puts(sb, ")");
 		return;
 	case KL_F32:
 		to_float(sb, from, a);

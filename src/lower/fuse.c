@@ -710,9 +710,11 @@ static bool epilogue_ok(kl_lctx *L, int32_t n, int32_t gi, kl_epart *part, char 
 	}
 	bool act = *part == KL_EPART_ACT;
 	if (L->o->target == KL_TARGET_C) {
-		if (dt != KL_F32 && dt != KL_F64) {
-			snprintf(why, cap, "the C target runs epilogues after f32/f64 BLAS only (a %s "
-			         "product goes through f32 copies)", kl_dtype_name(dt));
+		/* f16/bf16 products run in f32 copies (matmul_step.c), the epilogue
+		 * on the f32 product before its one rounding */
+		if (dt != KL_F32 && dt != KL_F64 && dt != KL_F16 && dt != KL_BF16) {
+			snprintf(why, cap, "the C target runs epilogues after float BLAS only (a %s "
+			         "product)", kl_dtype_name(dt));
 			return false;
 		}
 		return true;

@@ -764,6 +764,10 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
 #define TRAIN (ALL | KT_MODE_BIT(KT_MODE_COMPILED_FORWARD))
 #define CPU KT_ON_CPU
 #define GPU KT_ON_CUDA
+/* the CPU's f16/bf16 rows (issue 22: within 1.5x of the f32 row of the same
+ * workload and shape, bench/compare.py's "f16/f32" column): eager and
+ * default only, the other modes run as default there anyway */
+#define HALF (KT_MODE_BIT(KT_MODE_EAGER) | KT_MODE_BIT(KT_MODE_DEFAULT))
 
 /* CUDA: max-autotune only where there is a matrix product to tune (and
  * gpu-check's time is short); one fused kl_sdpa has no launches for
@@ -773,6 +777,10 @@ const kt_workload kt_copy_workload = {"memory_bandwidth",
  * seed's at a quarter of its width (ffn 4 * d_model as in the seed). */
 const kt_workload kt_workloads[] = {
 	{"relu_fma", "relu(a*b + c), 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body, NULL},
+	{"relu_fma", "relu(a*b + c), 4096x4096 f16", CPU, HALF, KL_F16, {4096, 4096}, 3, 1,
+	 relu_fma_setup, relu_fma_body, NULL},
+	{"relu_fma", "relu(a*b + c), 4096x4096 bf16", CPU, HALF, KL_BF16, {4096, 4096}, 3, 1,
 	 relu_fma_setup, relu_fma_body, NULL},
 	{"relu_fma", "relu(a*b + c), 4096x4096 f16", GPU, FUSED, KL_F16, {4096, 4096}, 3, 1,
 	 relu_fma_setup, relu_fma_body, NULL},
@@ -784,10 +792,18 @@ const kt_workload kt_workloads[] = {
 	 KL_F16, {4096, 4096}, 3, 1, pointwise8_setup, pointwise8_body, NULL},
 	{"softmax", "softmax over rows, 4096x4096 f32", CPU, ALL, KL_F32, {4096, 4096}, 1, 1,
 	 softmax_setup, softmax_body, NULL},
+	{"softmax", "softmax over rows, 4096x4096 f16", CPU, HALF, KL_F16, {4096, 4096}, 1, 1,
+	 softmax_setup, softmax_body, NULL},
+	{"softmax", "softmax over rows, 4096x4096 bf16", CPU, HALF, KL_BF16, {4096, 4096}, 1, 1,
+	 softmax_setup, softmax_body, NULL},
 	{"softmax", "softmax over rows, 16384x4096 bf16", GPU, FUSED, KL_BF16, {16384, 4096}, 1, 1,
 	 softmax_setup, softmax_body, NULL},
 	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f32", CPU, ALL, KL_F32,
 	 {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
+	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 f16", CPU, HALF,
+	 KL_F16, {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
+	{"layer_norm", "layer_norm over rows with weight and bias, 4096x4096 bf16", CPU, HALF,
+	 KL_BF16, {4096, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
 	{"layer_norm", "layer_norm over rows with weight and bias, 16384x4096 bf16", GPU, FUSED,
 	 KL_BF16, {16384, 4096}, 3, 1, layer_norm_setup, layer_norm_body, NULL},
 	{"rms_norm", "kl_rms_norm over rows with weight, 4096x4096 f32", CPU, ALL, KL_F32,
@@ -803,6 +819,10 @@ const kt_workload kt_workloads[] = {
 	{"gemm", "matmul 8192x8192 @ 8192x8192 bf16 (the card's product ceiling)", GPU, ALL,
 	 KL_BF16, {8192, 8192, 8192}, 2, 1, gemm_setup, gemm_body, NULL},
 	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f32", CPU, ALL, KL_F32,
+	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body, NULL},
+	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, f16", CPU, HALF, KL_F16,
+	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body, NULL},
+	{"swiglu_ffn", "SwiGLU feed-forward, x 4x128x512, hidden 1408, bf16", CPU, HALF, KL_BF16,
 	 {4, 128, 512, 1408}, 4, 1, swiglu_setup, swiglu_body, NULL},
 	{"swiglu_ffn", "SwiGLU feed-forward (the seed's FeedForward), x 4x1024x2048, hidden 8192, "
 	               "bf16",
@@ -822,6 +842,10 @@ const kt_workload kt_workloads[] = {
 	 attention_causal_body, NULL},
 	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, f32",
 	 CPU, ALL, KL_F32, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body, NULL},
+	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, f16",
+	 CPU, HALF, KL_F16, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body, NULL},
+	{"decoder_layer", "the seed's DecoderLayer (small), x 2x64x256, 4 heads, ffn 1024, bf16",
+	 CPU, HALF, KL_BF16, {2, 64, 256, 4, 1024}, 1, 1, decoder_setup, decoder_body, NULL},
 	{"decoder_layer", "the seed's DecoderLayer, x 4x1024x2048, 16 heads, ffn 8192, bf16", GPU,
 	 ALL, KL_BF16, {4, 1024, 2048, 16, 8192}, 1, 1, decoder_setup, decoder_body, NULL},
 	{"decoder_token", "the DecoderLayer (small) on one token, x 1x1x256, 4 heads, ffn 1024, "

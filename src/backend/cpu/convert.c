@@ -85,8 +85,58 @@ const char *kl__cpu_opname(const kl_node *n)
 		break;                                                                         \
 	}
 
+/* Dense f16 <-> f32 by the F16C instructions (vcvtph2ps, vcvtps2ph rounding
+ * to nearest even: half.h's values, but for a signalling NaN's quiet bit),
+ * 8 a time, where the CPU has them (x86-64-v3; GCC's target attribute, as
+ * gemm_small.c): the f16 products' operand copies and the eager kernels'
+ * chunks, which the branch-free conversions left at 2-3x f32's time. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define KL_F16C 1
+
+__attribute__((target("arch=x86-64-v3"))) static void f16c_load(float *dst, const uint16_t *src,
+                                                                int64_t n)
+{
+	int64_t i = 0;
+	for (; i + 8 <= n; i += 8)
+		_mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+	for (; i < n; i++)
+		dst[i] = kl__f16_to_f32(src[i]);
+}
+
+__attribute__((target("arch=x86-64-v3"))) static void f16c_store(uint16_t *dst, const float *src,
+                                                                 int64_t n)
+{
+	int64_t i = 0;
+	for (; i + 8 <= n; i += 8)
+		_mm_storeu_si128((__m128i *)(dst + i),
+		                 _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+		                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+	for (; i < n; i++)
+		dst[i] = kl__f32_to_f16(src[i]);
+}
+
+static bool has_f16c(void)
+{
+	static int v = -1; /* a race stores the same value twice */
+	int h = __atomic_load_n(&v, __ATOMIC_RELAXED);
+	if (h < 0) {
+		__builtin_cpu_init();
+		h = __builtin_cpu_supports("x86-64-v3") != 0;
+		__atomic_store_n(&v, h, __ATOMIC_RELAXED);
+	}
+	return h;
+}
+#endif
+
 void kl__cpu_load_f32(float *dst, const void *src, kl_dtype dt, int64_t stride, int64_t n)
 {
+#ifdef KL_F16C
+	if (dt == KL_F16 && stride == 1 && has_f16c()) {
+		f16c_load(dst, src, n);
+		return;
+	}
+#endif
 	KL_LOAD_CASES((float)v);
 }
 
@@ -149,6 +199,12 @@ void kl__cpu_load_ct(kl_cpu_ct ct, void *dst, const void *src, kl_dtype dt, int6
 
 void kl__cpu_store_f32(void *dst, kl_dtype dt, int64_t stride, const float *src, int64_t n)
 {
+#ifdef KL_F16C
+	if (dt == KL_F16 && stride == 1 && has_f16c()) {
+		f16c_store(dst, src, n);
+		return;
+	}
+#endif
 	KL_STORE_CASES(kl__f2i64, kl__f2i32, kl__f32_to_f16, kl__f32_to_bf16);
 }
 

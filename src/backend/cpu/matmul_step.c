@@ -173,6 +173,120 @@ typedef struct mm_args {
 	int64_t ao, bo, co;
 } mm_args;
 
+static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args *e, bool *fused);
+static void epilogue_rows(const epi_args *e, int nt);
+
+/* ---- f16/bf16 products: f32 copies through the f32 path ------------------------- */
+
+/* A rows x cols block of a 16-bit operand (row stride ld, columns
+ * contiguous) widened into dense f32, or f32 narrowed back: one row a
+ * call of convert.c's simd loops, the rows over the pool's threads. */
+typedef struct half_copy {
+	kl_dtype dt;
+	bool narrow;
+	int64_t cols, ld;
+	void *half;  /* at element 0 of the block */
+	float *f;    /* dense, cols per row */
+} half_copy;
+
+static void half_copy_rows(void *arg, int64_t lo, int64_t hi)
+{
+	const half_copy *h = arg;
+	for (int64_t i = lo; i < hi; i++) {
+		uint16_t *p = (uint16_t *)h->half + i * h->ld;
+		if (h->narrow)
+			kl__cpu_store_f32(p, h->dt, 1, h->f + i * h->cols, h->cols);
+		else
+			kl__cpu_load_f32(h->f + i * h->cols, p, h->dt, 1, h->cols);
+	}
+}
+
+static void half_copy_run(kl_dtype dt, bool narrow, void *half, int64_t off, int64_t rows,
+                          int64_t cols, int64_t ld, float *f)
+{
+	half_copy h = {dt, narrow, cols, ld, (uint16_t *)half + off, f};
+	bool par = (double)rows * (double)cols >= KL_CPU_PAR_MIN;
+	kl__par_for(par ? kl__par_threads() : 1, rows, half_copy_rows, &h);
+}
+
+/* The rows x cols block an operand of a product is stored as (rows of
+ * contiguous columns), from its logical shape and strides as BLAS views it. */
+static void stored_block(CBLAS_TRANSPOSE t, int64_t r, int64_t c, int64_t *sr, int64_t *sc)
+{
+	*sr = t == CblasNoTrans ? r : c;
+	*sc = t == CblasNoTrans ? c : r;
+}
+
+/* An f16/bf16 product whose operands BLAS could read in place were they
+ * f32: A and B widened into f32 copies of the same layout (a Linear's
+ * weight stays [n, k], read transposed), the product, its epilogue and the
+ * residual through the f32 path (kiln's small product, which applies the
+ * epilogue panel by panel, or OpenBLAS then the f32 epilogue) into an f32
+ * C, rounded once into C. The copies are split over the pool's threads and
+ * vectorized (half.h's branch-free conversions), where the per-element
+ * fallback below had packed B transposed, on one thread. Returns false
+ * (nothing done) where the path does not apply. */
+static bool gemm_half(const mm_scratch *c, const mm_args *x, const epi_args *e, kl_status *st)
+{
+	const kl_matmul_step *mm = x->mm;
+	int64_t m = mm->m, n = mm->n, k = mm->k;
+	kl_dtype dt = x->tc;
+	CBLAS_TRANSPOSE tra, trb;
+	int64_t lda, ldb;
+	if ((dt != KL_F16 && dt != KL_BF16) || x->ta != dt || x->tb != dt || e->dt != dt ||
+	    m > INT_MAX || n > INT_MAX || k > INT_MAX || k == 0 ||
+	    !blas_view(m, k, mm->a_rs, mm->a_cs, &tra, &lda) ||
+	    !blas_view(k, n, mm->b_rs, mm->b_cs, &trb, &ldb))
+		return false;
+	int64_t ar, ac, br, bc;
+	stored_block(tra, m, k, &ar, &ac);
+	stored_block(trb, k, n, &br, &bc);
+	bool has_r = e->mm->has_r, has_bias = e->mm->has_bias;
+	size_t na = (size_t)(ar * ac), nb = (size_t)(br * bc), nc = (size_t)(m * n);
+	size_t nr = has_r ? nc : 0, nbias = has_bias ? (size_t)n : 0;
+	float *sa = scratch(c, (na + nb + nc + nr + nbias) * sizeof(float));
+	if (!sa) {
+		*st = KL_ENOMEM;
+		return true;
+	}
+	float *sb = sa + na, *sc = sb + nb, *sr = sc + nc, *sbias = sr + nr;
+	half_copy_run(dt, false, (void *)x->a, x->ao, ar, ac, ar > 1 ? lda : ac, sa);
+	half_copy_run(dt, false, (void *)x->b, x->bo, br, bc, br > 1 ? ldb : bc, sb);
+	if (mm->beta != 0)
+		half_copy_run(dt, false, x->c, x->co, m, n, mm->ldc, sc);
+	if (has_r)
+		half_copy_run(dt, false, (void *)e->r, e->ro, m, n, e->mm->r_ld, sr);
+	if (has_bias)
+		half_copy_run(dt, false, (void *)e->bias, e->mm->bias_off, 1, n, n, sbias);
+	/* the same step over the f32 copies: dense, at offset 0 */
+	kl_matmul_step fm = *mm, fe = *e->mm;
+	fm.a_off = fm.b_off = fm.c_off = 0;
+	fm.a_rs = tra == CblasNoTrans ? ac : 1;
+	fm.a_cs = tra == CblasNoTrans ? 1 : ac;
+	fm.b_rs = trb == CblasNoTrans ? bc : 1;
+	fm.b_cs = trb == CblasNoTrans ? 1 : bc;
+	fm.ldc = n;
+	fe = fm;
+	fe.has_r = has_r;
+	fe.has_bias = has_bias;
+	fe.beta = e->mm->beta;
+	fe.r_ld = n;
+	fe.r_off = 0;
+	fe.bias_off = 0;
+	fe.act = e->mm->act;
+	mm_args fx = {.mm = &fm, .ta = KL_F32, .tb = KL_F32, .tc = KL_F32, .a = sa, .b = sb, .c = sc};
+	epi_args fepi = {.mm = &fe, .dt = KL_F32, .act = e->act, .c = sc, .r = sr,
+	                 .bias = sbias};
+	bool fused = false;
+	*st = gemm_one(c, &fx, &fepi, &fused);
+	if (*st != KL_OK)
+		return true;
+	if (!fused && (has_r || has_bias || e->act != KL_OP_INPUT))
+		epilogue_rows(&fepi, kl__par_threads());
+	half_copy_run(dt, true, x->c, x->co, m, n, mm->ldc, sc);
+	return true;
+}
+
 /* One product C = alpha A B + beta C at element offsets ao, bo, co. *fused
  * is set when the product applied e's epilogue itself. */
 static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args *e, bool *fused)
@@ -234,8 +348,13 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 		              (char *)x->c + (size_t)x->co * es, ldc);
 		return KL_OK;
 	}
+	kl_status hst = KL_OK;
+	if (gemm_half(c, x, e, &hst)) {
+		*fused = true; /* its epilogue too, in f32 before the one rounding */
+		return hst;
+	}
 	if (small && is_f32ish(x->ta) && is_f32ish(x->tb) && is_f32ish(x->tc)) {
-		/* f16/bf16 (or unusual strides): products in f32, rounded once */
+		/* unusual strides or mixed f32/f16/bf16: products in f32, rounded once */
 		size_t na = (size_t)(m * k), nb = (size_t)(k * n), nc = (size_t)(m * n);
 		float *sa = scratch(c, (na + nb + nc) * sizeof(float));
 		if (!sa)
