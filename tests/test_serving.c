@@ -322,6 +322,89 @@ static void test_cache_write_reads_old(void **state)
 	run_decode(true, false);
 }
 
+/* The values of cache writes as views: k and v slices of one packed
+ * [n, 1, 2 H D] input (rows 2 H D apart, v at an offset) and of a packed
+ * value the graph computes; the writes read them where they lie (no copy
+ * step) and land where the float64 model puts them. */
+typedef struct packed {
+	kl_tensor *kc, *vc;
+	bool computed; /* the packed rows are in[0] * 2 (a buffer of the graph) */
+} packed;
+
+static kl_tensor *head_view(kl_tensor *p, int part, int64_t n)
+{
+	kl_tensor *s = kl_slice(p, 2, part * H * D, (part + 1) * H * D, 1);
+	kl_tensor *r = kl_reshape(s, 4, (int64_t[]){n, 1, H, D});
+	return kl_permute(r, (int[]){0, 2, 1, 3});
+}
+
+static kl_status packed_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                             int nout, void *user)
+{
+	(void)nin, (void)nout;
+	packed *w = user;
+	kl_tensor *p = w->computed ? kl_mul_scalar(in[0], 2) : in[0];
+	int64_t n = kl_shape(in[0])[0];
+	kl_status st = kl_cache_write(w->kc, 2, in[1], head_view(p, 0, n));
+	if (st == KL_OK)
+		st = kl_cache_write(w->vc, 2, in[1], head_view(p, 1, n));
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_sum(w->vc, 0, NULL, false);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_cache_write_views(void **state)
+{
+	(void)state;
+	uint64_t seed = 91;
+	for (int computed = 0; computed < 2; computed++) {
+		double kc[R * H * T * D] = {0}, vc[R * H * T * D] = {0};
+		packed w = {from(KL_F32, 4, (int64_t[]){R, H, T, D}, kc),
+		            from(KL_F32, 4, (int64_t[]){R, H, T, D}, vc), computed};
+		kl_fn *f = kl_compile(ctx, packed_body, &w, 2, 1,
+		                      &(kl_compile_opts){.fullgraph = true});
+		assert_non_null(f);
+		int64_t pos[3] = {0, 0, 0};
+		for (int step = 0; step < 3; step++) {
+			enum { N = 3 };
+			double p[N * 2 * H * D], k[N * H * D], v[N * H * D];
+			fill(p, N * 2 * H * D, &seed);
+			for (int i = 0; i < N; i++)
+				for (int h = 0; h < H; h++)
+					for (int d = 0; d < D; d++) {
+						double sc = computed ? 2 : 1;
+						k[(i * H + h) * D + d] = sc * p[i * 2 * H * D + h * D + d];
+						v[(i * H + h) * D + d] = sc * p[i * 2 * H * D + H * D + h * D + d];
+					}
+			model_write(kc, k, pos, N, 1);
+			model_write(vc, v, pos, N, 1);
+			kl_tensor *in[2] = {from(KL_F32, 3, (int64_t[]){N, 1, 2 * H * D}, p),
+			                    positions(pos, N)};
+			kl_tensor *out = NULL;
+			if (kl_fn_call(f, in, &out) != KL_OK)
+				fail_msg("step %d: %s", step, kl_last_error(ctx));
+			char what[64];
+			snprintf(what, sizeof what, "k cache, step %d%s", step,
+			         computed ? ", computed values" : "");
+			assert_true(same_values(w.kc, kc, R * H * T * D, what));
+			assert_true(same_values(w.vc, vc, R * H * T * D, what));
+			kl_release(out);
+			kl_release(in[0]);
+			kl_release(in[1]);
+			for (int i = 0; i < N; i++)
+				pos[i] += 1 + i;
+		}
+		char *ex = explain_str(f);
+		if (strstr(ex, "contiguous#") || strstr(ex, "copy"))
+			fail_msg("the values were copied before the writes:\n%s", ex);
+		free(ex);
+		kl_fn_free(f);
+		kl_release(w.kc);
+		kl_release(w.vc);
+	}
+}
+
 /* fullgraph with kl_copy: into a tensor fn reaches through user state and
  * into one passed as an input; each call's replay writes it again */
 typedef struct acc {
@@ -1134,6 +1217,7 @@ int main(void)
 	        cmocka_unit_test(test_cache_write_reads_old),
 	        cmocka_unit_test(test_cache_write_fullgraph),
 	        cmocka_unit_test(test_copy_fullgraph),
+	        cmocka_unit_test(test_cache_write_views),
 	        cmocka_unit_test(test_cache_write_errors),
 	        cmocka_unit_test(test_refused_write_untouched),
 	        cmocka_unit_test(test_sdpa_lengths),

@@ -344,6 +344,7 @@ bool kl__cache_write_geom(int axis, int cnd, const int64_t *cs, int pnd, const i
 		g->outer *= cs[d];
 	for (int d = axis + 1; d < cnd; d++)
 		g->inner *= cs[d];
+	g->vrs = g->outer * g->s * g->inner;
 	return true;
 }
 

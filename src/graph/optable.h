@@ -157,6 +157,7 @@ kl_status kl__ref_cache_write(kl_refstate *st, const kl_node *n, double *out);
  * the shapes) when they do not fit. */
 typedef struct kl_cw_geom {
 	int64_t rows, R, outer, cap, s, inner;
+	int64_t vrs; /* elements from one row of values to the next (dense: outer * s * inner) */
 } kl_cw_geom;
 bool kl__cache_write_geom(int axis, int cnd, const int64_t *cs, int pnd, const int64_t *ps,
                           int vnd, const int64_t *vs, kl_cw_geom *g, char *why, size_t cap);

@@ -921,8 +921,11 @@ static int32_t decompose_one(dctx *d, const kl_node *s, const int32_t *in)
 			int64_t want[KL_MAX_DIMS];
 			kl__contig_strides(x->ndim, x->shape, want);
 			bool dense = true;
-			for (int k = 0; x->op == KL_OP_INPUT && k < x->ndim; k++)
+			/* values: rows dense within, any row stride */
+			for (int k = i == 2 ? 1 : 0; x->op == KL_OP_INPUT && k < x->ndim; k++)
 				dense &= x->shape[k] == 1 || x->strides[k] == want[k];
+			dense &= !(i == 2 && x->op == KL_OP_INPUT && x->ndim > 0 && x->shape[0] > 1 &&
+			           x->strides[0] < 0);
 			n.in[i] = in[i];
 			if (!dense) {
 				kl_node c = mk(KL_OP_CONTIGUOUS, (kl_dtype)x->dtype, x->ndim, x->shape, 1);

@@ -610,7 +610,9 @@ static void prepare(kl_lctx *L)
 		if (g->nodes[n].op == KL_OP_GATHER && L->live[n] &&
 		    kl__is_view((kl_op)g->nodes[g->nodes[n].in[0]].op))
 			L->mat[g->nodes[n].in[0]] = 1;
-	/* a cache write reads and writes whole dense buffers (offset 0) */
+	/* a cache write reads and writes whole dense buffers (offset 0), but
+	 * for its values: rows dense within, any row stride and offset (k and
+	 * v as slices of the packed qkv product are read where they lie) */
 	for (int32_t n = 0; n < g->n; n++) {
 		const kl_node *x = &g->nodes[n];
 		if (x->op != KL_OP_CACHE_WRITE || !L->live[n])
@@ -620,9 +622,10 @@ static void prepare(kl_lctx *L)
 			int64_t st[KL_MAX_DIMS], off, want[KL_MAX_DIMS];
 			const kl_node *cn = &g->nodes[c];
 			kl__contig_strides(cn->ndim, cn->shape, want);
-			bool ok = kl__stored_view(L, c, &base, st, &off) && off == 0;
-			for (int d = 0; ok && d < cn->ndim; d++)
+			bool ok = kl__stored_view(L, c, &base, st, &off) && (i == 2 || off == 0);
+			for (int d = i == 2 ? 1 : 0; ok && d < cn->ndim; d++)
 				ok = cn->shape[d] == 1 || st[d] == want[d];
+			ok = ok && (i != 2 || cn->shape[0] <= 1 || st[0] >= 0);
 			if (!ok)
 				L->mat[c] = 1;
 		}

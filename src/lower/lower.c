@@ -566,9 +566,12 @@ static kl_status cache_write_step(kl_lctx *L, kl_program *P, const kl_group *G, 
 	const kl_node *x = &L->g.nodes[n];
 	kl_cw_step *c = &sp->cw;
 	int32_t ids[3];
+	int64_t vst[KL_MAX_DIMS], voff = 0;
 	for (int i = 0; i < 3; i++) {
 		int64_t st[KL_MAX_DIMS], off;
-		if (!operand(L, x->in[i], &ids[i], st, &off) || off != 0) {
+		/* the values may be a view (fuse.c: rows dense, any offset) */
+		if (!operand(L, x->in[i], &ids[i], i == 2 ? vst : st, i == 2 ? &voff : &off) ||
+		    (i < 2 && off != 0)) {
 			snprintf(L->err, L->errcap, "kl__lower: internal error: cache write operand %d", i);
 			return KL_EINVAL;
 		}
@@ -594,6 +597,8 @@ static kl_status cache_write_step(kl_lctx *L, kl_program *P, const kl_group *G, 
 	c->cap = geo.cap;
 	c->s = geo.s;
 	c->inner = geo.inner;
+	c->val_off = voff;
+	c->val_rs = vn->shape[0] > 1 ? vst[0] : geo.outer * geo.s * geo.inner;
 	c->axis = x->a.axis;
 	bool inplace = c->out == c->cache;
 	for (int i = inplace ? 1 : 0; i < 3; i++)

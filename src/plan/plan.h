@@ -193,6 +193,10 @@ static inline bool kl__attn_bwd_cuda_takes(kl_dtype dt, int64_t d)
 typedef struct kl_cw_step {
 	int32_t cache, pos, val, out; /* buffer ids */
 	int64_t rows, R, outer, cap, s, inner;
+	/* the values: a view of val's buffer from element val_off, val_rs
+	 * elements a row, each row dense (a slice of a packed product's output
+	 * is read where it lies, not copied first) */
+	int64_t val_off, val_rs;
 	int32_t axis; /* the position dim of the user's cache, for messages */
 } kl_cw_step;
 

@@ -34,7 +34,7 @@ void kl__program_free(kl_program *p)
  * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf);
  * 7: cache writes; 8: the attention backward (kl_attn_step.bwd); 9: attention
  * lengths (kl_attn_step.len) */
-#define PROG_FORMAT 9u
+#define PROG_FORMAT 10u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -200,6 +200,23 @@ int64_t kl__attn_extent(const kl_attn_step *a, int which)
 
 int64_t kl__cw_extent(const kl_cw_step *c, int which)
 {
+	if (which == 2) {
+		/* rows of outer * s * inner elements, val_rs apart, from val_off */
+		int64_t row = 1, last;
+		int64_t dims[3] = {c->outer, c->s, c->inner};
+		for (int i = 0; i < 3; i++)
+			if (dims[i] < 0 || __builtin_mul_overflow(row, dims[i], &row))
+				return -2;
+		if (c->rows < 0 || c->val_off < 0 || c->val_rs < 0)
+			return -2;
+		if (c->rows == 0 || row == 0)
+			return -1;
+		if (__builtin_mul_overflow(c->rows - 1, c->val_rs, &last) ||
+		    __builtin_add_overflow(last, c->val_off, &last) ||
+		    __builtin_add_overflow(last, row - 1, &last))
+			return -2;
+		return last;
+	}
 	int64_t n = 1;
 	int64_t dims[4] = {which == 0 || which == 3 ? c->R : c->rows,
 	                   which == 1 ? 1 : c->outer,
@@ -229,7 +246,7 @@ static const size_t step_fields[] = {
         EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
         EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner),
         ATF(fo_off),   ATF(go_off),     ATF(fo_rs),      ATF(go_rs),       EACH8(ATF, fo_bs),
-        EACH8(ATF, go_bs), ATF(len_off), ATF(len_st)};
+        EACH8(ATF, go_bs), ATF(len_off), ATF(len_st), CWF(val_off), CWF(val_rs)};
 #define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
 
 int kl__step_nfields(void)
@@ -862,8 +879,9 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 			int32_t ids[5] = {c->cache, c->pos, c->val, c->out, c->axis};
 			for (int i = 0; i < 5; i++)
 				w_i32(&w, ids[i]);
-			int64_t dims[6] = {c->rows, c->R, c->outer, c->cap, c->s, c->inner};
-			for (int i = 0; i < 6; i++)
+			int64_t dims[8] = {c->rows, c->R,     c->outer,   c->cap,
+			                   c->s,    c->inner, c->val_off, c->val_rs};
+			for (int i = 0; i < 8; i++)
 				w_i64(&w, dims[i]);
 		}
 		w_i32(&w, sp->nreads);
@@ -1024,7 +1042,8 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		            : version < 7 ? " (written before cache writes)"
 		            : version < 8 ? " (written before the attention backward)"
 		            : version < 9 ? " (written before attention lengths)"
-		                          : "");
+		            : version < 10 ? " (written before cache writes of value views)"
+		                           : "");
 	kl_program p = {0};
 	bool null;
 	p.nbufs = r_count(&r, MAX_COUNT, 24);
@@ -1146,8 +1165,9 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 			int32_t *ids[5] = {&c->cache, &c->pos, &c->val, &c->out, &c->axis};
 			for (int i = 0; i < 5; i++)
 				*ids[i] = r_i32(&r);
-			int64_t *dims[6] = {&c->rows, &c->R, &c->outer, &c->cap, &c->s, &c->inner};
-			for (int i = 0; i < 6; i++)
+			int64_t *dims[8] = {&c->rows, &c->R,     &c->outer,   &c->cap,
+			                    &c->s,    &c->inner, &c->val_off, &c->val_rs};
+			for (int i = 0; i < 8; i++)
 				*dims[i] = r_i64(&r);
 		}
 		sp->nreads = r_count(&r, KL_NODE_MAX_IN * 2, 4);

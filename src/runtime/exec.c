@@ -181,13 +181,15 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		                .outer = w->outer,
 		                .cap = w->cap,
 		                .s = w->s,
-		                .inner = w->inner};
+		                .inner = w->inner,
+		                .vrs = w->val_rs};
 		size_t es = kl_dtype_size(p->bufs[w->out].dtype);
 		if (B[w->out] != B[w->cache])
 			memcpy(B[w->out], B[w->cache],
 			       (size_t)(w->R * w->outer * w->cap * w->inner) * es);
 		int64_t bad = kl__cpu_cache_rows(&g, es, p->bufs[w->pos].dtype, B[w->out],
-		                                 B[w->pos], B[w->val]);
+		                                 B[w->pos],
+		                                 (const char *)B[w->val] + (size_t)w->val_off * es);
 		if (bad < 0)
 			return KL_OK;
 		const void *pp = B[w->pos];

@@ -429,9 +429,10 @@ static void cw_chunk(void *arg, int64_t lo, int64_t hi)
 	const cw_job *j = arg;
 	const kl_cw_geom *g = j->g;
 	for (int64_t f = lo; f < hi; f++) {
-		int64_t i = f / g->outer, p = cw_pos(j->pos, j->pdt, i);
+		int64_t i = f / g->outer, a = f % g->outer, p = cw_pos(j->pos, j->pdt, i);
 		memcpy((char *)j->cache + (size_t)((f * g->cap + p) * g->inner) * j->es,
-		       (const char *)j->val + (size_t)(f * g->s * g->inner) * j->es, j->run);
+		       (const char *)j->val + (size_t)(i * g->vrs + a * g->s * g->inner) * j->es,
+		       j->run);
 	}
 }
 

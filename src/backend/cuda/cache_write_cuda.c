@@ -42,7 +42,7 @@ static const char cw_body[] =
         "extern \"C\" __global__ void __launch_bounds__(256)\n"
         "kl_cache_write(char *out, const char *val, const void *pos, int pos64,\n"
         "               long long rows, long long outer, long long cap, long long s,\n"
-        "               long long inner, int es, unsigned long long *err,\n"
+        "               long long inner, long long vrs, int es, unsigned long long *err,\n"
         "               unsigned long long tag)\n"
         "{\n"
         "\t/* every block reads every position before any element is written, and\n"
@@ -78,11 +78,12 @@ static const char cw_body[] =
         "\t\tt /= s;\n"
         "\t\tlong long a = t % outer, i = t / outer;\n"
         "\t\tlong long d = ((i * outer + a) * cap + kl_cw_pos(pos, pos64, i) + j) * inner + k;\n"
+        "\t\tlong long v = i * vrs + e - i * outer * s * inner; /* rows vrs apart */\n"
         "\t\tswitch (es) {\n"
-        "\t\tcase 1: kl_cw_copy<unsigned char>(out, val, d, e); break;\n"
-        "\t\tcase 2: kl_cw_copy<unsigned short>(out, val, d, e); break;\n"
-        "\t\tcase 4: kl_cw_copy<unsigned int>(out, val, d, e); break;\n"
-        "\t\tdefault: kl_cw_copy<unsigned long long>(out, val, d, e); break;\n"
+        "\t\tcase 1: kl_cw_copy<unsigned char>(out, val, d, v); break;\n"
+        "\t\tcase 2: kl_cw_copy<unsigned short>(out, val, d, v); break;\n"
+        "\t\tcase 4: kl_cw_copy<unsigned int>(out, val, d, v); break;\n"
+        "\t\tdefault: kl_cw_copy<unsigned long long>(out, val, d, v); break;\n"
         "\t\t}\n"
         "\t}\n"
         "}\n"
@@ -186,13 +187,14 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 	struct {
 		CUdeviceptr out, val, pos;
 		int pos64;
-		long long rows, outer, cap, s, inner;
+		long long rows, outer, cap, s, inner, vrs;
 		int es;
 		CUdeviceptr err;
 		unsigned long long tag;
 	} args;
-	void *argv[] = {&args.out, &args.val, &args.pos, &args.pos64, &args.rows, &args.outer,
-	                &args.cap, &args.s,   &args.inner, &args.es,  &args.err, &args.tag};
+	void *argv[] = {&args.out,   &args.val,   &args.pos, &args.pos64, &args.rows,
+	                &args.outer, &args.cap,   &args.s,   &args.inner, &args.vrs,
+	                &args.es,    &args.err,   &args.tag};
 	args.out = out;
 	args.val = val;
 	args.pos = pos;
@@ -202,6 +204,7 @@ kl_status kl__cuda_cache_write_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_cw_ste
 	args.cap = c->cap;
 	args.s = c->s;
 	args.inner = c->inner;
+	args.vrs = c->val_rs;
 	args.es = es;
 	args.err = W->err;
 	args.tag = tag;
@@ -285,7 +288,7 @@ kl_status kl__cuda_cache_write_eager(kl_ctx *ctx, const kl_node *n, kl_tensor *c
 		return kl__err(ctx, KL_EINVAL, "kl_cache_write: %s", why);
 	kl_step one = {.kind = KL_STEP_CACHE_WRITE,
 	               .cw = {.rows = g.rows, .R = g.R, .outer = g.outer, .cap = g.cap,
-	                      .s = g.s, .inner = g.inner, .axis = n->a.axis}};
+	                      .s = g.s, .inner = g.inner, .val_rs = g.vrs, .axis = n->a.axis}};
 	const kl_cw_step *c = &one.cw;
 	kl_cuda_dev *d = kl__cuda_dev_of(ctx);
 	kl_status st = kl__cuda_cache_write_step(

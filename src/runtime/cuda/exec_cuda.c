@@ -511,7 +511,9 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                               p->bufs[cw->pos].dtype,
 			                               (CUdeviceptr)(uintptr_t)B[cw->cache],
 			                               (CUdeviceptr)(uintptr_t)B[cw->pos],
-			                               (CUdeviceptr)(uintptr_t)B[cw->val],
+			                               (CUdeviceptr)(uintptr_t)B[cw->val] +
+			                                       (CUdeviceptr)cw->val_off *
+			                                               kl_dtype_size(p->bufs[cw->out].dtype),
 			                               (CUdeviceptr)(uintptr_t)B[cw->out],
 			                               (uint64_t)s + 1);
 			continue;
