@@ -1206,6 +1206,54 @@ static void test_bucket_warmup(void **state)
 	kl_scope_end(ctx);
 }
 
+/* a graph break splits a call into pieces: under reduce-overhead on CUDA
+ * each graph is a CUDA graph of its own, the host work between them, and
+ * kl_explain lists the pieces */
+static kl_status break_body(kl_ctx *c, kl_tensor *const *in, int nin, kl_tensor **out,
+                            int nout, void *user)
+{
+	(void)nin, (void)nout, (void)user;
+	kl_tensor *y = kl_mul_scalar(in[0], 2);
+	double s = 0;
+	kl_status st = y ? kl_item(kl_sum(y, 0, NULL, false), &s) : kl_last_status(c);
+	if (st != KL_OK)
+		return st;
+	out[0] = kl_add_scalar(y, s);
+	return out[0] ? KL_OK : kl_last_status(c);
+}
+
+static void test_graph_pieces(void **state)
+{
+	(void)state;
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	kl_fn *f = kl_compile(ctx, break_body, NULL, 1, 1,
+	                      &(kl_compile_opts){.mode = KL_MODE_REDUCE_OVERHEAD});
+	assert_non_null(f);
+	for (int k = 0; k < 4; k++) {
+		double x[6], want[6], sum = 0;
+		uint64_t seed = 500 + (uint64_t)k;
+		fill(x, 6, &seed);
+		for (int i = 0; i < 6; i++)
+			sum += 2 * x[i];
+		for (int i = 0; i < 6; i++)
+			want[i] = 2 * x[i] + sum;
+		kl_tensor *in = from(KL_F32, 2, (int64_t[]){2, 3}, x), *out = NULL;
+		if (kl_fn_call(f, &in, &out) != KL_OK)
+			fail_msg("call %d: %s", k, kl_last_error(ctx));
+		assert_true(same_values(out, want, 6, "a call over a graph break"));
+		kl_release(out);
+		kl_release(in);
+	}
+	char *ex = explain_str(f);
+	if (cuda && (!strstr(ex, "pieces: CUDA graph 0 | host: ") || !strstr(ex, "| CUDA graph 1") ||
+	             !strstr(ex, "CUDA graph (piece 2 of 2)")))
+		fail_msg("kl_explain does not list the pieces:\n%s", ex);
+	if (!cuda && strstr(ex, "pieces:"))
+		fail_msg("pieces on the CPU:\n%s", ex);
+	free(ex);
+	kl_fn_free(f);
+}
+
 int main(void)
 {
 	ctx = kltest_ctx_from_env("test_serving");
@@ -1227,6 +1275,7 @@ int main(void)
 	        cmocka_unit_test(test_graph_slots_pick),
 	        cmocka_unit_test(test_bucket_graphs),
 	        cmocka_unit_test(test_bucket_warmup),
+	        cmocka_unit_test(test_graph_pieces),
 	};
 	int rc = cmocka_run_group_tests(tests, NULL, NULL);
 	kl_ctx_free(ctx);

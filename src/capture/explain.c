@@ -213,6 +213,9 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 		        f->tally[best].name, f->last_fail);
 	}
 	char buf[256];
+	/* CUDA graphs: a call's graphs are its captured pieces */
+	bool graphs = f->ctx->device == KL_CUDA && (f->o.mode == KL_MODE_REDUCE_OVERHEAD ||
+	                                            f->o.mode == KL_MODE_MAX_AUTOTUNE);
 	for (int vi = 0; vi < f->nvars; vi++) {
 		const kl_variant *v = f->vars[vi];
 		fprintf(out, "  variant %d: %ld calls%s", v->id, v->calls,
@@ -255,8 +258,26 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 				fputs("; nothing lazy to compute\n", out);
 			if (sg->e)
 				kl__compiled_explain(sg->e->c, out, "      ");
+			if (sg->e && graphs) {
+				double ms = 0;
+				long nc = kl__cuda_rt_captures(sg->e->c, &ms);
+				fprintf(out,
+				        "      CUDA graph (piece %d of %d): %ld captured (%.2f ms), %ld "
+				        "launches\n",
+				        s + 1, v->nsegs, nc, ms, kl__cuda_rt_replays(sg->e->c));
+			}
 			if (sg->after[0])
 				fprintf(out, "      then, once the graph ran: %s\n", sg->after);
+		}
+		/* the call as pieces: each graph one CUDA graph launch, the host
+		 * work of a break (a sync point, a host call) between them */
+		if (graphs && v->nsegs > 1) {
+			fputs("    pieces:", out);
+			for (int s = 0; s < v->nsegs; s++)
+				fprintf(out, "%s CUDA graph %d%s%s", s ? " |" : "", s,
+				        v->segs[s].reason[0] ? " | host: " : "",
+				        v->segs[s].reason[0] ? v->segs[s].reason : "");
+			fputc('\n', out);
 		}
 		if (v->bw_taped && f->ctx->explain_backward)
 			f->ctx->explain_backward(f->ctx, out, "    ");
