@@ -1,12 +1,15 @@
 /* attention_bwd_src.c - the CUDA source of the attention backward
  * (sdpa_bwd), put after attention_src.c's source compiled for head dim 64 or
  * 128 in f16 or bf16 (its tile loads, ldmatrix and mma.sync helpers), one
- * module per dtype and head dim (attention_cuda.c). Three kernels, in the
- * manner of FlashAttention-2's backward:
+ * module per dtype and head dim (attention_cuda.c). Two shapes of it, in the
+ * manner of FlashAttention-2's backward, picked at launch (KILN_CUDA_ATTN_BWD):
+ * fused, kl_attnb_pre, kl_attnb_kv, kl_attnb_dq; split, kl_attnb_pre,
+ * kl_attnb_kv_split, kl_attnb_dq_split.
  *
  * kl_attnb_pre: per block of 64 query rows, the rows' log2-sum-exp2 of the
  *   scaled scores (the forward's online pass without P V: the forward does not
- *   save it), D_i = do_i . o_i, and the rows of the f32 dq accumulator zeroed.
+ *   save it), D_i = do_i . o_i, and (fused) the rows of the f32 dq accumulator
+ *   zeroed.
  * kl_attnb_kv: a block of 4 warps per (batch, block of 64 keys), 16 keys a
  *   warp, over the blocks of 64 queries (32 at head dim 128: the registers)
  *   that see its keys (a causal mask skips the rest): S^T = K Q^T,
@@ -19,6 +22,12 @@
  *   row (cp.reduce.async.bulk), elsewhere f32 atomics. The next query
  *   block's Q, dO, L and D load while one computes (two buffers each).
  * kl_attnb_dq: scale * the accumulator into the packed result's dq rows.
+ * kl_attnb_kv_split: kl_attnb_kv without dQ (no dS^T in shared memory, no
+ *   accumulator): dK and dV.
+ * kl_attnb_dq_split: a block of 4 warps per (batch, block of 64 queries), 16
+ *   a warp, over the key tiles its rows see (K and V double buffered): S, P,
+ *   dP = dO V^T, dS and dQ += dS K recomputed in registers, scale dQ written
+ *   straight into the dq rows (a row is one warp's: no atomics, no pass after).
  *
  * The packed result is [dq; dk; dv] per batch (graph/ops.def, sdpa_bwd).
  */
@@ -60,8 +69,8 @@ const char kl__cuda_attention_bwd_src[] =
         "__device__ __forceinline__ int swz8(int r, int c) { return r * 8 + (c ^ (r & 7)); }\n"
         "/* ldmatrix (plain, transposed) at a 32-bit shared address: the unrolled tiles'\n"
         " * addresses stay one register each, where the generic pointers of ldsm4 and\n"
-        " * ldsm4t were 64-bit pairs (kl_attnb_dq_split at head dim 128: 215\n"
-        " * registers, not 242) */\n"
+        " * ldsm4t were 64-bit pairs (kl_attnb_dq_split at head dim 128 took 27\n"
+        " * fewer registers) */\n"
         "__device__ __forceinline__ void ldsm4s(unsigned *r, unsigned at) {\n"
         "\tasm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\\n\"\n"
         "\t             : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(at));\n"
@@ -482,11 +491,11 @@ const char kl__cuda_attention_bwd_src[] =
         "\t\t * fragments are read twice a tile for it) */\n"
         "#pragma unroll 1\n"
         "\t\tfor (int hk = 0; hk < BN; hk += BN / 2) {\n"
+        "\t\t\tint k0 = t * BN + hk;\n"
+        "\t\t\tif (k0 >= kend) break; /* past every row's last key */\n"
         "\t\t\tconst uint4 *tK = sK + (cur * BN + hk) * CH, *tV = sV + (cur * BN + hk) * CH;\n"
         "\t\t\tfloat p[BN / 16][4], ds[BN / 16][4];\n"
         "\t\t\ttile_abt<BN / 2>(p, sQ, tK, warp, lane);\n"
-        "\t\t\tint k0 = t * BN + hk;\n"
-        "\t\t\tif (k0 >= kend) break; /* past every row's last key */\n"
         "\t\t\tbool edge = k0 + BN / 2 > tk || (a.causal && k0 + BN / 2 - 1 > q0 + lag);\n"
         "#pragma unroll\n"
         "\t\t\tfor (int n = 0; n < BN / 16; n++)\n"
