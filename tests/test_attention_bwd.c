@@ -443,9 +443,12 @@ static void test_bwd_dynamic(void **state)
 
 /* ---- CUDA ------------------------------------------------------------------------ */
 
-/* the backward's kernels compile for sm_90 in f16 and bf16 at head dims 64
- * and 128 with no warning and (but for a few bytes in kl_attnb_kv at head
- * dim 128) no spill, no GPU needed; ptxas's figures printed */
+/* the backward's kernels, both modes' (fused: kl_attnb_pre, kl_attnb_kv,
+ * kl_attnb_dq; split: kl_attnb_pre, kl_attnb_kv_split, kl_attnb_dq_split),
+ * compile for sm_90 in f16 and bf16 at head dims 64 and 128 with no warning
+ * and (but for a few bytes in kl_attnb_kv at head dim 128) no spill, no GPU
+ * needed; ptxas's figures printed, each kernel found in them (so in the
+ * module), and kl_attnb_kv_split under kl_attnb_kv's registers */
 static void test_cuda_bwd_compile(void **state)
 {
 	(void)state;
@@ -470,10 +473,13 @@ static void test_cuda_bwd_compile(void **state)
 			assert_memory_equal(im.data, "\177ELF", 4);
 			if (im.log && strstr(im.log, "warning"))
 				fail_msg("%s d%d: warnings:\n%s", kl_dtype_name(dts[di]), hds[hi], im.log);
-			const char *names[3] = {"kl_attnb_pre", "kl_attnb_kv", "kl_attnb_dq"};
-			for (int k = 0; k < 3; k++) {
+			const char *names[5] = {"kl_attnb_pre", "kl_attnb_kv", "kl_attnb_dq",
+			                        "kl_attnb_kv_split", "kl_attnb_dq_split"};
+			int used[5];
+			for (int k = 0; k < 5; k++) {
 				char key[64];
-				snprintf(key, sizeof key, "Function properties for %s", names[k]);
+				/* the whole name: kl_attnb_kv is a prefix of kl_attnb_kv_split */
+				snprintf(key, sizeof key, "Function properties for %s\n", names[k]);
 				const char *f = im.log ? strstr(im.log, key) : NULL;
 				const char *u = f ? strstr(f, "Used ") : NULL;
 				const char *nl = f ? strchr(f, '\n') : NULL;
@@ -483,6 +489,7 @@ static void test_cuda_bwd_compile(void **state)
 					               "%d bytes spill loads", &frame, &sst, &sld);
 				if (u)
 					sscanf(u, "Used %d registers", &regs);
+				used[k] = regs;
 				print_message("test_attention_bwd: %s d%d %s: %d registers, %d-byte "
 				              "frame, spills %d/%d bytes\n",
 				              kl_dtype_name(dts[di]), hds[hi], names[k], regs, frame, sst,
@@ -497,6 +504,12 @@ static void test_cuda_bwd_compile(void **state)
 					         kl_dtype_name(dts[di]), hds[hi], names[k],
 					         im.log ? im.log : "(no log)");
 			}
+			/* what the split was for: without the dQ work the kv
+			 * kernel holds less (its dk and dv still take D
+			 * registers a thread) */
+			if (used[3] >= used[1])
+				fail_msg("%s d%d: kl_attnb_kv_split uses %d registers, kl_attnb_kv %d",
+				         kl_dtype_name(dts[di]), hds[hi], used[3], used[1]);
 			kl__cuda_image_free(&im);
 			free(src);
 		}
@@ -521,7 +534,9 @@ static kl_ctx *gpu_ctx(void)
 #endif
 
 /* on a GPU: every case's gradients (f16/bf16 at head dims 64 and 128 through
- * the kernels, the rest through the primitive expansion) */
+ * the kernels, the rest through the primitive expansion), then f16/bf16 again
+ * with the split backward (KILN_CUDA_ATTN_BWD=split: kl_attnb_kv_split and
+ * kl_attnb_dq_split; read at each launch) */
 static void test_cuda_bwd(void **state)
 {
 	(void)state;
@@ -530,9 +545,15 @@ static void test_cuda_bwd(void **state)
 	if (!ctx)
 		skip();
 	const kl_dtype dts[3] = {KL_BF16, KL_F16, KL_F32};
+	unsetenv("KILN_CUDA_ATTN_BWD");
 	int bad = run_cases(ctx, dts, 3, true);
+	setenv("KILN_CUDA_ATTN_BWD", "split", 1);
+	int bad_split = run_cases(ctx, dts, 2, true);
+	unsetenv("KILN_CUDA_ATTN_BWD");
 	kl_ctx_free(ctx);
-	assert_int_equal(bad, 0);
+	if (bad_split)
+		print_message("test_attention_bwd: %d split-mode failures\n", bad_split);
+	assert_int_equal(bad + bad_split, 0);
 #else
 	skip();
 #endif
@@ -542,7 +563,8 @@ static void test_cuda_bwd(void **state)
  * bench row attention_bwd, `kiln bench --device cuda --workload
  * attention_bwd,attention_bwd_causal`, whose H200 figures before the fused
  * backward were 2.44 ms, causal 2.43, against PyTorch's 0.333 and 0.390) and
- * B4 H16 T2048 D64; wall clock of a call and its wait, best of 20 */
+ * B4 H16 T2048 D64; wall clock of a call and its wait, best of 20, with the
+ * fused backward and the split one (KILN_CUDA_ATTN_BWD=split) */
 static void test_cuda_bwd_bench(void **state)
 {
 	(void)state;
@@ -550,9 +572,14 @@ static void test_cuda_bwd_bench(void **state)
 	kl_ctx *ctx = gpu_ctx();
 	if (!ctx)
 		skip();
-	for (int run = 0; run < 4; run++) {
+	for (int run = 0; run < 8; run++) {
 		int causal = run & 1;
-		int64_t seq = run < 2 ? 1024 : 2048, hd = run < 2 ? 128 : 64;
+		bool split = run & 4;
+		if (split)
+			setenv("KILN_CUDA_ATTN_BWD", "split", 1);
+		else
+			unsetenv("KILN_CUDA_ATTN_BWD");
+		int64_t seq = (run & 2) ? 2048 : 1024, hd = (run & 2) ? 64 : 128;
 		bcase c = {2, 4, 16, seq, seq, hd, causal != 0};
 		kl_tensor *in[4];
 		inputs(ctx, &c, KL_BF16, 9, in);
@@ -577,13 +604,15 @@ static void test_cuda_bwd_bench(void **state)
 				kl_grad_clear(in[t]);
 			}
 		}
-		print_message("test_attention_bwd: B4 H16 T%lld D%lld bf16%s forward + backward: "
-		              "%.3f ms (best of 20)\n",
-		              (long long)seq, (long long)hd, c.causal ? " causal" : "", best);
+		print_message("test_attention_bwd: B4 H16 T%lld D%lld bf16%s forward + backward "
+		              "(%s): %.3f ms (best of 20)\n",
+		              (long long)seq, (long long)hd, c.causal ? " causal" : "",
+		              split ? "split" : "fused", best);
 		kl_fn_free(f);
 		for (int t = 0; t < 4; t++)
 			kl_release(in[t]);
 	}
+	unsetenv("KILN_CUDA_ATTN_BWD");
 	kl_ctx_free(ctx);
 #else
 	skip();

@@ -255,6 +255,58 @@ static void test_cache_write_kernel_host(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* The few-row product's kernel (gemv_cuda.c) compiles for sm_90 in each
+ * dtype it serves, without warnings, and says which problems it takes. */
+static void test_gemv_kernel_host(void **state)
+{
+	(void)state;
+	assert_null(kl__cuda_gemv_source(KL_F32));
+	kl_gemm g = {.ab = KL_BF16, .cd = KL_BF16, .m = 1, .n = 2048, .k = 2048, .a_rs = 2048,
+	             .a_cs = 1, .b_rs = 1, .b_cs = 2048, .ldc = 2048, .ldd = 2048, .batch = 1,
+	             .alpha = 1, .a = 0x10000, .b = 0x20000, .d = 0x30000};
+	assert_true(kl__cuda_gemv_fits(&g));
+	kl_gemm h = g;
+	h.m = KL_GEMV_ROWS + 1; /* more rows: cuBLASLt */
+	assert_false(kl__cuda_gemv_fits(&h));
+	h = g;
+	h.k = 2044; /* rows not a whole number of 16-byte loads */
+	assert_false(kl__cuda_gemv_fits(&h));
+	h = g;
+	h.b_rs = 2048; /* B row-major: its columns are not contiguous */
+	h.b_cs = 1;
+	assert_false(kl__cuda_gemv_fits(&h));
+	h = g;
+	h.b += 2; /* misaligned */
+	assert_false(kl__cuda_gemv_fits(&h));
+	h = g;
+	h.cd = KL_F32; /* f32 out of bf16: cuBLASLt */
+	assert_false(kl__cuda_gemv_fits(&h));
+	h = g;
+	h.epi = KL_EPI_BIAS; /* a bias epilogue without its bias */
+	assert_false(kl__cuda_gemv_fits(&h));
+	h.bias = 0x40000;
+	assert_true(kl__cuda_gemv_fits(&h));
+	if (!nvrtc_or_skip())
+		return;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	kl_dtype dts[2] = {KL_F16, KL_BF16};
+	for (int i = 0; i < 2; i++) {
+		char *src = kl__cuda_gemv_source(dts[i]);
+		assert_non_null(src);
+		kl_cuda_image im;
+		kl_nvrtc_opts o = {.arch = 90};
+		if (kl__nvrtc_compile(ctx, src, "kiln_gemv.cu", &o, &im) != KL_OK)
+			fail_msg("%s: %s\n%s", kl_dtype_name(dts[i]), kl_last_error(ctx),
+			         im.log ? im.log : "");
+		assert_memory_equal(im.data, "\177ELF", 4);
+		if (im.log && strstr(im.log, "warning"))
+			fail_msg("%s: warnings:\n%s", kl_dtype_name(dts[i]), im.log);
+		kl__cuda_image_free(&im);
+		free(src);
+	}
+	kl_ctx_free(ctx);
+}
+
 static void test_nvrtc_cubin(void **state)
 {
 	(void)state;
@@ -1184,6 +1236,20 @@ static void test_gpu_gemm(void **state)
 	};
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
 		run_gemm_case(&cases[i], 1000 + i, 0);
+	/* 1-4 rows against a weight [n, k]: kiln's few-row kernel (gemv_cuda.c),
+	 * its 4-loads-a-lane loop (k >= 1024) and its tail, every epilogue */
+	static const gemm_case few[] = {
+	        {KL_BF16, KL_BF16, 1, 2048, 2048, 1, true, KL_EPI_DEFAULT, 1.0, 0.0, 1e-2, false},
+	        {KL_BF16, KL_BF16, 1, 200, 2056, 1, true, KL_EPI_BIAS, 1.0, 1.0, 1e-2, false},
+	        {KL_F16, KL_F16, 2, 96, 1032, 1, true, KL_EPI_GELU_BIAS, 0.5, 0.0, 5e-3, false},
+	        {KL_BF16, KL_BF16, 3, 64, 40, 1, true, KL_EPI_RELU_BIAS, 1.0, 0.5, 1e-2, false},
+	        {KL_F16, KL_F16, 4, 130, 4104, 1, true, KL_EPI_RELU, 2.0, 1.0, 5e-3, false},
+	        {KL_BF16, KL_BF16, 4, 33, 8, 1, true, KL_EPI_GELU, 1.0, 0.0, 1e-2, false},
+	};
+	uint64_t g0 = kl__cuda_gemv_launches();
+	for (size_t i = 0; i < sizeof few / sizeof few[0]; i++)
+		run_gemm_case(&few[i], 2000 + i, 0);
+	assert_int_equal(kl__cuda_gemv_launches() - g0, sizeof few / sizeof few[0]);
 	/* every candidate the heuristic offers computes the same product */
 	run_gemm_case(&cases[0], 77, 4);
 	run_gemm_case(&cases[5], 78, 4);
@@ -1996,6 +2062,7 @@ int main(void)
 	        cmocka_unit_test(test_cublaslt_loads), cmocka_unit_test(test_tune_entry),
 	        cmocka_unit_test(test_graph_bodies_lower), cmocka_unit_test(test_optim_kernel_host),
 	        cmocka_unit_test(test_cache_write_kernel_host),
+	        cmocka_unit_test(test_gemv_kernel_host),
 	};
 	const struct CMUnitTest gpu[] = {
 	        cmocka_unit_test(test_gpu_alloc),   cmocka_unit_test(test_gpu_copies),

@@ -26,6 +26,11 @@
  * two blocks per SM whose softmax and products interleave). H200, B4 H16
  * T1024 D128 bf16: fa3 447 TFLOP/s, causal 51.1 us (run 16; 458 and 52.8
  * us before it was persistent), two warpgroups 372, causal 61 us.
+ * The backward (attention_bwd_src.c) has two shapes: KILN_CUDA_ATTN_BWD
+ * unset or fused, kl_attnb_kv adds each block's dQ into an f32 accumulator
+ * that kl_attnb_dq scales; split, kl_attnb_kv_split gives only dK and dV and
+ * kl_attnb_dq_split recomputes P and dS per query block for dQ (fewer
+ * registers each, no accumulator, a second pass over the scores).
  */
 #include <stdatomic.h>
 #include <stdint.h>
@@ -122,9 +127,9 @@ typedef struct kl_cuda_attn {
 	 * is not launched (found once, when its module loads) */
 	bool fa3_short[4][NVAR];
 	/* the backward's modules, [f16, bf16][head dim 64, 128], and their
-	 * kernels kl_attnb_pre, kl_attnb_kv, kl_attnb_dq */
+	 * kernels (BWD_PRE ... BWD_DQ_SPLIT) */
 	kl_cuda_module *bmod[2][2];
-	CUfunction bfn[2][2][3];
+	CUfunction bfn[2][2][5];
 } kl_cuda_attn;
 
 static int dt_code(kl_dtype dt)
@@ -556,10 +561,11 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;
-	/* few rows (decode): split the keys so that every SM has warps */
+	/* few rows (decode): split the keys (16 or more a split) so that every
+	 * SM has warps */
 	int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 1) * 32;
-	if (a.rows < want && s->tk > 64) {
-		int64_t ns = (s->tk + 63) / 64, room = want / a.rows;
+	if (a.rows < want && s->tk > 16) {
+		int64_t ns = (s->tk + 15) / 16, room = want / a.rows;
 		ns = ns < room ? ns : room;
 		a.nsplit = (int)(ns < 1 ? 1 : ns > 64 ? 64 : ns);
 	}
@@ -595,6 +601,7 @@ typedef struct kl_atb_args {
 	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6], g_bs[6], out_bs[6];
 	float scale, scale_log2;
 	int nb, causal;
+	int zero_dq;
 } kl_atb_args;
 
 #define BWD_SMEM_PRE(d) ((unsigned)(2 * 64 * (d) * 2))
@@ -605,6 +612,30 @@ typedef struct kl_atb_args {
 #define BWD_SMEM_KV(d)                                                                             \
 	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 64 * 64 * 2 + 4 * BWD_QB(d) * 4 +  \
 	            BWD_QB(d) * ((d) + 8) * 4))
+/* kl_attnb_kv_split: the same less dS^T and the dq piece */
+#define BWD_SMEM_KV_SPLIT(d)                                                                       \
+	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 4 * BWD_QB(d) * 4))
+/* kl_attnb_dq_split: Q and dO tiles of 64 rows, two each of K and V */
+#define BWD_SMEM_DQ_SPLIT(d) ((unsigned)(6 * 64 * (d) * 2))
+
+/* the backward's kernels in its module; fused mode launches pre, kv, dq,
+ * split mode pre, kv_split, dq_split */
+enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_NFN };
+
+/* KILN_CUDA_ATTN_BWD: the backward's shape: unset or fused dQ added into an
+ * f32 accumulator from kl_attnb_kv (then scaled by kl_attnb_dq), split dQ
+ * from a kernel of its own over the keys (kl_attnb_dq_split), kl_attnb_kv
+ * without its dQ work (kl_attnb_kv_split); true for split */
+static bool bwd_split(kl_ctx *ctx)
+{
+	const char *e = getenv("KILN_CUDA_ATTN_BWD");
+	if (!e || !*e || !strcmp(e, "fused"))
+		return false;
+	if (!strcmp(e, "split"))
+		return true;
+	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_BWD=%.32s ignored (fused or split)", e);
+	return false;
+}
 
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
 {
@@ -635,14 +666,20 @@ static kl_status get_bwd_fns(kl_ctx *ctx, kl_cuda_dev *d, kl_dtype dt, int64_t h
 		kl_cuda_module *m = NULL;
 		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention_bwd.cu", false, &m);
 		free(src);
-		static const char *const names[3] = {"kl_attnb_pre", "kl_attnb_kv", "kl_attnb_dq"};
-		CUfunction f[3] = {NULL, NULL, NULL};
-		for (int i = 0; i < 3 && st == KL_OK; i++)
+		static const char *const names[BWD_NFN] = {"kl_attnb_pre", "kl_attnb_kv",
+		                                           "kl_attnb_dq", "kl_attnb_kv_split",
+		                                           "kl_attnb_dq_split"};
+		CUfunction f[BWD_NFN] = {NULL};
+		for (int i = 0; i < BWD_NFN && st == KL_OK; i++)
 			st = kl__cuda_module_fn(ctx, m, names[i], &f[i]);
 		if (st == KL_OK)
-			st = kl__cuda_fn_smem(ctx, d, f[0], BWD_SMEM_PRE(hd));
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_PRE], BWD_SMEM_PRE(hd));
 		if (st == KL_OK)
-			st = kl__cuda_fn_smem(ctx, d, f[1], BWD_SMEM_KV(hd));
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_KV], BWD_SMEM_KV(hd));
+		if (st == KL_OK)
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_KV_SPLIT], BWD_SMEM_KV_SPLIT(hd));
+		if (st == KL_OK)
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_DQ_SPLIT], BWD_SMEM_DQ_SPLIT(hd));
 		if (st != KL_OK) {
 			kl__cuda_module_free(m);
 			return st;
@@ -716,31 +753,44 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		               "kl_sdpa backward: batch %lld, %lld queries, %lld keys exceed the CUDA "
 		               "grid (2^31 - 1 batches, 65535 blocks of 64 rows)",
 		               (long long)nbt, (long long)s->tq, (long long)s->tk);
-	CUfunction f[3];
+	CUfunction f[BWD_NFN];
 	kl_status st = get_bwd_fns(ctx, d, dt, s->d, f);
 	if (st != KL_OK)
 		return st;
+	/* split mode needs L and D only: its dQ never leaves the registers */
+	bool split = bwd_split(ctx);
 	size_t rows = (size_t)nbt * (size_t)s->tq;
-	if ((st = ensure_ws(ctx, d, rows * (size_t)(2 + s->d) * 4 + 64,
+	if ((st = ensure_ws(ctx, d, rows * (size_t)(2 + (split ? 0 : s->d)) * 4 + 64,
 	                    "the attention backward's workspace")) != KL_OK)
 		return st;
 	a.lse = d->attn->ws;
 	a.dd = a.lse + rows * 4;
-	a.dq = a.dd + rows * 4;
-	a.dq = (a.dq + 15) & ~(CUdeviceptr)15;
+	if (!split) {
+		a.dq = a.dd + rows * 4;
+		a.dq = (a.dq + 15) & ~(CUdeviceptr)15;
+		a.zero_dq = 1;
+	}
 	void *argv[1] = {&a};
 	unsigned block[3] = {128, 1, 1};
 	if (s->tq > 0) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)nqb, 1};
-		if ((st = kl__cuda_launch(ctx, d, f[0], grid, block, BWD_SMEM_PRE(s->d), argv,
+		if ((st = kl__cuda_launch(ctx, d, f[BWD_PRE], grid, block, BWD_SMEM_PRE(s->d), argv,
 		                          KL_LAUNCH_PDL)) != KL_OK)
 			return st;
 	}
 	if (s->tk > 0) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)nkb, 1};
-		if ((st = kl__cuda_launch(ctx, d, f[1], grid, block, BWD_SMEM_KV(s->d), argv,
+		if ((st = kl__cuda_launch(ctx, d, f[split ? BWD_KV_SPLIT : BWD_KV], grid, block,
+		                          split ? BWD_SMEM_KV_SPLIT(s->d) : BWD_SMEM_KV(s->d), argv,
 		                          KL_LAUNCH_PDL)) != KL_OK)
 			return st;
+	}
+	if (split) {
+		if (s->tq == 0)
+			return KL_OK;
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)nqb, 1};
+		return kl__cuda_launch(ctx, d, f[BWD_DQ_SPLIT], grid, block,
+		                       BWD_SMEM_DQ_SPLIT(s->d), argv, KL_LAUNCH_PDL);
 	}
 	long long n = (long long)rows * s->d;
 	if (n == 0)
@@ -751,5 +801,5 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	void *argv2[2] = {&a, &n};
 	unsigned grid[3] = {(unsigned)((n + 255) / 256), 1, 1};
 	unsigned b256[3] = {256, 1, 1};
-	return kl__cuda_launch(ctx, d, f[2], grid, b256, 0, argv2, KL_LAUNCH_PDL);
+	return kl__cuda_launch(ctx, d, f[BWD_DQ], grid, b256, 0, argv2, KL_LAUNCH_PDL);
 }

@@ -551,6 +551,15 @@ kl_status kl__lt_matmul(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g0, const kl
 {
 	kl_gemm gg = *g0;
 	kl_gemm *g = &gg; /* LT_TRY names the problem through `g` */
+	/* a few rows (a decode step): kiln's own kernel reads the weight at
+	 * the memory's speed (gemv_cuda.c); max-autotune's timed choice, when
+	 * given, is cuBLASLt's */
+	if (!algo && kl__cuda_gemv_fits(g)) {
+		bool done = false;
+		kl_status s = kl__cuda_gemv(ctx, d, g, &done);
+		if (s != KL_OK || done)
+			return s;
+	}
 	kl_lt_state *st = NULL;
 	lt_plan *p = NULL;
 	kl_status s = plan_get(ctx, d, g, &st, &p);

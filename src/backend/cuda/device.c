@@ -198,6 +198,7 @@ void kl__cuda_dev_close(kl_cuda_dev *d)
 	kl__cuda_attention_release(d);
 	kl__cuda_optim_release(d);
 	kl__cuda_cache_write_release(d);
+	kl__cuda_gemv_release(d);
 	kl__cuda_pkgmod_release(d);
 	kl__pool_fini(&d->pool);
 	if (d->stream)

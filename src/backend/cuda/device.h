@@ -59,6 +59,7 @@ typedef struct kl_cuda_dev {
 	struct kl_cuda_attn *attn;    /* attention_cuda.c: compiled attention kernels, workspace */
 	struct kl_cuda_optim *optim;  /* optim_cuda.c: the fused optimizer's modules, table */
 	struct kl_cuda_cw *cw;        /* cache_write_cuda.c: its kernel, the error word */
+	struct kl_cuda_gemv *gemv;    /* gemv_cuda.c: the few-row product's modules */
 	struct kl_cuda_pkgmod *pkgmods; /* fixed kernels' images a package brought (nvrtc.c) */
 	int npkgmods;
 } kl_cuda_dev;
@@ -269,6 +270,24 @@ typedef struct kl_gemm {
 	CUdeviceptr a, b, c, d; /* c may be 0 when beta == 0 */
 	CUdeviceptr bias;       /* n elements of cd; needed by the *_BIAS epilogues */
 } kl_gemm;
+
+/* ---- products of few rows (gemv_cuda.c) ------------------------------------------- */
+
+/* The most rows of A kiln's own few-row product takes. */
+#define KL_GEMV_ROWS 4
+typedef struct kl_cuda_gemv kl_cuda_gemv;
+/* Does kiln's few-row kernel take g (f16/bf16, one matrix, m <= KL_GEMV_ROWS,
+ * A rows and B columns contiguous and 16-byte aligned)? */
+bool kl__cuda_gemv_fits(const kl_gemm *g);
+/* Launches it for g (kl__cuda_gemv_fits(g)); *done false: its module could
+ * not be had (no NVRTC, not in a package), the caller runs cuBLASLt. */
+kl_status kl__cuda_gemv(kl_ctx *ctx, kl_cuda_dev *d, const kl_gemm *g, bool *done);
+void kl__cuda_gemv_release(kl_cuda_dev *d);
+/* launches of it in this process (tests) */
+uint64_t kl__cuda_gemv_launches(void);
+/* The kernel's source for dt (malloc'd; NULL for a dtype it does not serve
+ * or out of memory). */
+char *kl__cuda_gemv_source(kl_dtype dt);
 
 /* The column-major problem cuBLASLt is given for a row-major kl_gemm:
  * D^T = B^T A^T, so cuBLASLt's A is our B and its B is our A. Plain data,

@@ -1,6 +1,6 @@
 /* pkg_cuda.c - the CUDA half of packages: at export, the plan's source and
- * the fixed kernels its attention steps may launch compiled with NVRTC for
- * one architecture (cubin + PTX; no GPU needed); at load, the image the GPU
+ * the fixed kernels its attention and product steps may launch compiled
+ * with NVRTC for one architecture (cubin + PTX; no GPU needed); at load, the image the GPU
  * runs given to the driver (no NVRTC), fixed modules handed to the device,
  * the exporting GPU's launch choices kept for the first call, CUDA graphs on.
  */
@@ -91,6 +91,23 @@ kl_status kl__pkg_cuda_build(kl_ctx *ctx, const char *fn, const kl_program *prog
 				                vars[v][1] != 0);
 			free(src);
 		}
+	}
+	/* products of f16/bf16: the few-row kernel (gemv_cuda.c) a call with a
+	 * batch of 1-4 rows launches */
+	for (int di = 0; st == KL_OK && di < 2; di++) {
+		kl_dtype dt = di ? KL_BF16 : KL_F16;
+		bool used = false;
+		for (int32_t s = 0; s < prog->nsteps && !used; s++)
+			used = prog->steps[s].kind == KL_STEP_MATMUL &&
+			       prog->bufs[prog->steps[s].mm.a].dtype == dt;
+		if (!used)
+			continue;
+		char *src = kl__cuda_gemv_source(dt);
+		if (!src)
+			st = kl__err(ctx, KL_ENOMEM, "%s: out of memory", fn);
+		else
+			st = add_module(ctx, fn, sec, src, "kiln_gemv.cu", KL_PKG_MOD_FIXED, false);
+		free(src);
 	}
 	/* cache writes: their kernel and the value check's (cache_write_cuda.c) */
 	bool cw = false;
