@@ -1339,7 +1339,7 @@ kl_status kl_fn_warmup(kl_fn *f, kl_tensor *const *in, int64_t max_batch)
 		ms0 = fs.capture_ms;
 	}
 	kl_tensor **pin = calloc((size_t)(f->nin ? f->nin : 1), sizeof *pin);
-	kl_tensor **pout = calloc((size_t)(f->nout ? f->nout : 1), sizeof *pout);
+	kl_tensor **pout = calloc((size_t)(calls * (f->nout ? f->nout : 1)), sizeof *pout);
 	if (!pin || !pout)
 		st = kl__err(ctx, KL_ENOMEM, "kl_fn_warmup: out of memory");
 	/* largest first: a batch traced at size 1 would specialise its dim */
@@ -1354,9 +1354,9 @@ kl_status kl_fn_warmup(kl_fn *f, kl_tensor *const *in, int64_t max_batch)
 			st = kl_last_status(ctx);
 			break;
 		}
-		/* each call's batched inputs are new tensors (the earlier ones
-		 * alive until the bucket is done), so each call sees other
-		 * addresses, as a serving loop's calls do: the capture then
+		/* each call's batched inputs and outputs are new tensors (the
+		 * earlier ones alive until the bucket is done), so each call sees
+		 * other addresses, as a serving loop's calls may: the capture then
 		 * stages what moves instead of pinning addresses the run moves */
 		for (int c = 0; st == KL_OK && c < calls; c++) {
 			for (int i = 0; st == KL_OK && i < f->nin; i++) {
@@ -1374,11 +1374,11 @@ kl_status kl_fn_warmup(kl_fn *f, kl_tensor *const *in, int64_t max_batch)
 				pin[i] = z;
 			}
 			if (st == KL_OK)
-				st = kl_fn_call(f, pin, pout);
-			for (int j = 0; j < f->nout; j++) {
-				kl_release(pout[j]);
-				pout[j] = NULL;
-			}
+				st = kl_fn_call(f, pin, pout + c * f->nout);
+		}
+		for (int j = 0; j < calls * f->nout; j++) {
+			kl_release(pout[j]);
+			pout[j] = NULL;
 		}
 		kl_scope_end(ctx);
 	}
