@@ -197,8 +197,11 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	rt->sb = calloc(nb, sizeof *rt->sb);
 	rt->fit = calloc((size_t)c->prog.nkernels + 1, sizeof *rt->fit);
 	rt->pts = calloc(ns, sizeof *rt->pts);
-	/* slot 0 now; a variant with dynamic dims may add more (pick_slot) */
-	rt->maxslots = c->dynamic ? kl__gslot_limit() : 1;
+	/* slot 0 now; a variant with dynamic dims may add more (pick_slot).
+	 * From the program: c->dynamic is set after the module loads (it was
+	 * read here unset, so every dynamic plan kept one graph and captured
+	 * again at each change of size) */
+	rt->maxslots = c->prog.nsyms > 0 ? kl__gslot_limit() : 1;
 	rt->slots = calloc((size_t)rt->maxslots, sizeof *rt->slots);
 	rt->keys = calloc((size_t)rt->maxslots * KL_GSLOT_KEY, sizeof *rt->keys);
 	rt->used = calloc((size_t)rt->maxslots, sizeof *rt->used);
