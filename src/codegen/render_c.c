@@ -149,7 +149,18 @@ static const char prelude[] =
 	"}\n"
 	/* the plain copy out: m = 1 and no prefetch fold away once inlined */
 	"KL_FN void kl_stream_f32(float *restrict d, const float *restrict s, int64_t n)\n"
-	"{ kl_stream_scale_f32(d, s, 1.0f, n, NULL); }\n";
+	"{ kl_stream_scale_f32(d, s, 1.0f, n, NULL); }\n"
+	/* a line per 16 floats of [p, p + n) into the cache (the next row's
+	 * input, a chunk at a time inside the exp pass) */
+	"KL_FN void kl_prefetch_f32(const float *p, int64_t n)\n"
+	"{\n"
+	"#if defined(__GNUC__) || defined(__clang__)\n"
+	"\tfor (int64_t i = 0; i < n; i += 16)\n"
+	"\t\t__builtin_prefetch(p + i, 0, 3);\n"
+	"#else\n"
+	"\t(void)p, (void)n;\n"
+	"#endif\n"
+	"}\n";
 
 static bool is_f(kl_dtype dt)
 {
