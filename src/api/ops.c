@@ -10,6 +10,7 @@
 #include "api/autograd.h"
 #include "api/dispatch.h"
 #include "graph/optable.h"
+#include "runtime/compiled.h"
 
 #define SB 192 /* room for one "[d0,...,d7]" */
 

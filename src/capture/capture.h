@@ -193,6 +193,12 @@ kl_status kl__replay_record_deferred(kl_variant *v, kl_trace *tr, kl_tensor *con
                                      bool *ok);
 kl_status kl__replay_run(kl_fn *f, kl_variant *v, kl_tensor *const *in, kl_tensor **out);
 
+/* capture.c: one call of f at the sizes given (buckets.c's kl_fn_call pads
+ * to a bucket around it); whether f's calls run as CUDA graphs (a CUDA
+ * context, reduce-overhead or max-autotune) */
+kl_status kl__fn_call(kl_fn *f, kl_tensor *const *in, kl_tensor **out);
+bool kl__fn_graphs(const kl_fn *f);
+
 /* joint.c: keep[] (tr->g.n entries) says which nodes of tr's graph the
  * forward keeps for a kl_backward after the call (the min-cut partition of
  * fn's joint graph, computed once per trace structure and remembered);

@@ -214,8 +214,7 @@ void kl__capture_explain(const kl_fn *f, FILE *out)
 	}
 	char buf[256];
 	/* CUDA graphs: a call's graphs are its captured pieces */
-	bool graphs = f->ctx->device == KL_CUDA && (f->o.mode == KL_MODE_REDUCE_OVERHEAD ||
-	                                            f->o.mode == KL_MODE_MAX_AUTOTUNE);
+	bool graphs = kl__fn_graphs(f);
 	for (int vi = 0; vi < f->nvars; vi++) {
 		const kl_variant *v = f->vars[vi];
 		fprintf(out, "  variant %d: %ld calls%s", v->id, v->calls,

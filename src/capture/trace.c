@@ -367,30 +367,6 @@ kl_status kl__trace_check(kl_ctx *ctx, kl_tensor *t, int64_t hi, int dim, const 
 	return KL_OK;
 }
 
-kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
-                           const char *what)
-{
-	int64_t n = t->ndim == 1 ? t->shape[0] : 0;
-	if (n == 0 || !t->st)
-		return KL_OK;
-	int64_t lo, top;
-	kl__tensor_span(t, &lo, &top);
-	size_t es = kl_dtype_size(t->dtype), bytes = (size_t)(top - lo + 1) * es;
-	unsigned char *h = malloc(bytes);
-	if (!h)
-		return kl__err(ctx, KL_ENOMEM, "%s: out of memory reading %s", op, what);
-	kl_status st = ctx->be->to_host(ctx, h, (char *)t->st->data + (size_t)lo * es, bytes);
-	for (int64_t i = 0; st == KL_OK && i < n; i++) {
-		size_t at = (size_t)(t->offset - lo + i * t->strides[0]) * es;
-		int64_t v = t->dtype == KL_I32 ? (int64_t)*(const int32_t *)(h + at)
-		                               : *(const int64_t *)(h + at);
-		if (v < 0 || v > hi)
-			st = kl__err_value(ctx, op, what, i, v, hi, dim);
-	}
-	free(h);
-	return st;
-}
-
 /* Write dense host values into dst's memory through its strides: the span
  * of storage it covers is read, patched and written back, so one path
  * serves every device. */

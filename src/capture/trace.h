@@ -155,11 +155,6 @@ kl_status kl__trace_run_deferred(kl_ctx *ctx, kl_trace *tr, int *launches);
  * (replays included). */
 kl_status kl__trace_check(kl_ctx *ctx, kl_tensor *t, int64_t hi, int dim, const char *op,
                           const char *what);
-/* Check now: every value of t (materialized, 1-D, i32 or i64) in [0, hi];
- * else KL_EINVAL "<op>: <what>[i] = v disagrees with the cache: k holds
- * <hi> keys (dim <dim>)". Reads t to the host. */
-kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
-                           const char *what);
 
 /* The smallest and largest element offset (from its storage's start) t covers. */
 void kl__tensor_span(const kl_tensor *t, int64_t *lo, int64_t *hi);

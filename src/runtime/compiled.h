@@ -143,6 +143,12 @@ typedef struct kl_value_check {
 	int64_t hi;
 	const char *op, *what;
 } kl_value_check;
+/* Check now: every value of t (materialized, 1-D, i32 or i64) in [0, hi];
+ * else kl__err_value. Reads t in place on the CPU, through a copy to the
+ * host elsewhere (eager kl_sdpa_lengths, a traced call, a CPU run's
+ * kl_value_check). */
+kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
+                           const char *what);
 /* kl__compiled_run with a tail (NULL: none) and value checks (chk[0..nchk)). */
 kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
                                 kl_tensor **outputs, const kl_run_tail *tail,

@@ -266,24 +266,34 @@ kl_status kl__compiled_run(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs
 	return kl__compiled_run_tail(ctx, c, inputs, outputs, NULL, NULL, 0);
 }
 
-/* The value checks on the CPU: the values are host memory, read in place. */
-static kl_status cpu_checks(kl_ctx *ctx, kl_tensor *const *inputs, const kl_value_check *chk,
-                            int nchk)
+kl_status kl__check_values(kl_ctx *ctx, const kl_tensor *t, int64_t hi, int dim, const char *op,
+                           const char *what)
 {
-	for (int k = 0; k < nchk; k++) {
-		const kl_tensor *t = inputs[chk[k].in];
-		int64_t n = t->ndim == 1 ? t->shape[0] : 0;
-		const char *base = (const char *)t->st->data;
-		for (int64_t i = 0; i < n; i++) {
-			int64_t at = t->offset + i * t->strides[0];
-			int64_t v = t->dtype == KL_I32 ? (int64_t)((const int32_t *)base)[at]
-			                               : ((const int64_t *)base)[at];
-			if (v < 0 || v > chk[k].hi)
-				return kl__err_value(ctx, chk[k].op, chk[k].what, i, v, chk[k].hi,
-				                     chk[k].dim);
-		}
+	int64_t n = t->ndim == 1 ? t->shape[0] : 0;
+	if (n == 0 || !t->st)
+		return KL_OK;
+	/* the span of storage the values cover */
+	int64_t lo = t->offset, reach = (n - 1) * t->strides[0];
+	lo += reach < 0 ? reach : 0;
+	size_t es = kl_dtype_size(t->dtype), bytes = (size_t)(reach < 0 ? -reach : reach) * es + es;
+	const unsigned char *h = (const unsigned char *)t->st->data + (size_t)lo * es;
+	unsigned char *copy = NULL;
+	kl_status st = KL_OK;
+	if (ctx->device != KL_CPU) {
+		if (!(copy = malloc(bytes)))
+			return kl__err(ctx, KL_ENOMEM, "%s: out of memory reading %s", op, what);
+		st = ctx->be->to_host(ctx, copy, h, bytes);
+		h = copy;
 	}
-	return KL_OK;
+	for (int64_t i = 0; st == KL_OK && i < n; i++) {
+		size_t at = (size_t)(t->offset - lo + i * t->strides[0]) * es;
+		int64_t v = t->dtype == KL_I32 ? (int64_t)*(const int32_t *)(const void *)(h + at)
+		                               : *(const int64_t *)(const void *)(h + at);
+		if (v < 0 || v > hi)
+			st = kl__err_value(ctx, op, what, i, v, hi, dim);
+	}
+	free(copy);
+	return st;
 }
 
 kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inputs,
@@ -314,8 +324,9 @@ kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *i
 			st = kl__err(ctx, KL_EINVAL, "kl_fn_call: value check %d names input %d, not "
 			             "a 1-D integer input", k, chk[k].in);
 	}
-	if (st == KL_OK && !c->cuda)
-		st = cpu_checks(ctx, inputs, chk, nchk);
+	for (int k = 0; k < nchk && st == KL_OK && !c->cuda; k++)
+		st = kl__check_values(ctx, inputs[chk[k].in], chk[k].hi, chk[k].dim, chk[k].op,
+		                      chk[k].what);
 	if (st == KL_OK)
 		st = ensure_plan(ctx, c, syms);
 	void **B = malloc(sizeof(void *) * (size_t)(p->nbufs ? p->nbufs : 1));
