@@ -45,7 +45,8 @@ static const bcase CASES[] = {
         {1, 3, 0, 33, 70, 64, false},  {1, 2, 0, 45, 100, 64, true},
         {2, 2, 3, 1, 77, 128, false},  {2, 2, 2, 70, 70, 128, true},
         {1, 2, 0, 100, 45, 64, true},  {1, 2, 0, 130, 130, 16, true},
-        {2, 1, 2, 65, 129, 64, false},
+        {2, 1, 2, 65, 129, 64, false}, {1, 2, 0, 200, 300, 128, false},
+        {1, 2, 0, 300, 300, 128, true},
 };
 #define NCASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -443,9 +444,11 @@ static void test_bwd_dynamic(void **state)
 
 /* ---- CUDA ------------------------------------------------------------------------ */
 
-/* the backward's kernels, both modes' (fused: kl_attnb_pre, kl_attnb_kv,
- * kl_attnb_dq; split: kl_attnb_pre, kl_attnb_kv_split, kl_attnb_dq_split),
- * compile for sm_90 in f16 and bf16 at head dims 64 and 128 with no warning
+/* the backward's kernels, every mode's (fused: kl_attnb_pre, kl_attnb_kv,
+ * kl_attnb_dq; split: kl_attnb_pre, kl_attnb_kv_split, kl_attnb_dq_split;
+ * wgmma: kl_attnb_dd, kl_attn_wgmma_lse, kl_attnb_wg, kl_attnb_dq, the first
+ * three only in the module built for sm_90a), compile for sm_90 (and sm_90a) in f16 and bf16 at head dims 64 and
+ * 128 with no warning
  * and (but for a few bytes in kl_attnb_kv at head dim 128) no spill, no GPU
  * needed; ptxas's figures printed, each kernel found in them (so in the
  * module), and kl_attnb_kv_split under kl_attnb_kv's registers */
@@ -461,11 +464,12 @@ static void test_cuda_bwd_compile(void **state)
 	}
 	const kl_dtype dts[2] = {KL_F16, KL_BF16};
 	const int hds[2] = {64, 128};
+	for (int wg = 0; wg < 2; wg++)
 	for (int di = 0; di < 2; di++)
 		for (int hi = 0; hi < 2; hi++) {
-			char *src = kl__cuda_attention_bwd_source(dts[di], hds[hi]);
+			char *src = kl__cuda_attention_bwd_source(dts[di], hds[hi], wg);
 			assert_non_null(src);
-			kl_nvrtc_opts o = {.arch = 90, .arch_specific = false, .ptxas_info = true};
+			kl_nvrtc_opts o = {.arch = 90, .arch_specific = wg, .ptxas_info = true};
 			kl_cuda_image im;
 			if (kl__nvrtc_compile(ctx, src, "kiln_attention_bwd.cu", &o, &im) != KL_OK)
 				fail_msg("%s d%d: %s\n%s", kl_dtype_name(dts[di]), hds[hi],
@@ -473,10 +477,12 @@ static void test_cuda_bwd_compile(void **state)
 			assert_memory_equal(im.data, "\177ELF", 4);
 			if (im.log && strstr(im.log, "warning"))
 				fail_msg("%s d%d: warnings:\n%s", kl_dtype_name(dts[di]), hds[hi], im.log);
-			const char *names[5] = {"kl_attnb_pre", "kl_attnb_kv", "kl_attnb_dq",
-			                        "kl_attnb_kv_split", "kl_attnb_dq_split"};
-			int used[5];
-			for (int k = 0; k < 5; k++) {
+			const char *names[8] = {"kl_attnb_pre",      "kl_attnb_kv",
+			                        "kl_attnb_dq",       "kl_attnb_kv_split",
+			                        "kl_attnb_dq_split", "kl_attnb_wg",
+			                        "kl_attnb_dd",       "kl_attn_wgmma_lse"};
+			int used[8];
+			for (int k = 0; k < (wg ? 8 : 5); k++) {
 				char key[64];
 				/* the whole name: kl_attnb_kv is a prefix of kl_attnb_kv_split */
 				snprintf(key, sizeof key, "Function properties for %s\n", names[k]);
@@ -513,8 +519,8 @@ static void test_cuda_bwd_compile(void **state)
 			kl__cuda_image_free(&im);
 			free(src);
 		}
-	assert_null(kl__cuda_attention_bwd_source(KL_F32, 64));
-	assert_null(kl__cuda_attention_bwd_source(KL_BF16, 96));
+	assert_null(kl__cuda_attention_bwd_source(KL_F32, 64, false));
+	assert_null(kl__cuda_attention_bwd_source(KL_BF16, 96, true));
 	kl_ctx_free(ctx);
 #else
 	print_message("test_attention_bwd: skipped, built without the CUDA backend\n");
@@ -534,8 +540,9 @@ static kl_ctx *gpu_ctx(void)
 #endif
 
 /* on a GPU: every case's gradients (f16/bf16 at head dims 64 and 128 through
- * the kernels, the rest through the primitive expansion), then f16/bf16 again
- * with the split backward (KILN_CUDA_ATTN_BWD=split: kl_attnb_kv_split and
+ * the kernels, the rest through the primitive expansion) in the default mode
+ * (wgmma on sm_90: kl_attnb_wg), then f16/bf16 again in the other modes
+ * (KILN_CUDA_ATTN_BWD=fused: kl_attnb_kv; split: kl_attnb_kv_split and
  * kl_attnb_dq_split; read at each launch) */
 static void test_cuda_bwd(void **state)
 {
@@ -547,13 +554,17 @@ static void test_cuda_bwd(void **state)
 	const kl_dtype dts[3] = {KL_BF16, KL_F16, KL_F32};
 	unsetenv("KILN_CUDA_ATTN_BWD");
 	int bad = run_cases(ctx, dts, 3, true);
-	setenv("KILN_CUDA_ATTN_BWD", "split", 1);
-	int bad_split = run_cases(ctx, dts, 2, true);
+	const char *modes[2] = {"fused", "split"};
+	for (int m = 0; m < 2; m++) {
+		setenv("KILN_CUDA_ATTN_BWD", modes[m], 1);
+		int b = run_cases(ctx, dts, 2, true);
+		if (b)
+			print_message("test_attention_bwd: %d %s-mode failures\n", b, modes[m]);
+		bad += b;
+	}
 	unsetenv("KILN_CUDA_ATTN_BWD");
 	kl_ctx_free(ctx);
-	if (bad_split)
-		print_message("test_attention_bwd: %d split-mode failures\n", bad_split);
-	assert_int_equal(bad + bad_split, 0);
+	assert_int_equal(bad, 0);
 #else
 	skip();
 #endif
@@ -563,8 +574,9 @@ static void test_cuda_bwd(void **state)
  * bench row attention_bwd, `kiln bench --device cuda --workload
  * attention_bwd,attention_bwd_causal`, whose H200 figures before the fused
  * backward were 2.44 ms, causal 2.43, against PyTorch's 0.333 and 0.390) and
- * B4 H16 T2048 D64; wall clock of a call and its wait, best of 20, with the
- * fused backward and the split one (KILN_CUDA_ATTN_BWD=split) */
+ * B4 H16 T2048 D64; wall clock of a call and its wait, best of 20, in each
+ * mode of the backward (the default, wgmma on sm_90; KILN_CUDA_ATTN_BWD=fused
+ * and split) */
 static void test_cuda_bwd_bench(void **state)
 {
 	(void)state;
@@ -572,11 +584,12 @@ static void test_cuda_bwd_bench(void **state)
 	kl_ctx *ctx = gpu_ctx();
 	if (!ctx)
 		skip();
-	for (int run = 0; run < 8; run++) {
+	const char *modes[3] = {"default", "fused", "split"};
+	for (int run = 0; run < 12; run++) {
 		int causal = run & 1;
-		bool split = run & 4;
-		if (split)
-			setenv("KILN_CUDA_ATTN_BWD", "split", 1);
+		const char *mode = modes[run >> 2];
+		if (run >> 2)
+			setenv("KILN_CUDA_ATTN_BWD", mode, 1);
 		else
 			unsetenv("KILN_CUDA_ATTN_BWD");
 		int64_t seq = (run & 2) ? 2048 : 1024, hd = (run & 2) ? 64 : 128;
@@ -606,8 +619,7 @@ static void test_cuda_bwd_bench(void **state)
 		}
 		print_message("test_attention_bwd: B4 H16 T%lld D%lld bf16%s forward + backward "
 		              "(%s): %.3f ms (best of 20)\n",
-		              (long long)seq, (long long)hd, c.causal ? " causal" : "",
-		              split ? "split" : "fused", best);
+		              (long long)seq, (long long)hd, c.causal ? " causal" : "", mode, best);
 		kl_fn_free(f);
 		for (int t = 0; t < 4; t++)
 			kl_release(in[t]);

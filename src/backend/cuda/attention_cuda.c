@@ -440,6 +440,46 @@ void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks)
 	*fa3_fallbacks = atomic_load(&n_fa3_fallbacks);
 }
 
+/* the forward kernels' arguments for step s (no lengths) with q, k, v and o
+ * the buffers' bases (o at its step offset); returns the batch count */
+static int64_t at_args(kl_at_args *a, const kl_attn_step *s, kl_dtype dt, CUdeviceptr q,
+                       CUdeviceptr k, CUdeviceptr v, CUdeviceptr o)
+{
+	memset(a, 0, sizeof *a);
+	size_t es = kl_dtype_size(dt);
+	a->q = q + (CUdeviceptr)(s->q_off * (int64_t)es);
+	a->k = k + (CUdeviceptr)(s->k_off * (int64_t)es);
+	a->v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
+	a->o = o;
+	a->tq = s->tq;
+	a->tk = s->tk;
+	a->d = s->d;
+	a->dv = s->dv;
+	a->q_rs = s->q_rs;
+	a->q_cs = s->q_cs;
+	a->k_rs = s->k_rs;
+	a->k_cs = s->k_cs;
+	a->v_rs = s->v_rs;
+	a->v_cs = s->v_cs;
+	a->o_rs = s->o_rs;
+	a->nb = s->nbatch;
+	int64_t nbt = 1;
+	for (int i = 0; i < s->nbatch; i++) {
+		a->batch[i] = s->batch[i];
+		a->q_bs[i] = s->q_bs[i];
+		a->k_bs[i] = s->k_bs[i];
+		a->v_bs[i] = s->v_bs[i];
+		a->o_bs[i] = s->o_bs[i];
+		nbt *= s->batch[i];
+	}
+	a->rows = nbt * s->tq;
+	a->scale = s->scale;
+	a->scale_log2 = (float)(s->scale * 1.4426950408889634);
+	a->causal = s->causal;
+	a->nsplit = 1;
+	return nbt;
+}
+
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
                                   CUdeviceptr len, CUdeviceptr o)
@@ -453,38 +493,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		               "kl_sdpa: head dims %lld and %lld: the CUDA kernels take at most 256",
 		               (long long)s->d, (long long)s->dv);
 	kl_at_args a;
-	memset(&a, 0, sizeof a);
-	size_t es = kl_dtype_size(dt);
-	a.q = q + (CUdeviceptr)(s->q_off * (int64_t)es);
-	a.k = k + (CUdeviceptr)(s->k_off * (int64_t)es);
-	a.v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
-	a.o = o;
-	a.tq = s->tq;
-	a.tk = s->tk;
-	a.d = s->d;
-	a.dv = s->dv;
-	a.q_rs = s->q_rs;
-	a.q_cs = s->q_cs;
-	a.k_rs = s->k_rs;
-	a.k_cs = s->k_cs;
-	a.v_rs = s->v_rs;
-	a.v_cs = s->v_cs;
-	a.o_rs = s->o_rs;
-	a.nb = s->nbatch;
-	int64_t nbt = 1;
-	for (int i = 0; i < s->nbatch; i++) {
-		a.batch[i] = s->batch[i];
-		a.q_bs[i] = s->q_bs[i];
-		a.k_bs[i] = s->k_bs[i];
-		a.v_bs[i] = s->v_bs[i];
-		a.o_bs[i] = s->o_bs[i];
-		nbt *= s->batch[i];
-	}
-	a.rows = nbt * s->tq;
-	a.scale = s->scale;
-	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
-	a.causal = s->causal;
-	a.nsplit = 1;
+	int64_t nbt = at_args(&a, s, dt, q, k, v, o);
 	if (s->len >= 0) {
 		a.len = len;
 		a.len_off = s->len_off;
@@ -617,37 +626,62 @@ typedef struct kl_atb_args {
 	((unsigned)(2 * 64 * (d) * 2 + 4 * BWD_QB(d) * (d) * 2 + 4 * BWD_QB(d) * 4))
 /* kl_attnb_dq_split: Q and dO tiles of 64 rows, two each of K and V */
 #define BWD_SMEM_DQ_SPLIT(d) ((unsigned)(6 * 64 * (d) * 2))
+/* kl_attnb_wg (attention_bwd_wg_src.c): K and V tiles of 128 rows, two each
+ * of Q and dO of 64, dS^T (128 x 64 16-bit), two each of L and D of 64 rows,
+ * and the 1024 bytes of the tiles' alignment */
+#define BWD_SMEM_WG(d)                                                                             \
+	((unsigned)(2 * 128 * (d) * 2 + 4 * 64 * (d) * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 1024))
 
 /* the backward's kernels in its module; fused mode launches pre, kv, dq,
- * split mode pre, kv_split, dq_split */
-enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_NFN };
+ * split mode pre, kv_split, dq_split, wgmma mode dd and lse (pre's work:
+ * D and the dq accumulator zeroed; L from the forward's wgmma kernel without
+ * its P V), wg, dq (the last three only in the sm_90a module) */
+enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_WG, BWD_DD, BWD_LSE, BWD_NFN };
+typedef enum { BWD_FUSED, BWD_SPLIT, BWD_WGMMA } kl_bwd_mode;
 
-/* KILN_CUDA_ATTN_BWD: the backward's shape: unset or fused dQ added into an
- * f32 accumulator from kl_attnb_kv (then scaled by kl_attnb_dq), split dQ
- * from a kernel of its own over the keys (kl_attnb_dq_split), kl_attnb_kv
- * without its dQ work (kl_attnb_kv_split); true for split */
-static bool bwd_split(kl_ctx *ctx)
+/* does device d take kl_attnb_wg? (sm_90a, its shared memory) */
+static bool bwd_wg_ok(const kl_cuda_dev *d, int64_t hd)
 {
-	const char *e = getenv("KILN_CUDA_ATTN_BWD");
-	if (!e || !*e || !strcmp(e, "fused"))
-		return false;
-	if (!strcmp(e, "split"))
-		return true;
-	kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_BWD=%.32s ignored (fused or split)", e);
-	return false;
+	return d->cc_major == 9 && d->cc_minor == 0 &&
+	       (size_t)d->smem_per_block_optin >= BWD_SMEM_WG(hd);
 }
 
-char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim)
+/* KILN_CUDA_ATTN_BWD: the backward's shape: wgmma (kl_attnb_wg, the default
+ * where the device takes it and the scale is positive, as the forward's
+ * wgmma kernel wants), fused (dQ added into an f32 accumulator from
+ * kl_attnb_kv, then scaled by kl_attnb_dq; the default elsewhere), split (dQ
+ * from a kernel of its own over the keys, kl_attnb_dq_split, beside
+ * kl_attnb_kv without its dQ work, kl_attnb_kv_split) */
+static kl_bwd_mode bwd_mode(kl_ctx *ctx, const kl_cuda_dev *d, const kl_attn_step *s)
+{
+	const char *e = getenv("KILN_CUDA_ATTN_BWD");
+	bool wg = bwd_wg_ok(d, s->d) && s->scale > 0;
+	kl_bwd_mode def = wg ? BWD_WGMMA : BWD_FUSED;
+	if (!e || !*e)
+		return def;
+	if (!strcmp(e, "fused"))
+		return BWD_FUSED;
+	if (!strcmp(e, "split"))
+		return BWD_SPLIT;
+	if (!strcmp(e, "wgmma") && wg)
+		return BWD_WGMMA;
+	kl__log(ctx, KL_LOG_FUSION,
+	        "KILN_CUDA_ATTN_BWD=%.32s ignored (fused, split, or wgmma on sm_90)", e);
+	return def;
+}
+
+char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim, bool wgmma)
 {
 	if ((dt != KL_F16 && dt != KL_BF16) || (head_dim != 64 && head_dim != 128))
 		return NULL;
-	char *fwd = kl__cuda_attention_source(dt, head_dim, 0);
+	char *fwd = kl__cuda_attention_source(dt, head_dim, wgmma ? 1 : 0);
 	if (!fwd)
 		return NULL;
-	size_t n = strlen(fwd) + strlen(kl__cuda_attention_bwd_src) + 1;
+	const char *wg = wgmma ? kl__cuda_attention_bwd_wg_src : "";
+	size_t n = strlen(fwd) + strlen(kl__cuda_attention_bwd_src) + strlen(wg) + 1;
 	char *s = malloc(n);
 	if (s)
-		snprintf(s, n, "%s%s", fwd, kl__cuda_attention_bwd_src);
+		snprintf(s, n, "%s%s%s", fwd, kl__cuda_attention_bwd_src, wg);
 	free(fwd);
 	return s;
 }
@@ -660,18 +694,24 @@ static kl_status get_bwd_fns(kl_ctx *ctx, kl_cuda_dev *d, kl_dtype dt, int64_t h
 	kl_cuda_attn *A = d->attn;
 	int c = dt == KL_BF16, v = hd == 128;
 	if (!A->bmod[c][v]) {
-		char *src = kl__cuda_attention_bwd_source(dt, (int)hd);
+		/* on sm_90 the module is built for sm_90a with kl_attnb_wg too */
+		bool wg = bwd_wg_ok(d, hd);
+		char *src = kl__cuda_attention_bwd_source(dt, (int)hd, wg);
 		if (!src)
 			return kl__err(ctx, KL_ENOMEM, "kl_sdpa: out of memory");
 		kl_cuda_module *m = NULL;
-		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention_bwd.cu", false, &m);
+		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention_bwd.cu", wg, &m);
 		free(src);
-		static const char *const names[BWD_NFN] = {"kl_attnb_pre", "kl_attnb_kv",
-		                                           "kl_attnb_dq", "kl_attnb_kv_split",
-		                                           "kl_attnb_dq_split"};
+		static const char *const names[BWD_NFN] = {
+		        "kl_attnb_pre",      "kl_attnb_kv", "kl_attnb_dq", "kl_attnb_kv_split",
+		        "kl_attnb_dq_split", "kl_attnb_wg", "kl_attnb_dd", "kl_attn_wgmma_lse"};
 		CUfunction f[BWD_NFN] = {NULL};
-		for (int i = 0; i < BWD_NFN && st == KL_OK; i++)
+		for (int i = 0; i < (wg ? BWD_NFN : BWD_WG) && st == KL_OK; i++)
 			st = kl__cuda_module_fn(ctx, m, names[i], &f[i]);
+		if (st == KL_OK && wg)
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_WG], BWD_SMEM_WG(hd));
+		if (st == KL_OK && wg)
+			st = kl__cuda_fn_smem(ctx, d, f[BWD_LSE], (unsigned)WG_SMEM(hd, WG_TWO));
 		if (st == KL_OK)
 			st = kl__cuda_fn_smem(ctx, d, f[BWD_PRE], BWD_SMEM_PRE(hd));
 		if (st == KL_OK)
@@ -753,12 +793,13 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		               "kl_sdpa backward: batch %lld, %lld queries, %lld keys exceed the CUDA "
 		               "grid (2^31 - 1 batches, 65535 blocks of 64 rows)",
 		               (long long)nbt, (long long)s->tq, (long long)s->tk);
-	CUfunction f[BWD_NFN];
+	CUfunction f[BWD_NFN] = {NULL};
 	kl_status st = get_bwd_fns(ctx, d, dt, s->d, f);
 	if (st != KL_OK)
 		return st;
 	/* split mode needs L and D only: its dQ never leaves the registers */
-	bool split = bwd_split(ctx);
+	kl_bwd_mode mode = bwd_mode(ctx, d, s);
+	bool split = mode == BWD_SPLIT;
 	size_t rows = (size_t)nbt * (size_t)s->tq;
 	if ((st = ensure_ws(ctx, d, rows * (size_t)(2 + (split ? 0 : s->d)) * 4 + 64,
 	                    "the attention backward's workspace")) != KL_OK)
@@ -772,13 +813,41 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	}
 	void *argv[1] = {&a};
 	unsigned block[3] = {128, 1, 1};
-	if (s->tq > 0) {
+	if (s->tq > 0 && mode == BWD_WGMMA) {
+		/* D and the zeroed dq accumulator, a warp a row; L from the
+		 * forward's wgmma kernel without P V (two warpgroups, 128 rows a
+		 * block, as kl_attn_wgmma) */
+		long long n = (long long)rows;
+		void *argv2[2] = {&a, &n};
+		unsigned grid[3] = {(unsigned)((n + 7) / 8), 1, 1}, b256[3] = {256, 1, 1};
+		if (n / 8 >= 0x7fffffff)
+			return kl__err(ctx, KL_EUNSUPPORTED,
+			               "kl_sdpa backward: %lld query rows exceed one grid", n);
+		if ((st = kl__cuda_launch(ctx, d, f[BWD_DD], grid, b256, 0, argv2, KL_LAUNCH_PDL)) !=
+		    KL_OK)
+			return st;
+		kl_at_args fa;
+		at_args(&fa, s, dt, q, k, v, 0);
+		fa.ws = a.lse;
+		unsigned g2[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(WG_TWO) - 1) / WG_BM(WG_TWO)), 1};
+		unsigned b2[3] = {WG_THREADS(WG_TWO), 1, 1};
+		void *fargv[1] = {&fa};
+		if ((st = kl__cuda_launch(ctx, d, f[BWD_LSE], g2, b2, (unsigned)WG_SMEM(s->d, WG_TWO),
+		                          fargv, KL_LAUNCH_PDL)) != KL_OK)
+			return st;
+	} else if (s->tq > 0) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)nqb, 1};
 		if ((st = kl__cuda_launch(ctx, d, f[BWD_PRE], grid, block, BWD_SMEM_PRE(s->d), argv,
 		                          KL_LAUNCH_PDL)) != KL_OK)
 			return st;
 	}
-	if (s->tk > 0) {
+	if (s->tk > 0 && mode == BWD_WGMMA) {
+		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tk + 127) / 128), 1};
+		unsigned b256[3] = {256, 1, 1};
+		if ((st = kl__cuda_launch(ctx, d, f[BWD_WG], grid, b256, BWD_SMEM_WG(s->d), argv,
+		                          KL_LAUNCH_PDL)) != KL_OK)
+			return st;
+	} else if (s->tk > 0) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)nkb, 1};
 		if ((st = kl__cuda_launch(ctx, d, f[split ? BWD_KV_SPLIT : BWD_KV], grid, block,
 		                          split ? BWD_SMEM_KV_SPLIT(s->d) : BWD_SMEM_KV(s->d), argv,

@@ -387,11 +387,14 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
  * that chose it but fell back to the two-warpgroup kernel (an operand that
  * no tensor map describes, too many work items, too few registers). */
 void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks);
-/* The attention backward's source (attention_bwd_src.c) and that source for
- * dtype dt (f16, bf16) and head dim 64 or 128, behind the forward's
- * (malloc'd; NULL for a variant that does not exist, or out of memory). */
+/* The attention backward's source (attention_bwd_src.c), kl_attnb_wg's
+ * (attention_bwd_wg_src.c, sm_90a), and the module's source for dtype dt
+ * (f16, bf16) and head dim 64 or 128, behind the forward's (wgmma: for
+ * sm_90a, with kl_attnb_wg; malloc'd; NULL for a variant that does not
+ * exist, or out of memory). */
 extern const char kl__cuda_attention_bwd_src[];
-char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim);
+extern const char kl__cuda_attention_bwd_wg_src[];
+char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim, bool wgmma);
 /* One attention backward step (kl_attn_step.bwd) on the stream: q, k, v, the
  * forward's output o, its gradient g and the packed result out are the
  * buffers' bases. */
