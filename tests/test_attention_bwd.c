@@ -540,10 +540,10 @@ static kl_ctx *gpu_ctx(void)
 #endif
 
 /* on a GPU: every case's gradients (f16/bf16 at head dims 64 and 128 through
- * the kernels, the rest through the primitive expansion) in the default mode
- * (wgmma on sm_90: kl_attnb_wg), then f16/bf16 again in the other modes
- * (KILN_CUDA_ATTN_BWD=fused: kl_attnb_kv; split: kl_attnb_kv_split and
- * kl_attnb_dq_split; read at each launch) */
+ * the kernels, the rest through the primitive expansion) in the default mode,
+ * then f16/bf16 again in each mode (KILN_CUDA_ATTN_BWD=wgmma: kl_attnb_wg on
+ * sm_90, elsewhere the default; fused: kl_attnb_kv; split: kl_attnb_kv_split
+ * and kl_attnb_dq_split; read at each launch) */
 static void test_cuda_bwd(void **state)
 {
 	(void)state;
@@ -554,8 +554,8 @@ static void test_cuda_bwd(void **state)
 	const kl_dtype dts[3] = {KL_BF16, KL_F16, KL_F32};
 	unsetenv("KILN_CUDA_ATTN_BWD");
 	int bad = run_cases(ctx, dts, 3, true);
-	const char *modes[2] = {"fused", "split"};
-	for (int m = 0; m < 2; m++) {
+	const char *modes[3] = {"wgmma", "fused", "split"};
+	for (int m = 0; m < 3; m++) {
 		setenv("KILN_CUDA_ATTN_BWD", modes[m], 1);
 		int b = run_cases(ctx, dts, 2, true);
 		if (b)
@@ -575,8 +575,8 @@ static void test_cuda_bwd(void **state)
  * attention_bwd,attention_bwd_causal`, whose H200 figures before the fused
  * backward were 2.44 ms, causal 2.43, against PyTorch's 0.333 and 0.390) and
  * B4 H16 T2048 D64; wall clock of a call and its wait, best of 20, in each
- * mode of the backward (the default, wgmma on sm_90; KILN_CUDA_ATTN_BWD=fused
- * and split) */
+ * mode of the backward (the default; KILN_CUDA_ATTN_BWD=wgmma, fused and
+ * split) */
 static void test_cuda_bwd_bench(void **state)
 {
 	(void)state;
@@ -584,8 +584,8 @@ static void test_cuda_bwd_bench(void **state)
 	kl_ctx *ctx = gpu_ctx();
 	if (!ctx)
 		skip();
-	const char *modes[3] = {"default", "fused", "split"};
-	for (int run = 0; run < 12; run++) {
+	const char *modes[4] = {"default", "wgmma", "fused", "split"};
+	for (int run = 0; run < 16; run++) {
 		int causal = run & 1;
 		const char *mode = modes[run >> 2];
 		if (run >> 2)

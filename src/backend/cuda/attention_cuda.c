@@ -646,9 +646,13 @@ static bool bwd_wg_ok(const kl_cuda_dev *d, int64_t hd)
 	       (size_t)d->smem_per_block_optin >= BWD_SMEM_WG(hd);
 }
 
-/* KILN_CUDA_ATTN_BWD: the backward's shape: wgmma (kl_attnb_wg, the default
- * where the device takes it and the scale is positive, as the forward's
- * wgmma kernel wants), fused (dQ added into an f32 accumulator from
+/* is wgmma the default where it can run? (0 until a GPU run has held it to
+ * the reference: then only KILN_CUDA_ATTN_BWD=wgmma takes it) */
+#define BWD_WG_DEFAULT 0
+
+/* KILN_CUDA_ATTN_BWD: the backward's shape: wgmma (kl_attnb_wg, where the
+ * device takes it and the scale is positive, as the forward's wgmma kernel
+ * wants; the default there when BWD_WG_DEFAULT), fused (dQ added into an f32 accumulator from
  * kl_attnb_kv, then scaled by kl_attnb_dq; the default elsewhere), split (dQ
  * from a kernel of its own over the keys, kl_attnb_dq_split, beside
  * kl_attnb_kv without its dQ work, kl_attnb_kv_split) */
@@ -656,7 +660,7 @@ static kl_bwd_mode bwd_mode(kl_ctx *ctx, const kl_cuda_dev *d, const kl_attn_ste
 {
 	const char *e = getenv("KILN_CUDA_ATTN_BWD");
 	bool wg = bwd_wg_ok(d, s->d) && s->scale > 0;
-	kl_bwd_mode def = wg ? BWD_WGMMA : BWD_FUSED;
+	kl_bwd_mode def = wg && BWD_WG_DEFAULT ? BWD_WGMMA : BWD_FUSED;
 	if (!e || !*e)
 		return def;
 	if (!strcmp(e, "fused"))
