@@ -1278,7 +1278,8 @@ static void test_diff_composite(void **state)
 	opp o = {.mode = 0, .dt = KL_F32, .ax = {-1}};
 	kl_tensor *in[1] = {rnd(KL_F32, SHP(2, 3000), KLTEST_NORMAL, KLTEST_CONTIG)};
 	add_case("softmax long rows", b_composite, &o, 1, in, 16.0, NULL);
-	/* f16 rows through the prelude's f16 exp-sum and scale-out helpers:
+	/* f16 and bf16 rows through the prelude's exp-sum helpers (and f16's
+	 * scale-out):
 	 * 1021 columns, a tail of 13 past the 16-lane steps */
 	in[0] = rnd(KL_F16, SHP(3, 1021), KLTEST_NORMAL, KLTEST_CONTIG);
 	add_case("f16 softmax rows", b_composite, &o, 1, in, 16.0, NULL);
@@ -1286,6 +1287,8 @@ static void test_diff_composite(void **state)
 	add_case("f16 softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
 	in[0] = rnd(KL_F32, SHP(3, 1021), KLTEST_SPECIAL, KLTEST_CONTIG);
 	add_case("softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
+	in[0] = rnd(KL_BF16, SHP(3, 1021), KLTEST_SPECIAL, KLTEST_CONTIG);
+	add_case("bf16 softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
 	o.mode = 2;
 	in[0] = rnd(KL_BF16, SHP(4, 4096), KLTEST_NORMAL, KLTEST_CONTIG);
 	add_case("layer_norm long rows", b_composite, &o, 1, in, 16.0, NULL);

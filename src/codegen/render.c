@@ -924,7 +924,7 @@ static void open_chunk_loop(rctx *c)
 }
 
 /* A pass that is nothing but lc[iJ] = exp(x[iJ] - m), acc += that, with x
- * a contiguous f32 or f16 row, m an f32 value computed before the pass and
+ * a contiguous f32, f16 or bf16 row, m an f32 value computed before the pass and
  * acc a float sum (plan_float_sums: a softmax's exp pass): then the
  * target's exp-sum helper runs it (exp_sum_row), one call a row. *ld, *m,
  * *acc, *lc: the load, the value, the accumulator and the array; false when
@@ -954,7 +954,8 @@ static bool match_exp_sum(const rctx *c, int J, int blk, int32_t *ld, int32_t *m
 	    s->blk != blk || s->a < 0 || s->b < 0)
 		return false;
 	const kir_ins *l = &k->ins[s->a], *mv = &k->ins[s->b];
-	if (l->opc != KIR_LOAD || l->blk != blk || (l->in_dt != KL_F32 && l->in_dt != KL_F16) ||
+	if (l->opc != KIR_LOAD || l->blk != blk ||
+	    (l->in_dt != KL_F32 && l->in_dt != KL_F16 && l->in_dt != KL_BF16) ||
 	    l->dt != KL_F32 || l->a >= 0 || l->ad.ns || !row_unit(k, l->ad.ix, J, false) ||
 	    mv->blk >= blk || mv->dt != KL_F32)
 		return false;
@@ -987,7 +988,8 @@ static void emit_exp_sum(rctx *c, int J, int32_t ld, int32_t m, int32_t acc, int
 	const kir_ins *l = &k->ins[ld], *f = &k->ins[pf];
 	indent(c);
 	kl__sb_printf(c->sb, "{ %s i%d = 0; acc%d += kl_expsum_%s(lc%d, &b%d[", c->r->index_t, J,
-	              (int)acc, l->in_dt == KL_F16 ? "f16" : "f32", (int)lc, (int)l->buf);
+	              (int)acc, l->in_dt == KL_F16 ? "f16" : l->in_dt == KL_BF16 ? "bf16" : "f32",
+	              (int)lc, (int)l->buf);
 	put_addr(c->sb, c->r, &k->ixa, &l->ad);
 	kl__sb_printf(c->sb, "], t%d, %lld, &b%d[", (int)m, n, (int)f->buf);
 	put_addr(c->sb, c->r, &k->ixa, &f->ad);

@@ -107,14 +107,14 @@ static const char prelude[] =
 	/* kl_expf over a row, summed: e[i] = exp(x[i] - m), the float sum of
 	 * them returned, pf[0, n) prefetched 256 elements at a time meanwhile
 	 * (the next row: the memory works while the exps compute), x f32
-	 * (kl_expsum_f32) or f16 (kl_expsum_f16). With AVX-512 (GCC's
+	 * (kl_expsum_f32), f16 (_f16) or bf16 (_bf16). With AVX-512 (GCC's
 	 * builtins) 16 lanes follow kl_expf step for step, but each clamp is
 	 * one max or min (NaN, their second operand, passes) and 2^n one
 	 * vscalefps (which rounds a subnormal result once, as the two factors
 	 * do): the same bits (checked over every float) in 14 vector
 	 * instructions for 16 lanes where kl_expf's simd loop takes 21; f16
 	 * widens by vcvtph2ps (exact, as kl_h2f; a signaling NaN comes out
-	 * quiet); the lanes are summed once a row. Elsewhere a simd loop of
+	 * quiet), bf16 by a shift as kl_bf2f; the lanes are summed once a row. Elsewhere a simd loop of
 	 * kl_expf a chunk. */
 	"#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)\n"
 	"#define KL_V16 1\n"
@@ -126,6 +126,17 @@ static const char prelude[] =
 	"KL_FN kl_v16f kl_ld16_f16(const uint16_t *p)\n"
 	"{ kl_v16h h; memcpy(&h, p, sizeof h); "
 	"return __builtin_ia32_vcvtph2ps512_mask(h, (kl_v16f){0}, 0xFFFF, 4); }\n"
+	"KL_FN kl_v16f kl_ld16_bf16(const uint16_t *p)\n"
+	"{\n"
+	"\ttypedef unsigned short kl_v16uh __attribute__((vector_size(32)));\n"
+	"\ttypedef unsigned kl_v16u __attribute__((vector_size(64)));\n"
+	"\tkl_v16uh h;\n"
+	"\tmemcpy(&h, p, sizeof h);\n"
+	"\tkl_v16u u = __builtin_convertvector(h, kl_v16u) << 16;\n"
+	"\tkl_v16f v;\n"
+	"\tmemcpy(&v, &u, sizeof v);\n"
+	"\treturn v;\n"
+	"}\n"
 	"KL_FN kl_v16f kl_exp16(kl_v16f v)\n"
 	"{\n"
 	"\tconst kl_v16f z = {0}, big = z + 12582912.0f;\n"
@@ -192,6 +203,7 @@ static const char prelude[] =
 	"#define kl_f2f(v) (v)\n"
 	"KL_EXPSUM_FN(kl_expsum_f32, float, kl_ld16_f32, kl_f2f)\n"
 	"KL_EXPSUM_FN(kl_expsum_f16, uint16_t, kl_ld16_f16, kl_h2f)\n"
+	"KL_EXPSUM_FN(kl_expsum_bf16, uint16_t, kl_ld16_bf16, kl_bf2f)\n"
 	/* d[i] = s[i] * m rounded to f16 (as kl_f2h: vcvtps2ph rounds to
 	 * nearest even, NaN stays NaN): a row's last pass out of a row-local
 	 * array, one vector of 16 a step with AVX-512 */
