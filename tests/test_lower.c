@@ -747,15 +747,16 @@ static void test_source_and_log(void **state)
 
 	/* a large row result streams out (the threshold is 8 MiB of f32), the
 	 * softmax's scale by 1/sum done by the stream; a small one is stored in
-	 * place. Either way the exp is the prelude's and the row's exp-sum is
-	 * kept in float (1024 terms of [0, 1]) */
+	 * place. Either way the exp pass is the prelude's kl_expsum_f32 and the
+	 * row's exp-sum is kept in float (1024 terms of [0, 1]) */
 	for (int big = 0; big < 2; big++) {
 		kl_tensor *x = rnd(KL_F32, SHP(big ? 2304 : 16, 1024), KLTEST_NORMAL, KLTEST_CONTIG);
 		tr = trace(b_softmax, &x, NULL);
 		assert_non_null(tr);
 		assert_int_equal(lower(&tr->g, true, NULL, &P), KL_OK);
 		assert_true((strstr(P.source, "kl_stream_scale_f32(&b") != NULL) == (big == 1));
-		assert_non_null(strstr(P.source, "= kl_expf("));
+		assert_non_null(strstr(P.source, "+= kl_expsum_f32(lc"));
+		assert_null(strstr(P.source, " = kl_expf(t"));
 		assert_non_null(strstr(P.source, "float acc1 = 0;"));
 		kl__program_free(&P);
 		kl__trace_free(tr);
@@ -1277,6 +1278,17 @@ static void test_diff_composite(void **state)
 	opp o = {.mode = 0, .dt = KL_F32, .ax = {-1}};
 	kl_tensor *in[1] = {rnd(KL_F32, SHP(2, 3000), KLTEST_NORMAL, KLTEST_CONTIG)};
 	add_case("softmax long rows", b_composite, &o, 1, in, 16.0, NULL);
+	/* f16 and bf16 rows through the prelude's exp-sum helpers (and f16's
+	 * scale-out):
+	 * 1021 columns, a tail of 13 past the 16-lane steps */
+	in[0] = rnd(KL_F16, SHP(3, 1021), KLTEST_NORMAL, KLTEST_CONTIG);
+	add_case("f16 softmax rows", b_composite, &o, 1, in, 16.0, NULL);
+	in[0] = rnd(KL_F16, SHP(3, 1021), KLTEST_SPECIAL, KLTEST_CONTIG);
+	add_case("f16 softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
+	in[0] = rnd(KL_F32, SHP(3, 1021), KLTEST_SPECIAL, KLTEST_CONTIG);
+	add_case("softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
+	in[0] = rnd(KL_BF16, SHP(3, 1021), KLTEST_SPECIAL, KLTEST_CONTIG);
+	add_case("bf16 softmax rows, special values", b_composite, &o, 1, in, 16.0, NULL);
 	o.mode = 2;
 	in[0] = rnd(KL_BF16, SHP(4, 4096), KLTEST_NORMAL, KLTEST_CONTIG);
 	add_case("layer_norm long rows", b_composite, &o, 1, in, 16.0, NULL);

@@ -923,6 +923,136 @@ static void open_chunk_loop(rctx *c)
 	c->depth++;
 }
 
+/* A pass that is nothing but lc[iJ] = exp(x[iJ] - m), acc += that, with x
+ * a contiguous f32, f16 or bf16 row, m an f32 value computed before the pass and
+ * acc a float sum (plan_float_sums: a softmax's exp pass): then the
+ * target's exp-sum helper runs it (exp_sum_row), one call a row. *ld, *m,
+ * *acc, *lc: the load, the value, the accumulator and the array; false when
+ * the pass is anything else. */
+static bool match_exp_sum(const rctx *c, int J, int blk, int32_t *ld, int32_t *m, int32_t *acc,
+                          int32_t *lc)
+{
+	const kir_kernel *k = c->k;
+	int n = 0;
+	int32_t ex = -1, sub = -1;
+	*ld = *m = *acc = *lc = -1;
+	if (!c->r->exp_sum_row || !c->fsum || J < 0)
+		return false;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->blk != blk || !c->live[i])
+			continue;
+		n++;
+		if (in->opc == KIR_UNARY && in->op == KL_OP_EXP && in->dt == KL_F32)
+			ex = i;
+	}
+	if (n != 5 || ex < 0)
+		return false;
+	sub = k->ins[ex].a;
+	const kir_ins *s = &k->ins[sub];
+	if (s->opc != KIR_BINARY || s->op != KL_OP_SUB || s->dt != KL_F32 || s->in_dt != KL_F32 ||
+	    s->blk != blk || s->a < 0 || s->b < 0)
+		return false;
+	const kir_ins *l = &k->ins[s->a], *mv = &k->ins[s->b];
+	if (l->opc != KIR_LOAD || l->blk != blk ||
+	    (l->in_dt != KL_F32 && l->in_dt != KL_F16 && l->in_dt != KL_BF16) ||
+	    l->dt != KL_F32 || l->a >= 0 || l->ad.ns || !row_unit(k, l->ad.ix, J, false) ||
+	    mv->blk >= blk || mv->dt != KL_F32)
+		return false;
+	*ld = s->a;
+	*m = s->b;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->blk != blk || !c->live[i] || i == ex || i == sub || i == *ld)
+			continue;
+		if (in->a != ex)
+			return false;
+		if (in->opc == KIR_ACC && in->op == KL_OP_SUM && c->fsum[in->acc])
+			*acc = in->acc;
+		else if (in->opc == KIR_LSTORE && k->local_dt[in->acc] == KL_F32 &&
+		         row_unit(k, in->ad.ix, J, true))
+			*lc = in->acc;
+		else
+			return false;
+	}
+	return *acc >= 0 && *lc >= 0;
+}
+
+/* the matched exp pass as one call a row (match_exp_sum), prefetching the
+ * next row of pf (a load along the row) meanwhile */
+static void emit_exp_sum(rctx *c, int J, int32_t ld, int32_t m, int32_t acc, int32_t lc,
+                         int32_t pf)
+{
+	const kir_kernel *k = c->k;
+	long long n = (long long)k->dims[J].v;
+	const kir_ins *l = &k->ins[ld], *f = &k->ins[pf];
+	indent(c);
+	kl__sb_printf(c->sb, "{ %s i%d = 0; acc%d += kl_expsum_%s(lc%d, &b%d[", c->r->index_t, J,
+	              (int)acc, l->in_dt == KL_F16 ? "f16" : l->in_dt == KL_BF16 ? "bf16" : "f32",
+	              (int)lc, (int)l->buf);
+	put_addr(c->sb, c->r, &k->ixa, &l->ad);
+	kl__sb_printf(c->sb, "], t%d, %lld, &b%d[", (int)m, n, (int)f->buf);
+	put_addr(c->sb, c->r, &k->ixa, &f->ad);
+	kl__sb_printf(c->sb, "] + %lld); }\n", n);
+}
+
+/* The last pass is nothing but out[iJ] = f16(lc[iJ] * m), out a contiguous
+ * f16 row, lc an f32 row-local array, m an f32 value computed before the
+ * pass (an f16 softmax's scale by 1/sum): the target's kl_scale_f16 writes
+ * it (exp_sum_row). *st, *m, *lc: the store, the value, the array. */
+static bool match_scale_f16(const rctx *c, int J, int blk, int32_t *st, int32_t *m, int32_t *lc)
+{
+	const kir_kernel *k = c->k;
+	int n = 0;
+	*st = *m = *lc = -1;
+	if (!c->r->exp_sum_row || J < 0)
+		return false;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->blk != blk || !c->live[i])
+			continue;
+		n++;
+		if (in->opc == KIR_STORE)
+			*st = i;
+	}
+	if (*st < 0)
+		return false;
+	const kir_ins *s = &k->ins[*st];
+	if (s->dt != KL_F16 || s->ad.ns || s->a < 0 || !row_unit(k, s->ad.ix, J, false))
+		return false;
+	/* the product, or a rounding of it to f16 that the store narrows */
+	const kir_ins *mul = &k->ins[s->a];
+	if (mul->opc == KIR_CAST && mul->dt == KL_F16 && mul->in_dt == KL_F32 && mul->blk == blk &&
+	    mul->a >= 0 && n == 4)
+		mul = &k->ins[mul->a];
+	else if (n != 3)
+		return false;
+	if (mul->opc != KIR_BINARY || mul->op != KL_OP_MUL || mul->dt != KL_F32 ||
+	    mul->in_dt != KL_F32 || mul->blk != blk || mul->a < 0 || mul->b < 0)
+		return false;
+	int32_t ops[2] = {mul->a, mul->b};
+	for (int j = 0; j < 2; j++) {
+		const kir_ins *o = &k->ins[ops[j]];
+		if (o->opc == KIR_LLOAD && o->blk == blk && *lc < 0 &&
+		    k->local_dt[o->acc] == KL_F32 && row_unit(k, o->ad.ix, J, true))
+			*lc = o->acc;
+		else if (o->blk < blk && o->dt == KL_F32)
+			*m = ops[j];
+	}
+	return *lc >= 0 && *m >= 0;
+}
+
+/* the single reduced dim of a row kernel with a static extent, else -1 */
+static int static_row_dim(const kir_kernel *k, uint32_t inner)
+{
+	if (popc(inner) != 1)
+		return -1;
+	int J = 0;
+	while (!(inner & (1u << J)))
+		J++;
+	return k->dims[J].sym > 0 ? -1 : J;
+}
+
 /* after the last pass: each streamed row from its array to memory */
 static void flush_stream(rctx *c)
 {
@@ -1039,6 +1169,7 @@ static void render_reduction(rctx *c)
 	bool no_rows = false;
 	for (int d = 0; d < k->ndim; d++)
 		no_rows |= (inner & (1u << d)) && k->dims[d].sym == 0 && k->dims[d].v == 0;
+	const int RJ = static_row_dim(k, inner);
 	for (int p = 1; p <= k->npass; p++) {
 		kl_sb red = {0};
 		bool sums = pass_sums(c, p, &red);
@@ -1056,6 +1187,29 @@ static void render_reduction(rctx *c)
 		 * 4096-wide rows 4.73 -> 4.43 ms, 2 threads) */
 		bool pf = p == k->npass - 1 && c->stream_m >= 0 && c->stream_pf >= 0 && inner &&
 		          popc(inner) == 1 && sums && !no_rows;
+		/* an exp pass, an f16 scale out: the target's helpers, a call a
+		 * row (match_exp_sum, match_scale_f16) */
+		int32_t xl, xm, xa, xc;
+		if (sums && !no_rows && match_exp_sum(c, RJ, 2 * p - 1, &xl, &xm, &xa, &xc)) {
+			emit_exp_sum(c, RJ, xl, xm, xa, xc, pf ? c->stream_pf : xl);
+			if (pf)
+				c->stream_pf = -1; /* fetched there: the stream does not */
+			kl__sb_free(&red);
+			emit_block(c, 2 * p);
+			continue;
+		}
+		if (p == k->npass && c->nstream == 0 && !no_rows &&
+		    match_scale_f16(c, RJ, 2 * p - 1, &xl, &xm, &xc)) {
+			indent(c);
+			kl__sb_printf(c->sb, "{ %s i%d = 0; kl_scale_f16(&b%d[", c->r->index_t, RJ,
+			              (int)k->ins[xl].buf);
+			put_addr(c->sb, c->r, &k->ixa, &k->ins[xl].ad);
+			kl__sb_printf(c->sb, "], lc%d, t%d, %lld); }\n", (int)xc, (int)xm,
+			              (long long)k->dims[RJ].v);
+			kl__sb_free(&red);
+			emit_block(c, 2 * p);
+			continue;
+		}
 		if (pf)
 			open_pf_chunks(c);
 		if (inner && sums && !no_rows)

@@ -51,6 +51,13 @@ typedef struct kl_renderer {
 	 * elements is kept in float, not double (0: never): the vector lanes
 	 * are partial sums of at most n/V terms each */
 	int64_t exp_sum_float_max;
+	/* The prelude has kl_expsum_f32 / _f16 / _bf16(e, x, m, n, pf):
+	 * e[i] = exp(x[i] - m) for i < n (x f32, f16 or bf16), bit for bit the
+	 * prelude's exp, returning their float sum and prefetching pf[0, n)
+	 * meanwhile (NULL: nothing), and kl_scale_f16(d, s, m, n): d[i] =
+	 * f16(s[i] * m). A softmax row's exp pass (render.c's match_exp_sum)
+	 * and an f16 row's scale-out (match_scale_f16) call them. */
+	bool exp_sum_row;
 	/* expression callbacks: append the spelling of one operation */
 	void (*constant)(kl_sb *sb, kl_dtype dt, double k);
 	void (*cast)(kl_sb *sb, kl_dtype to, kl_dtype from, const char *a);
