@@ -114,6 +114,12 @@ static unsigned var_smem(int var)
 	return var == VAR_GENERAL ? 0u : (unsigned)((BM + 4 * BN) * var_hd[var] * 2);
 }
 
+/* the backward's kernels in its module; fused mode launches pre, kv, dq,
+ * split mode pre, kv_split, dq_split, wgmma mode dd and lse (pre's work:
+ * D and the dq accumulator zeroed; L from the forward's wgmma kernel without
+ * its P V), wg, dq (the last three only in the sm_90a module) */
+enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_WG, BWD_DD, BWD_LSE, BWD_NFN };
+
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
 	CUfunction fn[4][NVAR][2]; /* general: rows, combine; mma: the kernel */
@@ -127,9 +133,9 @@ typedef struct kl_cuda_attn {
 	 * is not launched (found once, when its module loads) */
 	bool fa3_short[4][NVAR];
 	/* the backward's modules, [f16, bf16][head dim 64, 128], and their
-	 * kernels (BWD_PRE ... BWD_DQ_SPLIT) */
+	 * kernels (BWD_PRE ... BWD_LSE; NULL where the module has none) */
 	kl_cuda_module *bmod[2][2];
-	CUfunction bfn[2][2][5];
+	CUfunction bfn[2][2][BWD_NFN];
 } kl_cuda_attn;
 
 static int dt_code(kl_dtype dt)
@@ -632,11 +638,6 @@ typedef struct kl_atb_args {
 #define BWD_SMEM_WG(d)                                                                             \
 	((unsigned)(2 * 128 * (d) * 2 + 4 * 64 * (d) * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 1024))
 
-/* the backward's kernels in its module; fused mode launches pre, kv, dq,
- * split mode pre, kv_split, dq_split, wgmma mode dd and lse (pre's work:
- * D and the dq accumulator zeroed; L from the forward's wgmma kernel without
- * its P V), wg, dq (the last three only in the sm_90a module) */
-enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_WG, BWD_DD, BWD_LSE, BWD_NFN };
 typedef enum { BWD_FUSED, BWD_SPLIT, BWD_WGMMA } kl_bwd_mode;
 
 /* does device d take kl_attnb_wg? (sm_90a, its shared memory) */
