@@ -6,13 +6,16 @@
  * OpenBLAS 0.3.21, whose SkylakeX kernel ran them at about 92 GFLOP/s a
  * core on the 2-core Zen 4 (ONNX Runtime's MLAS: about 110).
  *
- * How: B is packed, a block of at most GM_KC x GM_NC at a time, into panels
- * of GM_NR (32) columns, each panel k-major (32 floats per step of k), zero
- * past n. A tile of GM_MR (12) rows of C by one panel keeps 12 x 2 zmm
- * accumulators over the block's k: each step loads the panel's two vectors
- * once and broadcasts one float of each of the 12 rows of A, read where it
- * lies (A's rows, 12 x 2 KiB at k = 512, stay in L1 while the panels of the
- * block, in L2, stream past them). A row block sweeps every panel of the
+ * How: B is packed per call, a block at a time (the whole depth up to
+ * GM_KC, columns for about GM_BBLOCK bytes), into panels of GM_NR (32)
+ * columns, each panel k-major (32 floats per step of k), zero past n; a
+ * row-major weight is transposed 16 x 16 in registers on the way. A tile of
+ * GM_MR (12) rows of C by one panel keeps 12 x 2 zmm accumulators over the
+ * block's k: each step loads the panel's two vectors once and broadcasts
+ * one float of each of the 12 rows of A, read where it lies (A's rows stay
+ * near while the panels of the block stream past them from L2; where the
+ * rows are a multiple of 4 KiB apart, all in one L1 set, a row block is
+ * copied first). A row block sweeps every panel of the
  * B block before the next row block starts; on the block's last k the row
  * block's columns go through the epilogue (residual, bias, activation)
  * while they are in L1. Threads take shares of C's columns (each packs only
@@ -30,10 +33,8 @@
 #endif
 
 #ifdef GM_ON
-#ifndef GM_MR
 #define GM_MR 12
-#define GM_NV 2
-#endif
+#define GM_NV 2 /* vectors of 16 a row */
 #define GM_NR (16 * GM_NV)
 #ifndef GM_KC
 #define GM_KC 2048
@@ -144,23 +145,11 @@ GM_TARGET static void gm_pack(const gm_job *jb, float *dst, int p0, int kc, int 
  * read, it may hold NaN), or another block of k added to it */
 enum { GM_SET, GM_SET_BETA, GM_ADD };
 
-#ifdef GM_UNROLL2
-#define GM_PLOOP _Pragma("GCC unroll 2")
-#elif defined(GM_UNROLL4)
-#define GM_PLOOP _Pragma("GCC unroll 4")
-#else
-#define GM_PLOOP
-#endif
-
-#ifdef GM_NOPF
-#define GM_PREFETCH_C(MR)
-#else
 /* C's tile, fetched for writing while the sums run */
 #define GM_PREFETCH_C(MR)                                                                   \
 	for (int r = 0; r < MR; r++)                                                        \
 		for (int v = 0; v < GM_NV; v++)                                             \
 			__builtin_prefetch(c + (size_t)r * ldc + 16 * v, 1);
-#endif
 
 /* rows [0, MR) of C (row stride ldc) by columns [0, nr) of one panel b:
  * the sums over kc of a[r][p] * b[p][c] */
@@ -174,7 +163,7 @@ enum { GM_SET, GM_SET_BETA, GM_ADD };
 		        _Pragma("GCC unroll 4") for (int v = 0; v < GM_NV; v++) s[r][v] =   \
 		                (gm_v16){0};                                                \
 		GM_PREFETCH_C(MR)                                                           \
-		GM_PLOOP for (int p = 0; p < kc; p++) {                                     \
+		for (int p = 0; p < kc; p++) {                                              \
 			gm_v16 bv[GM_NV];                                                   \
 			_Pragma("GCC unroll 4") for (int v = 0; v < GM_NV; v++)             \
 			        memcpy(&bv[v], b + (size_t)p * GM_NR + 16 * v, sizeof bv[v]); \
@@ -388,15 +377,12 @@ bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn)
 	int nc = (int)(GM_BBLOCK / sizeof(float) / (size_t)jb.kb) / GM_NR * GM_NR;
 	jb.nc = nc < GM_NC_MIN ? GM_NC_MIN : nc > GM_NC_MAX ? GM_NC_MAX : nc;
 	jb.nc = (jb.nc + GM_NR - 1) / GM_NR * GM_NR;
-#ifdef GM_ACOPY_ALWAYS
-	jb.acopy = true;
-#else
 	jb.acopy = g->lda % 1024 == 0;
-#endif
-	jb.pack = aligned_alloc(64, (size_t)pieces * gm_piece_floats(&jb) * sizeof(float));
+	size_t bytes = (size_t)pieces * gm_piece_floats(&jb) * sizeof(float);
+	jb.pack = aligned_alloc(64, bytes);
 	if (!jb.pack)
 		return false;
-	kl__par_for(pieces, pieces, gm_chunk, &jb);
+	kl__par_for(par ? nt : 1, pieces, gm_chunk, &jb);
 	free(jb.pack);
 	return true;
 #else
