@@ -348,9 +348,12 @@ bool kl__gemm_mid_fits(int m, int n, int k)
 	 * 0.31 / 0.33, 96x256x256 0.126 / 0.140; behind at 256x256x64 0.057 /
 	 * 0.048, 64^3, and 2048^3 95.7 / 89.7 (A, 16 MiB, streamed from L3
 	 * once for every block of B): at most 2^22 multiply-adds and A of
-	 * 2^22 floats or more stay with OpenBLAS */
+	 * 2^22 floats or more stay with OpenBLAS. So do k under 32 (2048x256x24
+	 * 0.238 / 0.145, 128x8192x16 0.536 / 0.476; 128x8192x32 0.445 / 0.535)
+	 * and n under 64 (1024x48x1024 0.669 / 0.555, the second panel half
+	 * empty; 1024x64x1024 1.30 / 1.37) */
 	int64_t mk = (int64_t)m * k;
-	return m >= 16 && n >= 32 && k >= 16 && mk * n > (1 << 22) && mk < (1 << 22);
+	return m >= 16 && n >= 64 && k >= 32 && mk * n > (1 << 22) && mk < (1 << 22);
 #else
 	(void)m;
 	(void)n;
