@@ -358,9 +358,11 @@ bool kl__gemm_mid_fits(int m, int n, int k)
 	 * 2^22 floats or more stay with OpenBLAS. So do k under 32 (2048x256x24
 	 * 0.238 / 0.145, 128x8192x16 0.536 / 0.476; 128x8192x32 0.445 / 0.535)
 	 * and n under 64 (1024x48x1024 0.669 / 0.555, the second panel half
-	 * empty; 1024x64x1024 1.30 / 1.37) */
+	 * empty; 1024x64x1024 1.30 / 1.37), and k past GM_KC, where C is
+	 * read again for each block of k (256x768x3072: 6.71 / 6.35) */
 	int64_t mk = (int64_t)m * k;
-	return m >= 16 && n >= 64 && k >= 32 && mk * n > (1 << 22) && mk < (1 << 22);
+	return m >= 16 && n >= 64 && k >= 32 && k <= GM_KC && mk * n > (1 << 22) &&
+	       mk < (1 << 22);
 #else
 	(void)m;
 	(void)n;
