@@ -1,14 +1,15 @@
 /* test_gemm_mid.c - kiln's f32 product for medium shapes on AVX-512
  * (backend/cpu/gemm_mid.c), alone and through kl__blas_gemm's dispatch:
- * rows, columns and depth around its tile (12 x 32), its blocks of B (256
- * columns, 512 deep) and the 16 x 16 transposes of the packing (m 1-13, n
- * 1-33 and past a block, k 1-17 and past one and two blocks), B stored n x
- * k or k x n, leading dimensions past the row, alpha and beta, on 1-3
- * threads, against the product in double; C poisoned with NaN where beta
- * is 0, the columns past n untouched; A's rows 4 KiB apart (copied); NaN and inf in A reach their row only
- * and in B their column only; and the fused epilogue (residual, bias,
- * activation). Where the machine has no AVX-512 the product declines
- * (returns false) and the tests say so and pass.
+ * rows, columns and depth around its tile (12 x 32), its blocks of B and
+ * the 16 x 16 transposes of the packing (m 1-13, n 1-33 and past a block,
+ * k 1-17, past 512 and past one and two blocks of 2048), B stored n x k or
+ * k x n, leading dimensions past the row, alpha and beta, on 1-3 threads,
+ * against the product in double; C poisoned with NaN where beta is 0, the
+ * columns past n untouched; A's rows 4 KiB apart (copied a row block at a
+ * time); NaN and inf in A reach their row only and in B their column only;
+ * and the fused epilogue (residual, bias, activation). Where the machine
+ * has no AVX-512 the product declines (returns false) and the tests say so
+ * and pass.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -192,6 +193,20 @@ static void test_shapes(void **state)
 	                        .w_kn = true, .beta = 0.5f}};
 	for (size_t i = 0; i < 2; i++) {
 		mcase g = alias[i];
+		g.nt = 2;
+		g.alpha = 1;
+		int r = check_case(&g, &st);
+		bad += r > 0 ? r : 0;
+	}
+	/* k past one block (2048): C summed over two, beta once, the
+	 * epilogue after the last */
+	const mcase deep[] = {{.m = 13, .n = 40, .k = 2100, .lda = 2100, .ldw = 2101, .ldc = 41,
+	                       .ldr = 40, .beta = 0.5f, .res = true, .bias = true,
+	                       .act = KL_OP_SILU},
+	                      {.m = 30, .n = 70, .k = 4500, .lda = 4500, .ldw = 70, .ldc = 70,
+	                       .w_kn = true}};
+	for (size_t i = 0; i < 2; i++) {
+		mcase g = deep[i];
 		g.nt = 2;
 		g.alpha = 1;
 		int r = check_case(&g, &st);
