@@ -148,6 +148,22 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, doub
 		kl__gemm_small_par(nt, &g);
 		return;
 	}
+	if (!f64 && ta == CblasNoTrans && kl__gemm_mid_fits(m, n, k)) {
+		/* a few hundred rows or more (AVX-512): kiln's own product */
+		kl_gemm_small g = {.m = m,
+		                   .n = n,
+		                   .k = k,
+		                   .lda = lda,
+		                   .ldw = ldb,
+		                   .ldc = ldc,
+		                   .alpha = (float)alpha,
+		                   .beta = (float)beta,
+		                   .A = A,
+		                   .W = B,
+		                   .C = C};
+		if (kl__gemm_mid_par(nt, &g, tb == CblasNoTrans))
+			return;
+	}
 	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||
 	    (m < 2 * nt && n < 16 * nt)) {
 		gemm_block(f64, ta, tb, k, alpha, A, lda, B, ldb, beta, C, ldc, 0, m, 0, n);

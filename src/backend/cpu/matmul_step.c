@@ -342,6 +342,34 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			*fused = true;
 			return KL_OK;
 		}
+		if (x->tc == KL_F32 && tra == CblasNoTrans && kl__gemm_mid_fits((int)m, (int)n, (int)k) &&
+		    e->mm->r_ld <= INT_MAX) {
+			/* more rows (AVX-512): kiln's own product, B packed in
+			 * panels, the epilogue on each block of rows and columns
+			 * as soon as it is done */
+			kl_gemm_small g = {
+			        .m = (int)m,
+			        .n = (int)n,
+			        .k = (int)k,
+			        .lda = (int)lda,
+			        .ldw = (int)ldb,
+			        .ldc = ldc,
+			        .alpha = (float)mm->alpha,
+			        .beta = (float)mm->beta,
+			        .A = (const float *)x->a + x->ao,
+			        .W = (const float *)x->b + x->bo,
+			        .C = (float *)x->c + x->co,
+			        .R = e->mm->has_r ? (const float *)e->r + e->ro : NULL,
+			        .ldr = (int)e->mm->r_ld,
+			        .rbeta = (float)e->mm->beta,
+			        .bias = e->mm->has_bias ? (const float *)e->bias + e->mm->bias_off
+			                                : NULL,
+			        .act = e->act};
+			if (kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans)) {
+				*fused = true;
+				return KL_OK;
+			}
+		}
 		kl__blas_gemm(kl__par_threads(), x->tc == KL_F64, tra, trb, (int)m, (int)n, (int)k,
 		              mm->alpha, (const char *)x->a + (size_t)x->ao * es, (int)lda,
 		              (const char *)x->b + (size_t)x->bo * es, (int)ldb, mm->beta,
