@@ -458,10 +458,10 @@ static void test_bwd_dynamic(void **state)
 
 /* the backward's kernels, every mode's (fused: kl_attnb_pre, kl_attnb_kv,
  * kl_attnb_dq; split: kl_attnb_pre, kl_attnb_kv_split, kl_attnb_dq_split;
- * wgmma: kl_attnb_dd, kl_attn_wgmma_lse, kl_attnb_wg or kl_attnb_wg_early,
- * kl_attnb_dq, the first four only in the module built for sm_90a), compile
- * for sm_90 (and sm_90a) in f16 and bf16 at head dims 64 and 128 with no
- * warning and (but for a few bytes in kl_attnb_kv at head dim 128) no spill, no GPU
+ * wgmma: kl_attnb_dd, kl_attn_wgmma_lse, kl_attnb_wg, kl_attnb_dq, the first
+ * three only in the module built for sm_90a), compile for sm_90 (and sm_90a) in f16 and bf16 at head dims 64 and
+ * 128 with no warning
+ * and (but for a few bytes in kl_attnb_kv at head dim 128) no spill, no GPU
  * needed; ptxas's figures printed, each kernel found in them (so in the
  * module), and kl_attnb_kv_split under kl_attnb_kv's registers */
 static void test_cuda_bwd_compile(void **state)
@@ -489,13 +489,12 @@ static void test_cuda_bwd_compile(void **state)
 			assert_memory_equal(im.data, "\177ELF", 4);
 			if (im.log && strstr(im.log, "warning"))
 				fail_msg("%s d%d: warnings:\n%s", kl_dtype_name(dts[di]), hds[hi], im.log);
-			const char *names[9] = {"kl_attnb_pre",      "kl_attnb_kv",
+			const char *names[8] = {"kl_attnb_pre",      "kl_attnb_kv",
 			                        "kl_attnb_dq",       "kl_attnb_kv_split",
 			                        "kl_attnb_dq_split", "kl_attnb_wg",
-			                        "kl_attnb_wg_early", "kl_attnb_dd",
-			                        "kl_attn_wgmma_lse"};
-			int used[9];
-			for (int k = 0; k < (wg ? 9 : 5); k++) {
+			                        "kl_attnb_dd",       "kl_attn_wgmma_lse"};
+			int used[8];
+			for (int k = 0; k < (wg ? 8 : 5); k++) {
 				char key[64];
 				/* the whole name: kl_attnb_kv is a prefix of kl_attnb_kv_split */
 				snprintf(key, sizeof key, "Function properties for %s\n", names[k]);
@@ -567,8 +566,8 @@ static void test_cuda_bwd(void **state)
 	const kl_dtype dts[3] = {KL_BF16, KL_F16, KL_F32};
 	unsetenv("KILN_CUDA_ATTN_BWD");
 	int bad = run_cases(ctx, dts, 3, true);
-	const char *modes[4] = {"wgmma", "wgmma_early", "fused", "split"};
-	for (int m = 0; m < 4; m++) {
+	const char *modes[3] = {"wgmma", "fused", "split"};
+	for (int m = 0; m < 3; m++) {
 		setenv("KILN_CUDA_ATTN_BWD", modes[m], 1);
 		int b = run_cases(ctx, dts, 2, true);
 		if (b)
@@ -597,8 +596,8 @@ static void test_cuda_bwd_bench(void **state)
 	kl_ctx *ctx = gpu_ctx();
 	if (!ctx)
 		skip();
-	const char *modes[5] = {"default", "wgmma", "wgmma_early", "fused", "split"};
-	for (int run = 0; run < 20; run++) {
+	const char *modes[4] = {"default", "wgmma", "fused", "split"};
+	for (int run = 0; run < 16; run++) {
 		int causal = run & 1;
 		const char *mode = modes[run >> 2];
 		if (run >> 2)

@@ -117,19 +117,8 @@ static unsigned var_smem(int var)
 /* the backward's kernels in its module; fused mode launches pre, kv, dq,
  * split mode pre, kv_split, dq_split, wgmma mode dd and lse (pre's work:
  * D and the dq accumulator zeroed; L from the forward's wgmma kernel without
- * its P V), wg (or wg_early), dq (those four only in the sm_90a module) */
-enum {
-	BWD_PRE,
-	BWD_KV,
-	BWD_DQ,
-	BWD_KV_SPLIT,
-	BWD_DQ_SPLIT,
-	BWD_WG,
-	BWD_WG_EARLY,
-	BWD_DD,
-	BWD_LSE,
-	BWD_NFN
-};
+ * its P V), wg, dq (the last three only in the sm_90a module) */
+enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_WG, BWD_DD, BWD_LSE, BWD_NFN };
 
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
@@ -649,7 +638,7 @@ typedef struct kl_atb_args {
 #define BWD_SMEM_WG(d)                                                                             \
 	((unsigned)(2 * 128 * (d) * 2 + 4 * 64 * (d) * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 1024))
 
-typedef enum { BWD_FUSED, BWD_SPLIT, BWD_WGMMA, BWD_WGMMA_EARLY } kl_bwd_mode;
+typedef enum { BWD_FUSED, BWD_SPLIT, BWD_WGMMA } kl_bwd_mode;
 
 /* does device d take kl_attnb_wg? (sm_90a, its shared memory) */
 static bool bwd_wg_ok(const kl_cuda_dev *d, int64_t hd)
@@ -681,10 +670,8 @@ static kl_bwd_mode bwd_mode(kl_ctx *ctx, const kl_cuda_dev *d, const kl_attn_ste
 		return BWD_SPLIT;
 	if (!strcmp(e, "wgmma") && wg)
 		return BWD_WGMMA;
-	if (!strcmp(e, "wgmma_early") && wg)
-		return BWD_WGMMA_EARLY;
 	kl__log(ctx, KL_LOG_FUSION,
-	        "KILN_CUDA_ATTN_BWD=%.32s ignored (fused, split, or wgmma / wgmma_early on sm_90)", e);
+	        "KILN_CUDA_ATTN_BWD=%.32s ignored (fused, split, or wgmma on sm_90)", e);
 	return def;
 }
 
@@ -721,16 +708,13 @@ static kl_status get_bwd_fns(kl_ctx *ctx, kl_cuda_dev *d, kl_dtype dt, int64_t h
 		kl_status st = kl__cuda_module_cached(ctx, d, src, "kiln_attention_bwd.cu", wg, &m);
 		free(src);
 		static const char *const names[BWD_NFN] = {
-		        "kl_attnb_pre",      "kl_attnb_kv",       "kl_attnb_dq",
-		        "kl_attnb_kv_split", "kl_attnb_dq_split", "kl_attnb_wg",
-		        "kl_attnb_wg_early", "kl_attnb_dd",       "kl_attn_wgmma_lse"};
+		        "kl_attnb_pre",      "kl_attnb_kv", "kl_attnb_dq", "kl_attnb_kv_split",
+		        "kl_attnb_dq_split", "kl_attnb_wg", "kl_attnb_dd", "kl_attn_wgmma_lse"};
 		CUfunction f[BWD_NFN] = {NULL};
 		for (int i = 0; i < (wg ? BWD_NFN : BWD_WG) && st == KL_OK; i++)
 			st = kl__cuda_module_fn(ctx, m, names[i], &f[i]);
 		if (st == KL_OK && wg)
 			st = kl__cuda_fn_smem(ctx, d, f[BWD_WG], BWD_SMEM_WG(hd));
-		if (st == KL_OK && wg)
-			st = kl__cuda_fn_smem(ctx, d, f[BWD_WG_EARLY], BWD_SMEM_WG(hd));
 		if (st == KL_OK && wg)
 			st = kl__cuda_fn_smem(ctx, d, f[BWD_LSE], (unsigned)WG_SMEM(hd, WG_TWO));
 		if (st == KL_OK)
@@ -820,7 +804,7 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		return st;
 	/* split mode needs L and D only: its dQ never leaves the registers */
 	kl_bwd_mode mode = bwd_mode(ctx, d, s);
-	bool split = mode == BWD_SPLIT, wgm = mode == BWD_WGMMA || mode == BWD_WGMMA_EARLY;
+	bool split = mode == BWD_SPLIT;
 	size_t rows = (size_t)nbt * (size_t)s->tq;
 	if ((st = ensure_ws(ctx, d, rows * (size_t)(2 + (split ? 0 : s->d)) * 4 + 64,
 	                    "the attention backward's workspace")) != KL_OK)
@@ -834,7 +818,7 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	}
 	void *argv[1] = {&a};
 	unsigned block[3] = {128, 1, 1};
-	if (s->tq > 0 && wgm) {
+	if (s->tq > 0 && mode == BWD_WGMMA) {
 		/* D and the zeroed dq accumulator, a warp a row; L from the
 		 * forward's wgmma kernel without P V (two warpgroups, 128 rows a
 		 * block, as kl_attn_wgmma) */
@@ -862,11 +846,10 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		                          KL_LAUNCH_PDL)) != KL_OK)
 			return st;
 	}
-	if (s->tk > 0 && wgm) {
+	if (s->tk > 0 && mode == BWD_WGMMA) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tk + 127) / 128), 1};
 		unsigned b256[3] = {256, 1, 1};
-		CUfunction fw = f[mode == BWD_WGMMA_EARLY ? BWD_WG_EARLY : BWD_WG];
-		if ((st = kl__cuda_launch(ctx, d, fw, grid, b256, BWD_SMEM_WG(s->d), argv,
+		if ((st = kl__cuda_launch(ctx, d, f[BWD_WG], grid, b256, BWD_SMEM_WG(s->d), argv,
 		                          KL_LAUNCH_PDL)) != KL_OK)
 			return st;
 	} else if (s->tk > 0) {
