@@ -132,8 +132,11 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, doub
                    const void *A, int lda, const void *B, int ldb, double beta, void *C, int ldc)
 {
 	CBLAS_TRANSPOSE ta = (CBLAS_TRANSPOSE)ta_, tb = (CBLAS_TRANSPOSE)tb_;
-	if (!f64 && ta == CblasNoTrans && tb == CblasTrans && kl__gemm_small_fits(m, n, k)) {
-		/* few rows times a row-major weight (x W^T): kiln's own product */
+	bool few_rows = tb == CblasTrans && kl__gemm_small_fits(m, n, k);
+	if (!f64 && ta == CblasNoTrans && (few_rows || kl__gemm_mid_fits(m, n, k))) {
+		/* kiln's own products: few rows times a row-major weight (x W^T,
+		 * gemm_small), or a few hundred rows or more on AVX-512 (gemm_mid;
+		 * where it cannot run, OpenBLAS below) */
 		kl_gemm_small g = {.m = m,
 		                   .n = n,
 		                   .k = k,
@@ -145,23 +148,9 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, doub
 		                   .A = A,
 		                   .W = B,
 		                   .C = C};
-		kl__gemm_small_par(nt, &g);
-		return;
-	}
-	if (!f64 && ta == CblasNoTrans && kl__gemm_mid_fits(m, n, k)) {
-		/* a few hundred rows or more (AVX-512): kiln's own product */
-		kl_gemm_small g = {.m = m,
-		                   .n = n,
-		                   .k = k,
-		                   .lda = lda,
-		                   .ldw = ldb,
-		                   .ldc = ldc,
-		                   .alpha = (float)alpha,
-		                   .beta = (float)beta,
-		                   .A = A,
-		                   .W = B,
-		                   .C = C};
-		if (kl__gemm_mid_par(nt, &g, tb == CblasNoTrans))
+		if (few_rows)
+			kl__gemm_small_par(nt, &g);
+		if (few_rows || kl__gemm_mid_par(nt, &g, tb == CblasNoTrans))
 			return;
 	}
 	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||

@@ -315,11 +315,14 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			return KL_OK;
 		}
 		size_t es = kl_dtype_size(x->tc);
-		if (x->tc == KL_F32 && tra == CblasNoTrans && trb == CblasTrans &&
-		    kl__gemm_small_fits((int)m, (int)n, (int)k) && e->mm->r_ld <= INT_MAX) {
-			/* few rows times a row-major weight: kiln's own product, the
-			 * epilogue on each block of columns while it is in L1 (mlp24:
-			 * GELU's second pass over C had cost a fifth of the step) */
+		bool few_rows = trb == CblasTrans && kl__gemm_small_fits((int)m, (int)n, (int)k);
+		if (x->tc == KL_F32 && tra == CblasNoTrans && e->mm->r_ld <= INT_MAX &&
+		    (few_rows || kl__gemm_mid_fits((int)m, (int)n, (int)k))) {
+			/* kiln's own products, the epilogue on each block of C while
+			 * it is in L1 (mlp24: GELU's second pass over C had cost a
+			 * fifth of the step): few rows times a row-major weight
+			 * (gemm_small), or more rows on AVX-512 (gemm_mid, B packed
+			 * in panels; where it cannot run, OpenBLAS below) */
 			kl_gemm_small g = {
 			        .m = (int)m,
 			        .n = (int)n,
@@ -338,34 +341,9 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			        .bias = e->mm->has_bias ? (const float *)e->bias + e->mm->bias_off
 			                                : NULL,
 			        .act = e->act};
-			kl__gemm_small_par(kl__par_threads(), &g);
-			*fused = true;
-			return KL_OK;
-		}
-		if (x->tc == KL_F32 && tra == CblasNoTrans && kl__gemm_mid_fits((int)m, (int)n, (int)k) &&
-		    e->mm->r_ld <= INT_MAX) {
-			/* more rows (AVX-512): kiln's own product, B packed in
-			 * panels, the epilogue on each block of rows and columns
-			 * as soon as it is done */
-			kl_gemm_small g = {
-			        .m = (int)m,
-			        .n = (int)n,
-			        .k = (int)k,
-			        .lda = (int)lda,
-			        .ldw = (int)ldb,
-			        .ldc = ldc,
-			        .alpha = (float)mm->alpha,
-			        .beta = (float)mm->beta,
-			        .A = (const float *)x->a + x->ao,
-			        .W = (const float *)x->b + x->bo,
-			        .C = (float *)x->c + x->co,
-			        .R = e->mm->has_r ? (const float *)e->r + e->ro : NULL,
-			        .ldr = (int)e->mm->r_ld,
-			        .rbeta = (float)e->mm->beta,
-			        .bias = e->mm->has_bias ? (const float *)e->bias + e->mm->bias_off
-			                                : NULL,
-			        .act = e->act};
-			if (kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans)) {
+			if (few_rows)
+				kl__gemm_small_par(kl__par_threads(), &g);
+			if (few_rows || kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans)) {
 				*fused = true;
 				return KL_OK;
 			}

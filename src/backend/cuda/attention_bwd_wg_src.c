@@ -2,9 +2,9 @@
  * backward's dK/dV/dQ kernel on sm_90a warpgroups (wgmma), put after
  * attention_src.c compiled with KL_AT_WG 1 (its wgmma wrappers, descriptors,
  * ex2, tile helpers) and attention_bwd_src.c (kl_atb_args, bwd_offs,
- * kl_attnb_pre and kl_attnb_dq, which run before and after it). Only
- * attention_cuda.c's sm_90 module has it; the layout and the step are in the
- * comment at its top.
+ * store_dkdv, and kl_attnb_dq, which runs after it). Only attention_cuda.c's
+ * sm_90 module has it; the layout and the step are in the comment at its
+ * top.
  */
 #include "backend/cuda/device.h"
 
@@ -259,23 +259,7 @@ const char kl__cuda_attention_bwd_wg_src[] =
         "\t\t\t\t             : \"memory\");\n"
         "\t\t}\n"
         "\t}\n"
-        "\t/* a query that sees no key (causal, tq > tk): NaN probabilities, as the\n"
-        "\t * reference's softmax over nothing, reach every dk and dv */\n"
-        "\tbool nan = a.causal && lag < 0;\n"
-        "#pragma unroll\n"
-        "\tfor (int h = 0; h < 2; h++) {\n"
-        "\t\tlong long key = krow + h * 8;\n"
-        "\t\tif (key >= a.tk) continue;\n"
-        "\t\tT *rk = out + (a.tq + key) * a.out_rs, *rv = out + (a.tq + a.tk + key) * a.out_rs;\n"
-        "#pragma unroll\n"
-        "\t\tfor (int n = 0; n < D / 8; n++) {\n"
-        "\t\t\tint col = n * 8 + 2 * (lane & 3);\n"
-        "\t\t\tfloat k0v = nan ? QNAN : dk[n][2 * h] * a.scale, k1v = nan ? QNAN : dk[n][2 * h + 1] * a.scale;\n"
-        "\t\t\tfloat v0 = nan ? QNAN : dv[n][2 * h], v1 = nan ? QNAN : dv[n][2 * h + 1];\n"
-        "\t\t\t*(unsigned *)(rk + col) = pack2(k0v, k1v);\n"
-        "\t\t\t*(unsigned *)(rv + col) = pack2(v0, v1);\n"
-        "\t\t}\n"
-        "\t}\n"
+        "\tstore_dkdv(a, out, krow, lane, dk, dv);\n"
         "}\n"
         "#undef GB_DQK\n"
         "#undef GB_DQC\n"
