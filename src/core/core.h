@@ -33,6 +33,10 @@ typedef struct kl_storage {
 	 * (kl__storage_written): the version counter compiled functions guard
 	 * the tensors they captured with. Views share it with their base. */
 	uint64_t version;
+	/* unique in the process, never reused (kl__storage_id): with version,
+	 * names the memory's contents across calls (matmul_step.c's weights
+	 * packed ahead), where an address may be freed and handed out again */
+	uint64_t id;
 	/* the memory is someone else's (a package's mapping): never freed here */
 	bool borrowed;
 } kl_storage;
@@ -278,6 +282,8 @@ static inline void *kl__tensor_data(const kl_tensor *t)
 	return (char *)t->st->data + t->offset * (int64_t)kl_dtype_size(t->dtype);
 }
 bool kl__strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* A new storage's id (kl_storage.id): 1, 2, ... */
+uint64_t kl__storage_id(void);
 /* Every path that writes into an existing tensor's memory (rather than
  * filling fresh storage) calls this after the write. */
 static inline void kl__storage_written(kl_storage *st)

@@ -2,6 +2,7 @@
  * context's live list and the open scope, views, inspection, and the two
  * creation ops that always materialize at once (kl_empty, kl_from_host).
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -69,6 +70,12 @@ static void tensor_destroy(kl_tensor *t)
 	free(t);
 }
 
+uint64_t kl__storage_id(void)
+{
+	static _Atomic uint64_t next;
+	return atomic_fetch_add(&next, 1) + 1;
+}
+
 kl_tensor *kl__tensor_borrow(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *shape, void *data,
                              size_t nbytes)
 {
@@ -85,6 +92,7 @@ kl_tensor *kl__tensor_borrow(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *
 	st->data = data;
 	st->nbytes = nbytes;
 	st->borrowed = true;
+	st->id = kl__storage_id();
 	t->st = st;
 	return t;
 }
@@ -116,6 +124,7 @@ kl_tensor *kl__tensor_alloc(kl_ctx *ctx, kl_dtype dt, int ndim, const int64_t *s
 	st->device = ctx->device;
 	st->data = data;
 	st->nbytes = nbytes;
+	st->id = kl__storage_id();
 	kl_tensor *t = kl__tensor_new(ctx, dt, ndim, shape);
 	if (!t) {
 		ctx->be->free(ctx, data);

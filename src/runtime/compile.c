@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "kiln_source_digest.h" /* generated: cmake/source_digest.cmake */
+#include "backend/cpu/cpu.h" /* kl__mm_pack_free */
 #include "core/le.h"
 #include "lower/lower.h"
 #include "runtime/runtime_int.h"
@@ -215,6 +216,9 @@ void kl__compiled_free(kl_compiled *c)
 	kl__memplan_free(&c->plan);
 	free(c->arena);
 	free(c->scratch);
+	for (int32_t s = 0; c->mm_pack && s < c->prog.nsteps; s++)
+		kl__mm_pack_free(&c->mm_pack[s]);
+	free(c->mm_pack);
 	free(c);
 }
 

@@ -79,6 +79,11 @@ typedef struct kl_compiled {
 	size_t arena_cap;
 	void *scratch;
 	size_t scratch_cap;
+	/* CPU: each product step's weight packed ahead (backend/cpu/cpu.h
+	 * kl_mm_pack; NULL until the first call, and in a plan that writes
+	 * in place), their bytes */
+	struct kl_mm_pack *mm_pack;
+	size_t mm_pack_bytes;
 	/* counters */
 	int last_launches;
 	uint64_t runs;

@@ -151,9 +151,10 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 	return KL_OK;
 }
 
-/* Step sp of c on the CPU. */
+/* Step sp of c on the CPU; inputs: the call's (a product whose B is one
+ * keeps it packed across calls, c->mm_pack). */
 static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void **B,
-                          const int64_t *syms)
+                          const int64_t *syms, kl_tensor *const *inputs)
 {
 	const kl_program *p = &c->prog;
 	if (sp->kind == KL_STEP_KERNEL) {
@@ -197,8 +198,30 @@ static kl_status cpu_step(kl_ctx *ctx, kl_compiled *c, const kl_step *sp, void *
 		                                             : ((const int64_t *)pp)[bad];
 		return kl__cache_write_range_err(ctx, &g, w->axis, bad, at);
 	}
+	const kl_buf *bb = &p->bufs[sp->mm.b];
+	kl_mm_pack *pk = NULL;
+	kl_mm_weight w = {0, 0};
+	if (c->mm_pack && bb->role == KL_BUF_INPUT) {
+		const kl_storage *st = inputs[bb->index]->st;
+		pk = &c->mm_pack[sp - p->steps];
+		w = (kl_mm_weight){st->id, st->version};
+	}
 	return kl__cpu_matmul_step(ctx, &sp->mm, p->bufs, (void *const *)B, &c->scratch,
-	                           &c->scratch_cap);
+	                           &c->scratch_cap, pk, w, &c->mm_pack_bytes);
+}
+
+/* c->mm_pack at the first CPU call: a slot a step, or none where a step
+ * writes in place (a cache write lands in an input's memory during the
+ * call, before its version moves) or memory is short */
+static void mm_pack_init(kl_compiled *c)
+{
+	const kl_program *p = &c->prog;
+	if (c->mm_pack || p->nsteps <= 0)
+		return;
+	for (int32_t s = 0; s < p->nsteps; s++)
+		if (p->steps[s].kind == KL_STEP_CACHE_WRITE)
+			return;
+	c->mm_pack = calloc((size_t)p->nsteps, sizeof *c->mm_pack);
 }
 
 static const char *human(double v, const char *unit, char *buf, size_t cap);
@@ -209,7 +232,8 @@ static const char *step_label(const kl_program *p, const kl_step *sp, char *buf,
  * the call left in place), on the GPU by device events over about 2 ms of
  * plain launches, on the CPU by the host clock over at least 3 runs and
  * 2 ms; then a table to ctx->profile. */
-static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int64_t *syms)
+static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int64_t *syms,
+                               kl_tensor *const *inputs)
 {
 	const kl_program *p = &c->prog;
 	double *us = calloc((size_t)(p->nsteps > 0 ? p->nsteps : 1), sizeof *us);
@@ -223,7 +247,7 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 			double t0 = kl__now_ms(), t1 = t0;
 			int n = 0;
 			do {
-				st = cpu_step(ctx, c, &p->steps[s], B, syms);
+				st = cpu_step(ctx, c, &p->steps[s], B, syms, inputs);
 				n++;
 				t1 = kl__now_ms();
 			} while (st == KL_OK && n < 1000 && (n < 3 || t1 - t0 < 2.0));
@@ -360,13 +384,14 @@ kl_status kl__compiled_run_tail(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *i
 		                     chk, nchk);
 	} else if (st == KL_OK) {
 		kl__par_set_threads(ctx->nthreads);
+		mm_pack_init(c);
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++)
-			st = cpu_step(ctx, c, &p->steps[s], B, syms);
+			st = cpu_step(ctx, c, &p->steps[s], B, syms, inputs);
 		if (st == KL_OK && tail)
 			st = tail->launch(ctx, tail->user, &tail_launches);
 	}
 	if (st == KL_OK && ctx->profile)
-		st = profile_steps(ctx, c, B, syms);
+		st = profile_steps(ctx, c, B, syms, inputs);
 	free(B);
 	if (st == KL_OK)
 		for (int j = 0; j < c->nout; j++)
@@ -443,4 +468,10 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 		fprintf(f, " | %s moved, %s\n", human(sp->bytes, "B", b1, sizeof b1),
 		        human(sp->flops, "FLOP", b2, sizeof b2));
 	}
+	int npk = 0;
+	for (int32_t s = 0; c->mm_pack && s < p->nsteps; s++)
+		npk += c->mm_pack[s].id != 0;
+	if (npk)
+		fprintf(f, "%sweights kept packed across calls: %d product%s, %s\n", ind, npk,
+		        npk == 1 ? "" : "s", human((double)c->mm_pack_bytes, "B", b1, sizeof b1));
 }

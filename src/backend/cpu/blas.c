@@ -150,7 +150,7 @@ void kl__blas_gemm(int nt, bool f64, int ta_, int tb_, int m, int n, int k, doub
 		                   .C = C};
 		if (few_rows)
 			kl__gemm_small_par(nt, &g);
-		if (few_rows || kl__gemm_mid_par(nt, &g, tb == CblasNoTrans))
+		if (few_rows || kl__gemm_mid_par(nt, &g, tb == CblasNoTrans, NULL))
 			return;
 	}
 	if (nt <= 1 || kl__par_active() || (double)m * n * k < GEMM_PAR_MIN ||

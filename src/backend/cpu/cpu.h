@@ -110,7 +110,14 @@ void kl__gemm_small_par(int nt, const kl_gemm_small *g);
  * shapes where it is ahead of OpenBLAS (never without AVX-512);
  * kl__gemm_mid_par returns false (nothing done) where it cannot run. */
 bool kl__gemm_mid_fits(int m, int n, int k);
-bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn);
+bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn, const float *pre);
+/* B packed ahead, for a weight that outlives the call (a compiled plan's
+ * parameter, matmul_step.c): kl__gemm_mid_packed_floats(n, k) floats at
+ * dst (64-byte aligned), then passed as kl__gemm_mid_par's pre; false
+ * (nothing written) where gemm_mid cannot run */
+size_t kl__gemm_mid_packed_floats(int n, int k);
+bool kl__gemm_mid_packed_fits(int m, int n, int k);
+bool kl__gemm_mid_pack(const kl_gemm_small *g, bool w_kn, float *dst);
 
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
@@ -336,11 +343,35 @@ const char *kl__cpu_opname(const kl_node *n);
 
 /* ---- plan steps the runtime's executor hands the CPU ------------------------ */
 
+/* A product step's B packed ahead for gemm_mid, kept by the compiled plan
+ * from call to call (a Linear's weight is packed once, as ONNX Runtime
+ * prepacks its initializers): valid while B's memory is the same storage
+ * (kl_storage.id) at the same version, offset and dtype; any write in place
+ * bumps the version and the next call packs again. */
+typedef struct kl_mm_pack {
+	uint64_t id, version;
+	int64_t off;
+	int dtype;
+	float *p;      /* 64-byte aligned */
+	size_t floats; /* allocated */
+} kl_mm_pack;
+/* B's storage this call (id 0: not a caller's tensor, nothing kept) */
+typedef struct kl_mm_weight {
+	uint64_t id, version;
+} kl_mm_weight;
+void kl__mm_pack_free(kl_mm_pack *pk);
+/* The most bytes a compiled plan keeps packed (past it, products pack per
+ * call as before) */
+#define KL_MM_PACK_MAX ((size_t)512 << 20)
+
 /* matmul_step.c: step on the plan's buffers (bufs: its buffer table, B: their
  * addresses); *scratch (*scratch_cap bytes) is the caller's conversion
- * buffer, grown as needed. KL_ENOMEM with ctx's error set on failure. */
+ * buffer, grown as needed; pk (or NULL) the step's packed weight, w B's
+ * storage, *pack_bytes the plan's packed total. KL_ENOMEM with ctx's error
+ * set on failure. */
 kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
-                              void *const *B, void **scratch, size_t *scratch_cap);
+                              void *const *B, void **scratch, size_t *scratch_cap,
+                              kl_mm_pack *pk, kl_mm_weight w, size_t *pack_bytes);
 
 /* ---- toolchain.c: C source -> shared object -> kernel pointers ----------- */
 

@@ -138,11 +138,74 @@ static bool is_f32ish(kl_dtype dt)
 	return dt == KL_F32 || dt == KL_F16 || dt == KL_BF16;
 }
 
-/* the caller's scratch buffer, grown to at least bytes */
+/* the caller's scratch buffer, grown to at least bytes; and the step's
+ * weight packed ahead (pk NULL: none kept), valid for B's storage w at
+ * element offset off of dtype dt (the step's B as the plan binds it, also
+ * while an f16 product runs on its f32 copies) */
 typedef struct mm_scratch {
 	void **p;
 	size_t *cap;
+	kl_mm_pack *pk;
+	kl_mm_weight w;
+	int64_t off;
+	kl_dtype dt;
+	size_t *pack_bytes;
 } mm_scratch;
+
+/* Whether the step's packed weight holds B this call */
+static bool pack_valid(const mm_scratch *c)
+{
+	const kl_mm_pack *pk = c->pk;
+	return pk && pk->p && pk->id == c->w.id && pk->version == c->w.version &&
+	       pk->off == c->off && pk->dtype == (int)c->dt;
+}
+
+/* Whether a product of m x k by k x n takes the packed weight */
+static bool pack_fits(const mm_scratch *c, int64_t m, int64_t n, int64_t k)
+{
+	return c->pk && c->w.id && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
+	       kl__gemm_mid_packed_fits((int)m, (int)n, (int)k);
+}
+
+/* The packed weight for g (B as g->W holds it now), packed here when the
+ * kept one is stale; NULL where none can be kept (past KL_MM_PACK_MAX, out
+ * of memory, no AVX-512): the product then packs per call. */
+static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w_kn)
+{
+	kl_mm_pack *pk = c->pk;
+	if (pack_valid(c))
+		return pk->p;
+	size_t need = kl__gemm_mid_packed_floats(g->n, g->k);
+	if (need > pk->floats) {
+		size_t bytes = (need * sizeof(float) + 63) / 64 * 64;
+		if (*c->pack_bytes - pk->floats * sizeof(float) + bytes > KL_MM_PACK_MAX)
+			return NULL;
+		float *p = aligned_alloc(64, bytes);
+		if (!p)
+			return NULL;
+		*c->pack_bytes -= pk->floats * sizeof(float);
+		free(pk->p);
+		pk->p = p;
+		pk->floats = bytes / sizeof(float);
+		*c->pack_bytes += bytes;
+	}
+	pk->id = 0; /* stale until packed */
+	if (!kl__gemm_mid_pack(g, w_kn, pk->p))
+		return NULL;
+	pk->id = c->w.id;
+	pk->version = c->w.version;
+	pk->off = c->off;
+	pk->dtype = (int)c->dt;
+	return pk->p;
+}
+
+void kl__mm_pack_free(kl_mm_pack *pk)
+{
+	if (pk) {
+		free(pk->p);
+		memset(pk, 0, sizeof *pk);
+	}
+}
 
 static void *scratch(const mm_scratch *c, size_t bytes)
 {
@@ -251,7 +314,10 @@ static bool gemm_half(const mm_scratch *c, const mm_args *x, const epi_args *e, 
 	}
 	float *sb = sa + na, *sc = sb + nb, *sr = sc + nc, *sbias = sr + nr;
 	half_copy_run(dt, false, (void *)x->a, x->ao, ar, ac, ar > 1 ? lda : ac, sa);
-	half_copy_run(dt, false, (void *)x->b, x->bo, br, bc, br > 1 ? ldb : bc, sb);
+	/* a weight the plan keeps packed is not widened again: the f32 path
+	 * below takes the packing (pack_fits on the same shape) */
+	if (!(tra == CblasNoTrans && pack_valid(c) && pack_fits(c, m, n, k)))
+		half_copy_run(dt, false, (void *)x->b, x->bo, br, bc, br > 1 ? ldb : bc, sb);
 	if (mm->beta != 0)
 		half_copy_run(dt, false, x->c, x->co, m, n, mm->ldc, sc);
 	if (has_r)
@@ -315,14 +381,17 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			return KL_OK;
 		}
 		size_t es = kl_dtype_size(x->tc);
+		bool own = x->tc == KL_F32 && tra == CblasNoTrans && e->mm->r_ld <= INT_MAX;
+		bool packed = own && pack_fits(c, m, n, k);
 		bool few_rows = trb == CblasTrans && kl__gemm_small_fits((int)m, (int)n, (int)k);
-		if (x->tc == KL_F32 && tra == CblasNoTrans && e->mm->r_ld <= INT_MAX &&
-		    (few_rows || kl__gemm_mid_fits((int)m, (int)n, (int)k))) {
+		if (own && (packed || few_rows || kl__gemm_mid_fits((int)m, (int)n, (int)k))) {
 			/* kiln's own products, the epilogue on each block of C while
 			 * it is in L1 (mlp24: GELU's second pass over C had cost a
-			 * fifth of the step): few rows times a row-major weight
-			 * (gemm_small), or more rows on AVX-512 (gemm_mid, B packed
-			 * in panels; where it cannot run, OpenBLAS below) */
+			 * fifth of the step): a weight the plan keeps packed
+			 * (gemm_mid, B packed at the first call), few rows times a
+			 * row-major weight (gemm_small), or more rows on AVX-512
+			 * (gemm_mid, B packed in panels each call); where none can
+			 * run, OpenBLAS below */
 			kl_gemm_small g = {
 			        .m = (int)m,
 			        .n = (int)n,
@@ -341,9 +410,14 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			        .bias = e->mm->has_bias ? (const float *)e->bias + e->mm->bias_off
 			                                : NULL,
 			        .act = e->act};
+			const float *pre = packed ? pack_get(c, &g, trb == CblasNoTrans) : NULL;
+			if (pre)
+				few_rows = false;
 			if (few_rows)
 				kl__gemm_small_par(kl__par_threads(), &g);
-			if (few_rows || kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans)) {
+			if (few_rows || ((pre || kl__gemm_mid_fits((int)m, (int)n, (int)k)) &&
+			                 kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans,
+			                                  pre))) {
 				*fused = true;
 				return KL_OK;
 			}
@@ -516,9 +590,22 @@ static void epilogue_rows(const epi_args *e, int nt)
 }
 
 kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_buf *bufs,
-                              void *const *B, void **scratch_p, size_t *scratch_cap)
+                              void *const *B, void **scratch_p, size_t *scratch_cap,
+                              kl_mm_pack *pk, kl_mm_weight w, size_t *pack_bytes)
 {
-	mm_scratch sc = {scratch_p, scratch_cap}, *c = &sc;
+	/* a weight is kept packed only where every product of the step reads
+	 * the same B (no batch stride of its own) */
+	bool keep = pk && w.id && pack_bytes;
+	for (int i = 0; keep && i < step->nbatch; i++)
+		keep = step->b_bstride[i] == 0 || step->batch[i] == 1;
+	mm_scratch sc = {.p = scratch_p,
+	                 .cap = scratch_cap,
+	                 .pk = keep ? pk : NULL,
+	                 .w = w,
+	                 .off = step->b_off,
+	                 .dt = bufs[step->b].dtype,
+	                 .pack_bytes = pack_bytes},
+	           *c = &sc;
 	/* BLAS computes alpha A B (+ beta C in place); a residual is added after */
 	kl_matmul_step plain = *step;
 	if (step->has_r)
