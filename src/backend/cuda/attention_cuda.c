@@ -599,7 +599,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	unsigned grid[3] = {(unsigned)((items + 3) / 4), 1, 1};
 	st = kl__cuda_launch(ctx, d, f[0], grid, block, 0, argv, KL_LAUNCH_PDL);
 	if (st == KL_OK && a.nsplit > 1) {
-		unsigned g2[3] = {(unsigned)((a.rows + 3) / 4), 1, 1};
+		unsigned g2[3] = {(unsigned)a.rows, 1, 1}; /* kl_attn_combine: a block a row */
 		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, KL_LAUNCH_PDL);
 	}
 	return st;
