@@ -536,6 +536,7 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 		a->o_bs[i] = so[d];
 		batch *= (double)x->shape[d];
 	}
+	kl__attn_bwd_packed(a);
 	for (int i = 0; i < 5; i++)
 		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
 	sp->writes[0] = a->o;
