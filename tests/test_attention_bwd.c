@@ -687,10 +687,36 @@ static int qkv_case(kl_ctx *ctx, const qcase *c, kl_dtype dt, uint64_t seed, dou
 	return bad;
 }
 
+/* The plan lowering makes for CUDA (no GPU needed) of case c in dtype dt:
+ * as expect_qkv_plan says (the kernels' alignment met) */
+static void qkv_cuda_plan(kl_ctx *ctx, const qcase *c, kl_dtype dt)
+{
+	char what[96];
+	snprintf(what, sizeof what, "qkv for CUDA, D%lld %s%s%s", (long long)c->D,
+	         kl_dtype_name(dt), c->per_head ? " per head" : "", c->separate ? " separate" : "");
+	kl_tensor *in[4];
+	qkv_inputs(ctx, c, dt, 5, in);
+	double *ref[3] = {NULL};
+	kl_trace *tr = qkv_trace(ctx, c, in, ref);
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	kl_program P;
+	char err[256];
+	if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+		fail_msg("%s: %s", what, err);
+	expect_qkv_plan(&P, c, !c->separate, what);
+	kl__program_free(&P);
+	kl__trace_free(tr);
+	for (int j = 0; j < 3; j++)
+		free(ref[j]);
+	for (int t = 0; t < 4; t++)
+		kl_release(in[t]);
+}
+
 /* The packed qkv product's gradient comes out of the attention backward's
  * step, written where d(qkv) holds dq, dk and dv (no gather kernel), causal
  * or not, for either packing; q, k, v of three products keep the packed
- * result. On the CPU in f32 (T 40: not whole blocks of 64); with
+ * result. On the CPU in f32 (T 40: not whole blocks of 64), and the plans
+ * lowering makes for CUDA (f16 and bf16, head dims 64 and 128); with
  * KILN_TEST_DEVICE=cuda in f16 and bf16 at head dims 64 and 128 (the CUDA
  * kernels' default mode: kl_attnb_wg on sm_90). */
 static void test_qkv_grad(void **state)
@@ -706,6 +732,8 @@ static void test_qkv_grad(void **state)
 			qcase c = {2, 40, 3, 16, 24, causal, per_head, separate};
 			bad += qkv_case(ctx, &c, KL_F32, 700 + (uint64_t)k * 10,
 			                factor_of(KL_F32, false));
+			qcase g = {2, 80, 2, causal ? 128 : 64, 64, causal, per_head, separate};
+			qkv_cuda_plan(ctx, &g, causal ? KL_F16 : KL_BF16);
 			continue;
 		}
 		const kl_dtype dts[2] = {KL_BF16, KL_F16};
