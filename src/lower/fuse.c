@@ -747,9 +747,8 @@ static bool try_bwd_layout(kl_lctx *L, int32_t n, int32_t h)
 	kl_bwd_layout lay;
 	bool ok = kl__attention_bwd_layout(L, at, n, &lay, why, sizeof why);
 	if (ok && L->o->target == KL_TARGET_CUDA) {
-		/* the CUDA kernels store dk and dv as pairs of 16-bit elements
-		 * (and dq's rows from the f32 accumulator): each row starts on 4
-		 * bytes of a buffer whose base is aligned */
+		/* the CUDA kernels store two 16-bit elements at a time: each
+		 * gradient row starts on 4 bytes (the buffer's base is aligned) */
 		const kl_node *a = kl__nd(L, at);
 		for (int g = 0; g < 3 && ok; g++) {
 			ok = lay.off[g] % 2 == 0 && lay.st[g][a->ndim - 2] % 2 == 0;
@@ -789,15 +788,6 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
 		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE)
 			continue;
-		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD) {
-			/* (its one consumer read once: the first part of n met) */
-			if (b != L->gr[h].first || L->gr[h].nm != 1 || *folded || !L->o->fusion)
-				continue;
-			if (!try_bwd_layout(L, n, h))
-				return false;
-			*folded = L->home[n] == h;
-			continue;
-		}
 		bool dup = false;
 		for (int j = 0; j < ns && !dup; j++)
 			dup = seen[j] == h;
@@ -806,6 +796,16 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 		seen[ns++] = h;
 		if (*folded || !L->o->fusion)
 			continue;
+		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD) {
+			/* only n reading the gradients themselves, and only while the
+			 * step has taken no consumer yet */
+			if (b != L->gr[h].first || L->gr[h].nm != 1)
+				continue;
+			if (!try_bwd_layout(L, n, h))
+				return false;
+			*folded = L->home[n] == h;
+			continue;
+		}
 		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION) {
 			bool ok = L->gr[h].nm == 1; /* one copy at most */
 			if (!ok)
