@@ -6,7 +6,12 @@
  * holds one attention step in its backward mode and nothing of Tq x Tk; the
  * primitive expansion lowering gives a target without the step agrees with
  * the fused reference in f64; the step through the program serializer and
- * validator; the CUDA kernels compiled by NVRTC for sm_90 (no GPU needed;
+ * validator; a training step's attention whose q, k and v are head views of
+ * one packed qkv product (either packing, causal or not): dx, dW and dbias
+ * against the reference, the step writing d(qkv) where it lies (no gather
+ * kernel in the plan; with KILN_TEST_DEVICE=cuda in f16/bf16 at head dims
+ * 64 and 128), and its gradients' places through the serializer; the CUDA
+ * kernels compiled by NVRTC for sm_90 (no GPU needed;
  * ptxas's register figures printed, no spill); on a GPU (skipped without
  * one) the same gradient checks on CUDA and a timing of B4 H16 T2048 D64 bf16.
  */
@@ -454,6 +459,425 @@ static void test_bwd_dynamic(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* ---- a packed qkv product's gradient ------------------------------------------ */
+
+/* A training step's attention: qkv = x W^T + bias [B, T, 3 H D], q, k and v
+ * its head views (q | k | v along the last dim, each [H, D]; per_head: each
+ * head's q, k, v adjacent, [H, 3 D]), o = sdpa(q, k, v); separate: q, k and
+ * v from three products of W's and bias's thirds (nothing packed). */
+typedef struct qcase {
+	int64_t B, T, H, D, C; /* batch, sequence, heads, head dim, model dim */
+	bool causal, per_head, separate;
+} qcase;
+
+/* [B, T, H * D] -> [B, H, T, D] (B as x has it: a dynamic batch) */
+static kl_tensor *qheads(kl_tensor *x, const qcase *c)
+{
+	return kl_permute(kl_reshape(x, 4, (int64_t[]){kl_dim(x, 0), c->T, c->H, c->D}),
+	                  (int[]){0, 2, 1, 3});
+}
+
+/* in: x [B, T, C], W [3 H D, C], bias [3 H D], dO [B, H, T, D]; out: dx,
+ * dW, dbias of o through kl_backward(o, dO) */
+static kl_status qkv_body(kl_ctx *ctx, kl_tensor *const *in, int nin, kl_tensor **out, int nout,
+                          void *user)
+{
+	(void)nin, (void)nout;
+	const qcase *c = user;
+	int64_t hd = c->H * c->D;
+	kl_tensor *p[3];
+	if (c->separate) {
+		for (int i = 0; i < 3; i++)
+			p[i] = qheads(kl_linear(in[0], kl_slice(in[1], 0, i * hd, (i + 1) * hd, 1),
+			                        kl_slice(in[2], 0, i * hd, (i + 1) * hd, 1)),
+			              c);
+	} else if (c->per_head) {
+		kl_tensor *qkv = kl_reshape(kl_linear(in[0], in[1], in[2]), 4,
+		                            (int64_t[]){kl_dim(in[0], 0), c->T, c->H, 3 * c->D});
+		for (int i = 0; i < 3; i++)
+			p[i] = kl_permute(kl_slice(qkv, 3, i * c->D, (i + 1) * c->D, 1),
+			                  (int[]){0, 2, 1, 3});
+	} else {
+		kl_tensor *qkv = kl_linear(in[0], in[1], in[2]);
+		for (int i = 0; i < 3; i++)
+			p[i] = qheads(kl_slice(qkv, 2, i * hd, (i + 1) * hd, 1), c);
+	}
+	kl_tensor *o = kl_sdpa(p[0], p[1], p[2], c->causal, 1.0 / sqrt((double)c->D));
+	if (!o)
+		return kl_last_status(ctx);
+	kl_status st = kl_backward(o, in[3]);
+	for (int i = 0; st == KL_OK && i < 3; i++)
+		out[i] = kl_grad(in[i]);
+	return st;
+}
+
+/* fresh inputs of case c (W scaled by 1/sqrt(C), so that the scores stay
+ * where softmax is not one-hot), x, W and bias requiring gradients */
+static void qkv_inputs(kl_ctx *ctx, const qcase *c, kl_dtype dt, uint64_t seed, kl_tensor **in)
+{
+	int64_t hd = c->H * c->D;
+	int64_t sh[4][KL_MAX_DIMS] = {
+	        {c->B, c->T, c->C}, {3 * hd, c->C}, {3 * hd}, {c->B, c->H, c->T, c->D}};
+	int nd[4] = {3, 2, 1, 4};
+	for (int t = 0; t < 4; t++) {
+		kl_tensor *r = kltest_rand(ctx, dt, nd[t], sh[t], KLTEST_NORMAL, KLTEST_CONTIG,
+		                           seed + (uint64_t)t);
+		assert_non_null(r);
+		in[t] = t == 1 ? kl_mul_scalar(r, 1.0 / sqrt((double)c->C)) : r;
+		assert_non_null(in[t]);
+		if (t == 1)
+			kl_release(r);
+		if (t < 3)
+			assert_int_equal(kl_set_requires_grad(in[t], true), KL_OK);
+	}
+}
+
+/* case c's step traced on in (the gradients cleared after), and the float64
+ * reference of its graph into ref[0..3): dx, dW, dbias */
+static kl_trace *qkv_trace(kl_ctx *ctx, const qcase *c, kl_tensor *const *in, double **ref)
+{
+	kl_scope_begin(ctx);
+	assert_int_equal(kl__trace_begin(ctx), KL_OK);
+	kl_tensor *g[3] = {NULL, NULL, NULL};
+	assert_int_equal(qkv_body(ctx, in, 4, g, 3, (void *)c), KL_OK);
+	kl_trace *tr = kl__trace_end(ctx, 3, g);
+	kl_scope_end(ctx);
+	for (int i = 0; i < 3; i++)
+		kl_grad_clear(in[i]);
+	assert_non_null(tr);
+	const kl_graph *G = &tr->g;
+	assert_true(G->ninputs <= 8 && G->noutputs == 3);
+	double *iv[8] = {NULL};
+	for (int i = 0; i < G->ninputs; i++)
+		assert_non_null(iv[i] = kltest_read(tr->in_tensors[i]));
+	char err[256];
+	if (kl__ref_eval(G, (const double *const *)iv, ref, err, sizeof err) != KL_OK)
+		fail_msg("reference: %s", err);
+	for (int i = 0; i < 8; i++)
+		free(iv[i]);
+	return tr;
+}
+
+/* What the plan does with d(qkv): want, the attention backward writes it
+ * (its buffer is d(qkv) [B, T, 3 H D] itself, "into concat"), the products
+ * of dx and dW read it there, and the one kernel that reads it writes only
+ * the bias's gradient (3 H D elements): no kernel gathers it from a packed
+ * [dq; dk; dv]. Else (q, k, v not of one product) the step writes the
+ * packed result as the op defines it. */
+static void expect_qkv_plan(const kl_program *P, const qcase *c, bool want, const char *what)
+{
+	int64_t hd = c->H * c->D, dqkv = c->B * c->T * 3 * hd;
+	int nbwd = 0, nread = 0;
+	for (int32_t s = 0; s < P->nsteps; s++) {
+		const kl_step *sp = &P->steps[s];
+		if (sp->kind != KL_STEP_ATTENTION || !sp->at.bwd)
+			continue;
+		nbwd++;
+		const kl_attn_step *a = &sp->at;
+		const kl_buf *o = &P->bufs[a->o];
+		bool into = strstr(sp->what, "into concat") != NULL;
+		if (into != want)
+			fail_msg("%s: the backward step is \"%s\"", what, sp->what);
+		if (!want) {
+			if (o->ndim != 4 || o->shape[2].v != 3 * c->T ||
+			    a->dk_off != c->T * a->o_rs || a->dv_off != 2 * c->T * a->o_rs)
+				fail_msg("%s: the backward writes no packed [dq; dk; dv]", what);
+			continue;
+		}
+		/* d(qkv) [B, T, 3HD], or per head [B, T, H, 3D] (its reshape) */
+		int64_t no = 1;
+		for (int d = 0; d < o->ndim; d++)
+			no *= o->shape[d].v;
+		if (o->ndim != (c->per_head ? 4 : 3) || o->shape[0].v != c->B ||
+		    o->shape[1].v != c->T || no != dqkv)
+			fail_msg("%s: the backward writes buffer %d of %d dims, not d(qkv)", what,
+			         a->o, o->ndim);
+		/* where the forward packed them: q | k | v, or each head's */
+		int64_t kq = c->per_head ? c->D : hd;
+		if (a->dq_off != 0 || a->dk_off != kq || a->dv_off != 2 * kq || a->o_rs != 3 * hd ||
+		    a->dk_rs != 3 * hd || a->dv_rs != 3 * hd)
+			fail_msg("%s: gradients at %lld, %lld, %lld, rows %lld, %lld, %lld apart",
+			         what, (long long)a->dq_off, (long long)a->dk_off,
+			         (long long)a->dv_off, (long long)a->o_rs, (long long)a->dk_rs,
+			         (long long)a->dv_rs);
+		for (int32_t t = 0; t < P->nsteps; t++) {
+			const kl_step *u = &P->steps[t];
+			bool reads = false;
+			for (int i = 0; i < u->nreads; i++)
+				reads |= u->reads[i] == a->o;
+			if (!reads)
+				continue;
+			nread++;
+			for (int i = 0; u->kind == KL_STEP_KERNEL && i < u->nwrites; i++) {
+				int64_t n = 1;
+				for (int d = 0; d < P->bufs[u->writes[i]].ndim; d++)
+					n *= P->bufs[u->writes[i]].shape[d].v;
+				if (n >= dqkv)
+					fail_msg(
+					        "%s: step %d (%s) reads d(qkv) and writes %lld elements",
+					        what, (int)t, u->what, (long long)n);
+			}
+			if (u->kind == KL_STEP_MATMUL && u->mm.a != a->o && u->mm.b != a->o)
+				fail_msg("%s: product %d reads d(qkv) other than as an operand",
+				         what, (int)t);
+		}
+	}
+	if (nbwd != 1)
+		fail_msg("%s: %d attention backward steps", what, nbwd);
+	if (want && nread < 3) /* dx's and dW's products and the bias's sum */
+		fail_msg("%s: %d steps read d(qkv)", what, nread);
+}
+
+/* case c in dtype dt on ctx's device: the traced step compiled, run twice
+ * (the temps poisoned with NaN before the second run: a gradient row the
+ * step does not write shows), dx, dW and dbias against the float64
+ * reference of the traced graph each time; the plan as expect_qkv_plan */
+static int qkv_case(kl_ctx *ctx, const qcase *c, kl_dtype dt, uint64_t seed, double factor)
+{
+	char what[160];
+	snprintf(what, sizeof what, "qkv B%lld T%lld H%lld D%lld %s%s%s%s", (long long)c->B,
+	         (long long)c->T, (long long)c->H, (long long)c->D, kl_dtype_name(dt),
+	         c->causal ? " causal" : "", c->per_head ? " per head" : "",
+	         c->separate ? " separate" : "");
+	kl_tensor *in[4];
+	qkv_inputs(ctx, c, dt, seed, in);
+	double *ref[3] = {NULL};
+	kl_trace *tr = qkv_trace(ctx, c, in, ref);
+	const kl_graph *G = &tr->g;
+	kl_compile_cfg cfg = {.mode = KL_MODE_DEFAULT, .fusion = true, .name = "qkv_grad"};
+	kl_compiled *cc = kl__compile(ctx, G, &cfg);
+	if (!cc)
+		fail_msg("%s: kl__compile: %s", what, kl_last_error(ctx));
+	expect_qkv_plan(&cc->prog, c, !c->separate, what);
+	int bad = 0;
+	for (int run = 0; run < 2; run++) {
+		if (run && cc->arena && cc->arena_cap) {
+#ifdef KILN_HAVE_CUDA
+			if (cc->cuda)
+				assert_int_equal(kl__cuda_memset(ctx, kl__cuda_dev_of(ctx),
+				                                 (CUdeviceptr)(uintptr_t)cc->arena,
+				                                 0xFF, cc->arena_cap),
+				                 KL_OK);
+			else
+#endif
+				memset(cc->arena, 0xFF, cc->arena_cap);
+		}
+		kl_tensor *out[3] = {NULL, NULL, NULL};
+		if (kl__compiled_run(ctx, cc, tr->in_tensors, out) != KL_OK)
+			fail_msg("%s: run %d: %s", what, run, kl_last_error(ctx));
+		for (int j = 0; j < 3; j++) {
+			const kl_node *n = &G->nodes[G->outputs[j]];
+			char w[200];
+			snprintf(w, sizeof w, "%s run %d: d%s", what, run,
+			         (const char *[]){"x", "W", "bias"}[j]);
+			double *got = kltest_read(out[j]);
+			assert_non_null(got);
+			bad += !kltest_compare(w, (kl_dtype)n->dtype, n->ndim, n->shape, got,
+			                       ref[j], factor);
+			free(got);
+			kl_release(out[j]);
+		}
+	}
+	kl__compiled_free(cc);
+	for (int j = 0; j < 3; j++)
+		free(ref[j]);
+	kl__trace_free(tr);
+	for (int t = 0; t < 4; t++)
+		kl_release(in[t]);
+	return bad;
+}
+
+/* The plan lowering makes for CUDA (no GPU needed) of case c in dtype dt:
+ * as expect_qkv_plan says (the kernels' alignment met) */
+static void qkv_cuda_plan(kl_ctx *ctx, const qcase *c, kl_dtype dt)
+{
+	char what[96];
+	snprintf(what, sizeof what, "qkv for CUDA, D%lld %s%s%s", (long long)c->D,
+	         kl_dtype_name(dt), c->per_head ? " per head" : "", c->separate ? " separate" : "");
+	kl_tensor *in[4];
+	qkv_inputs(ctx, c, dt, 5, in);
+	double *ref[3] = {NULL};
+	kl_trace *tr = qkv_trace(ctx, c, in, ref);
+	kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+	kl_program P;
+	char err[256];
+	if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+		fail_msg("%s: %s", what, err);
+	expect_qkv_plan(&P, c, !c->separate, what);
+	kl__program_free(&P);
+	kl__trace_free(tr);
+	for (int j = 0; j < 3; j++)
+		free(ref[j]);
+	for (int t = 0; t < 4; t++)
+		kl_release(in[t]);
+}
+
+/* The packed qkv product's gradient comes out of the attention backward's
+ * step, written where d(qkv) holds dq, dk and dv (no gather kernel), causal
+ * or not, for either packing; q, k, v of three products keep the packed
+ * result. On the CPU in f32 (T 40: not whole blocks of 64), and the plans
+ * lowering makes for CUDA (f16 and bf16, head dims 64 and 128); with
+ * KILN_TEST_DEVICE=cuda in f16 and bf16 at head dims 64 and 128 (the CUDA
+ * kernels' default mode: kl_attnb_wg on sm_90). */
+static void test_qkv_grad(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kltest_ctx_from_env("test_attention_bwd");
+	assert_non_null(ctx);
+	bool cuda = kl_ctx_device(ctx) == KL_CUDA;
+	int bad = 0;
+	for (int k = 0; k < 6; k++) {
+		bool causal = k & 1, per_head = k / 2 == 1, separate = k / 2 == 2;
+		if (!cuda) {
+			qcase c = {2, 40, 3, 16, 24, causal, per_head, separate};
+			bad += qkv_case(ctx, &c, KL_F32, 700 + (uint64_t)k * 10,
+			                factor_of(KL_F32, false));
+			qcase g = {2, 80, 2, causal ? 128 : 64, 64, causal, per_head, separate};
+			qkv_cuda_plan(ctx, &g, causal ? KL_F16 : KL_BF16);
+			continue;
+		}
+		const kl_dtype dts[2] = {KL_BF16, KL_F16};
+		for (int hi = 0; hi < 2; hi++)
+			for (int di = 0; di < 2; di++) {
+				qcase c = {2, 80, 2, hi ? 128 : 64, 64, causal, per_head, separate};
+				bad += qkv_case(ctx, &c, dts[di],
+				                900 + (uint64_t)(k * 4 + hi * 2 + di),
+				                4 * factor_of(dts[di], true));
+			}
+	}
+	kl_ctx_free(ctx);
+	assert_int_equal(bad, 0);
+}
+
+/* every dim dynamic: one compiled step at three batch sizes (the sequence
+ * dims are specialised, as the backward's are), each call's dx, dW and
+ * dbias against the reference: the gradients' places follow the batch
+ * (symbolic step fields) */
+static void test_qkv_dynamic(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	qcase c = {2, 24, 2, 16, 20, true, false, false};
+	kl_compile_opts o = {.dynamic = KL_DYNAMIC_ALL};
+	kl_fn *f = kl_compile(ctx, qkv_body, &c, 4, 3, &o);
+	assert_non_null(f);
+	const int64_t bs[3] = {2, 3, 5};
+	for (int i = 0; i < 3; i++) {
+		c.B = bs[i];
+		kl_tensor *in[4];
+		qkv_inputs(ctx, &c, KL_F32, 60 + (uint64_t)i, in);
+		double *ref[3] = {NULL};
+		kl__trace_free(qkv_trace(ctx, &c, in, ref));
+		kl_tensor *out[3] = {NULL, NULL, NULL};
+		if (kl_fn_call(f, in, out) != KL_OK)
+			fail_msg("batch %lld: %s", (long long)c.B, kl_last_error(ctx));
+		for (int j = 0; j < 3; j++) {
+			double *got = kltest_read(out[j]);
+			assert_non_null(got);
+			char w[64];
+			snprintf(w, sizeof w, "qkv dynamic, batch %lld: d%s", (long long)c.B,
+			         (const char *[]){"x", "W", "bias"}[j]);
+			assert_true(kltest_compare(w, KL_F32, kl_ndim(out[j]), kl_shape(out[j]), got,
+			                           ref[j], factor_of(KL_F32, false)));
+			free(got);
+			free(ref[j]);
+			kl_release(out[j]);
+		}
+		for (int t = 0; t < 3; t++)
+			kl_grad_clear(in[t]);
+		for (int t = 0; t < 4; t++)
+			kl_release(in[t]);
+	}
+	kl_fn_free(f);
+	kl_ctx_free(ctx);
+}
+
+/* the gradients' places through the program serializer, and a plan whose
+ * gradient reaches out of its buffer (or sits before it) refused, naming
+ * the gradient; a plan of the format before them refused, saying so */
+static void test_qkv_plan_io(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	qcase c = {2, 8, 2, 8, 12, true, false, false};
+	kl_tensor *in[4];
+	qkv_inputs(ctx, &c, KL_F32, 41, in);
+	double *ref[3] = {NULL};
+	kl_trace *tr = qkv_trace(ctx, &c, in, ref);
+	for (int j = 0; j < 3; j++)
+		free(ref[j]);
+	kl_compile_cfg cfg = {.mode = KL_MODE_DEFAULT, .fusion = true, .name = "qkv_io"};
+	kl_compiled *cc = kl__compile(ctx, &tr->g, &cfg);
+	assert_non_null(cc);
+	const kl_program *P = &cc->prog;
+	expect_qkv_plan(P, &c, true, "qkv plan io");
+	uint8_t *bytes = NULL;
+	size_t len = 0;
+	assert_int_equal(kl__program_serialize(P, &bytes, &len), KL_OK);
+	kl_program R;
+	char err[256];
+	assert_int_equal(kl__program_deserialize(bytes, len, &R, err, sizeof err), KL_OK);
+	int32_t s = 0;
+	while (!(R.steps[s].kind == KL_STEP_ATTENTION && R.steps[s].at.bwd))
+		s++;
+	kl_attn_step *a = &R.steps[s].at, keep = *a;
+	assert_memory_equal(a, &P->steps[s].at, sizeof *a);
+	int64_t n = 1;
+	for (int d = 0; d < R.bufs[a->o].ndim; d++)
+		n *= R.bufs[a->o].shape[d].v;
+	/* each field moved out of o's buffer: refused, the gradient named */
+	struct {
+		int64_t *f;
+		int64_t v;
+		const char *name;
+	} bad[] = {
+	        {&a->dq_off, n - 1, "dq"},
+	        {&a->dk_off, n - 2, "dk"},
+	        {&a->dv_off, n, "dv"},
+	        {&a->dk_rs, 5 * n, "dk"},
+	        {&a->dv_rs, n / 2, "dv"},
+	        {&a->o_rs, 3 * n, "dq"},
+	        {&a->dk_bs[0], n, "dk"},
+	        {&a->dv_bs[1], INT64_MAX / 2, "dv"},
+	        {&a->dq_off, -1, "out of range"},
+	        {&a->dv_rs, 1, "out of range"},
+	        {&a->dk_bs[0], -8, "dk"},
+	};
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		int64_t was = *bad[i].f;
+		*bad[i].f = bad[i].v;
+		if (kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err) == KL_OK)
+			fail_msg("field %zu at %lld accepted", i, (long long)bad[i].v);
+		if (!strstr(err, bad[i].name))
+			fail_msg("field %zu at %lld: \"%s\" names no %s", i, (long long)bad[i].v,
+			         err, bad[i].name);
+		*bad[i].f = was;
+	}
+	assert_memory_equal(a, &keep, sizeof keep);
+	assert_int_equal(kl__program_validate(&R, cc->nin, cc->nout, err, sizeof err), KL_OK);
+	/* the same refused when read (a plan file is untrusted input) */
+	a->dv_off = n;
+	uint8_t *b2 = NULL;
+	size_t l2 = 0;
+	assert_int_equal(kl__program_serialize(&R, &b2, &l2), KL_OK);
+	kl_program Q;
+	assert_int_equal(kl__program_deserialize(b2, l2, &Q, err, sizeof err), KL_EFORMAT);
+	assert_non_null(strstr(err, "dv"));
+	free(b2);
+	/* format 10, before the gradients' places: refused as such */
+	uint8_t v10[4] = {10, 0, 0, 0};
+	memcpy(bytes + 8, v10, 4);
+	assert_int_equal(kl__program_deserialize(bytes, len, &Q, err, sizeof err), KL_EFORMAT);
+	assert_non_null(strstr(err, "gradient layouts"));
+	kl__program_free(&R);
+	free(bytes);
+	kl__compiled_free(cc);
+	kl__trace_free(tr);
+	for (int t = 0; t < 4; t++)
+		kl_release(in[t]);
+	kl_ctx_free(ctx);
+}
+
 /* ---- CUDA ------------------------------------------------------------------------ */
 
 /* the backward's kernels, every mode's (fused: kl_attnb_pre, kl_attnb_kv,
@@ -647,9 +1071,14 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 	        cmocka_unit_test(test_bwd_plan),         cmocka_unit_test(test_bwd_cpu),
-	        cmocka_unit_test(test_bwd_dynamic),
+	        cmocka_unit_test(test_bwd_dynamic),      cmocka_unit_test(test_qkv_grad),
+	        cmocka_unit_test(test_qkv_dynamic),      cmocka_unit_test(test_qkv_plan_io),
 	        cmocka_unit_test(test_cuda_bwd_compile), cmocka_unit_test(test_cuda_bwd),
 	        cmocka_unit_test(test_cuda_bwd_bench),
 	};
+	/* KILN_TEST_FILTER: one test (ctest's test_attention_bwd_qkv_cuda) */
+	const char *filter = getenv("KILN_TEST_FILTER");
+	if (filter && *filter)
+		cmocka_set_test_filter(filter);
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -38,6 +38,90 @@ static int32_t fit(kl_graph *g, int32_t x, int32_t c)
 	return c;
 }
 
+/* a fill of zeros: what a slice's gradient puts around its values */
+static bool is_zeros(const kl_graph *g, int32_t x)
+{
+	const kl_node *n = &g->nodes[x];
+	return n->op == KL_OP_FULL && n->nin == 0 && n->a.s[0] == 0;
+}
+
+/* a + c where both are concatenations along one axis whose parts other than
+ * zeros do not overlap (the gradients of slices of one tensor, each its
+ * values between zeros: vjp_slice): one concatenation of those parts, zeros
+ * between them. No additions of zeros, and a packed product's gradient (q,
+ * k and v sliced from one qkv) is the concatenation of theirs, which
+ * lowering may have the attention backward write where it lies
+ * (kl__attention_bwd_layout). -1 when a and c are no such pair. */
+static int32_t sum_of_pads(kl_graph *g, int32_t a, int32_t c)
+{
+	const kl_node *na = &g->nodes[a], *nc = &g->nodes[c];
+	if (na->op != KL_OP_CONCAT || nc->op != KL_OP_CONCAT || na->a.axis != nc->a.axis ||
+	    na->dtype != nc->dtype || !same_shape(na, nc))
+		return -1;
+	int ax = na->a.axis, nd = na->ndim;
+	kl_dtype dt = (kl_dtype)na->dtype;
+	int64_t sh[KL_MAX_DIMS];
+	memcpy(sh, na->shape, sizeof sh);
+	/* the parts that are not zeros, by where they start on the axis */
+	int32_t part[2 * KL_NODE_MAX_IN];
+	int64_t at[2 * KL_NODE_MAX_IN], len[2 * KL_NODE_MAX_IN];
+	int np = 0;
+	for (int t = 0; t < 2; t++) {
+		const kl_node *n = &g->nodes[t ? c : a];
+		int64_t pos = 0;
+		for (int i = 0; i < n->nin; i++) {
+			int32_t p = n->in[i];
+			int64_t w = g->nodes[p].shape[ax];
+			if (!is_zeros(g, p) && w > 0) {
+				int k = np++;
+				while (k > 0 && at[k - 1] > pos) {
+					part[k] = part[k - 1];
+					at[k] = at[k - 1];
+					len[k] = len[k - 1];
+					k--;
+				}
+				part[k] = p;
+				at[k] = pos;
+				len[k] = w;
+			}
+			pos += w;
+		}
+	}
+	for (int k = 1; k < np; k++)
+		if (at[k] < at[k - 1] + len[k - 1])
+			return -1; /* both have values there: a real sum */
+	/* the parts in order, zeros in the gaps */
+	int32_t in[KL_NODE_MAX_IN];
+	int n = 0;
+	int64_t pos = 0;
+	for (int k = 0; k <= np; k++) {
+		int64_t end = k < np ? at[k] : sh[ax];
+		if (end > pos) {
+			if (n == KL_NODE_MAX_IN)
+				return -1;
+			int64_t zs[KL_MAX_DIMS];
+			memcpy(zs, sh, sizeof zs);
+			zs[ax] = end - pos;
+			if ((in[n++] = kl__gb_full(g, dt, nd, zs, 0.0)) < 0)
+				return -1;
+		}
+		if (k == np)
+			break;
+		if (n == KL_NODE_MAX_IN)
+			return -1;
+		in[n++] = part[k];
+		pos = at[k] + len[k];
+	}
+	return n == 1 ? in[0] : kl__gb_concat(g, n, in, ax);
+}
+
+/* the sum of two contributions to one gradient */
+static int32_t accumulate(kl_graph *g, int32_t a, int32_t c)
+{
+	int32_t s = sum_of_pads(g, a, c);
+	return s >= 0 ? s : kl__gb_binary(g, KL_OP_ADD, a, c);
+}
+
 kl_status kl__autodiff(kl_graph *g, int32_t limit, int nroots, const int32_t *roots,
                        const int32_t *cots, int nleaves, const int32_t *leaves, int32_t *grads,
                        char *err, size_t errcap)
@@ -104,7 +188,7 @@ kl_status kl__autodiff(kl_graph *g, int32_t limit, int nroots, const int32_t *ro
 				continue;
 			int32_t c = fit(g, x, gin[k]);
 			if (c >= 0 && acc[x] >= 0)
-				c = kl__gb_binary(g, KL_OP_ADD, acc[x], c);
+				c = accumulate(g, acc[x], c);
 			if (c < 0)
 				rs = KL_EINVAL;
 			acc[x] = c;

@@ -24,7 +24,8 @@ static inline bool kl__differentiable(kl_dtype dt)
  * when no path from that leaf reaches a root. Nodes on a path from a leaf to
  * a root are visited in reverse topological order; each calls its op's
  * vjp; a node read by several others gets the sum of their contributions
- * (ADD nodes); a rule's result is summed down to its input's shape
+ * (ADD nodes; the gradients of slices that do not overlap, values between
+ * zeros, one CONCAT of their values instead); a rule's result is summed down to its input's shape
  * (broadcasting) and cast to its input's dtype here, once. Integer and bool
  * nodes carry no gradient. Only nodes below `limit` are differentiated (the
  * graph as it was before the cotangents were added): pass g->n to take all.

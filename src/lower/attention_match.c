@@ -384,3 +384,129 @@ bool kl__attention_layout(const kl_lctx *L, int32_t at, int32_t c, int64_t *os, 
 	}
 	return true;
 }
+
+bool kl__attention_bwd_layout(const kl_lctx *L, int32_t at, int32_t c, kl_bwd_layout *lay,
+                              char *why, size_t cap)
+{
+	const kl_node *x = kl__nd(L, c), *a = kl__nd(L, at);
+	int r = a->ndim;
+	if (x->op != KL_OP_CONCAT) {
+		snprintf(why, cap,
+		         "the attention backward takes no epilogue, only the "
+		         "concatenation of its gradients");
+		return false;
+	}
+	if (x->dtype != a->dtype) {
+		snprintf(why, cap, "the concatenation changes the dtype");
+		return false;
+	}
+	if (x->nin != 3 || L->nuse[at] != 3 || L->out_of[at] >= 0) {
+		snprintf(why, cap,
+		         "the gradients have readers besides one concatenation of the three");
+		return false;
+	}
+	int64_t tq = kl__nd(L, a->in[0])->shape[r - 2], tk = kl__nd(L, a->in[1])->shape[r - 2];
+	int64_t cut[4] = {0, tq, tq + tk, tq + 2 * tk};
+	int64_t cst[KL_MAX_DIMS];
+	kl__contig_strides(x->ndim, x->shape, cst);
+	int ax = x->a.axis;
+	int64_t pos = 0; /* where part i starts along the concatenation's axis */
+	bool seen[3] = {false, false, false};
+	for (int i = 0; i < 3; i++) {
+		/* part i's views, from the concatenation's input down to the
+		 * slice of one gradient's rows that the rule made */
+		int32_t chain[8], v = x->in[i];
+		int n = 0;
+		while (v != at && n < 8) {
+			const kl_node *y = kl__nd(L, v);
+			bool view = y->op == KL_OP_RESHAPE || y->op == KL_OP_PERMUTE ||
+			            y->op == KL_OP_SLICE || y->op == KL_OP_CONTIGUOUS;
+			if (!view || L->mat[v] || L->nuse[v] != 1 || L->out_of[v] >= 0)
+				break;
+			chain[n++] = v;
+			v = y->in[0];
+		}
+		const kl_node *s = n > 0 ? kl__nd(L, chain[n - 1]) : NULL;
+		int g = -1;
+		if (v == at && s && s->op == KL_OP_SLICE && s->a.axis == r - 2 && s->a.v[2] == 1 &&
+		    tq > 0 && tk > 0)
+			for (int k = 0; k < 3; k++)
+				if (s->a.v[0] == cut[k] && s->a.v[1] == cut[k + 1])
+					g = k;
+		for (int k = 0; k < n - 1 && g >= 0; k++)
+			if (kl__nd(L, chain[k])->op == KL_OP_SLICE)
+				g = -1;
+		if (g < 0 || seen[g]) {
+			snprintf(why, cap,
+			         "part %d of the concatenation is not one of the gradients "
+			         "(dq, dk, dv) whole, through a permutation and reshapes",
+			         i);
+			return false;
+		}
+		seen[g] = true;
+		/* The view read the other way: the gradient's index (its own
+		 * dims, [batch..., rows, d]) through each view up to the part,
+		 * then into the concatenation's dense buffer, which must be a
+		 * plain stride per dim (reshapes merge or split dims whole). */
+		kl_ixa ia;
+		kl__ixa_init(&ia);
+		int32_t I[KL_MAX_DIMS], J[KL_MAX_DIMS];
+		for (int d = 0; d < r; d++) {
+			ia.var_hi[d] = s->shape[d] - 1;
+			I[d] = s->shape[d] == 1 ? kl__ix_const(&ia, 0) : kl__ix_var(&ia, d);
+		}
+		bool ok = true;
+		for (int k = n - 2; k >= 0 && ok; k--) {
+			const kl_node *m = kl__nd(L, chain[k]), *in = kl__nd(L, m->in[0]);
+			if (m->op == KL_OP_PERMUTE)
+				for (int d = 0; d < m->ndim; d++)
+					J[d] = I[m->a.v[d]];
+			else if (m->op == KL_OP_RESHAPE)
+				ok = kl__reshape_ix(&ia, m->ndim, m->shape, in->ndim, in->shape, I,
+				                    J);
+			else
+				memcpy(J, I, sizeof J);
+			memcpy(I, J, sizeof I);
+		}
+		kl_mono ms[KL_MAX_DIMS];
+		for (int d = 0; d < x->ndim; d++)
+			ms[d] = (kl_mono){.c = cst[d], .ns = 0};
+		kir_addr ad;
+		int64_t st[KL_MAX_DIMS] = {0}, off = 0;
+		if (ok)
+			I[ax] = kl__ix_addc(&ia, I[ax], pos);
+		ok = ok && !ia.failed && kl__ix_linearize(&ia, x->ndim, I, ms, &ad) && ad.ns == 0;
+		if (ok) {
+			const kl_ix *e = kl__ix_get(&ia, ad.ix);
+			off = e->c;
+			for (int t = 0; t < e->nt && ok; t++) {
+				const kl_atom *am = &ia.atoms[e->at[t]];
+				ok = am->kind == KL_AT_VAR;
+				if (ok)
+					st[am->var] = e->k[t];
+			}
+		}
+		kl__ixa_free(&ia);
+		if (!ok) {
+			snprintf(why, cap, "the concatenation holds %s at no plain strides",
+			         (const char *[]){"dq", "dk", "dv"}[g]);
+			return false;
+		}
+		if (s->shape[r - 1] > 1 && st[r - 1] != 1) {
+			snprintf(why, cap,
+			         "the concatenation holds the rows of %s with their elements "
+			         "%lld apart",
+			         (const char *[]){"dq", "dk", "dv"}[g], (long long)st[r - 1]);
+			return false;
+		}
+		/* one row: any stride serves; the step's rows are d apart at least */
+		if (s->shape[r - 2] == 1)
+			st[r - 2] = s->shape[r - 1];
+		if (lay) {
+			lay->off[g] = off;
+			memcpy(lay->st[g], st, sizeof st);
+		}
+		pos += kl__nd(L, x->in[i])->shape[ax];
+	}
+	return true;
+}

@@ -735,6 +735,46 @@ static bool epilogue_ok(kl_lctx *L, int32_t n, int32_t gi, kl_epart *part, char 
 	return true;
 }
 
+/* The attention backward step of group h writes its gradients where n, the
+ * concatenation of the three (a packed qkv product's gradient), holds them,
+ * when kl__attention_bwd_layout says n is that and the target can store
+ * there: n joins h (no kernel gathers it). Logged either way; false only
+ * out of memory. */
+static bool try_bwd_layout(kl_lctx *L, int32_t n, int32_t h)
+{
+	char why[256], l1[64], l2[64];
+	int32_t at = L->gr[h].first;
+	kl_bwd_layout lay;
+	bool ok = kl__attention_bwd_layout(L, at, n, &lay, why, sizeof why);
+	if (ok && L->o->target == KL_TARGET_CUDA) {
+		/* the CUDA kernels store two 16-bit elements at a time: each
+		 * gradient row starts on 4 bytes (the buffer's base is aligned) */
+		const kl_node *a = kl__nd(L, at);
+		for (int g = 0; g < 3 && ok; g++) {
+			ok = lay.off[g] % 2 == 0 && lay.st[g][a->ndim - 2] % 2 == 0;
+			for (int d = 0; d < a->ndim - 2 && ok; d++)
+				ok = a->shape[d] == 1 || lay.st[g][d] % 2 == 0;
+		}
+		if (!ok)
+			snprintf(why, sizeof why,
+			         "the CUDA kernels store pairs of elements: a gradient "
+			         "row would start on an odd element of the concatenation");
+	}
+	if (!ok) {
+		kl__lower_logf(L, "refused %s into %s: %s", kl__node_label(L, n, l1, sizeof l1),
+		               kl__node_label(L, at, l2, sizeof l2), why);
+		return true;
+	}
+	if (!g_push(&L->gr[h], n, false))
+		return false;
+	L->home[n] = h;
+	kl__lower_logf(L,
+	               "the attention backward %s writes its gradients in the layout of %s "
+	               "(no gather)",
+	               kl__node_label(L, at, l2, sizeof l2), kl__node_label(L, n, l1, sizeof l1));
+	return true;
+}
+
 /* Fold n into the epilogue of a product it reads, when it can be; log why
  * not for each product it reads. */
 static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
@@ -746,8 +786,7 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 	*folded = false;
 	for (int i = 0; i < x->nin; i++) {
 		int32_t b = kl__resolve(L, x->in[i]), h = L->home[b];
-		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE ||
-		    L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD)
+		if (h < 0 || !L->gr[h].matmul || L->g.nodes[L->gr[h].first].op == KL_OP_CACHE_WRITE)
 			continue;
 		bool dup = false;
 		for (int j = 0; j < ns && !dup; j++)
@@ -757,6 +796,16 @@ static bool try_epilogue(kl_lctx *L, int32_t n, bool *folded)
 		seen[ns++] = h;
 		if (*folded || !L->o->fusion)
 			continue;
+		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION_BWD) {
+			/* only n reading the gradients themselves, and only while the
+			 * step has taken no consumer yet */
+			if (b != L->gr[h].first || L->gr[h].nm != 1)
+				continue;
+			if (!try_bwd_layout(L, n, h))
+				return false;
+			*folded = L->home[n] == h;
+			continue;
+		}
 		if (L->g.nodes[L->gr[h].first].op == KL_OP_ATTENTION) {
 			bool ok = L->gr[h].nm == 1; /* one copy at most */
 			if (!ok)

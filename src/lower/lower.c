@@ -478,7 +478,9 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 }
 
 /* sdpa_bwd: the attention step in its backward mode (kl_attn_step.bwd),
- * reading q, k, v, o, do and writing the packed [dq; dk; dv] densely */
+ * reading q, k, v, o, do and writing the packed [dq; dk; dv] densely, or,
+ * when the scheduler gave it the concatenation of the three (a packed qkv
+ * product's gradient, kl__attention_bwd_layout), each where that holds it */
 static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp)
 {
 	int32_t n = G->m[0];
@@ -487,6 +489,16 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 	int r = x->ndim;
 	int64_t st[5][KL_MAX_DIMS], off[5], so[KL_MAX_DIMS];
 	int32_t ids[5];
+	kl_bwd_layout lay;
+	if (G->nm > 1) {
+		char why[160];
+		if (!kl__attention_bwd_layout(L, n, G->m[1], &lay, why, sizeof why)) {
+			snprintf(L->err, L->errcap,
+			         "kl__lower: internal error: attention backward layout: %s", why);
+			return KL_EINVAL;
+		}
+		add_node(sp, L->orig[G->m[1]]);
+	}
 	for (int i = 0; i < 5; i++)
 		if (!operand(L, x->in[i], &ids[i], st[i], &off[i])) {
 			snprintf(L->err, L->errcap,
@@ -500,7 +512,7 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 	a->v = ids[2];
 	a->fo = ids[3];
 	a->go = ids[4];
-	a->o = L->bufof[n];
+	a->o = L->bufof[G->m[G->nm - 1]];
 	kl__contig_strides(r, x->shape, so);
 	a->tq = L->g.nodes[x->in[0]].shape[r - 2];
 	a->tk = L->g.nodes[x->in[1]].shape[r - 2];
@@ -519,7 +531,7 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 	a->fo_rs = st[3][r - 2];
 	a->go_rs = st[4][r - 2];
 	a->fo_cs = a->go_cs = 1; /* fuse.c copies a row whose elements are not adjacent */
-	a->o_rs = so[r - 2];
+	a->o_rs = G->nm > 1 ? lay.st[0][r - 2] : so[r - 2];
 	a->scale = x->a.s[0];
 	a->causal = (x->a.flags & KL_F_CAUSAL) != 0;
 	double batch = 1;
@@ -533,8 +545,21 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 		a->v_bs[i] = st[2][d];
 		a->fo_bs[i] = st[3][d];
 		a->go_bs[i] = st[4][d];
-		a->o_bs[i] = so[d];
+		a->o_bs[i] = G->nm > 1 ? lay.st[0][d] : so[d];
+		if (G->nm > 1) {
+			a->dk_bs[i] = lay.st[1][d];
+			a->dv_bs[i] = lay.st[2][d];
+		}
 		batch *= (double)x->shape[d];
+	}
+	if (G->nm > 1) {
+		a->dq_off = lay.off[0];
+		a->dk_off = lay.off[1];
+		a->dv_off = lay.off[2];
+		a->dk_rs = lay.st[1][r - 2];
+		a->dv_rs = lay.st[2][r - 2];
+	} else {
+		kl__attn_bwd_packed(a);
 	}
 	for (int i = 0; i < 5; i++)
 		add_id(sp->reads, &sp->nreads, KL_NODE_MAX_IN * 2, ids[i]);
@@ -555,8 +580,9 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 	for (int i = 0; i < 5; i++)
 		sp->bytes += bytes_of(P, ids[i]);
 	sp->bytes += bytes_of(P, a->o);
-	snprintf(sp->what, sizeof(sp->what), "attention bwd %.0fx%lldx%lldx%lld%s", batch,
-	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "");
+	snprintf(sp->what, sizeof(sp->what), "attention bwd %.0fx%lldx%lldx%lld%s%s", batch,
+	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "",
+	         G->nm > 1 ? " into concat" : "");
 	return KL_OK;
 }
 

@@ -115,6 +115,24 @@ kl_epart kl__epilogue_part(const kl_lctx *L, int32_t n, int32_t prev, int32_t *o
  * reason in why otherwise. */
 bool kl__attention_layout(const kl_lctx *L, int32_t at, int32_t c, int64_t *os, char *why,
                           size_t cap);
+/* Where the attention backward (sdpa_bwd node at) writes its gradients when
+ * node c, a concatenation, is their consumer's layout: per gradient (0 dq,
+ * 1 dk, 2 dv), its first element and the strides of its dims (at's
+ * [batch..., rows, d]) in c's dense buffer. */
+typedef struct kl_bwd_layout {
+	int64_t off[3];
+	int64_t st[3][KL_MAX_DIMS];
+} kl_bwd_layout;
+/* Is node c a concatenation whose every part is a view (slice, permute,
+ * reshape) of one of the three gradients sdpa_bwd node at packs, each
+ * gradient exactly one part, with nothing else reading them, so that the
+ * backward step can write dq, dk and dv where c's buffer holds them and c
+ * costs nothing? That is a packed qkv product's gradient: the sum of the
+ * slices' gradients (pads) that autodiff makes one concatenation. When it
+ * is and lay is not NULL, lay receives the places. False with the reason
+ * in why otherwise (the target's alignment is the scheduler's). */
+bool kl__attention_bwd_layout(const kl_lctx *L, int32_t at, int32_t c, kl_bwd_layout *lay,
+                              char *why, size_t cap);
 /* the activation of an KL_EPART_ACT node */
 kl_mm_act kl__epilogue_act(const kl_node *x);
 /* How node c is read from memory: the buffer of *base with element strides
@@ -130,6 +148,11 @@ bool kl__kbuild(kl_lctx *L, const kl_group *G, bool validate, kir_kernel *k, cha
 int kl__kbuild_loads(const kir_kernel *k);
 /* Index of the input of movement node m given an index J of m (ids in a). */
 bool kl__move_index(const kl_lctx *L, kl_ixa *a, int32_t m, const int32_t *J, int32_t *I);
+/* Index I of a tensor of shape [nin: ish] given index J of its reshape to
+ * [nout: osh] (the same row-major element; ids in a). A reshape read the
+ * other way round is the same call with the shapes swapped. */
+bool kl__reshape_ix(kl_ixa *a, int nin, const int64_t *ish, int nout, const int64_t *osh,
+                    const int32_t *J, int32_t *I);
 /* Strides (elements) of the buffer a node's value lives in, when read. */
 void kl__base_strides(const kl_lctx *L, int32_t n, kl_mono *st);
 /* Element strides and offset of node n as a view of the buffer of the

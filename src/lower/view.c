@@ -5,39 +5,38 @@
  */
 #include "lower/lower_int.h"
 
-static bool reshape_index(const kl_lctx *L, kl_ixa *a, int32_t m, const int32_t *J, int32_t *I)
+bool kl__reshape_ix(kl_ixa *a, int nin, const int64_t *ish, int nout, const int64_t *osh,
+                    const int32_t *J, int32_t *I)
 {
-	const kl_node *o = &L->g.nodes[m];
-	const kl_node *in = &L->g.nodes[o->in[0]];
 	int32_t zero = kl__ix_const(a, 0);
-	if (kl__numel(in->ndim, in->shape) == 0) {
-		for (int i = 0; i < in->ndim; i++)
+	if (kl__numel(nin, ish) == 0) {
+		for (int i = 0; i < nin; i++)
 			I[i] = zero;
 		return zero >= 0;
 	}
 	int i = 0, j = 0;
-	while (i < in->ndim || j < o->ndim) {
-		if (i < in->ndim && in->shape[i] == 1) {
+	while (i < nin || j < nout) {
+		if (i < nin && ish[i] == 1) {
 			I[i++] = zero;
 			continue;
 		}
-		if (j < o->ndim && o->shape[j] == 1) {
+		if (j < nout && osh[j] == 1) {
 			j++;
 			continue;
 		}
-		if (i >= in->ndim || j >= o->ndim)
+		if (i >= nin || j >= nout)
 			return false;
 		int i0 = i, j0 = j;
-		int64_t pin = in->shape[i++], pout = o->shape[j++];
+		int64_t pin = ish[i++], pout = osh[j++];
 		while (pin != pout) {
 			if (pin < pout) {
-				if (i >= in->ndim)
+				if (i >= nin)
 					return false;
-				pin *= in->shape[i++];
+				pin *= ish[i++];
 			} else {
-				if (j >= o->ndim)
+				if (j >= nout)
 					return false;
-				pout *= o->shape[j++];
+				pout *= osh[j++];
 			}
 		}
 		if (i - i0 == 1 && j - j0 == 1) {
@@ -48,13 +47,13 @@ static bool reshape_index(const kl_lctx *L, kl_ixa *a, int32_t m, const int32_t 
 		int64_t cs = 1;
 		for (int jj = j - 1; jj >= j0; jj--) {
 			lin = kl__ix_add(a, lin, kl__ix_scale(a, J[jj], cs));
-			cs *= o->shape[jj];
+			cs *= osh[jj];
 		}
 		cs = 1;
 		for (int ii = i - 1; ii >= i0; ii--) {
-			I[ii] = in->shape[ii] == 1 ? zero
-			                           : kl__ix_mod(a, kl__ix_div(a, lin, cs), in->shape[ii]);
-			cs *= in->shape[ii];
+			I[ii] = ish[ii] == 1 ? zero
+			                     : kl__ix_mod(a, kl__ix_div(a, lin, cs), ish[ii]);
+			cs *= ish[ii];
 		}
 	}
 	return !a->failed;
@@ -66,7 +65,7 @@ bool kl__move_index(const kl_lctx *L, kl_ixa *a, int32_t m, const int32_t *J, in
 	const kl_node *in = &L->g.nodes[o->in[0]];
 	switch ((kl_op)o->op) {
 	case KL_OP_RESHAPE:
-		return reshape_index(L, a, m, J, I);
+		return kl__reshape_ix(a, in->ndim, in->shape, o->ndim, o->shape, J, I);
 	case KL_OP_PERMUTE:
 		for (int d = 0; d < o->ndim; d++)
 			I[o->a.v[d]] = J[d];

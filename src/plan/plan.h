@@ -147,13 +147,21 @@ typedef struct kl_attn_step {
 	/* bwd = 1: the backward (sdpa_bwd, graph/ops.def). It also reads the
 	 * forward's output O (buffer fo) and its gradient dO (buffer go), both
 	 * tq x dv (column strides fo_cs, go_cs: 1 in a plan, any in the CPU's
-	 * eager op), and writes the packed gradients
-	 * into o: per batch [dq; dk; dv], tq + 2 tk rows of d == dv elements
-	 * at row stride o_rs, unit column stride. */
+	 * eager op), and writes the three gradients, rows of d == dv elements at
+	 * unit column stride, into o: dq (tq rows) from element dq_off at row
+	 * stride o_rs and batch strides o_bs, dk and dv (tk rows each) from
+	 * dk_off / dv_off at dk_rs / dv_rs and dk_bs / dv_bs. The packed result
+	 * of the op, per batch [dq; dk; dv], is dq_off 0, dk_off tq o_rs, dv_off
+	 * (tq + tk) o_rs, every row and batch stride o's; lowering gives other
+	 * places where o is the concatenation of the three that a packed qkv
+	 * product's gradient is (fuse.c, kl__attention_bwd_layout), so that no
+	 * kernel gathers it from the packed result. */
 	int32_t bwd;
 	int32_t fo, go;
 	int64_t fo_off, go_off, fo_rs, go_rs, fo_cs, go_cs;
 	int64_t fo_bs[KL_MAX_DIMS], go_bs[KL_MAX_DIMS];
+	int64_t dq_off, dk_off, dv_off, dk_rs, dv_rs;
+	int64_t dk_bs[KL_MAX_DIMS], dv_bs[KL_MAX_DIMS];
 	/* lengths (graph/ops.def), buffer len >= 0 (i32/i64, element len_off +
 	 * r * len_st for row r), or -1: none. Flat batch index b (over the
 	 * batch[] entries) is row b / (product of the last len_inner entries):
@@ -173,6 +181,18 @@ static inline int64_t kl__attn_batch_off(const kl_attn_step *a, const int64_t *b
 		b /= a->batch[i];
 	}
 	return off;
+}
+
+/* The backward's gradients as the op packs them (kl_attn_step.bwd): per
+ * batch [dq; dk; dv] at o's row and batch strides, o_rs and o_bs set. */
+static inline void kl__attn_bwd_packed(kl_attn_step *a)
+{
+	a->dq_off = 0;
+	a->dk_off = a->tq * a->o_rs;
+	a->dv_off = (a->tq + a->tk) * a->o_rs;
+	a->dk_rs = a->dv_rs = a->o_rs;
+	for (int i = 0; i < KL_MAX_DIMS; i++)
+		a->dk_bs[i] = a->dv_bs[i] = a->o_bs[i];
 }
 
 /* Whether the CUDA backend runs the attention backward step for dtype dt
@@ -310,8 +330,9 @@ kl_status kl__program_bind_dense(kl_program *p, const int64_t *syms, char *err, 
  * return KL_EFORMAT: the one error path of plan_io.c and the runtime's
  * plan check. */
 kl_status kl__plan_fail(char *err, size_t cap, const char *fmt, ...) KL_PRINTF(3, 4);
-/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o; the
- * backward's 4 O, 5 dO; 6 lengths: -1 when it has none). */
+/* The same for an attention step's operand which (0 q, 1 k, 2 v, 3 o: the
+ * backward's three gradients, the farthest of them; the backward's 4 O, 5
+ * dO; 6 lengths: -1 when it has none). */
 int64_t kl__attn_extent(const kl_attn_step *a, int which);
 /* Flat batch entries that share one length (the last len_inner batch
  * sizes' product), and the end of the keys of length row r (lens: the

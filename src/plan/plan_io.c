@@ -33,8 +33,10 @@ void kl__program_free(kl_program *p)
  * 4: a row kernel's rows a block and rows (kl_step.row_per, rowdims);
  * 5: its waves (kl_step.waves); 6: library steps' symbolic fields (symf);
  * 7: cache writes; 8: the attention backward (kl_attn_step.bwd); 9: attention
- * lengths (kl_attn_step.len) */
-#define PROG_FORMAT 10u
+ * lengths (kl_attn_step.len); 10: cache writes of value views (val_off,
+ * val_rs); 11: the backward's gradients each at its own place (dq_off,
+ * dk_off, dv_off and dk's and dv's strides) */
+#define PROG_FORMAT 11u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -136,8 +138,38 @@ static int64_t mm_ext(const kl_matmul_step *mm, int which, bool pad)
 	}
 }
 
-/* which: 0 q, 1 k, 2 v, 3 o (the backward's packed gradients), 4 the
- * backward's O, 5 its dO */
+/* The farthest element the backward's gradient g (0 dq, 1 dk, 2 dv) reaches
+ * in o (operand_extent_pad's -1 and -2). */
+static int64_t attn_grad_ext(const kl_attn_step *a, int g, bool pad)
+{
+	switch (g) {
+	case 0:
+		return operand_extent_pad(a->dq_off, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs,
+		                          a->dv, 1, pad);
+	case 1:
+		return operand_extent_pad(a->dk_off, a->nbatch, a->batch, a->dk_bs, a->tk, a->dk_rs,
+		                          a->dv, 1, pad);
+	default:
+		return operand_extent_pad(a->dv_off, a->nbatch, a->batch, a->dv_bs, a->tk, a->dv_rs,
+		                          a->dv, 1, pad);
+	}
+}
+
+/* the farthest of the three (-1 when all are empty, -2 when one overflows) */
+static int64_t attn_bwd_out_ext(const kl_attn_step *a, bool pad)
+{
+	int64_t hi = -1;
+	for (int g = 0; g < 3; g++) {
+		int64_t e = attn_grad_ext(a, g, pad);
+		if (e == -2)
+			return -2;
+		hi = e > hi ? e : hi;
+	}
+	return hi;
+}
+
+/* which: 0 q, 1 k, 2 v, 3 o (the backward's gradients), 4 the backward's O,
+ * 5 its dO */
 static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 {
 	switch (which) {
@@ -151,8 +183,10 @@ static int64_t attn_ext(const kl_attn_step *a, int which, bool pad)
 		return operand_extent_pad(a->v_off, a->nbatch, a->batch, a->v_bs, a->tk, a->v_rs, a->dv,
 		                      a->v_cs, pad);
 	case 3:
-		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs,
-		                      a->bwd ? a->tq + 2 * a->tk : a->tq, a->o_rs, a->dv, 1, pad);
+		if (a->bwd)
+			return attn_bwd_out_ext(a, pad);
+		return operand_extent_pad(0, a->nbatch, a->batch, a->o_bs, a->tq, a->o_rs, a->dv, 1,
+		                          pad);
 	case 4:
 		return operand_extent_pad(a->fo_off, a->nbatch, a->batch, a->fo_bs, a->tq, a->fo_rs,
 		                      a->dv, a->fo_cs, pad);
@@ -246,7 +280,9 @@ static const size_t step_fields[] = {
         EACH8(ATF, batch), EACH8(ATF, q_bs), EACH8(ATF, k_bs), EACH8(ATF, v_bs),
         EACH8(ATF, o_bs), CWF(rows), CWF(R), CWF(outer), CWF(cap), CWF(s), CWF(inner),
         ATF(fo_off),   ATF(go_off),     ATF(fo_rs),      ATF(go_rs),       EACH8(ATF, fo_bs),
-        EACH8(ATF, go_bs), ATF(len_off), ATF(len_st), CWF(val_off), CWF(val_rs)};
+        EACH8(ATF, go_bs), ATF(len_off), ATF(len_st), CWF(val_off), CWF(val_rs),
+        ATF(dq_off),   ATF(dk_off),     ATF(dv_off),     ATF(dk_rs),       ATF(dv_rs),
+        EACH8(ATF, dk_bs), EACH8(ATF, dv_bs)};
 #define NFIELDS ((int)(sizeof step_fields / sizeof step_fields[0]))
 
 int kl__step_nfields(void)
@@ -500,20 +536,38 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 	if (o->role == KL_BUF_INPUT || (o->role == KL_BUF_OUTPUT && o->alias >= 0))
 		return kl__plan_fail(err, cap, "step %d: attention writes an input or a view", s);
 	if (a->tq < 0 || a->tk < 0 || a->d < 0 || a->dv < 0 || a->nbatch < 0 ||
-	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) || (a->causal != 0 && a->causal != 1) ||
-	    a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 || a->v_off < 0 ||
-	    (a->bwd && (a->d != a->dv || a->fo_off < 0 || a->go_off < 0 || a->fo_cs != 1 ||
-	                a->go_cs != 1 || a->tk > INT64_MAX / 4 ||
-	                a->tq > INT64_MAX / 4)))
+	    a->nbatch > KL_MAX_DIMS - 2 || !isfinite(a->scale) ||
+	    (a->causal != 0 && a->causal != 1) || a->o_rs < a->dv || a->q_off < 0 || a->k_off < 0 ||
+	    a->v_off < 0 ||
+	    (a->bwd &&
+	     (a->d != a->dv || a->fo_off < 0 || a->go_off < 0 || a->fo_cs != 1 || a->go_cs != 1 ||
+	      a->tk > INT64_MAX / 4 || a->tq > INT64_MAX / 4 || a->dq_off < 0 || a->dk_off < 0 ||
+	      a->dv_off < 0 || a->dk_rs < a->dv || a->dv_rs < a->dv)))
 		return kl__plan_fail(err, cap, "step %d: attention sizes, strides or scale out of range", s);
 	for (int i = 0; i < a->nbatch; i++)
 		if (a->batch[i] < 0)
 			return kl__plan_fail(err, cap, "step %d: attention batch out of range", s);
 	for (int i = 0; i < nops; i++) {
 		int64_t n = buf_numel(&p->bufs[ids[i]]), ext = kl__attn_extent(a, i);
+		if (i == 3 && a->bwd)
+			continue; /* below, gradient by gradient */
 		if (ext == -2 || (p->bufs[ids[i]].role != KL_BUF_INPUT && ext >= n))
 			return kl__plan_fail(err, cap, "step %d: attention operand %c reaches element %lld of %lld",
 			            s, "qkvoOG"[i], (long long)ext, (long long)n);
+	}
+	/* the backward's o (never an input): each gradient inside it, named */
+	for (int g = 0; a->bwd && g < 3; g++) {
+		int64_t n = buf_numel(o), ext = attn_grad_ext(a, g, false);
+		int64_t off[3] = {a->dq_off, a->dk_off, a->dv_off};
+		int64_t rs[3] = {a->o_rs, a->dk_rs, a->dv_rs};
+		if (ext == -2 || ext >= n)
+			return kl__plan_fail(
+			        err, cap,
+			        "step %d: the attention backward's %s (from "
+			        "element %lld, rows %lld apart) reaches element %lld of "
+			        "the %lld of buffer %d",
+			        s, (const char *[]){"dq", "dk", "dv"}[g], (long long)off[g],
+			        (long long)rs[g], (long long)ext, (long long)n, a->o);
 	}
 	/* the backward writes o while it reads the others: none may share it */
 	for (int i = 0; a->bwd && i < nops; i++)
@@ -868,6 +922,13 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 				w_i64(&w, a->fo_bs[i]);
 				w_i64(&w, a->go_bs[i]);
 			}
+			int64_t gd[5] = {a->dq_off, a->dk_off, a->dv_off, a->dk_rs, a->dv_rs};
+			for (int i = 0; i < 5; i++)
+				w_i64(&w, gd[i]);
+			for (int i = 0; i < a->nbatch && i < KL_MAX_DIMS; i++) {
+				w_i64(&w, a->dk_bs[i]);
+				w_i64(&w, a->dv_bs[i]);
+			}
 			w_i32(&w, a->len);
 			w_i32(&w, a->len_inner);
 			w_i32(&w, a->len_dt);
@@ -1033,17 +1094,20 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		return kl__plan_fail(err, cap, "not a kiln program");
 	uint32_t version = (uint32_t)r_i32(&r);
 	if (version != PROG_FORMAT)
-		return kl__plan_fail(err, cap, "program format version %u, this build reads version %u%s",
-		            version, PROG_FORMAT,
-		            version < 3   ? " (written before product epilogues)"
-		            : version < 4 ? " (written before row grids)"
-		            : version < 5 ? " (written before row kernels' waves)"
-		            : version < 6 ? " (written before symbolic library steps)"
-		            : version < 7 ? " (written before cache writes)"
-		            : version < 8 ? " (written before the attention backward)"
-		            : version < 9 ? " (written before attention lengths)"
-		            : version < 10 ? " (written before cache writes of value views)"
-		                           : "");
+		return kl__plan_fail(
+		        err, cap, "program format version %u, this build reads version %u%s",
+		        version, PROG_FORMAT,
+		        version < 3    ? " (written before product epilogues)"
+		        : version < 4  ? " (written before row grids)"
+		        : version < 5  ? " (written before row kernels' waves)"
+		        : version < 6  ? " (written before symbolic library steps)"
+		        : version < 7  ? " (written before cache writes)"
+		        : version < 8  ? " (written before the attention backward)"
+		        : version < 9  ? " (written before attention lengths)"
+		        : version < 10 ? " (written before cache writes of value views)"
+		        : version < 11 ? " (written before the attention backward's gradient "
+		                         "layouts)"
+		                       : "");
 	kl_program p = {0};
 	bool null;
 	p.nbufs = r_count(&r, MAX_COUNT, 24);
@@ -1153,6 +1217,13 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 			for (int i = 0; i < a->nbatch; i++) {
 				a->fo_bs[i] = r_i64(&r);
 				a->go_bs[i] = r_i64(&r);
+			}
+			int64_t *gd[5] = {&a->dq_off, &a->dk_off, &a->dv_off, &a->dk_rs, &a->dv_rs};
+			for (int i = 0; i < 5; i++)
+				*gd[i] = r_i64(&r);
+			for (int i = 0; i < a->nbatch; i++) {
+				a->dk_bs[i] = r_i64(&r);
+				a->dv_bs[i] = r_i64(&r);
 			}
 			a->len = r_i32(&r);
 			a->len_inner = r_i32(&r);

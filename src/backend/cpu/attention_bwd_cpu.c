@@ -11,7 +11,9 @@
  * the item accumulate in place, so no two items write one row. The products
  * are single-threaded BLAS calls inside the chunks of kiln's thread pool
  * (parallel over the batch entries); f16, bf16 and f32 compute in float, f64
- * in double; each gradient rounds once. A query with no allowed key (causal,
+ * in double; each gradient rounds once, into its rows wherever the step puts
+ * them (kl_attn_step: the packed [dq; dk; dv], or a packed qkv product's
+ * gradient). A query with no allowed key (causal,
  * Tq > Tk) has NaN probabilities, as softmax over nothing: its dq row and
  * every dk, dv are NaN, as the reference says.
  */
@@ -82,7 +84,9 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 		for (int64_t i = 0; i < tk * D; i++)                                               \
 			dk[i] = dv[i] = 0;                                                         \
 		size_t es = kl_dtype_size(dt);                                                     \
-		int64_t ob = kl__attn_batch_off(a, a->o_bs, b);                                                  \
+		int64_t qo = a->dq_off + kl__attn_batch_off(a, a->o_bs, b);                        \
+		int64_t ko = a->dk_off + kl__attn_batch_off(a, a->dk_bs, b);                       \
+		int64_t vo = a->dv_off + kl__attn_batch_off(a, a->dv_bs, b);                       \
 		for (int64_t q0 = 0; q0 < tq; q0 += BQ) {                                          \
 			int64_t nq = tq - q0 < BQ ? tq - q0 : BQ;                                  \
 			/* the keys some row of the block sees: [0, kend) */                       \
@@ -140,7 +144,7 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 				if (a->causal && q0 + i + lag < 0) /* no key: NaN */               \
 					for (int64_t c = 0; c < D; c++)                            \
 						dq[i * D + c] = (T)NAN;                            \
-				STORE((char *)job->out + (ob + (q0 + i) * a->o_rs) * (int64_t)es,  \
+				STORE((char *)job->out + (qo + (q0 + i) * a->o_rs) * (int64_t)es,  \
 				      dt, 1, dq + i * D, D);                                       \
 			}                                                                          \
 		}                                                                                  \
@@ -148,10 +152,10 @@ static const void *elem(const void *p, kl_dtype dt, int64_t off)
 			for (int64_t i = 0; i < tk * D; i++)                                       \
 				dk[i] = dv[i] = (T)NAN;                                            \
 		for (int64_t j = 0; j < tk; j++) {                                                 \
-			STORE((char *)job->out + (ob + (tq + j) * a->o_rs) * (int64_t)es, dt, 1,   \
+			STORE((char *)job->out + (ko + j * a->dk_rs) * (int64_t)es, dt, 1,         \
 			      dk + j * D, D);                                                      \
-			STORE((char *)job->out + (ob + (tq + tk + j) * a->o_rs) * (int64_t)es, dt, \
-			      1, dv + j * D, D);                                                   \
+			STORE((char *)job->out + (vo + j * a->dv_rs) * (int64_t)es, dt, 1,         \
+			      dv + j * D, D);                                                      \
 		}                                                                                  \
 	}                                                                                          \
                                                                                                    \
@@ -229,6 +233,7 @@ kl_status kl__cpu_sdpa_bwd(kl_ctx *ctx, const kl_node *n, kl_tensor *const *in, 
 		a.go_bs[i] = in[4]->strides[d];
 		a.o_bs[i] = os[d];
 	}
+	kl__attn_bwd_packed(&a);
 	kl__par_set_threads(ctx->nthreads);
 	if (!kl__cpu_attention_bwd(&a, (kl_dtype)n->dtype, kl__tensor_data(in[0]),
 	                           kl__tensor_data(in[1]), kl__tensor_data(in[2]),

@@ -609,11 +609,13 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 
 /* kl_atb_args of attention_bwd_src.c, field for field */
 typedef struct kl_atb_args {
-	CUdeviceptr q, k, v, o, g, out;
+	CUdeviceptr q, k, v, o, g;
+	CUdeviceptr dqo, dko, dvo;
 	CUdeviceptr lse, dd, dq;
 	long long tq, tk;
-	long long q_rs, k_rs, v_rs, o_rs, g_rs, out_rs;
-	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6], g_bs[6], out_bs[6];
+	long long q_rs, k_rs, v_rs, o_rs, g_rs, dq_rs, dk_rs, dv_rs;
+	long long batch[6], q_bs[6], k_bs[6], v_bs[6], o_bs[6], g_bs[6], dq_bs[6], dk_bs[6],
+	        dv_bs[6];
 	float scale, scale_log2;
 	int nb, causal;
 	int zero_dq;
@@ -753,7 +755,11 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	a.v = v + (CUdeviceptr)(s->v_off * (int64_t)es);
 	a.o = o + (CUdeviceptr)(s->fo_off * (int64_t)es);
 	a.g = g + (CUdeviceptr)(s->go_off * (int64_t)es);
-	a.out = out;
+	/* each gradient where the step puts it (kl_attn_step: the packed
+	 * [dq; dk; dv], or a packed qkv product's gradient) */
+	a.dqo = out + (CUdeviceptr)(s->dq_off * (int64_t)es);
+	a.dko = out + (CUdeviceptr)(s->dk_off * (int64_t)es);
+	a.dvo = out + (CUdeviceptr)(s->dv_off * (int64_t)es);
 	a.tq = s->tq;
 	a.tk = s->tk;
 	a.q_rs = s->q_rs;
@@ -761,13 +767,17 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	a.v_rs = s->v_rs;
 	a.o_rs = s->fo_rs;
 	a.g_rs = s->go_rs;
-	a.out_rs = s->o_rs;
+	a.dq_rs = s->o_rs;
+	a.dk_rs = s->dk_rs;
+	a.dv_rs = s->dv_rs;
 	a.nb = s->nbatch;
 	int64_t nbt = 1;
-	bool rows16 = al16(a.q) && al16(a.k) && al16(a.v) && al16(a.g) && al16(a.out) &&
-	              s->q_rs % 8 == 0 && s->k_rs % 8 == 0 && s->v_rs % 8 == 0 &&
-	              s->go_rs % 8 == 0 && s->o_rs % 2 == 0 &&
+	/* loads of 16 bytes; the gradients' stores of two elements (4 bytes) */
+	bool rows16 = al16(a.q) && al16(a.k) && al16(a.v) && al16(a.g) && s->q_rs % 8 == 0 &&
+	              s->k_rs % 8 == 0 && s->v_rs % 8 == 0 && s->go_rs % 8 == 0 &&
 	              (s->d <= 1 || (s->q_cs == 1 && s->k_cs == 1 && s->v_cs == 1));
+	bool pairs = (a.dqo & 3) == 0 && (a.dko & 3) == 0 && (a.dvo & 3) == 0 && s->o_rs % 2 == 0 &&
+	             s->dk_rs % 2 == 0 && s->dv_rs % 2 == 0;
 	for (int i = 0; i < s->nbatch; i++) {
 		a.batch[i] = s->batch[i];
 		a.q_bs[i] = s->q_bs[i];
@@ -775,10 +785,13 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		a.v_bs[i] = s->v_bs[i];
 		a.o_bs[i] = s->fo_bs[i];
 		a.g_bs[i] = s->go_bs[i];
-		a.out_bs[i] = s->o_bs[i];
+		a.dq_bs[i] = s->o_bs[i];
+		a.dk_bs[i] = s->dk_bs[i];
+		a.dv_bs[i] = s->dv_bs[i];
 		nbt *= s->batch[i];
 		rows16 &= s->q_bs[i] % 8 == 0 && s->k_bs[i] % 8 == 0 && s->v_bs[i] % 8 == 0 &&
-		          s->go_bs[i] % 8 == 0 && s->o_bs[i] % 2 == 0;
+		          s->go_bs[i] % 8 == 0;
+		pairs &= s->o_bs[i] % 2 == 0 && s->dk_bs[i] % 2 == 0 && s->dv_bs[i] % 2 == 0;
 	}
 	a.scale = (float)s->scale;
 	a.scale_log2 = (float)(s->scale * 1.4426950408889634);
@@ -792,6 +805,13 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		               "kernels load them 16 bytes at a time",
 		               (long long)s->q_rs, (long long)s->k_rs, (long long)s->v_rs,
 		               (long long)s->go_rs);
+	if (!pairs)
+		return kl__err(ctx, KL_EUNSUPPORTED,
+		               "kl_sdpa backward: a row of dq, dk or dv starts on an odd element "
+		               "(offsets %lld, %lld, %lld; rows %lld, %lld, %lld apart): the CUDA "
+		               "kernels store two elements at a time",
+		               (long long)s->dq_off, (long long)s->dk_off, (long long)s->dv_off,
+		               (long long)s->o_rs, (long long)s->dk_rs, (long long)s->dv_rs);
 	int64_t nqb = (s->tq + 63) / 64, nkb = (s->tk + 63) / 64;
 	if (nbt > 0x7fffffff || nqb > 65535 || nkb > 65535)
 		return kl__err(ctx, KL_EUNSUPPORTED,

@@ -396,8 +396,8 @@ extern const char kl__cuda_attention_bwd_src[];
 extern const char kl__cuda_attention_bwd_wg_src[];
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim, bool wgmma);
 /* One attention backward step (kl_attn_step.bwd) on the stream: q, k, v, the
- * forward's output o, its gradient g and the packed result out are the
- * buffers' bases. */
+ * forward's output o, its gradient g and the gradients' buffer out (dq, dk
+ * and dv at the step's offsets and strides in it) are the buffers' bases. */
 kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                       kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
                                       CUdeviceptr o, CUdeviceptr g, CUdeviceptr out);
