@@ -354,6 +354,10 @@ typedef struct kl_mm_pack {
 	int dtype;
 	float *p;      /* 64-byte aligned */
 	size_t floats; /* allocated */
+	/* the B of the last call that did not pack: a weight is packed at its
+	 * second call unchanged, so that one rewritten every step (training)
+	 * is never packed for one use */
+	uint64_t seen_id, seen_version;
 } kl_mm_pack;
 /* B's storage this call (id 0: not a caller's tensor, nothing kept) */
 typedef struct kl_mm_weight {

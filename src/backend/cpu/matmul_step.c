@@ -168,13 +168,19 @@ static bool pack_fits(const mm_scratch *c, int64_t m, int64_t n, int64_t k)
 }
 
 /* The packed weight for g (B as g->W holds it now), packed here when the
- * kept one is stale; NULL where none can be kept (past KL_MM_PACK_MAX, out
- * of memory, no AVX-512): the product then packs per call. */
+ * kept one is stale and this B was seen unchanged at the last call; NULL at
+ * a first sight and where none can be kept (past KL_MM_PACK_MAX, out of
+ * memory, no AVX-512): the product then runs as it would unpacked. */
 static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w_kn)
 {
 	kl_mm_pack *pk = c->pk;
 	if (pack_valid(c))
 		return pk->p;
+	if (pk->seen_id != c->w.id || pk->seen_version != c->w.version) {
+		pk->seen_id = c->w.id;
+		pk->seen_version = c->w.version;
+		return NULL;
+	}
 	size_t need = kl__gemm_mid_packed_floats(g->n, g->k);
 	if (need > pk->floats) {
 		size_t bytes = (need * sizeof(float) + 63) / 64 * 64;
