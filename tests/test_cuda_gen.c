@@ -378,14 +378,13 @@ static const gcase CASES[] = {
         /* few rows: the block each */
         {"skinny 2048", b_skinny_linear, 3, {2, 2, 1}, {{3, 2048}, {37, 2048}, {37}}, true, false,
          1, 0, 1, 256, false},
-        /* the one-token decoder's products: 2048 -> 6144 (QKV), 64
-         * threads a row of 4 chunks each; 2048 -> 16384 (gate and up), 32
-         * threads of 8 (the rows keep 4x the threads busy); 8192 -> 2048
-         * (down), the block a row */
+        /* the one-token decoder's products: 2048 -> 6144 (QKV), 2048 ->
+         * 16384 (gate and up), 64 threads a row of 4 chunks each; 8192 ->
+         * 2048 (down), the block a row */
         {"skinny qkv", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {6144, 2048}, {6144}}, true,
          false, 1, 0, 1, 64, false},
         {"skinny gate_up", b_skinny_linear, 3, {2, 2, 1}, {{1, 2048}, {16384, 2048}, {16384}},
-         true, false, 1, 0, 1, 32, false},
+         true, false, 1, 0, 1, 64, false},
         {"skinny down", b_skinny_linear, 3, {2, 2, 1}, {{1, 8192}, {2048, 8192}, {2048}}, true,
          false, 1, 0, 1, 256, false},
         {"two skinny linears", b_two_linears, 3, {2, 2, 2}, {{4, 256}, {512, 256}, {256, 512}},

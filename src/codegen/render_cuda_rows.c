@@ -37,18 +37,12 @@ static bool row_fits(const cctx *c, vplan *vp, int G, int cap, int64_t max_bytes
  * row: the block), within the limits. Several loads in flight a thread,
  * several rows a block where rows are short; a long row (a down
  * projection's 8192) takes the block. The block when nothing smaller fits
- * the knobs. Where the rows would keep four times the threads busy at a
- * group, a thread may hold twice the chunks: on the H100 (decode_step, 4 x
- * d 2048 bf16, batch 1) 8 chunks a thread took the merged gate/up rows
- * (16384 of 2048) from 29.7 to 26.7 us, and slowed qkv's 6144 rows (8.2 to
- * 9.0) and the down projection's 2048 of 8192 (11.1 to 12.4). */
+ * the knobs. */
 static bool dot_group(const cctx *c, vplan *vp, int cap, int64_t nrows)
 {
 	kl_cuda_dot kn = kl__cuda_dot_knobs();
 	for (int g = 32; g < BLOCK; g *= 2) {
-		int64_t most = nrows / 4 >= ((int64_t)kn.threads + g - 1) / g ? 2 * kn.chunks
-		                                                                : kn.chunks;
-		if ((vp->nch + g - 1) / g > most || nrows < ((int64_t)kn.threads + g - 1) / g)
+		if ((vp->nch + g - 1) / g > kn.chunks || nrows < ((int64_t)kn.threads + g - 1) / g)
 			continue;
 		if (row_fits(c, vp, g, cap, ROW_BYTES))
 			return true;
