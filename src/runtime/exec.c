@@ -231,7 +231,10 @@ static const char *step_label(const kl_program *p, const kl_step *sp, char *buf,
  * program is functional: a step rewrites only its own outputs, from buffers
  * the call left in place), on the GPU by device events over about 2 ms of
  * plain launches, on the CPU by the host clock over at least 3 runs and
- * 2 ms; then a table to ctx->profile. */
+ * 2 ms; then a table to ctx->profile. Before a step is timed, the steps
+ * before it run once more: a later step may have reused the memory of this
+ * one's inputs (the memory plan's slots), and a step timed on what that
+ * left (NaN, say) took twice its time in train_decoder's backward. */
 static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int64_t *syms,
                                kl_tensor *const *inputs)
 {
@@ -244,6 +247,8 @@ static kl_status profile_steps(kl_ctx *ctx, kl_compiled *c, void **B, const int6
 		st = kl__cuda_rt_time_steps(ctx, c, (void *const *)B, syms, us);
 	} else {
 		for (int32_t s = 0; s < p->nsteps && st == KL_OK; s++) {
+			for (int32_t q = 0; q < s && st == KL_OK; q++)
+				st = cpu_step(ctx, c, &p->steps[q], B, syms, inputs);
 			double t0 = kl__now_ms(), t1 = t0;
 			int n = 0;
 			do {
