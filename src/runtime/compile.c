@@ -206,6 +206,11 @@ void kl__compiled_free(kl_compiled *c)
 		kl__cuda_rt_free(c);
 		c->arena = NULL; /* the device arena went with it */
 	}
+	/* the packed weights, a slot per step: before the program (its step
+	 * count) goes */
+	for (int32_t s = 0; c->mm_pack && s < c->prog.nsteps; s++)
+		kl__mm_pack_free(&c->mm_pack[s]);
+	free(c->mm_pack);
 	kl__jit_unload(c->dl);
 	free(c->fns);
 	free(c->bin);
@@ -216,9 +221,6 @@ void kl__compiled_free(kl_compiled *c)
 	kl__memplan_free(&c->plan);
 	free(c->arena);
 	free(c->scratch);
-	for (int32_t s = 0; c->mm_pack && s < c->prog.nsteps; s++)
-		kl__mm_pack_free(&c->mm_pack[s]);
-	free(c->mm_pack);
 	free(c);
 }
 
