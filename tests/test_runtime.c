@@ -1527,6 +1527,29 @@ static void test_packed_weights(void **state)
 		}
 		kl_fn_free(f);
 
+		/* the weight's rows symbolic: views of one storage at the same
+		 * offset and version, other row counts from call to call (each
+		 * twice: packed at the second) */
+		f = kl_compile(ctx, body_packed, NULL, 3, 1,
+		               &(kl_compile_opts){.fullgraph = true,
+		                                  .ndynamic_dims = 3,
+		                                  .dynamic_dims = (uint32_t[]){0, 1u, 1u}});
+		const int64_t rows[] = {96, 160, 128, 160};
+		for (int c = 0; c < 8; c++) {
+			int64_t r = rows[c / 2];
+			kl_tensor *wv = kl_slice(w1, 0, 0, r, 1), *bv = kl_slice(b, 0, 0, r, 1);
+			kl_tensor *vin[3] = {x, wv, bv};
+			assert_int_equal(kl_fn_call(f, vin, out), KL_OK);
+			pk_check("views of one weight, rows symbolic", x, wv, bv, out[0]);
+			kl_release(out[0]);
+			kl_release(wv);
+			kl_release(bv);
+		}
+		kl_fn_stats fs;
+		assert_int_equal(kl_fn_get_stats(f, &fs), KL_OK);
+		assert_int_equal(fs.compiles, 1);
+		kl_fn_free(f);
+
 		/* the weight captured: a write in place fails the guard, the
 		 * plan is bound again and packs the new values */
 		pk_user u = {w2, b};

@@ -345,12 +345,15 @@ const char *kl__cpu_opname(const kl_node *n);
 
 /* A product step's B packed ahead for gemm_mid, kept by the compiled plan
  * from call to call (a Linear's weight is packed once, as ONNX Runtime
- * prepacks its initializers): valid while B's memory is the same storage
- * (kl_storage.id) at the same version, offset and dtype; any write in place
- * bumps the version and the next call packs again. */
+ * prepacks its initializers): valid while B is the same storage
+ * (kl_storage.id) at the same version, offset, shape, strides and dtype
+ * (a symbolic dim may give one storage's views other shapes from call to
+ * call); any write in place bumps the version and the next call packs
+ * again. */
 typedef struct kl_mm_pack {
 	uint64_t id, version;
 	int64_t off;
+	int64_t n, k, rs, cs; /* B's shape and strides as the step read it */
 	int dtype;
 	float *p;      /* 64-byte aligned */
 	size_t floats; /* allocated */

@@ -147,7 +147,7 @@ typedef struct mm_scratch {
 	size_t *cap;
 	kl_mm_pack *pk;
 	kl_mm_weight w;
-	int64_t off;
+	int64_t off, n, k, rs, cs;
 	kl_dtype dt;
 	size_t *pack_bytes;
 } mm_scratch;
@@ -157,7 +157,8 @@ static bool pack_valid(const mm_scratch *c)
 {
 	const kl_mm_pack *pk = c->pk;
 	return pk && pk->p && pk->id == c->w.id && pk->version == c->w.version &&
-	       pk->off == c->off && pk->dtype == (int)c->dt;
+	       pk->off == c->off && pk->n == c->n && pk->k == c->k && pk->rs == c->rs &&
+	       pk->cs == c->cs && pk->dtype == (int)c->dt;
 }
 
 /* Whether a product of m x k by k x n takes the packed weight */
@@ -201,6 +202,10 @@ static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w
 	pk->id = c->w.id;
 	pk->version = c->w.version;
 	pk->off = c->off;
+	pk->n = c->n;
+	pk->k = c->k;
+	pk->rs = c->rs;
+	pk->cs = c->cs;
 	pk->dtype = (int)c->dt;
 	return pk->p;
 }
@@ -609,6 +614,10 @@ kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_
 	                 .pk = keep ? pk : NULL,
 	                 .w = w,
 	                 .off = step->b_off,
+	                 .n = step->n,
+	                 .k = step->k,
+	                 .rs = step->b_rs,
+	                 .cs = step->b_cs,
 	                 .dt = bufs[step->b].dtype,
 	                 .pack_bytes = pack_bytes},
 	           *c = &sc;
