@@ -382,7 +382,13 @@ bool kl__gemm_mid_fits(int m, int n, int k)
 
 size_t kl__gemm_mid_packed_floats(int n, int k)
 {
+#ifdef GM_ON
 	return ((size_t)n + GM_NR - 1) / GM_NR * GM_NR * (size_t)k;
+#else
+	(void)n;
+	(void)k;
+	return 0; /* nothing is packed where gemm_mid is not built */
+#endif
 }
 
 bool kl__gemm_mid_pack(const kl_gemm_small *g, bool w_kn, float *dst)
