@@ -475,7 +475,7 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	}
 	int npk = 0;
 	for (int32_t s = 0; c->mm_pack && s < p->nsteps; s++)
-		npk += c->mm_pack[s].id != 0;
+		npk += c->mm_pack[s].key.id != 0;
 	if (npk)
 		fprintf(f, "%sweights kept packed across calls: %d product%s, %s\n", ind, npk,
 		        npk == 1 ? "" : "s", human((double)c->mm_pack_bytes, "B", b1, sizeof b1));

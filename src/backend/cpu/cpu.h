@@ -350,17 +350,19 @@ const char *kl__cpu_opname(const kl_node *n);
  * (a symbolic dim may give one storage's views other shapes from call to
  * call); any write in place bumps the version and the next call packs
  * again. */
+typedef struct kl_mm_key {
+	uint64_t id, version; /* B's storage; id 0: none */
+	int64_t off, n, k, rs, cs; /* B's offset, shape and strides as the step reads it */
+	int64_t dtype;
+} kl_mm_key;
 typedef struct kl_mm_pack {
-	uint64_t id, version;
-	int64_t off;
-	int64_t n, k, rs, cs; /* B's shape and strides as the step read it */
-	int dtype;
+	kl_mm_key key; /* what p holds (id 0: nothing) */
 	float *p;      /* 64-byte aligned */
 	size_t floats; /* allocated */
 	/* the B of the last call that did not pack: a weight is packed at its
 	 * second call unchanged, so that one rewritten every step (training)
 	 * is never packed for one use */
-	uint64_t seen_id, seen_version;
+	kl_mm_key seen;
 } kl_mm_pack;
 /* B's storage this call (id 0: not a caller's tensor, nothing kept) */
 typedef struct kl_mm_weight {

@@ -139,32 +139,32 @@ static bool is_f32ish(kl_dtype dt)
 }
 
 /* the caller's scratch buffer, grown to at least bytes; and the step's
- * weight packed ahead (pk NULL: none kept), valid for B's storage w at
- * element offset off of dtype dt (the step's B as the plan binds it, also
- * while an f16 product runs on its f32 copies) */
+ * weight packed ahead (pk NULL: none kept), valid for key (the step's B as
+ * the plan binds it, also while an f16 product runs on its f32 copies) */
 typedef struct mm_scratch {
 	void **p;
 	size_t *cap;
 	kl_mm_pack *pk;
-	kl_mm_weight w;
-	int64_t off, n, k, rs, cs;
-	kl_dtype dt;
+	kl_mm_key key;
 	size_t *pack_bytes;
 } mm_scratch;
+
+static bool key_eq(const kl_mm_key *a, const kl_mm_key *b)
+{
+	return a->id == b->id && a->version == b->version && a->off == b->off && a->n == b->n &&
+	       a->k == b->k && a->rs == b->rs && a->cs == b->cs && a->dtype == b->dtype;
+}
 
 /* Whether the step's packed weight holds B this call */
 static bool pack_valid(const mm_scratch *c)
 {
-	const kl_mm_pack *pk = c->pk;
-	return pk && pk->p && pk->id == c->w.id && pk->version == c->w.version &&
-	       pk->off == c->off && pk->n == c->n && pk->k == c->k && pk->rs == c->rs &&
-	       pk->cs == c->cs && pk->dtype == (int)c->dt;
+	return c->pk && c->pk->p && c->pk->key.id && key_eq(&c->pk->key, &c->key);
 }
 
 /* Whether a product of m x k by k x n takes the packed weight */
 static bool pack_fits(const mm_scratch *c, int64_t m, int64_t n, int64_t k)
 {
-	return c->pk && c->w.id && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
+	return c->pk && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
 	       kl__gemm_mid_packed_fits((int)m, (int)n, (int)k);
 }
 
@@ -177,9 +177,8 @@ static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w
 	kl_mm_pack *pk = c->pk;
 	if (pack_valid(c))
 		return pk->p;
-	if (pk->seen_id != c->w.id || pk->seen_version != c->w.version) {
-		pk->seen_id = c->w.id;
-		pk->seen_version = c->w.version;
+	if (!key_eq(&pk->seen, &c->key)) {
+		pk->seen = c->key;
 		return NULL;
 	}
 	size_t need = kl__gemm_mid_packed_floats(g->n, g->k);
@@ -196,17 +195,10 @@ static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w
 		pk->floats = bytes / sizeof(float);
 		*c->pack_bytes += bytes;
 	}
-	pk->id = 0; /* stale until packed */
+	pk->key.id = 0; /* stale until packed */
 	if (!kl__gemm_mid_pack(g, w_kn, pk->p))
 		return NULL;
-	pk->id = c->w.id;
-	pk->version = c->w.version;
-	pk->off = c->off;
-	pk->n = c->n;
-	pk->k = c->k;
-	pk->rs = c->rs;
-	pk->cs = c->cs;
-	pk->dtype = (int)c->dt;
+	pk->key = c->key;
 	return pk->p;
 }
 
@@ -395,7 +387,8 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 		bool own = x->tc == KL_F32 && tra == CblasNoTrans && e->mm->r_ld <= INT_MAX;
 		bool packed = own && pack_fits(c, m, n, k);
 		bool few_rows = trb == CblasTrans && kl__gemm_small_fits((int)m, (int)n, (int)k);
-		if (own && (packed || few_rows || kl__gemm_mid_fits((int)m, (int)n, (int)k))) {
+		bool mid = kl__gemm_mid_fits((int)m, (int)n, (int)k);
+		if (own && (packed || few_rows || mid)) {
 			/* kiln's own products, the epilogue on each block of C while
 			 * it is in L1 (mlp24: GELU's second pass over C had cost a
 			 * fifth of the step): a weight the plan keeps packed
@@ -426,9 +419,8 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 				few_rows = false;
 			if (few_rows)
 				kl__gemm_small_par(kl__par_threads(), &g);
-			if (few_rows || ((pre || kl__gemm_mid_fits((int)m, (int)n, (int)k)) &&
-			                 kl__gemm_mid_par(kl__par_threads(), &g, trb == CblasNoTrans,
-			                                  pre))) {
+			if (few_rows || ((pre || mid) && kl__gemm_mid_par(kl__par_threads(), &g,
+			                                                   trb == CblasNoTrans, pre))) {
 				*fused = true;
 				return KL_OK;
 			}
@@ -612,13 +604,14 @@ kl_status kl__cpu_matmul_step(kl_ctx *ctx, const kl_matmul_step *step, const kl_
 	mm_scratch sc = {.p = scratch_p,
 	                 .cap = scratch_cap,
 	                 .pk = keep ? pk : NULL,
-	                 .w = w,
-	                 .off = step->b_off,
-	                 .n = step->n,
-	                 .k = step->k,
-	                 .rs = step->b_rs,
-	                 .cs = step->b_cs,
-	                 .dt = bufs[step->b].dtype,
+	                 .key = {.id = w.id,
+	                         .version = w.version,
+	                         .off = step->b_off,
+	                         .n = step->n,
+	                         .k = step->k,
+	                         .rs = step->b_rs,
+	                         .cs = step->b_cs,
+	                         .dtype = bufs[step->b].dtype},
 	                 .pack_bytes = pack_bytes},
 	           *c = &sc;
 	/* BLAS computes alpha A B (+ beta C in place); a residual is added after */
