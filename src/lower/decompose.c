@@ -18,7 +18,11 @@ typedef struct dctx {
 	int32_t cap_orig;
 	int32_t cur; /* source node being decomposed */
 	bool oom;
+	int32_t *map; /* source node -> new node, for the source nodes before cur */
+	bool relaying; /* inside relayout(): its own nodes are not looked at */
 } dctx;
+
+static void relayout(dctx *d, int32_t c);
 
 static int32_t add(dctx *d, const kl_node *n)
 {
@@ -41,6 +45,8 @@ static int32_t add(dctx *d, const kl_node *n)
 		return -1;
 	}
 	L->orig[id] = d->cur;
+	if (n->op == KL_OP_CONTIGUOUS && d->map && !d->relaying)
+		relayout(d, id);
 	return id;
 }
 
@@ -311,6 +317,79 @@ static int32_t view(dctx *d, kl_op op, int32_t x, int ndim, const int64_t *shape
 	kl_node n = mk(op, (kl_dtype)nd(d, x)->dtype, ndim, shape, 1);
 	n.in[0] = x;
 	return add(d, &n);
+}
+
+/* The attention's output in another layout. When a dense copy c reads an
+ * attention's output a through one permutation p that keeps the last dim
+ * (then reshapes), the attention step can write its output in c's layout
+ * (fuse.c, kl__attention_layout) and no kernel copies it, but only while c's
+ * chain is a's one reader. A training graph reads a again (the backward's O,
+ * the out-projection's weight gradient): every later reader of a, of p or of
+ * a node of the chain reads it from c instead, through views (the source
+ * nodes before cur that map to them are pointed at the views), and c is
+ * stored when one of them is read (L->relay), so that the forward writes one buffer in the layout its
+ * product wants, the backward reads it with strides, and neither a copy nor
+ * a second buffer is made. The first such copy of a is the one. */
+static void relayout(dctx *d, int32_t c)
+{
+	kl_lctx *L = d->L;
+	int32_t chain[KL_MAX_DIMS * 2], nc = 0, v = nd(d, c)->in[0];
+	while ((nd(d, v)->op == KL_OP_RESHAPE || nd(d, v)->op == KL_OP_CONTIGUOUS) &&
+	       nc < (int)(sizeof chain / sizeof chain[0])) {
+		chain[nc++] = v;
+		v = nd(d, v)->in[0];
+	}
+	const kl_node *p = nd(d, v);
+	if (p->op != KL_OP_PERMUTE || nd(d, p->in[0])->op != KL_OP_ATTENTION)
+		return;
+	int32_t pv = v, a = p->in[0];
+	const kl_node *an = nd(d, a);
+	int r = an->ndim;
+	if (p->ndim != r || p->a.v[r - 1] != r - 1 || nd(d, c)->dtype != an->dtype)
+		return;
+	for (int32_t i = 0; i < L->nrelay; i++)
+		if (L->relay[4 * i] == a)
+			return;
+	if (L->nrelay == L->cap_relay) {
+		int32_t cap = L->cap_relay ? 2 * L->cap_relay : 8;
+		int32_t *q = realloc(L->relay, sizeof(int32_t) * 4 * (size_t)cap);
+		if (!q) {
+			d->oom = true;
+			return;
+		}
+		L->relay = q;
+		L->cap_relay = cap;
+	}
+	d->relaying = true;
+	int32_t lo = L->g.n;
+	/* p's value is c's elements in row-major order; a's is that permuted back */
+	int32_t vp = view(d, KL_OP_RESHAPE, c, p->ndim, nd(d, pv)->shape);
+	kl_node q = mk(KL_OP_PERMUTE, (kl_dtype)an->dtype, r, an->shape, 1);
+	for (int i = 0; i < r; i++)
+		q.a.v[nd(d, pv)->a.v[i]] = i;
+	q.in[0] = vp;
+	int32_t va = add(d, &q);
+	int32_t vc[KL_MAX_DIMS * 2];
+	for (int i = 0; i < nc; i++)
+		vc[i] = view(d, KL_OP_RESHAPE, c, nd(d, chain[i])->ndim, nd(d, chain[i])->shape);
+	d->relaying = false;
+	if (d->oom)
+		return;
+	int32_t *e = &L->relay[4 * L->nrelay++];
+	e[0] = a;
+	e[1] = c;
+	e[2] = lo;
+	e[3] = L->g.n - 1;
+	for (int32_t k = 0; k < d->cur; k++) {
+		int32_t m = d->map[k];
+		if (m == a)
+			d->map[k] = va;
+		else if (m == pv)
+			d->map[k] = vp;
+		for (int i = 0; i < nc; i++)
+			if (m == chain[i])
+				d->map[k] = vc[i];
+	}
 }
 
 /* x with its last two dims swapped (a view) */
@@ -967,6 +1046,7 @@ kl_status kl__decompose(kl_lctx *L)
 		over[i] = -1;
 		u.last[i] = -1;
 	}
+	d.map = map;
 	for (int32_t i = 0; i < g->n; i++)
 		for (int j = 0; j < g->nodes[i].nin; j++) {
 			u.n[g->nodes[i].in[j]]++;

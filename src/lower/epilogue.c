@@ -24,11 +24,11 @@ bool kl__stored_view(const kl_lctx *L, int32_t c, int32_t *base, int64_t *st, in
 		*off = 0;
 		return true;
 	}
-	/* a stored view inside the chain is a buffer of its own, which the
-	 * strides through to the bottom would bypass */
+	/* a stored view inside the chain is a buffer of its own (dense, in its
+	 * shape): the strides are in that buffer, not through to the bottom */
 	for (int32_t v = c; kl__is_view((kl_op)kl__nd(L, v)->op); v = kl__nd(L, v)->in[0])
 		if (v != c && L->mat[v])
-			return false;
+			return kl__view_to(L, c, v, base, st, off);
 	return kl__view_of(L, c, base, st, off);
 }
 

@@ -574,6 +574,13 @@ static void prepare(kl_lctx *L)
 		if (L->live[n])
 			for (int i = 0; i < g->nodes[n].nin; i++)
 				L->live[g->nodes[n].in[i]] = 1;
+	/* the copies later readers of an attention's output read (decompose.c) */
+	for (int32_t i = 0; i < L->nrelay; i++) {
+		const int32_t *e = &L->relay[4 * i];
+		for (int32_t v = e[2]; v <= e[3]; v++)
+			if (L->live[v])
+				L->mat[e[1]] = 1;
+	}
 	/* outputs: computed ones are stored in their output buffer; views alias
 	 * an input or another output when their layout allows, else are copied */
 	for (int32_t j = 0; j < g->noutputs; j++) {

@@ -35,6 +35,7 @@ static void lctx_free(kl_lctx *L)
 	free(L->mlead);
 	free(L->mcol);
 	free(L->mspan);
+	free(L->relay);
 	kl__sb_free(&L->log);
 }
 

@@ -63,6 +63,11 @@ typedef struct kl_lctx {
 	int32_t *mlead;      /* per src node: the first product of the merged run it is in, -1 */
 	int64_t *mcol;       /* per src node of a run: its first column in the wider product */
 	int64_t *mspan;      /* per run's first product: [start, stop) of the wider weight slice */
+	/* decompose.c's relayouts, four ids each: the attention node, the copy
+	 * of its output that later readers read through views, and the first
+	 * and last of those views; the copy is stored when a view is live */
+	int32_t *relay;
+	int32_t nrelay, cap_relay;
 	kl_sb log;
 	char *err;
 	size_t errcap;
@@ -159,6 +164,10 @@ void kl__base_strides(const kl_lctx *L, int32_t n, kl_mono *st);
  * non-movement node it reads through (*base); false when it is not a
  * strided view (a reshape that needs division) or strides are symbolic. */
 bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, int64_t *offset);
+/* kl__view_of, walking down no further than node stop (a view stored in a
+ * buffer of its own: the strides are in that buffer) */
+bool kl__view_to(const kl_lctx *L, int32_t n, int32_t stop, int32_t *base, int64_t *strides,
+                 int64_t *offset);
 
 static inline const kl_node *kl__nd(const kl_lctx *L, int32_t n)
 {

@@ -111,6 +111,12 @@ void kl__base_strides(const kl_lctx *L, int32_t n, kl_mono *st)
 
 bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, int64_t *offset)
 {
+	return kl__view_to(L, n, -1, base, strides, offset);
+}
+
+bool kl__view_to(const kl_lctx *L, int32_t n, int32_t stop, int32_t *base, int64_t *strides,
+                 int64_t *offset)
+{
 	const kl_node *x = &L->g.nodes[n];
 	kl_ixa a;
 	kl__ixa_init(&a);
@@ -121,7 +127,7 @@ bool kl__view_of(const kl_lctx *L, int32_t n, int32_t *base, int64_t *strides, i
 		I[d] = x->shape[d] == 1 ? kl__ix_const(&a, 0) : kl__ix_var(&a, d);
 	}
 	int32_t c = n;
-	while (ok && kl__is_view((kl_op)L->g.nodes[c].op)) {
+	while (ok && c != stop && kl__is_view((kl_op)L->g.nodes[c].op)) {
 		ok = kl__move_index(L, &a, c, I, J);
 		c = L->g.nodes[c].in[0];
 		memcpy(I, J, sizeof(I));

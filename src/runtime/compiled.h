@@ -40,6 +40,7 @@ typedef struct kl_memplan {
 	int32_t nslots;
 	size_t arena_bytes; /* planned peak of the temps (sum of the slots) */
 	size_t temp_bytes;  /* the temps' sizes added up, as if none were reused */
+	size_t live_bytes;  /* the most temp bytes live at one step: no plan needs less */
 	size_t out_bytes;   /* the outputs (fresh per call) */
 } kl_memplan;
 

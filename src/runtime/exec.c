@@ -447,15 +447,16 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	for (int32_t s = 0; s < p->nsteps; s++)
 		p->steps[s].kind == KL_STEP_KERNEL ? nk++ : nm++;
 	/* library calls: products and attention steps */
-	char b1[32], b2[32], b3[32], b4[32];
+	char b1[32], b2[32], b3[32], b4[32], b5[32];
 	fprintf(f, "%s%d steps per call: %d generated kernels, %d library calls%s%s\n", ind,
 	        (int)p->nsteps, nk, nm, c->fusion ? "" : " (fusion off)",
 	        c->from_cache ? "; plan and binary from the disk cache" : "");
 	fprintf(f,
-	        "%splanned peak memory: %s (temps %s in %d slots, %s without reuse; outputs "
-	        "%s)%s\n",
+	        "%splanned peak memory: %s (temps %s in %d slots, %s live at most, %s without "
+	        "reuse; outputs %s)%s\n",
 	        ind, human((double)(c->plan.arena_bytes + c->plan.out_bytes), "B", b1, sizeof b1),
 	        human((double)c->plan.arena_bytes, "B", b2, sizeof b2), (int)c->plan.nslots,
+	        human((double)c->plan.live_bytes, "B", b5, sizeof b5),
 	        human((double)c->plan.temp_bytes, "B", b3, sizeof b3),
 	        human((double)c->plan.out_bytes, "B", b4, sizeof b4),
 	        c->dynamic ? " at the traced sizes" : "");

@@ -78,6 +78,7 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan
 		}
 	}
 	int32_t nslots = 0;
+	size_t live = 0;
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		/* allocate what this step starts to use before freeing what it stops
 		 * using: a kernel's output never shares memory with its inputs */
@@ -106,10 +107,15 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan
 			slots[best].busy = true;
 			mp->slot[b] = best;
 			mp->temp_bytes += need[b];
+			live += need[b];
 		}
+		if (live > mp->live_bytes)
+			mp->live_bytes = live;
 		for (int32_t b = 0; b < nb; b++)
-			if (last[b] == s && mp->slot[b] >= 0)
+			if (last[b] == s && mp->slot[b] >= 0) {
 				slots[mp->slot[b]].busy = false;
+				live -= need[b];
+			}
 	}
 	size_t *slot_off = malloc(sizeof(size_t) * (size_t)(nslots ? nslots : 1));
 	if (!slot_off) {
