@@ -307,6 +307,11 @@ static void train(const fixture *f, int mode)
 			assert_null(strstr(text, "graph 1"));
 			assert_non_null(strstr(text, "then, once the graph ran: the fused AdamW step "
 			                             "over 9 parameters"));
+			/* the attention writes its output once, in the layout the
+			 * out-projection reads; the backward reads that buffer through
+			 * views (decompose.c, relayout): no step copies it */
+			assert_non_null(strstr(text, "attn attention "));
+			assert_null(strstr(text, " copy: "));
 		} else {
 			/* the forward keeps what the min-cut chose; the rest the
 			 * backward computes again */
