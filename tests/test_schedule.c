@@ -405,6 +405,53 @@ static void test_attention_layout(void **state)
 
 /* Weights that are not adjacent rows of one buffer stay two products, and
  * the log says why; the values are still the reference's. */
+/* ---- a slice that is one part of a concatenation ---------------------------------- */
+
+/* a packed parameter's gradient is the concatenation of its blocks', sliced
+ * back into the blocks for the optimizer: each block is read where its
+ * product wrote it. in[0..9]: ten [8, 16] rows, in[10]: [16, 16]; p: the
+ * slice's [start, stop) over the rows of the 10 products' concatenation
+ * (ten parts: a chain of two concatenations) */
+static kl_tensor *ap_slice_concat(kl_tensor *const *in, const void *p)
+{
+	const int64_t *r = p;
+	kl_tensor *parts[10];
+	for (int i = 0; i < 10; i++)
+		parts[i] = kl_matmul(in[i], in[10]);
+	return kl_slice(kl_concat(10, parts, 0), 0, r[0], r[1], 1);
+}
+
+static void test_slice_of_concat(void **state)
+{
+	(void)state;
+	kl_tensor *in[11];
+	for (int i = 0; i < 11; i++)
+		assert_non_null(in[i] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){i < 10 ? 8 : 16, 16},
+		                                    KLTEST_NORMAL, KLTEST_CONTIG, 60 + (uint64_t)i));
+	static const struct {
+		int64_t r[2];
+		counts want;
+	} cases[] = {
+	        {{8, 16}, {0, 1, 0}},  /* the second part: its product is the output */
+	        {{72, 80}, {0, 1, 0}}, /* the tenth: in the chain's second concatenation */
+	        /* across two parts: the concatenation is made (two kernels: the
+	         * chain's two links) and the rows copied out of it */
+	        {{4, 12}, {2, 10, 0}},
+	};
+	for (int c = 0; c < 3; c++) {
+		char w[64];
+		snprintf(w, sizeof w, "rows [%lld, %lld) of ten products", (long long)cases[c].r[0],
+		         (long long)cases[c].r[1]);
+		free(lower_expect(w, ap_slice_concat, cases[c].r, 11, in, KL_TARGET_C, cases[c].want,
+		                  NULL));
+		free(lower_expect(w, ap_slice_concat, cases[c].r, 11, in, KL_TARGET_CUDA,
+		                  cases[c].want, NULL));
+		run_vs_reference(w, ap_slice_concat, cases[c].r, 11, in, 8);
+	}
+	for (int i = 0; i < 11; i++)
+		kl_release(in[i]);
+}
+
 static void test_merge_refused(void **state)
 {
 	(void)state;
@@ -792,6 +839,7 @@ int main(void)
 	        cmocka_unit_test(test_merge_refused),
 	        cmocka_unit_test(test_ffn_one_buffer),
 	        cmocka_unit_test(test_attention_layout),
+	        cmocka_unit_test(test_slice_of_concat),
 	        cmocka_unit_test(test_row_grid),
 	        cmocka_unit_test(test_wide_row_bounds),
 	};

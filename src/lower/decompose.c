@@ -392,6 +392,42 @@ static void relayout(dctx *d, int32_t c)
 	}
 }
 
+/* A slice that is exactly one part of a concatenation along its axis (a
+ * packed parameter's gradient, the concatenation of its blocks' gradients,
+ * sliced back into the blocks for the optimizer): that part, -1 when s is no
+ * such slice. Nothing copies the part out of a concatenated buffer, and the
+ * concatenation is made only where something else reads it. */
+static int32_t slice_of_concat(dctx *d, const kl_node *s, int32_t x)
+{
+	if (s->op != KL_OP_SLICE || s->a.v[2] != 1 || x < 0)
+		return -1;
+	int ax = s->a.axis;
+	int64_t lo = s->a.v[0], hi = s->a.v[1];
+	for (;;) {
+		const kl_node *c = nd(d, x);
+		if (c->op != KL_OP_CONCAT || c->a.axis != ax)
+			return -1;
+		int64_t pos = 0;
+		int32_t next = -1;
+		for (int j = 0; j < c->nin && next < 0; j++) {
+			const kl_node *p = nd(d, c->in[j]);
+			int64_t w = p->shape[ax];
+			if (pos == lo && pos + w == hi && p->dtype == s->dtype)
+				return c->in[j];
+			if (lo >= pos && hi <= pos + w && p->op == KL_OP_CONCAT) {
+				/* inside a nested concatenation (a chain of them) */
+				next = c->in[j];
+				lo -= pos;
+				hi -= pos;
+			}
+			pos += w;
+		}
+		if (next < 0)
+			return -1;
+		x = next;
+	}
+}
+
 /* x with its last two dims swapped (a view) */
 static int32_t transpose_last(dctx *d, int32_t x)
 {
@@ -1079,6 +1115,11 @@ kl_status kl__decompose(kl_lctx *L)
 			if (L->mlead[i] == i && !merged(&d, i, map, pre))
 				d.oom = true;
 			map[i] = d.oom ? -1 : pre[i];
+			continue;
+		}
+		int32_t part = slice_of_concat(&d, s, in[0]);
+		if (part >= 0) {
+			map[i] = part;
 			continue;
 		}
 		const kl_attn_match *am = L->am ? &L->am[i] : NULL;
