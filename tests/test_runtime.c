@@ -739,7 +739,7 @@ static void test_memplan_reuse(void **state)
 		p.steps[s] = kstep(s, 1, (int32_t[]){s}, s + 1, s);
 	kl_memplan mp;
 	int64_t syms[1] = {0};
-	assert_int_equal(kl__memplan_build(&p, syms, &mp), KL_OK);
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
 	assert_int_equal(mp.nslots, 2);
 	assert_int_equal((int)mp.arena_bytes, 2 * 448);
 	assert_int_equal((int)mp.temp_bytes, 4 * 448);
@@ -764,7 +764,7 @@ static void test_memplan_reuse(void **state)
 	p.steps[2] = kstep(2, 2, (int32_t[]){1, 2}, 3, 2);
 	p.steps[3] = kstep(3, 1, (int32_t[]){3}, 4, 3);
 	p.steps[4] = kstep(4, 1, (int32_t[]){4}, 5, 4);
-	assert_int_equal(kl__memplan_build(&p, syms, &mp), KL_OK);
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
 	assert_int_not_equal(mp.slot[3], mp.slot[1]);
 	assert_int_not_equal(mp.slot[3], mp.slot[2]); /* both still read by the step writing t3 */
 	assert_int_equal(mp.slot[4], mp.slot[1]);     /* t4 (big) reuses t1's slot */
@@ -798,7 +798,7 @@ static void test_memplan_random(void **state)
 		}
 		int64_t syms[1] = {0};
 		kl_memplan mp;
-		assert_int_equal(kl__memplan_build(&p, syms, &mp), KL_OK);
+		assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
 		int first[40], last[40];
 		for (int b = 0; b < nb; b++)
 			first[b] = last[b] = -1;

@@ -410,7 +410,7 @@ static kl_status step_fused(kl_optim *o, kl_tensor *const *g)
  * the graph computes the gradients it reads. */
 typedef struct deferred_step {
 	kl_optim *o;
-	kl_tensor **g; /* per parameter, held; NULL: none */
+	kl_tensor **g; /* per parameter (the trace's reads hold them); NULL: none */
 } deferred_step;
 
 /* The fused step over gradients gsrc[i] per parameter (NULL: none),
@@ -446,8 +446,6 @@ static kl_status run_deferred(kl_ctx *ctx, void *user, bool run, int *launches)
 {
 	deferred_step *d = user;
 	kl_status st = run ? fused_from(ctx, d->o, d->g, launches) : KL_OK;
-	for (int i = 0; i < d->o->n; i++)
-		kl_release(d->g[i]);
 	free(d->g);
 	free(d);
 	return st;
@@ -555,7 +553,7 @@ static kl_status defer_step(kl_optim *o, kl_tensor *const *grads)
 		if (!grads[i])
 			continue;
 		np++;
-		d->g[i] = kl_retain(grads[i]);
+		d->g[i] = grads[i]; /* the trace's reads hold it until after the step */
 		reads[nr++] = grads[i];
 		guard[ng++] = q->p;
 		if (q->m)

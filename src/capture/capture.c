@@ -527,6 +527,7 @@ typedef struct call {
 	 * when one of those has no replay form (only fn's trace repeats it) */
 	bool writes_replay;
 	bool no_replay; /* something only fn's trace can repeat */
+	int32_t lent; /* the graph's last outputs lent from its arena (lend_tail) */
 } call;
 
 static void call_fail(call *cs, kl_status st)
@@ -587,12 +588,15 @@ static kl_status graph_entry(call *cs, kl_trace *tr, int nops, kl_gentry **out)
 	                      .fusion = f->fusion,
 	                      .dyn_masks = any ? masks : NULL,
 	                      .name = f->name,
-	                      .graph_index = cs->seg};
+	                      .graph_index = cs->seg,
+	                      .lent = cs->lent};
 	uint64_t key;
 	kl_status st = kl__compile_key(ctx, g, &cfg, &key);
 	for (int i = 0; st == KL_OK && i < f->nentries; i++)
-		if (f->entries[i]->key == key ||
-		    (any && kl__compiled_serves(ctx, f->entries[i]->c, f->entries[i]->key, g, &cfg))) {
+		if (f->entries[i]->c->lent == cs->lent &&
+		    (f->entries[i]->key == key ||
+		     (any &&
+		      kl__compiled_serves(ctx, f->entries[i]->c, f->entries[i]->key, g, &cfg)))) {
 			/* the second: a dynamic dim at 0 or 1 (not a symbol when
 			 * traced at that size), which the entry runs all the same */
 			*out = f->entries[i];
@@ -742,6 +746,38 @@ static kl_status record_seg(call *cs, kl_gentry *e, const char *reason, int nops
 	return KL_OK;
 }
 
+/* How many references the trace's writes and deferred actions hold on t */
+static int trace_holds(const kl_trace *tr, const kl_tensor *t)
+{
+	int h = 0;
+	for (int w = 0; w < tr->nwrites; w++)
+		h += tr->wsrc[w] == t;
+	for (int q = 0; q < tr->ndefer; q++)
+		for (int k = 0; k < tr->defer[q].nreads; k++)
+			h += tr->defer[q].reads[k] == t;
+	return h;
+}
+
+/* The outputs lazy[n0..n) are there because the trace's writes or its
+ * deferred actions (the fused optimizer step) read them. At fn's return,
+ * one that nothing else holds (no reference beyond the open scopes, which
+ * end with the call, and the trace's) is read only until the call returns:
+ * those go last, and their count is what the compiled graph may lend from
+ * its arena (kl_compile_cfg.lent) instead of giving them memory of their
+ * own. A gradient the caller keeps (.grad, a kl_retain) is not lent. */
+static int32_t lend_tail(const kl_trace *tr, kl_tensor **lazy, int n0, int n)
+{
+	int k = n0; /* the kept ones first, both groups in the order they came */
+	for (int i = n0; i < n; i++) {
+		kl_tensor *t = lazy[i];
+		if (t->refs > t->scoped + trace_holds(tr, t)) {
+			memmove(&lazy[k + 1], &lazy[k], sizeof *lazy * (size_t)(i - k));
+			lazy[k++] = t;
+		}
+	}
+	return (int32_t)(n - k);
+}
+
 /* End the active trace with lazy[] as its outputs, compile and run it, and
  * give every lazy[i] its value. reason: the sync op (a break), or NULL. */
 static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reason,
@@ -764,6 +800,7 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 	const kl_trace *cur = ctx->trace;
 	kl_tensor **all = NULL;
 	kl_status bad = KL_OK;
+	int n0 = n;
 	bool deferred = cur->ndefer > 0;
 	int more = cur->nwrites;
 	for (int q = 0; q < cur->ndefer; q++)
@@ -794,6 +831,7 @@ static kl_status run_segment(call *cs, kl_tensor **lazy, int n, const char *reas
 		lazy = all;
 		cs->wrote = true;
 	}
+	cs->lent = !reason && more > 0 ? lend_tail(cur, lazy, n0, n) : 0;
 	kl_status st = bad != KL_OK ? bad : kl__trace_check_deferred(ctx, cur);
 	kl_trace *tr = kl__trace_end(ctx, n, lazy);
 	if (!tr) {

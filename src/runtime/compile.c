@@ -488,6 +488,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 	}
 	c->mode = cfg->mode;
 	c->fusion = cfg->fusion;
+	c->lent = cfg->lent;
 	c->keep_bin = cfg->keep_binary;
 	c->cuda = ctx->device == KL_CUDA && !cfg->lower_for_cuda;
 	c->nin = g->ninputs;
@@ -558,7 +559,7 @@ kl_compiled *kl__compile(kl_ctx *ctx, const kl_graph *g, const kl_compile_cfg *c
 		kl__err(ctx, KL_EFORMAT, "kl_compile: the program does not fit its graph: %s", berr);
 		goto fail;
 	}
-	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK) {
+	if (kl__memplan_build(&c->prog, c->plan_syms, c->lent, &c->plan) != KL_OK) {
 		kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory planning buffers");
 		goto fail;
 	}
@@ -630,7 +631,7 @@ kl_compiled *kl__compiled_from_plan(kl_ctx *ctx, const char *fn, kl_program *pro
 		kl__compiled_free(c);
 		return NULL;
 	}
-	if (kl__memplan_build(&c->prog, c->plan_syms, &c->plan) != KL_OK)
+	if (kl__memplan_build(&c->prog, c->plan_syms, c->lent, &c->plan) != KL_OK)
 		goto oom;
 	return c;
 oom:

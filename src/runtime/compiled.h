@@ -31,6 +31,13 @@ typedef struct kl_compile_cfg {
 	 * build, nothing loaded (CUDA packages, built on any machine); the
 	 * result holds the plan, its source and memory plan, and runs nothing */
 	bool lower_for_cuda;
+	/* the last `lent` outputs are read only until the call returns (the
+	 * gradients a fused optimizer step deferred to the graph's end reads,
+	 * the values of writes in place): they live in the arena with the
+	 * temps, planned from the step that writes them to the call's end, and
+	 * the call's output tensors borrow that memory, which the next call of
+	 * the plan overwrites. 0: every output has memory of its own. */
+	int32_t lent;
 } kl_compile_cfg;
 
 /* The memory plan of the TEMP buffers: one arena, a slot per buffer. */
@@ -41,7 +48,8 @@ typedef struct kl_memplan {
 	size_t arena_bytes; /* planned peak of the temps (sum of the slots) */
 	size_t temp_bytes;  /* the temps' sizes added up, as if none were reused */
 	size_t live_bytes;  /* the most temp bytes live at one step: no plan needs less */
-	size_t out_bytes;   /* the outputs (fresh per call) */
+	size_t out_bytes;   /* the outputs (fresh per call), lent ones not counted */
+	int32_t nlent;      /* outputs lent from the arena (kl_compile_cfg.lent) */
 } kl_memplan;
 
 typedef struct kl_compiled {
@@ -52,6 +60,8 @@ typedef struct kl_compiled {
 	bool dynamic;    /* some dim is a symbol */
 	kl_mode mode;
 	bool fusion;
+	int32_t lent; /* kl_compile_cfg.lent: not part of the key (the program is
+	               * the same), so the callers that keep entries compare it */
 	int nin;  /* graph inputs */
 	int nout; /* graph outputs */
 	/* per graph input: the strides kernels index it with (static inputs) */

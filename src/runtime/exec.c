@@ -85,7 +85,12 @@ static kl_status bind_outputs(kl_ctx *ctx, kl_compiled *c, kl_tensor *const *inp
 			for (int d = 0; d < bf->ndim; d++)
 				shape[d] = kl__dim_value(&bf->shape[d], syms);
 			kl_tensor *t;
-			if (bf->alias < 0) {
+			if (bf->alias < 0 && c->plan.slot[b] >= 0) {
+				/* lent: the arena's memory, until the next call */
+				t = kl__tensor_borrow(ctx, bf->dtype, bf->ndim, shape,
+				                      (char *)c->arena + c->plan.off[b],
+				                      kl__buf_bytes(bf, syms));
+			} else if (bf->alias < 0) {
 				t = kl__tensor_alloc(ctx, bf->dtype, bf->ndim, shape);
 			} else {
 				const kl_buf *base = &p->bufs[bf->alias];
@@ -123,7 +128,7 @@ static kl_status ensure_plan(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 			               "these sizes: %s",
 			               err);
 		}
-		if (kl__memplan_build(&c->prog, syms, &mp) != KL_OK)
+		if (kl__memplan_build(&c->prog, syms, c->lent, &mp) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM,
 			               "kl_fn_call: out of memory planning buffers");
 		kl__memplan_free(&c->plan);
@@ -451,14 +456,18 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	fprintf(f, "%s%d steps per call: %d generated kernels, %d library calls%s%s\n", ind,
 	        (int)p->nsteps, nk, nm, c->fusion ? "" : " (fusion off)",
 	        c->from_cache ? "; plan and binary from the disk cache" : "");
+	char lent[96] = "";
+	if (c->plan.nlent > 0)
+		snprintf(lent, sizeof lent, "; %d outputs lent from the temps' memory",
+		         (int)c->plan.nlent);
 	fprintf(f,
 	        "%splanned peak memory: %s (temps %s in %d slots, %s live at most, %s without "
-	        "reuse; outputs %s)%s\n",
+	        "reuse; outputs %s%s)%s\n",
 	        ind, human((double)(c->plan.arena_bytes + c->plan.out_bytes), "B", b1, sizeof b1),
 	        human((double)c->plan.arena_bytes, "B", b2, sizeof b2), (int)c->plan.nslots,
 	        human((double)c->plan.live_bytes, "B", b5, sizeof b5),
 	        human((double)c->plan.temp_bytes, "B", b3, sizeof b3),
-	        human((double)c->plan.out_bytes, "B", b4, sizeof b4),
+	        human((double)c->plan.out_bytes, "B", b4, sizeof b4), lent,
 	        c->dynamic ? " at the traced sizes" : "");
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		const kl_step *sp = &p->steps[s];

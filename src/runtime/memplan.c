@@ -37,7 +37,23 @@ typedef struct slot {
 	bool busy;
 } slot;
 
-kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan *mp)
+/* Whether output buffer b is lent: one of the last `lent` outputs, dense
+ * (no view), written by a step, and no output before them a view of it
+ * (that view would outlive the call) */
+static bool lendable(const kl_program *p, int32_t b, int32_t nout, int32_t lent)
+{
+	const kl_buf *bf = &p->bufs[b];
+	if (bf->role != KL_BUF_OUTPUT || bf->alias >= 0 || bf->index < nout - lent)
+		return false;
+	for (int32_t k = 0; k < p->nbufs; k++)
+		if (p->bufs[k].role == KL_BUF_OUTPUT && p->bufs[k].alias == b &&
+		    p->bufs[k].index < nout - lent)
+			return false;
+	return true;
+}
+
+kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, int32_t lent,
+                            kl_memplan *mp)
 {
 	memset(mp, 0, sizeof *mp);
 	int32_t nb = p->nbufs;
@@ -48,6 +64,10 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan
 	mp->slot = malloc(sizeof(int32_t) * (size_t)(nb ? nb : 1));
 	mp->off = calloc((size_t)(nb ? nb : 1), sizeof(size_t));
 	kl_status st = KL_OK;
+	int32_t nout = 0;
+	for (int32_t b = 0; b < nb; b++)
+		if (p->bufs[b].role == KL_BUF_OUTPUT && p->bufs[b].index >= nout)
+			nout = p->bufs[b].index + 1;
 	if (!first || !last || !need || !slots || !mp->slot || !mp->off) {
 		st = KL_ENOMEM;
 		goto done;
@@ -57,7 +77,7 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan
 		mp->slot[b] = -1;
 		need[b] = 0;
 		const kl_buf *buf = &p->bufs[b];
-		if (buf->role == KL_BUF_TEMP) {
+		if (buf->role == KL_BUF_TEMP || (lent > 0 && lendable(p, b, nout, lent))) {
 			need[b] = align_up(kl__buf_bytes(buf, syms));
 			if (need[b] == SIZE_MAX) {
 				st = KL_ENOMEM;
@@ -77,13 +97,27 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan
 			last[b] = s;
 		}
 	}
+	/* a lent output lives to the call's end; one no step writes is made
+	 * as any output is */
+	for (int32_t b = 0; b < nb; b++) {
+		if (p->bufs[b].role != KL_BUF_OUTPUT || need[b] == 0)
+			continue;
+		if (first[b] < 0) {
+			size_t by = kl__buf_bytes(&p->bufs[b], syms);
+			mp->out_bytes = by == SIZE_MAX ? SIZE_MAX : mp->out_bytes + by;
+			need[b] = 0;
+		} else {
+			last[b] = p->nsteps;
+			mp->nlent++;
+		}
+	}
 	int32_t nslots = 0;
 	size_t live = 0;
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		/* allocate what this step starts to use before freeing what it stops
 		 * using: a kernel's output never shares memory with its inputs */
 		for (int32_t b = 0; b < nb; b++) {
-			if (first[b] != s || p->bufs[b].role != KL_BUF_TEMP || need[b] == 0)
+			if (first[b] != s || need[b] == 0)
 				continue;
 			int32_t best = -1, largest = -1;
 			for (int32_t k = 0; k < nslots; k++) {

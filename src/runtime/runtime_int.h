@@ -68,7 +68,11 @@ static inline int64_t kl__dim_value(const kl_symdim *d, const int64_t *syms)
 {
 	return d->sym > 0 ? syms[d->sym - 1] : d->v;
 }
-kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, kl_memplan *mp);
+/* The slots of p's TEMP buffers at syms, and of its last `lent` outputs
+ * (kl_compile_cfg.lent): those live in the arena from their first step to
+ * the call's end, and the call lends them to its caller (exec.c) */
+kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, int32_t lent,
+                            kl_memplan *mp);
 void kl__memplan_free(kl_memplan *mp);
 
 #define KL_ARENA_ALIGN 64

@@ -165,7 +165,7 @@ static kl_status exec_generated(kl_ctx *ctx, const kl_node *n, kl_tensor *const 
 	if (c->dynamic &&
 	    memcmp(syms, c->plan_syms, sizeof(int64_t) * (size_t)p->nsyms) != 0) {
 		kl_memplan mp;
-		if (kl__memplan_build(p, syms, &mp) != KL_OK)
+		if (kl__memplan_build(p, syms, c->lent, &mp) != KL_OK)
 			return kl__err(ctx, KL_ENOMEM, "kl_%s: out of memory", kl__ops[n->op].name);
 		kl__memplan_free(&c->plan);
 		c->plan = mp;
