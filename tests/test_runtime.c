@@ -27,6 +27,7 @@
 #include "graph/graph.h"
 #include "graph/reference.h"
 #include "kltest.h"
+#include "lower/lower_int.h"
 #include "runtime/compiled.h"
 #include "runtime/runtime_int.h"
 
@@ -778,13 +779,17 @@ static void test_memplan_random(void **state)
 {
 	(void)state;
 	uint64_t rng = 42;
-	for (int trial = 0; trial < 200; trial++) {
+	/* the second half: sizes from a few, and steps marked in place (the
+	 * planner writes one where its input dies there, same size) */
+	for (int trial = 0; trial < 400; trial++) {
+		bool few = trial >= 200;
 		int nb = 2 + (int)(kltest_next(&rng) % 30), ns = nb - 1;
 		kl_program p = prog_alloc(nb, ns, ns);
 		int64_t sh[1] = {1};
 		p.bufs[0] = pbuf(KL_BUF_INPUT, 0, KL_F32, 1, sh);
 		for (int b = 1; b < nb; b++) {
-			sh[0] = 1 + (int64_t)(kltest_next(&rng) % 300);
+			sh[0] = few ? 16 << (2 * (kltest_next(&rng) % 3))
+			            : 1 + (int64_t)(kltest_next(&rng) % 300);
 			p.bufs[b] =
 			        pbuf(b == nb - 1 ? KL_BUF_OUTPUT : KL_BUF_TEMP, 0, KL_F32, 1, sh);
 		}
@@ -795,6 +800,7 @@ static void test_memplan_random(void **state)
 			for (int r = 0; r < nr; r++)
 				reads[r] = (int32_t)(kltest_next(&rng) % (uint64_t)(s + 1));
 			p.steps[s] = kstep(s, nr, reads, s + 1, 0);
+			p.steps[s].inplace = few && kltest_next(&rng) % 2;
 		}
 		int64_t syms[1] = {0};
 		kl_memplan mp;
@@ -814,6 +820,12 @@ static void test_memplan_random(void **state)
 		for (int a = 1; a < nb - 1; a++)
 			for (int b = a + 1; b < nb - 1; b++) {
 				bool live = !(last[a] < first[b] || last[b] < first[a]);
+				/* b written in place of a, which died there */
+				const kl_step *wb = &p.steps[b - 1];
+				if (wb->inplace && wb->reads[0] == a && last[a] == b - 1 &&
+				    mp.off[a] == mp.off[b] &&
+				    kl__buf_bytes(&p.bufs[a], syms) == kl__buf_bytes(&p.bufs[b], syms))
+					live = false;
 				size_t ea = mp.off[a] + kl__buf_bytes(&p.bufs[a], syms);
 				size_t eb = mp.off[b] + kl__buf_bytes(&p.bufs[b], syms);
 				bool mem = mp.off[a] < eb && mp.off[b] < ea;
@@ -823,6 +835,177 @@ static void test_memplan_random(void **state)
 		assert_true(mp.arena_bytes <= mp.temp_bytes);
 		kl__memplan_free(&mp);
 		prog_release(&p);
+	}
+}
+
+/* Lent outputs (kl_compile_cfg.lent): the last outputs get arena slots from
+ * the step that writes them to the call's end and are not counted as
+ * outputs; one an earlier output is a view of is not lent. */
+static void test_memplan_lent(void **state)
+{
+	(void)state;
+	kl_program p = prog_alloc(6, 4, 4);
+	int64_t sh[1] = {100};
+	/* in -> t1 -> out0 (returned), t1 -> out1, t1 -> out2 (both lent) */
+	p.bufs[0] = pbuf(KL_BUF_INPUT, 0, KL_F32, 1, sh);
+	p.bufs[1] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sh);
+	p.bufs[2] = pbuf(KL_BUF_OUTPUT, 0, KL_F32, 1, sh);
+	p.bufs[3] = pbuf(KL_BUF_OUTPUT, 1, KL_F32, 1, sh);
+	p.bufs[4] = pbuf(KL_BUF_OUTPUT, 2, KL_F32, 1, sh);
+	p.bufs[5] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sh);
+	p.steps[0] = kstep(0, 1, (int32_t[]){0}, 1, 0);
+	p.steps[1] = kstep(1, 1, (int32_t[]){1}, 3, 1);
+	p.steps[2] = kstep(2, 1, (int32_t[]){1}, 5, 2);
+	p.steps[3] = kstep(3, 1, (int32_t[]){5}, 4, 3);
+	p.nsteps = 4;
+	int64_t syms[1] = {0};
+	kl_memplan mp;
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
+	assert_int_equal(mp.nlent, 0);
+	assert_int_equal((int)mp.out_bytes, 1200);
+	assert_int_equal(mp.slot[3], -1);
+	kl__memplan_free(&mp);
+	assert_int_equal(kl__memplan_build(&p, syms, 2, &mp), KL_OK);
+	assert_int_equal(mp.nlent, 2);
+	assert_int_equal((int)mp.out_bytes, 400); /* out0 alone (no step writes it) */
+	assert_true(mp.slot[3] >= 0 && mp.slot[4] >= 0);
+	/* out1 lives from step 1 to the end: t5 (steps 2-3) cannot share it,
+	 * nor out2 (step 3 on) */
+	assert_int_not_equal(mp.slot[3], mp.slot[5]);
+	assert_int_not_equal(mp.slot[3], mp.slot[4]);
+	assert_int_not_equal(mp.slot[3], mp.slot[1]);
+	kl__memplan_free(&mp);
+	/* out0 a view of out2: out2 is not lent (the view outlives the call) */
+	p.bufs[2].alias = 4;
+	assert_int_equal(kl__memplan_build(&p, syms, 2, &mp), KL_OK);
+	assert_int_equal(mp.nlent, 1);
+	assert_int_equal(mp.slot[4], -1);
+	assert_true(mp.slot[3] >= 0);
+	kl__memplan_free(&mp);
+	p.bufs[2].alias = -1;
+	prog_release(&p);
+}
+
+/* A kernel that writes in place (kl_step.inplace) as its input's last
+ * reader: its output lies where the input did; not when a later step reads
+ * the input, nor when their sizes differ. */
+static void test_memplan_inplace(void **state)
+{
+	(void)state;
+	kl_program p = prog_alloc(5, 3, 3);
+	int64_t sh[1] = {256}, other[1] = {64};
+	p.bufs[0] = pbuf(KL_BUF_INPUT, 0, KL_F32, 1, sh);
+	p.bufs[1] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sh);
+	p.bufs[2] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sh);
+	p.bufs[3] = pbuf(KL_BUF_OUTPUT, 0, KL_F32, 1, sh);
+	p.bufs[4] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, other);
+	p.steps[0] = kstep(0, 1, (int32_t[]){0}, 1, 0);    /* t1 = f(x) */
+	p.steps[1] = kstep(1, 2, (int32_t[]){1, 0}, 2, 1); /* t2 = g(t1, x), in place */
+	p.steps[1].inplace = true;
+	p.steps[2] = kstep(2, 1, (int32_t[]){2}, 3, 2); /* out = h(t2) */
+	p.nsteps = 3;
+	int64_t syms[1] = {0};
+	kl_memplan mp;
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
+	assert_int_equal(mp.ninplace, 1);
+	assert_true(mp.off[1] == mp.off[2]);
+	assert_int_equal((int)mp.arena_bytes, 1024);
+	kl__memplan_free(&mp);
+	/* t1 read again after: t2 gets memory of its own */
+	p.steps[2] = kstep(2, 2, (int32_t[]){2, 1}, 3, 2);
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
+	assert_int_equal(mp.ninplace, 0);
+	assert_true(mp.off[1] != mp.off[2]);
+	kl__memplan_free(&mp);
+	/* other sizes: not in place (lowering never marks such a step; the
+	 * planner checks all the same) */
+	p.steps[1] = kstep(1, 2, (int32_t[]){1, 0}, 4, 1);
+	p.steps[1].inplace = true;
+	p.steps[2] = kstep(2, 1, (int32_t[]){4}, 3, 2);
+	assert_int_equal(kl__memplan_build(&p, syms, 0, &mp), KL_OK);
+	assert_int_equal(mp.ninplace, 0);
+	kl__memplan_free(&mp);
+	prog_release(&p);
+}
+
+/* Step order (lower/step_order.c): a step that frees more temp memory than
+ * it makes runs before the next one in order that makes more than it frees;
+ * every dependency through a buffer is kept. */
+static void test_step_order(void **state)
+{
+	(void)state;
+	/* the backward of y = x W: dx = dy W' (makes dx), dW = x' dy (the last
+	 * reader of x, an output): dW runs first */
+	kl_program p = prog_alloc(7, 4, 4);
+	int64_t big[1] = {1000}, sm[1] = {10};
+	p.bufs[0] = pbuf(KL_BUF_INPUT, 0, KL_F32, 1, sm);   /* input */
+	p.bufs[1] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, big);   /* x */
+	p.bufs[2] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sm);    /* dy */
+	p.bufs[3] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, big);   /* dx */
+	p.bufs[4] = pbuf(KL_BUF_OUTPUT, 0, KL_F32, 1, sm);  /* dW */
+	p.bufs[5] = pbuf(KL_BUF_OUTPUT, 1, KL_F32, 1, sm);  /* from dx */
+	p.bufs[6] = pbuf(KL_BUF_TEMP, 0, KL_F32, 1, sm);
+	p.steps[0] = kstep(0, 1, (int32_t[]){0}, 1, 0);    /* x */
+	p.steps[1] = kstep(1, 2, (int32_t[]){0, 1}, 2, 1); /* dy */
+	p.steps[2] = kstep(2, 1, (int32_t[]){2}, 3, 2);    /* dx */
+	p.steps[3] = kstep(3, 2, (int32_t[]){1, 2}, 4, 3); /* dW */
+	p.nsteps = 4;
+	p.nsymf = 1;
+	p.symf = calloc(1, sizeof *p.symf);
+	assert_non_null(p.symf);
+	p.symf[0].step = 3;
+	assert_int_equal(kl__order_steps(&p), KL_OK);
+	static const int want[4] = {0, 1, 3, 2};
+	for (int k = 0; k < 4; k++)
+		assert_int_equal(p.steps[k].kernel, want[k]);
+	assert_int_equal(p.symf[0].step, 2); /* it follows its step */
+	free(p.symf);
+	p.symf = NULL;
+	p.nsymf = 0;
+	prog_release(&p);
+
+	/* random programs, some writing in place: each step still comes after
+	 * the last writer of every buffer it touches, and a write after every
+	 * read of the value it overwrites */
+	uint64_t rng = 7;
+	for (int trial = 0; trial < 300; trial++) {
+		int nb = 3 + (int)(kltest_next(&rng) % 20), ns = 2 + (int)(kltest_next(&rng) % 20);
+		kl_program q = prog_alloc(nb, ns, ns);
+		for (int b = 0; b < nb; b++) {
+			int64_t sh[1] = {1 + (int64_t)(kltest_next(&rng) % 500)};
+			q.bufs[b] = pbuf(b == 0 ? KL_BUF_INPUT : KL_BUF_TEMP, 0, KL_F32, 1, sh);
+		}
+		for (int s = 0; s < ns; s++) {
+			int32_t reads[3];
+			int nr = 1 + (int)(kltest_next(&rng) % 3);
+			for (int r = 0; r < nr; r++)
+				reads[r] = (int32_t)(kltest_next(&rng) % (uint64_t)nb);
+			q.steps[s] = kstep(s, nr, reads,
+			                   1 + (int32_t)(kltest_next(&rng) % (uint64_t)(nb - 1)), s);
+		}
+		q.nsteps = ns;
+		kl_step *orig = malloc(sizeof *orig * (size_t)ns);
+		assert_non_null(orig);
+		memcpy(orig, q.steps, sizeof *orig * (size_t)ns);
+		assert_int_equal(kl__order_steps(&q), KL_OK);
+		int at[64];
+		for (int k = 0; k < ns; k++)
+			at[q.steps[k].kernel] = k;
+		for (int j = 0; j < ns; j++)
+			for (int i = 0; i < j; i++) {
+				const kl_step *a = &orig[i], *b = &orig[j];
+				bool dep = false;
+				for (int r = 0; r < b->nreads; r++)
+					dep |= b->reads[r] == a->writes[0];
+				dep |= b->writes[0] == a->writes[0];
+				for (int r = 0; r < a->nreads; r++)
+					dep |= a->reads[r] == b->writes[0];
+				if (dep && at[i] > at[j])
+					fail_msg("trial %d: step %d ran before step %d, which it depends on",
+					         trial, j, i);
+			}
+		free(orig);
+		prog_release(&q);
 	}
 }
 
@@ -1590,6 +1773,9 @@ int main(int argc, char **argv)
 	        cmocka_unit_test(test_symbolic_program),
 	        cmocka_unit_test(test_memplan_reuse),
 	        cmocka_unit_test(test_memplan_random),
+	        cmocka_unit_test(test_memplan_lent),
+	        cmocka_unit_test(test_memplan_inplace),
+	        cmocka_unit_test(test_step_order),
 	        cmocka_unit_test(test_program_bytes),
 	        cmocka_unit_test(test_cache_warm_process),
 	        cmocka_unit_test(test_cache_corrupt),

@@ -452,6 +452,75 @@ static void test_slice_of_concat(void **state)
 		kl_release(in[i]);
 }
 
+/* ---- kernels written in place ---------------------------------------------------- */
+
+/* u = sigmoid(t) + t (p: t transposed in the sum), t = x w: u's kernel
+ * reads the product's temp only at the element it stores, and the product
+ * after it is t's last reader: u may take t's memory */
+static kl_tensor *ap_inplace(kl_tensor *const *in, const void *p)
+{
+	const bool *tr = p;
+	kl_tensor *t = kl_matmul(in[0], in[1]);
+	kl_tensor *u = kl_add(kl_sigmoid(t), *tr ? kl_transpose(t, 0, 1) : t);
+	return kl_matmul(u, in[2]);
+}
+
+static int inplace_steps(const char *what, const bool *tr, kl_tensor *const *in, kl_target t)
+{
+	kl_trace *trc = trace_apply(what, ap_inplace, tr, in);
+	kl_lower_opts o = {.target = t, .fusion = true};
+	kl_program P;
+	char err[512];
+	if (kl__lower(&trc->g, &o, &P, err, sizeof err) != KL_OK)
+		fail_msg("%s: lowering failed: %s", what, err);
+	int n = 0;
+	for (int32_t s = 0; s < P.nsteps; s++)
+		if (P.steps[s].inplace) {
+			n++;
+			/* reads[0] is the temp it may write over, of the stored dtype and shape */
+			const kl_buf *r = &P.bufs[P.steps[s].reads[0]], *w = &P.bufs[P.steps[s].writes[0]];
+			assert_int_equal(r->role, KL_BUF_TEMP);
+			assert_int_equal(w->role, KL_BUF_TEMP);
+			assert_int_equal(r->dtype, w->dtype);
+		}
+	/* the program with it survives its bytes */
+	uint8_t *bytes = NULL;
+	size_t len = 0;
+	assert_int_equal(kl__program_serialize(&P, &bytes, &len), KL_OK);
+	kl_program Q;
+	if (kl__program_deserialize(bytes, len, &Q, err, sizeof err) != KL_OK)
+		fail_msg("%s: the program does not read back: %s", what, err);
+	for (int32_t s = 0; s < P.nsteps; s++)
+		assert_int_equal(Q.steps[s].inplace, P.steps[s].inplace);
+	kl__program_free(&Q);
+	free(bytes);
+	if (t == KL_TARGET_CUDA) {
+		nvrtc_compiles(what, strdup(P.source));
+	}
+	kl__program_free(&P);
+	kl__trace_free(trc);
+	return n;
+}
+
+static void test_inplace(void **state)
+{
+	(void)state;
+	kl_tensor *in[3];
+	for (int i = 0; i < 3; i++)
+		assert_non_null(in[i] = kltest_rand(ctx, KL_F32, 2, (int64_t[]){16, 16},
+		                                    KLTEST_NORMAL, KLTEST_CONTIG, 90 + (uint64_t)i));
+	static const bool straight = false, transposed = true;
+	assert_int_equal(inplace_steps("in place", &straight, in, KL_TARGET_C), 1);
+	assert_int_equal(inplace_steps("in place", &straight, in, KL_TARGET_CUDA), 1);
+	/* t read at another element than the one stored: never in place */
+	assert_int_equal(inplace_steps("transposed", &transposed, in, KL_TARGET_C), 0);
+	assert_int_equal(inplace_steps("transposed", &transposed, in, KL_TARGET_CUDA), 0);
+	run_vs_reference("in place", ap_inplace, &straight, 3, in, 8);
+	run_vs_reference("transposed", ap_inplace, &transposed, 3, in, 8);
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+}
+
 static void test_merge_refused(void **state)
 {
 	(void)state;
@@ -840,6 +909,7 @@ int main(void)
 	        cmocka_unit_test(test_ffn_one_buffer),
 	        cmocka_unit_test(test_attention_layout),
 	        cmocka_unit_test(test_slice_of_concat),
+	        cmocka_unit_test(test_inplace),
 	        cmocka_unit_test(test_row_grid),
 	        cmocka_unit_test(test_wide_row_bounds),
 	};

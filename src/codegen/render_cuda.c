@@ -173,6 +173,8 @@ static bool is_chunk_blk(const cctx *c, int blk)
 
 static bool buf_written(const cctx *c, int32_t buf)
 {
+	if (buf == c->k->shares)
+		return true;
 	for (int32_t i = 0; i < c->k->nins; i++)
 		if (c->live[i] && c->k->ins[i].opc == KIR_STORE && c->k->ins[i].buf == buf)
 			return true;

@@ -444,6 +444,7 @@ void kl__kir_init(kir_kernel *k)
 {
 	memset(k, 0, sizeof(*k));
 	kl__ixa_init(&k->ixa);
+	k->shares = -1;
 }
 
 void kl__kir_free(kir_kernel *k)

@@ -160,6 +160,10 @@ typedef struct kir_kernel {
 	 * first: the kernel before it is one of the program's); NULL: none.
 	 * Owned by the caller. */
 	const uint8_t *early;
+	/* a buffer it loads whose memory its store may take (lower.c,
+	 * inplace_read), -1 none: the renderer reads it as memory that is
+	 * written (no read-only cache) */
+	int32_t shares;
 } kir_kernel;
 
 void kl__kir_init(kir_kernel *k);

@@ -814,6 +814,60 @@ static void describe(const kl_lctx *L, const kl_group *G, kl_step *sp)
 	snprintf(sp->what, sizeof(sp->what), "%s", copy ? "copy" : "pointwise");
 }
 
+/* Whether buffer b of a pointwise kernel is loaded only at the element the
+ * kernel stores (ix: the store's address), never gathered */
+static bool loads_at(const kir_kernel *k, int32_t b, int32_t ix)
+{
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->opc == KIR_LOAD && in->buf == b && (in->a >= 0 || in->ad.ns != 0 || in->ad.ix != ix))
+			return false;
+	}
+	return true;
+}
+
+/* A pointwise kernel that stores one temp at one address and loads another
+ * temp of the same dtype and shape only there (each element read by the
+ * thread that then writes it) may write into that temp's memory when it is
+ * the temp's last reader: the memory planner decides (memplan.c). The temp
+ * goes first in sp->reads and sp->inplace is set. The SwiGLU backward's
+ * gradient of the gate, computed from the hidden layer's gradient, takes
+ * its memory: train_decoder at 4x1024x2048 bf16, 67 MB less at the peak. */
+static void inplace_read(const kl_program *P, kir_kernel *k, kl_step *sp)
+{
+	if (k->rmask != 0 || k->nlocal != 0 || sp->nwrites != 1)
+		return;
+	int32_t w = sp->writes[0], ix = -1;
+	const kl_buf *wb = &P->bufs[w];
+	if (wb->role != KL_BUF_TEMP)
+		return;
+	for (int32_t i = 0; i < k->nins; i++) {
+		const kir_ins *in = &k->ins[i];
+		if (in->opc != KIR_STORE)
+			continue;
+		if (in->buf != w || in->ad.ns != 0 || (ix >= 0 && in->ad.ix != ix))
+			return;
+		ix = in->ad.ix;
+	}
+	if (ix < 0)
+		return;
+	for (int32_t r = 0; r < sp->nreads; r++) {
+		const kl_buf *rb = &P->bufs[sp->reads[r]];
+		bool same = sp->reads[r] != w && rb->role == KL_BUF_TEMP && rb->dtype == wb->dtype &&
+		            rb->ndim == wb->ndim;
+		for (int d = 0; same && d < rb->ndim; d++)
+			same = rb->shape[d].v == wb->shape[d].v && rb->shape[d].sym == wb->shape[d].sym;
+		if (!same || !loads_at(k, sp->reads[r], ix))
+			continue;
+		int32_t t = sp->reads[0];
+		sp->reads[0] = sp->reads[r];
+		sp->reads[r] = t;
+		sp->inplace = true;
+		k->shares = sp->reads[0];
+		return;
+	}
+}
+
 /* Kernel step sp of group G: its kernel IR goes to *k (kept for the
  * renderer, kernel number P->nkernels), its name to P->kernel_names. */
 static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_step *sp,
@@ -855,6 +909,7 @@ static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 		sp->bytes += bytes_of(P, sp->reads[i]);
 	for (int32_t i = 0; i < sp->nwrites; i++)
 		sp->bytes += bytes_of(P, sp->writes[i]);
+	inplace_read(P, k, sp);
 	for (int32_t i = 0; i < G->nm; i++) {
 		const kl_node *x = &L->g.nodes[G->m[i]];
 		add_node(sp, L->orig[G->m[i]]);
@@ -932,6 +987,8 @@ static kl_status assemble(kl_lctx *L, kl_lowered *out)
 			out->nkernels = P->nkernels;
 		}
 	}
+	if (st == KL_OK)
+		st = kl__order_steps(P);
 	P->nsyms = L->nsyms;
 	memcpy(P->sym_input, L->sym_input, sizeof(P->sym_input));
 	memcpy(P->sym_dim, L->sym_dim, sizeof(P->sym_dim));

@@ -95,6 +95,9 @@ kl_status kl__symbolize_lowered(kl_lctx *L);
 
 /* fuse.c: form the groups (L->gr), decide what is stored */
 kl_status kl__schedule(kl_lctx *L);
+/* step_order.c: P's steps reordered where that frees temps sooner (the
+ * buffers' dependencies kept); symbolic fields follow their steps */
+kl_status kl__order_steps(kl_program *P);
 /* "add#7" or "exp#3(softmax)" for log lines */
 const char *kl__node_label(const kl_lctx *L, int32_t n, char *buf, size_t cap);
 

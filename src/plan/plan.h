@@ -243,6 +243,11 @@ typedef struct kl_step {
 	int32_t nreads;
 	int32_t writes[2];
 	int32_t nwrites;
+	/* KERNEL: writes[0] may take reads[0]'s memory when this step is its
+	 * last reader (the memory planner's choice): both temps of one dtype
+	 * and shape, and the kernel loads reads[0] only at the element it
+	 * stores, in the thread that stores it (lower.c, inplace_read) */
+	bool inplace;
 	/* the graph nodes this step computes (fused into it) */
 	int32_t nodes[KL_STEP_MAX_NODES];
 	int32_t nnodes;

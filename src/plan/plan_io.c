@@ -36,7 +36,7 @@ void kl__program_free(kl_program *p)
  * lengths (kl_attn_step.len); 10: cache writes of value views (val_off,
  * val_rs); 11: the backward's gradients each at its own place (dq_off,
  * dk_off, dv_off and dk's and dv's strides) */
-#define PROG_FORMAT 11u
+#define PROG_FORMAT 12u
 #define MAX_COUNT (1 << 20)
 #define MAX_NAME 63
 
@@ -711,6 +711,20 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 			           b == sp->cw.cache)) /* in place: checked below */
 				st = kl__plan_fail(err, cap, "step %d writes input or view buffer %d", s, b);
 		}
+		if (st == KL_OK && sp->inplace) {
+			const kl_buf *r = sp->nreads > 0 ? &p->bufs[sp->reads[0]] : NULL;
+			const kl_buf *w = sp->nwrites == 1 ? &p->bufs[sp->writes[0]] : NULL;
+			bool same = r && w && r != w && sp->kind == KL_STEP_KERNEL &&
+			            r->role == KL_BUF_TEMP && w->role == KL_BUF_TEMP &&
+			            r->dtype == w->dtype && r->ndim == w->ndim;
+			for (int d = 0; same && d < r->ndim; d++)
+				same = r->shape[d].v == w->shape[d].v && r->shape[d].sym == w->shape[d].sym;
+			if (!same)
+				st = kl__plan_fail(err, cap,
+				                   "step %d: written in place, but not one temp into "
+				                   "another of its dtype and shape",
+				                   s);
+		}
 		for (int i = 0; i < sp->nwrites && st == KL_OK; i++)
 			written[sp->writes[i]] = true;
 		for (int i = 0; i < sp->nnodes && st == KL_OK; i++)
@@ -951,6 +965,7 @@ kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len)
 		w_i32(&w, sp->nwrites);
 		for (int i = 0; i < sp->nwrites && i < 2; i++)
 			w_i32(&w, sp->writes[i]);
+		w_i32(&w, sp->inplace ? 1 : 0);
 		w_i32(&w, sp->nnodes);
 		for (int i = 0; i < sp->nnodes && i < KL_STEP_MAX_NODES; i++)
 			w_i32(&w, sp->nodes[i]);
@@ -1107,6 +1122,7 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		        : version < 10 ? " (written before cache writes of value views)"
 		        : version < 11 ? " (written before the attention backward's gradient "
 		                         "layouts)"
+		        : version < 12 ? " (written before kernels written in place)"
 		                       : "");
 	kl_program p = {0};
 	bool null;
@@ -1247,6 +1263,10 @@ kl_status kl__program_deserialize(const void *data, size_t len, kl_program *out,
 		sp->nwrites = r_count(&r, 2, 4);
 		for (int i = 0; i < sp->nwrites; i++)
 			sp->writes[i] = r_i32(&r);
+		int32_t inplace = r_i32(&r);
+		if (inplace != 0 && inplace != 1)
+			r.bad = true;
+		sp->inplace = inplace == 1;
 		sp->nnodes = r_count(&r, KL_STEP_MAX_NODES, 4);
 		for (int i = 0; i < sp->nnodes; i++)
 			sp->nodes[i] = r_i32(&r);

@@ -50,6 +50,7 @@ typedef struct kl_memplan {
 	size_t live_bytes;  /* the most temp bytes live at one step: no plan needs less */
 	size_t out_bytes;   /* the outputs (fresh per call), lent ones not counted */
 	int32_t nlent;      /* outputs lent from the arena (kl_compile_cfg.lent) */
+	int32_t ninplace;   /* kernels writing into their input's slot (kl_step.inplace) */
 } kl_memplan;
 
 typedef struct kl_compiled {

@@ -456,10 +456,13 @@ void kl__compiled_explain(const kl_compiled *c, FILE *f, const char *ind)
 	fprintf(f, "%s%d steps per call: %d generated kernels, %d library calls%s%s\n", ind,
 	        (int)p->nsteps, nk, nm, c->fusion ? "" : " (fusion off)",
 	        c->from_cache ? "; plan and binary from the disk cache" : "");
-	char lent[96] = "";
+	char lent[160] = "";
 	if (c->plan.nlent > 0)
 		snprintf(lent, sizeof lent, "; %d outputs lent from the temps' memory",
 		         (int)c->plan.nlent);
+	if (c->plan.ninplace > 0)
+		snprintf(lent + strlen(lent), sizeof lent - strlen(lent),
+		         "; %d kernels write in place of their input", (int)c->plan.ninplace);
 	fprintf(f,
 	        "%splanned peak memory: %s (temps %s in %d slots, %s live at most, %s without "
 	        "reuse; outputs %s%s)%s\n",
