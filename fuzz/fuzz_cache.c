@@ -82,9 +82,13 @@ static void use_program(kl_program *p, const uint8_t *bytes, size_t len)
 	int64_t syms[KL_MAX_DIMS * 4];
 	for (int i = 0; i < KL_MAX_DIMS * 4; i++)
 		syms[i] = 3;
-	kl_memplan mp;
-	if (kl__memplan_build(p, syms, &mp) == KL_OK)
-		kl__memplan_free(&mp);
+	/* as kl_compile would, then with every output lent (a training step's
+	 * gradients: kl_compile_cfg.lent) */
+	for (int lent = 0; lent < 2; lent++) {
+		kl_memplan mp;
+		if (kl__memplan_build(p, syms, lent ? INT32_MAX / 2 : 0, &mp) == KL_OK)
+			kl__memplan_free(&mp);
+	}
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

@@ -312,6 +312,14 @@ static void train(const fixture *f, int mode)
 			 * for the caller have memory of their own. The whole step
 			 * leaves every .grad (gate_up's too) to the caller: only the
 			 * gate and up blocks the step reads apart are lent there */
+			/* each norm's output is computed again for its product's
+			 * weight gradient (grad_other.c, norm_again), in a kernel of
+			 * its own (never merged with a sibling: fuse.c, again):
+			 * four row rms_norm steps, two of them in the backward */
+			int norms = 0;
+			for (const char *q = text; (q = strstr(q, "row rms_norm: rms_norm#")); q++)
+				norms++;
+			assert_int_equal(norms, 4);
 			assert_non_null(strstr(text, mode == REPLAYED
 			                                     ? "9 outputs lent from the temps' memory"
 			                                     : "2 outputs lent from the temps' memory"));

@@ -1255,6 +1255,25 @@ static kl_status finish(sched *s)
 	return KL_EINVAL;
 }
 
+/* Whether group G computes a value computed again on purpose: a source
+ * node identical to an earlier one (the same op on the same inputs: a
+ * norm's output recomputed for its product's weight gradient,
+ * grad_other.c). Merged with a sibling, it would be made, and kept, where
+ * that sibling runs; alone, it runs where its reader needs it. */
+static bool again(const kl_lctx *L, const kl_group *G)
+{
+	for (int32_t i = 0; i < G->nm; i++) {
+		int32_t sb = L->orig[G->m[i]];
+		const kl_node *b = &L->src->nodes[sb];
+		if (b->op != KL_OP_RMS_NORM && b->op != KL_OP_LAYER_NORM)
+			continue;
+		for (int32_t sa = 0; sa < sb; sa++)
+			if (!memcmp(&L->src->nodes[sa], b, sizeof(kl_node)))
+				return true;
+	}
+	return false;
+}
+
 /* Sibling reductions: two reduction kernels over the same space and axes
  * (a norm's dw and db, both sums over the rows; a forward norm's row
  * statistics and its backward's) become one kernel, one launch and one
@@ -1268,7 +1287,7 @@ static void merge_siblings(sched *s)
 		for (int32_t a = 0; a < b; a++) {
 			const kl_group *A = &L->gr[a], *B = &L->gr[b];
 			if (!B->alive || !B->rmask || B->matmul || !A->alive || A->matmul ||
-			    A->rmask != B->rmask || !same_dims(A, B))
+			    A->rmask != B->rmask || !same_dims(A, B) || again(L, A) || again(L, B))
 				continue;
 			if (try_merge(s, a, b, why, sizeof why)) {
 				kl__lower_logf(L, "merged the sibling reduction %s into the kernel of %s",

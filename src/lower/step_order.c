@@ -102,8 +102,21 @@ kl_status kl__order_steps(kl_program *P)
 	double *size = malloc(sizeof *size * (size_t)nb);
 	int32_t *order = malloc(sizeof *order * (size_t)n);
 	bool *done = calloc((size_t)n, 1);
-	if (!succ || !npred || !last_w || !readers || !left || !born || !size || !order || !done)
+	int32_t *key = malloc(sizeof *key * (size_t)n);
+	if (!succ || !npred || !last_w || !readers || !left || !born || !size || !order || !done ||
+	    !key)
 		goto out;
+	/* the program's order: where the step's first node is in the source
+	 * graph (the forward as written, then the backward as the sweep made
+	 * it), not the order the scheduler happened to emit independent
+	 * kernels in (a norm computed again for the backward, ready since the
+	 * forward, runs where the backward needs it) */
+	for (int32_t j = 0; j < n; j++) {
+		key[j] = INT32_MAX;
+		for (int32_t i = 0; i < P->steps[j].nnodes; i++)
+			if (P->steps[j].nodes[i] < key[j])
+				key[j] = P->steps[j].nodes[i];
+	}
 	for (int32_t b = 0; b < nb; b++) {
 		last_w[b] = -1;
 		size[b] = temp_bytes(P, b);
@@ -143,6 +156,7 @@ kl_status kl__order_steps(kl_program *P)
 		for (int32_t s = 0; s < n; s++) {
 			if (done[s] || npred[s] > 0)
 				continue;
+			bool earlier = first < 0 || key[s] < key[first];
 			int nw, nt = touched(P, &P->steps[s], ids, &nw);
 			double net = 0;
 			for (int i = 0; i < nt; i++) {
@@ -152,11 +166,11 @@ kl_status kl__order_steps(kl_program *P)
 				else if (left[b] == 1)
 					net -= size[b];
 			}
-			if (first < 0) {
+			if (earlier) {
 				first = s;
 				first_net = net;
 			}
-			if (net < best_net) {
+			if (net < best_net || (best >= 0 && net == best_net && key[s] < key[best])) {
 				best = s;
 				best_net = net;
 			}
@@ -205,5 +219,6 @@ out:
 	free(size);
 	free(order);
 	free(done);
+	free(key);
 	return st;
 }

@@ -282,9 +282,14 @@ static kl_status ensure_ws(kl_ctx *ctx, kl_cuda_dev *d, size_t need, const char 
 	if (d->capturing)
 		return kl__err(ctx, KL_EUNSUPPORTED,
 		               "kl_sdpa: %s would grow during CUDA graph capture", what);
-	size_t cap = (size_t)1 << 20;
-	while (cap < need)
-		cap *= 2;
+	/* rounded up to 2 MiB and at least 5/4 of the last, not to a power of
+	 * two: the training step's backward needs 34 MB (its dq accumulator),
+	 * which a power of two made 64 MiB held for good; growing by 5/4 or more
+	 * keeps the grown-from ones (old[], which captured graphs may still
+	 * address) few */
+	size_t cap = ((need + ((size_t)2 << 20) - 1) >> 21) << 21;
+	if (A->ws && cap < A->ws_cap / 4 * 5)
+		cap = A->ws_cap / 4 * 5;
 	if (A->ws && A->nold == (int)(sizeof A->old / sizeof A->old[0]))
 		return kl__err(ctx, KL_ENOMEM, "kl_sdpa: %s grew too often", what);
 	CUdeviceptr p = 0;
