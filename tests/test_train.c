@@ -235,6 +235,18 @@ static void expect_params(const fixture *f, model *m, const char *prefix, bool g
 	}
 }
 
+/* kl_explain's text for fn into *text (malloc'd) */
+static void explain_into(kl_fn *fn, char **text)
+{
+	size_t len = 0;
+	*text = NULL;
+	FILE *mem = open_memstream(text, &len);
+	assert_non_null(mem);
+	assert_int_equal(kl_explain(fn, mem), KL_OK);
+	fclose(mem);
+	assert_non_null(*text);
+}
+
 static void train(const fixture *f, int mode)
 {
 	char label[64];
@@ -289,12 +301,8 @@ static void train(const fixture *f, int mode)
 	}
 	expect_params(f, &m, "adamw3.", false, label);
 	if (fn) {
-		char *text = NULL;
-		size_t len = 0;
-		FILE *mem = open_memstream(&text, &len);
-		assert_non_null(mem);
-		assert_int_equal(kl_explain(fn, mem), KL_OK);
-		fclose(mem);
+		char *text;
+		explain_into(fn, &text);
 		assert_non_null(strstr(text, "graph 0"));
 		if (mode == WHOLE_STEP || mode == REPLAYED) {
 			/* the attention writes its output once, in the layout the
@@ -435,12 +443,8 @@ static void test_kept_gradient_not_lent(void **state)
 			         (long long)i, got[i], want[i]);
 	free(got);
 	free(want);
-	char *text = NULL;
-	size_t len = 0;
-	FILE *mem = open_memstream(&text, &len);
-	assert_non_null(mem);
-	assert_int_equal(kl_explain(fn, mem), KL_OK);
-	fclose(mem);
+	char *text;
+	explain_into(fn, &text);
 	assert_non_null(strstr(text, "8 outputs lent from the temps' memory"));
 	free(text);
 	kl_release(first);
