@@ -477,6 +477,13 @@ static int inplace_steps(const char *what, const bool *tr, kl_tensor *const *in,
 	for (int32_t s = 0; s < P.nsteps; s++)
 		if (P.steps[s].inplace) {
 			n++;
+			/* the two are one memory: neither pointer is restrict (render.c) */
+			char decl[64];
+			snprintf(decl, sizeof decl, "\tfloat *b%d = (float *)%s[%d];", P.steps[s].reads[0],
+			         t == KL_TARGET_CUDA ? "A.b" : "B", P.steps[s].reads[0]);
+			if (!strstr(P.source, decl))
+				fail_msg("%s: the kernel written in place declares its input otherwise "
+				         "(no \"%s\")", what, decl + 1);
 			/* reads[0] is the temp it may write over, of the stored dtype and shape */
 			const kl_buf *r = &P.bufs[P.steps[s].reads[0]], *w = &P.bufs[P.steps[s].writes[0]];
 			assert_int_equal(r->role, KL_BUF_TEMP);

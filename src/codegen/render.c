@@ -375,9 +375,12 @@ void kl__render_buf_decls(const kl_renderer *r, const kir_kernel *k, const uint8
 		}
 		if (!rd && !wr)
 			continue;
-		const char *q = wr ? "" : "const ";
-		kl__sb_printf(sb, r->buf_decl_fmt, q, r->mtype[dt], (int)bi, q, r->mtype[dt], (int)bi,
-		              (int)bi);
+		/* in place (kir_kernel.shares): the buffer read and the one written
+		 * are one memory, so neither is restrict (nor read as constant) */
+		bool alias = k->shares >= 0 && (bi == k->shares || wr);
+		const char *q = wr || alias ? "" : "const ";
+		kl__sb_printf(sb, alias ? r->buf_decl_alias_fmt : r->buf_decl_fmt, q, r->mtype[dt],
+		              (int)bi, q, r->mtype[dt], (int)bi, (int)bi);
 	}
 }
 

@@ -37,6 +37,9 @@ typedef struct kl_renderer {
 	/* declares buffer pointer b<i>; printf args: const-qualifier, memory
 	 * type, i, const-qualifier, memory type, i, i (a format may skip the last) */
 	const char *buf_decl_fmt;
+	/* the same without restrict: the buffers of a kernel that writes in place
+	 * of one it reads (kir_kernel.shares), which alias */
+	const char *buf_decl_alias_fmt;
 	const char *index_t;            /* type of loop variables and indices */
 	const char *simd_fmt;           /* vectorizable loops: %d = n, %s = an extra clause */
 	const char *sym_fmt;            /* the value of symbol k: %d = k - 1 */

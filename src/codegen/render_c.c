@@ -566,6 +566,7 @@ const kl_renderer kl__render_c = {
 	              [KL_BOOL] = "(uint8_t)(%s != 0)"},
 	.kernel_fmt = "void %s(void *const *B, const int64_t *S)",
 	.buf_decl_fmt = "\t%s%s *restrict b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
+	.buf_decl_alias_fmt = "\t%s%s *b%d = (%s%s *)B[%d];\n\t(void)b%d;\n",
 	.index_t = "int64_t",
 	.simd_fmt = "#pragma omp simd collapse(%d)%s",
 	.sym_fmt = "S[%d]",

@@ -724,6 +724,7 @@ const kl_renderer kl__render_cuda = {
                       [KL_BOOL] = "(uint8_t)(%s != 0)"},
         .kernel_fmt = "extern \"C\" __global__ void __launch_bounds__(256) %s(const kl_args A)",
         .buf_decl_fmt = "\t%s%s *__restrict__ b%d = (%s%s *)A.b[%d];\n",
+        .buf_decl_alias_fmt = "\t%s%s *b%d = (%s%s *)A.b[%d];\n",
         .index_t = "int64_t",
         .simd_fmt = "",
         .sym_fmt = "A.s[%d]",

@@ -1255,22 +1255,44 @@ static kl_status finish(sched *s)
 	return KL_EINVAL;
 }
 
-/* Whether group G computes a value computed again on purpose: a source
- * node identical to an earlier one (the same op on the same inputs: a
- * norm's output recomputed for its product's weight gradient,
- * grad_other.c). Merged with a sibling, it would be made, and kept, where
- * that sibling runs; alone, it runs where its reader needs it. */
-static bool again(const kl_lctx *L, const kl_group *G)
+/* Per source node: a norm identical to an earlier one (the same op on the
+ * same inputs: its output computed again on purpose for a product's weight
+ * gradient, grad_other.c). NULL when there is none or memory ran out. */
+static bool *norms_again(const kl_lctx *L)
 {
-	for (int32_t i = 0; i < G->nm; i++) {
-		int32_t sb = L->orig[G->m[i]];
-		const kl_node *b = &L->src->nodes[sb];
-		if (b->op != KL_OP_RMS_NORM && b->op != KL_OP_LAYER_NORM)
-			continue;
-		for (int32_t sa = 0; sa < sb; sa++)
-			if (!memcmp(&L->src->nodes[sa], b, sizeof(kl_node)))
-				return true;
+	const kl_graph *g = L->src;
+	int32_t *norms = malloc(sizeof *norms * (size_t)(g->n + 1)), nn = 0;
+	bool *again = calloc((size_t)g->n + 1, sizeof *again), any = false;
+	if (!norms || !again) {
+		free(norms);
+		free(again);
+		return NULL;
 	}
+	for (int32_t i = 0; i < g->n; i++) {
+		const kl_node *x = &g->nodes[i];
+		if (x->op != KL_OP_RMS_NORM && x->op != KL_OP_LAYER_NORM)
+			continue;
+		for (int32_t k = 0; k < nn && !again[i]; k++)
+			again[i] = !memcmp(&g->nodes[norms[k]], x, sizeof *x);
+		any |= again[i];
+		norms[nn++] = i;
+	}
+	free(norms);
+	if (!any) {
+		free(again);
+		return NULL;
+	}
+	return again;
+}
+
+/* Whether group G computes such a norm: merged with a sibling it would be
+ * made, and kept, where that sibling runs; alone, it runs where its reader
+ * needs it. */
+static bool again_in(const kl_lctx *L, const bool *again, const kl_group *G)
+{
+	for (int32_t i = 0; again && i < G->nm; i++)
+		if (again[L->orig[G->m[i]]])
+			return true;
 	return false;
 }
 
@@ -1283,11 +1305,13 @@ static void merge_siblings(sched *s)
 {
 	kl_lctx *L = s->L;
 	char why[384], l1[64], l2[64];
+	bool *again = norms_again(L);
 	for (int32_t b = 0; b < L->ngr; b++) {
 		for (int32_t a = 0; a < b; a++) {
 			const kl_group *A = &L->gr[a], *B = &L->gr[b];
 			if (!B->alive || !B->rmask || B->matmul || !A->alive || A->matmul ||
-			    A->rmask != B->rmask || !same_dims(A, B) || again(L, A) || again(L, B))
+			    A->rmask != B->rmask || !same_dims(A, B) || again_in(L, again, A) ||
+			    again_in(L, again, B))
 				continue;
 			if (try_merge(s, a, b, why, sizeof why)) {
 				kl__lower_logf(L, "merged the sibling reduction %s into the kernel of %s",
@@ -1300,6 +1324,7 @@ static void merge_siblings(sched *s)
 			               kl__node_label(L, A->first, l2, sizeof l2), why);
 		}
 	}
+	free(again);
 }
 
 kl_status kl__schedule(kl_lctx *L)

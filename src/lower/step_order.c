@@ -101,10 +101,8 @@ kl_status kl__order_steps(kl_program *P)
 	bool *born = calloc((size_t)nb, 1);
 	double *size = malloc(sizeof *size * (size_t)nb);
 	int32_t *order = malloc(sizeof *order * (size_t)n);
-	bool *done = calloc((size_t)n, 1);
 	int32_t *key = malloc(sizeof *key * (size_t)n);
-	if (!succ || !npred || !last_w || !readers || !left || !born || !size || !order || !done ||
-	    !key)
+	if (!succ || !npred || !last_w || !readers || !left || !born || !size || !order || !key)
 		goto out;
 	/* the program's order: where the step's first node is in the source
 	 * graph (the forward as written, then the backward as the sweep made
@@ -148,15 +146,21 @@ kl_status kl__order_steps(kl_program *P)
 			}
 		}
 	}
-	/* list scheduling: the earliest ready step, unless it grows the temps
-	 * and another ready step shrinks them */
+	/* list scheduling over the ready steps: the earliest, unless it grows
+	 * the temps and another ready step shrinks them */
+	int32_t *ready = malloc(sizeof *ready * (size_t)n), nready = 0;
+	if (!ready)
+		goto out;
+	for (int32_t j = 0; j < n; j++)
+		if (npred[j] == 0)
+			ready[nready++] = j;
 	for (int32_t k = 0; k < n; k++) {
 		int32_t first = -1, best = -1;
 		double best_net = 0, first_net = 0;
-		for (int32_t s = 0; s < n; s++) {
-			if (done[s] || npred[s] > 0)
-				continue;
-			bool earlier = first < 0 || key[s] < key[first];
+		for (int32_t r = 0; r < nready; r++) {
+			int32_t s = ready[r];
+			bool earlier = first < 0 || key[s] < key[ready[first]] ||
+			               (key[s] == key[ready[first]] && s < ready[first]);
 			int nw, nt = touched(P, &P->steps[s], ids, &nw);
 			double net = 0;
 			for (int i = 0; i < nt; i++) {
@@ -167,19 +171,24 @@ kl_status kl__order_steps(kl_program *P)
 					net -= size[b];
 			}
 			if (earlier) {
-				first = s;
+				first = r;
 				first_net = net;
 			}
-			if (net < best_net || (best >= 0 && net == best_net && key[s] < key[best])) {
-				best = s;
+			if (net < best_net || (best >= 0 && net == best_net && key[s] < key[ready[best]])) {
+				best = r;
 				best_net = net;
 			}
 		}
-		if (first < 0)
-			goto out; /* a cycle: cannot happen for buffers written once */
-		int32_t s = first_net > 0 && best >= 0 ? best : first;
+		if (first < 0) {
+			/* a cycle, which buffers written once cannot make: the order
+			 * stays as emitted */
+			free(ready);
+			st = KL_OK;
+			goto out;
+		}
+		int32_t r = first_net > 0 && best >= 0 ? best : first, s = ready[r];
+		ready[r] = ready[--nready];
 		order[k] = s;
-		done[s] = true;
 		int nw, nt = touched(P, &P->steps[s], ids, &nw);
 		for (int i = 0; i < nt; i++) {
 			if (i >= nt - nw)
@@ -188,8 +197,10 @@ kl_status kl__order_steps(kl_program *P)
 				left[ids[i]]--;
 		}
 		for (int32_t e = 0; e < succ[s].n; e++)
-			npred[succ[s].to[e]]--;
+			if (--npred[succ[s].to[e]] == 0)
+				ready[nready++] = succ[s].to[e];
 	}
+	free(ready);
 	/* permute the steps, and the symbolic fields that name them */
 	kl_step *steps = malloc(sizeof *steps * (size_t)n);
 	if (!steps)
@@ -218,7 +229,6 @@ out:
 	free(born);
 	free(size);
 	free(order);
-	free(done);
 	free(key);
 	return st;
 }
