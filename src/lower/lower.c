@@ -47,7 +47,7 @@ static double numel_of(const kl_node *x)
 	return n;
 }
 
-static double bytes_of(const kl_program *P, int32_t b)
+double kl__traced_bytes(const kl_program *P, int32_t b)
 {
 	const kl_buf *bf = &P->bufs[b];
 	double n = (double)kl_dtype_size(bf->dtype);
@@ -364,7 +364,7 @@ static kl_status matmul_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
 	double kk = (double)mm->k;
 	sp->flops += 2.0 * batch * (double)x->shape[k - 2] * (double)mm->n * kk;
-	sp->bytes += bytes_of(P, mm->a) + bytes_of(P, mm->b) + numel_of(x) * es;
+	sp->bytes += kl__traced_bytes(P, mm->a) + kl__traced_bytes(P, mm->b) + numel_of(x) * es;
 	if (mm->nbatch)
 		snprintf(sp->what, sizeof(sp->what), "bmm %.0fx%lldx%lldx%lld%s%s", batch,
 		         (long long)mm->m, (long long)mm->n, (long long)mm->k, desc[0] ? " " : "",
@@ -470,8 +470,8 @@ static kl_status attention_step(kl_lctx *L, kl_program *P, const kl_group *G, kl
 	}
 	sp->flops = 2.0 * batch * pairs * (double)(a->d + a->dv);
 	for (int i = 0; i < nop; i++)
-		sp->bytes += bytes_of(P, ids[i]);
-	sp->bytes += bytes_of(P, a->o);
+		sp->bytes += kl__traced_bytes(P, ids[i]);
+	sp->bytes += kl__traced_bytes(P, a->o);
 	snprintf(sp->what, sizeof(sp->what), "attention %.0fx%lldx%lldx%lld%s%s", batch,
 	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "",
 	         nop == 4 ? " lengths" : "");
@@ -579,8 +579,8 @@ static kl_status attention_bwd_step(kl_lctx *L, kl_program *P, const kl_group *G
 	 * dP, dV, dQ, dK */
 	sp->flops = 2.0 * batch * pairs * (double)a->d * 6;
 	for (int i = 0; i < 5; i++)
-		sp->bytes += bytes_of(P, ids[i]);
-	sp->bytes += bytes_of(P, a->o);
+		sp->bytes += kl__traced_bytes(P, ids[i]);
+	sp->bytes += kl__traced_bytes(P, a->o);
 	snprintf(sp->what, sizeof(sp->what), "attention bwd %.0fx%lldx%lldx%lld%s%s", batch,
 	         (long long)a->tq, (long long)a->tk, (long long)a->d, a->causal ? " causal" : "",
 	         G->nm > 1 ? " into concat" : "");
@@ -634,9 +634,9 @@ static kl_status cache_write_step(kl_lctx *L, kl_program *P, const kl_group *G, 
 	sp->nwrites = 1;
 	double es = (double)kl_dtype_size((kl_dtype)x->dtype);
 	double rowsz = (double)geo.rows * (double)geo.outer * (double)geo.s * (double)geo.inner;
-	sp->bytes = 2.0 * rowsz * es + bytes_of(P, ids[1]);
+	sp->bytes = 2.0 * rowsz * es + kl__traced_bytes(P, ids[1]);
 	if (!inplace)
-		sp->bytes += 2.0 * bytes_of(P, c->out);
+		sp->bytes += 2.0 * kl__traced_bytes(P, c->out);
 	snprintf(sp->what, sizeof(sp->what), "cache write %lldx%lld%s", (long long)geo.rows,
 	         (long long)geo.s, inplace ? " in place" : " (copy)");
 	return KL_OK;
@@ -838,8 +838,7 @@ static void inplace_read(const kl_program *P, kir_kernel *k, kl_step *sp)
 	if (k->rmask != 0 || k->nlocal != 0 || sp->nwrites != 1)
 		return;
 	int32_t w = sp->writes[0], ix = -1;
-	const kl_buf *wb = &P->bufs[w];
-	if (wb->role != KL_BUF_TEMP)
+	if (P->bufs[w].role != KL_BUF_TEMP)
 		return;
 	for (int32_t i = 0; i < k->nins; i++) {
 		const kir_ins *in = &k->ins[i];
@@ -852,12 +851,8 @@ static void inplace_read(const kl_program *P, kir_kernel *k, kl_step *sp)
 	if (ix < 0)
 		return;
 	for (int32_t r = 0; r < sp->nreads; r++) {
-		const kl_buf *rb = &P->bufs[sp->reads[r]];
-		bool same = sp->reads[r] != w && rb->role == KL_BUF_TEMP && rb->dtype == wb->dtype &&
-		            rb->ndim == wb->ndim;
-		for (int d = 0; same && d < rb->ndim; d++)
-			same = rb->shape[d].v == wb->shape[d].v && rb->shape[d].sym == wb->shape[d].sym;
-		if (!same || !loads_at(k, sp->reads[r], ix))
+		if (!kl__inplace_bufs(&P->bufs[sp->reads[r]], &P->bufs[w]) ||
+		    !loads_at(k, sp->reads[r], ix))
 			continue;
 		int32_t t = sp->reads[0];
 		sp->reads[0] = sp->reads[r];
@@ -906,9 +901,9 @@ static kl_status kernel_step(kl_lctx *L, kl_program *P, const kl_group *G, kl_st
 			add_id(sp->writes, &sp->nwrites, 2, in->buf);
 	}
 	for (int32_t i = 0; i < sp->nreads; i++)
-		sp->bytes += bytes_of(P, sp->reads[i]);
+		sp->bytes += kl__traced_bytes(P, sp->reads[i]);
 	for (int32_t i = 0; i < sp->nwrites; i++)
-		sp->bytes += bytes_of(P, sp->writes[i]);
+		sp->bytes += kl__traced_bytes(P, sp->writes[i]);
 	inplace_read(P, k, sp);
 	for (int32_t i = 0; i < G->nm; i++) {
 		const kl_node *x = &L->g.nodes[G->m[i]];

@@ -95,6 +95,8 @@ kl_status kl__symbolize_lowered(kl_lctx *L);
 
 /* fuse.c: form the groups (L->gr), decide what is stored */
 kl_status kl__schedule(kl_lctx *L);
+/* lower.c: bytes of P's buffer b at its traced sizes (dense) */
+double kl__traced_bytes(const kl_program *P, int32_t b);
 /* step_order.c: P's steps reordered where that frees temps sooner (the
  * buffers' dependencies kept); symbolic fields follow their steps */
 kl_status kl__order_steps(kl_program *P);

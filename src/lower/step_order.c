@@ -7,9 +7,10 @@
  * running it first frees that activation before the input's gradient is
  * made (train_decoder at 4x1024x2048: the 67 MB SwiGLU output dies before
  * the 67 MB gradient of the FFN's hidden layer is born). kl__order_steps
- * keeps the emitted order, except that when the next step in it would
- * allocate more temp memory than it frees, a step that can run now (every
- * step it depends on has run) and frees more than it allocates runs first.
+ * runs the steps in the program's order (each keyed by its first source
+ * node), except that when the next step in it would allocate more temp
+ * memory than it frees, a step that can run now (every step it depends on
+ * has run) and frees more than it allocates runs first.
  * Dependencies are the buffers: a step follows the last writer of what it
  * reads or writes and every reader, since that write, of what it writes.
  */
@@ -24,18 +25,6 @@ static int32_t root_of(const kl_program *P, int32_t b)
 	     guard++)
 		b = P->bufs[b].alias;
 	return b;
-}
-
-/* bytes of a temp at its traced sizes; 0 for other buffers */
-static double temp_bytes(const kl_program *P, int32_t b)
-{
-	const kl_buf *bf = &P->bufs[b];
-	if (bf->role != KL_BUF_TEMP)
-		return 0;
-	double n = (double)kl_dtype_size(bf->dtype);
-	for (int d = 0; d < bf->ndim; d++)
-		n *= (double)bf->shape[d].v;
-	return n;
 }
 
 typedef struct edges {
@@ -117,7 +106,7 @@ kl_status kl__order_steps(kl_program *P)
 	}
 	for (int32_t b = 0; b < nb; b++) {
 		last_w[b] = -1;
-		size[b] = temp_bytes(P, b);
+		size[b] = P->bufs[b].role == KL_BUF_TEMP ? kl__traced_bytes(P, b) : 0;
 	}
 	int32_t ids[KL_NODE_MAX_IN * 2 + 2];
 	for (int32_t j = 0; j < n; j++) {

@@ -305,6 +305,9 @@ void kl__program_free(kl_program *p);
  * [a-z0-9_], inputs/outputs complete. ninputs/noutputs < 0: not checked. */
 kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
                                size_t errcap);
+/* Whether a kernel may write buffer w in place of buffer r (kl_step.inplace):
+ * two temps, not one, of one dtype and shape */
+bool kl__inplace_bufs(const kl_buf *r, const kl_buf *w);
 /* Serialize everything but the source (malloc'd buffer). */
 kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
 /* Parse and validate; out's source is NULL. */

@@ -594,6 +594,17 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 	return KL_OK;
 }
 
+bool kl__inplace_bufs(const kl_buf *r, const kl_buf *w)
+{
+	if (r == w || r->role != KL_BUF_TEMP || w->role != KL_BUF_TEMP || r->dtype != w->dtype ||
+	    r->ndim != w->ndim)
+		return false;
+	for (int d = 0; d < r->ndim; d++)
+		if (r->shape[d].v != w->shape[d].v || r->shape[d].sym != w->shape[d].sym)
+			return false;
+	return true;
+}
+
 kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, char *err,
                                size_t cap)
 {
@@ -712,14 +723,8 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 				st = kl__plan_fail(err, cap, "step %d writes input or view buffer %d", s, b);
 		}
 		if (st == KL_OK && sp->inplace) {
-			const kl_buf *r = sp->nreads > 0 ? &p->bufs[sp->reads[0]] : NULL;
-			const kl_buf *w = sp->nwrites == 1 ? &p->bufs[sp->writes[0]] : NULL;
-			bool same = r && w && r != w && sp->kind == KL_STEP_KERNEL &&
-			            r->role == KL_BUF_TEMP && w->role == KL_BUF_TEMP &&
-			            r->dtype == w->dtype && r->ndim == w->ndim;
-			for (int d = 0; same && d < r->ndim; d++)
-				same = r->shape[d].v == w->shape[d].v && r->shape[d].sym == w->shape[d].sym;
-			if (!same)
+			if (sp->kind != KL_STEP_KERNEL || sp->nreads < 1 || sp->nwrites != 1 ||
+			    !kl__inplace_bufs(&p->bufs[sp->reads[0]], &p->bufs[sp->writes[0]]))
 				st = kl__plan_fail(err, cap,
 				                   "step %d: written in place, but not one temp into "
 				                   "another of its dtype and shape",

@@ -38,18 +38,11 @@ typedef struct slot {
 } slot;
 
 /* Whether output buffer b is lent: one of the last `lent` outputs, dense
- * (no view), written by a step, and no output before them a view of it
- * (that view would outlive the call) */
-static bool lendable(const kl_program *p, int32_t b, int32_t nout, int32_t lent)
+ * (no view), and no output before them a view of it (viewed[b]: that view
+ * would outlive the call) */
+static bool lendable(const kl_buf *bf, int32_t nout, int32_t lent, bool viewed)
 {
-	const kl_buf *bf = &p->bufs[b];
-	if (bf->role != KL_BUF_OUTPUT || bf->alias >= 0 || bf->index < nout - lent)
-		return false;
-	for (int32_t k = 0; k < p->nbufs; k++)
-		if (p->bufs[k].role == KL_BUF_OUTPUT && p->bufs[k].alias == b &&
-		    p->bufs[k].index < nout - lent)
-			return false;
-	return true;
+	return bf->role == KL_BUF_OUTPUT && bf->alias < 0 && bf->index >= nout - lent && !viewed;
 }
 
 /* The slots above stack each slot's largest buffer one after another; a
@@ -136,6 +129,7 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, int32_t le
 	slot *slots = malloc(sizeof(slot) * (size_t)(nb ? nb : 1));
 	bool *taken = calloc((size_t)(nb ? nb : 1), sizeof(bool)); /* its slot went on to a write */
 	int32_t *head = malloc(sizeof(int32_t) * (size_t)(nb ? nb : 1)); /* in-place chains */
+	bool *viewed = calloc((size_t)(nb ? nb : 1), sizeof(bool));
 	mp->slot = malloc(sizeof(int32_t) * (size_t)(nb ? nb : 1));
 	mp->off = calloc((size_t)(nb ? nb : 1), sizeof(size_t));
 	kl_status st = KL_OK;
@@ -143,9 +137,16 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, int32_t le
 	for (int32_t b = 0; b < nb; b++)
 		if (p->bufs[b].role == KL_BUF_OUTPUT && p->bufs[b].index >= nout)
 			nout = p->bufs[b].index + 1;
-	if (!first || !last || !need || !slots || !taken || !head || !mp->slot || !mp->off) {
+	if (!first || !last || !need || !slots || !taken || !head || !viewed || !mp->slot || !mp->off) {
 		st = KL_ENOMEM;
 		goto done;
+	}
+	/* the buffers a returned output is a view of */
+	for (int32_t b = 0; b < nb && lent > 0; b++) {
+		const kl_buf *bf = &p->bufs[b];
+		if (bf->role == KL_BUF_OUTPUT && bf->alias >= 0 && bf->alias < nb &&
+		    bf->index < nout - lent)
+			viewed[bf->alias] = true;
 	}
 	for (int32_t b = 0; b < nb; b++) {
 		first[b] = last[b] = -1;
@@ -153,7 +154,7 @@ kl_status kl__memplan_build(const kl_program *p, const int64_t *syms, int32_t le
 		mp->slot[b] = -1;
 		need[b] = 0;
 		const kl_buf *buf = &p->bufs[b];
-		if (buf->role == KL_BUF_TEMP || (lent > 0 && lendable(p, b, nout, lent))) {
+		if (buf->role == KL_BUF_TEMP || (lent > 0 && lendable(buf, nout, lent, viewed[b]))) {
 			need[b] = align_up(kl__buf_bytes(buf, syms));
 			if (need[b] == SIZE_MAX) {
 				st = KL_ENOMEM;
@@ -266,6 +267,7 @@ done:
 	free(slots);
 	free(taken);
 	free(head);
+	free(viewed);
 	if (st != KL_OK)
 		kl__memplan_free(mp);
 	return st;
