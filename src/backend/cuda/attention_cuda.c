@@ -641,9 +641,11 @@ typedef struct kl_atb_args {
 #define BWD_SMEM_DQ_SPLIT(d) ((unsigned)(6 * 64 * (d) * 2))
 /* kl_attnb_wg (attention_bwd_wg_src.c): K and V tiles of 128 rows, two each
  * of Q and dO of 64, dS^T (128 x 64 16-bit), two each of L and D of 64 rows,
- * and the 1024 bytes of the tiles' alignment */
+ * a warpgroup's dQ piece each (64 rows of 72 floats), and the 1024 bytes of
+ * the tiles' alignment */
 #define BWD_SMEM_WG(d)                                                                             \
-	((unsigned)(2 * 128 * (d) * 2 + 4 * 64 * (d) * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 1024))
+	((unsigned)(2 * 128 * (d) * 2 + 4 * 64 * (d) * 2 + 128 * 64 * 2 + 4 * 64 * 4 +                \
+	            2 * 64 * 72 * 4 + 1024))
 
 typedef enum { BWD_FUSED, BWD_SPLIT, BWD_WGMMA } kl_bwd_mode;
 
@@ -898,7 +900,9 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa backward: %lld dq elements exceed one grid",
 		               n);
 	void *argv2[2] = {&a, &n};
-	unsigned grid[3] = {(unsigned)((n + 255) / 256), 1, 1};
+	/* 8 elements a thread where the head dim allows (kl_attnb_dq) */
+	long long per = s->d % 8 == 0 ? 8 : 1;
+	unsigned grid[3] = {(unsigned)((n / per + 255) / 256), 1, 1};
 	unsigned b256[3] = {256, 1, 1};
 	return kl__cuda_launch(ctx, d, f[BWD_DQ], grid, b256, 0, argv2, KL_LAUNCH_PDL);
 }
