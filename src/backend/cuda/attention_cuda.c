@@ -874,7 +874,14 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 			return st;
 	}
 	if (s->tk > 0 && mode == BWD_WGMMA) {
-		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tk + 127) / 128), 1};
+		/* one dim: a batch entry's key blocks side by side (kl_attnb_wg) */
+		int64_t nb = nbt * ((s->tk + 127) / 128);
+		if (nb > 0x7fffffff)
+			return kl__err(ctx, KL_EUNSUPPORTED,
+			               "kl_sdpa backward: batch %lld x %lld blocks of 128 keys exceed "
+			               "one grid",
+			               (long long)nbt, (long long)((s->tk + 127) / 128));
+		unsigned grid[3] = {(unsigned)nb, 1, 1};
 		unsigned b256[3] = {256, 1, 1};
 		if ((st = kl__cuda_launch(ctx, d, f[BWD_WG], grid, b256, BWD_SMEM_WG(s->d), argv,
 		                          KL_LAUNCH_PDL)) != KL_OK)
