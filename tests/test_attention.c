@@ -931,15 +931,15 @@ static void packed_cases(kl_ctx *ctx, int nkinds)
 			kl_trace *tr = trace(ctx, b_sdpa_packed, in, &p);
 			kl_compiled *cc = NULL;
 #ifdef KILN_HAVE_CUDA
-			long fa0 = 0, fb0 = 0, fa1 = 0, fb1 = 0;
-			kl__cuda_attn_counts(&fa0, &fb0);
+			long fa0 = 0, fb0 = 0, fa1 = 0, fb1 = 0, lr = 0;
+			kl__cuda_attn_counts(&fa0, &fb0, &lr);
 #endif
 			run_compiled(ctx, tr, NULL, 3 * factor_of(KL_BF16), &cc);
 			/* one attention step reading the views in place */
 			assert_int_equal(count_kind(&cc->prog, KL_STEP_ATTENTION), 1);
 			assert_int_equal(count_kind(&cc->prog, KL_STEP_KERNEL), 0);
 #ifdef KILN_HAVE_CUDA
-			kl__cuda_attn_counts(&fa1, &fb1);
+			kl__cuda_attn_counts(&fa1, &fb1, &lr);
 			if (nkinds > 1 && !strcmp(KINDS[ki].name, "wgmma-fa3")) {
 				const kl_cuda_dev *d = kl__cuda_dev_of(ctx);
 				if (fb1 != fb0)

@@ -55,6 +55,7 @@ typedef struct kl_at_args {
 	CUdeviceptr len;
 	long long len_off, len_st, len_div;
 	int len_i32;
+	CUdeviceptr lse; /* kl_attn_wgmma, kl_attn_fa3: each row's L here too (0: not) */
 } kl_at_args;
 
 #define BM 64    /* query rows per block, mma.sync kernel */
@@ -443,12 +444,13 @@ static bool tma_map(CUtensorMap *m, kl_dtype dt, CUdeviceptr p, int64_t t, int64
 	               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-static atomic_long n_fa3, n_fa3_fallbacks;
+static atomic_long n_fa3, n_fa3_fallbacks, n_lse_reused;
 
-void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks)
+void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks, long *lse_reused)
 {
 	*fa3 = atomic_load(&n_fa3);
 	*fa3_fallbacks = atomic_load(&n_fa3_fallbacks);
+	*lse_reused = atomic_load(&n_lse_reused);
 }
 
 /* the forward kernels' arguments for step s (no lengths) with q, k, v and o
@@ -493,8 +495,11 @@ static int64_t at_args(kl_at_args *a, const kl_attn_step *s, kl_dtype dt, CUdevi
 
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                  CUdeviceptr len, CUdeviceptr o)
+                                  CUdeviceptr len, CUdeviceptr o, CUdeviceptr lse,
+                                  bool *lse_written)
 {
+	if (lse_written)
+		*lse_written = false;
 	int c = dt_code(dt);
 	if (c < 0 || s->nbatch > 6)
 		return kl__err(ctx, KL_EUNSUPPORTED, "kl_sdpa: dtype %s or %d batch dims on CUDA",
@@ -552,6 +557,9 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 			unsigned grid[3] = {(unsigned)(items < sms ? items : sms), 1, 1};
 			unsigned block[3] = {WG_THREADS(WG_FA3), 1, 1};
 			atomic_fetch_add(&n_fa3, 1);
+			a.lse = lse;
+			if (lse_written)
+				*lse_written = lse != 0;
 			return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), fargv,
 			                       KL_LAUNCH_PDL);
 		}
@@ -570,6 +578,9 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 		int sh = var_shape(var);
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(sh) - 1) / WG_BM(sh)), 1};
 		unsigned block[3] = {WG_THREADS(sh), 1, 1};
+		a.lse = lse;
+		if (lse_written)
+			*lse_written = lse != 0;
 		return kl__cuda_launch(ctx, d, f[0], grid, block, var_smem(var), argv, KL_LAUNCH_PDL);
 	}
 	if (var > 0) {
@@ -747,7 +758,8 @@ static kl_status get_bwd_fns(kl_ctx *ctx, kl_cuda_dev *d, kl_dtype dt, int64_t h
 
 kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                       kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                      CUdeviceptr o, CUdeviceptr g, CUdeviceptr out)
+                                      CUdeviceptr o, CUdeviceptr g, CUdeviceptr out,
+                                      CUdeviceptr lse)
 {
 	if (!kl__attn_bwd_cuda_takes(dt, s->d) || s->dv != s->d || s->nbatch > 6)
 		return kl__err(ctx, KL_EUNSUPPORTED,
@@ -846,9 +858,9 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 	void *argv[1] = {&a};
 	unsigned block[3] = {128, 1, 1};
 	if (s->tq > 0 && mode == BWD_WGMMA) {
-		/* D and the zeroed dq accumulator, a warp a row; L from the
-		 * forward's wgmma kernel without P V (two warpgroups, 128 rows a
-		 * block, as kl_attn_wgmma) */
+		/* D and the zeroed dq accumulator, a warp a row; L as the forward
+		 * wrote it, else from the forward's wgmma kernel without P V (two
+		 * warpgroups, 128 rows a block, as kl_attn_wgmma) */
 		long long n = (long long)rows;
 		void *argv2[2] = {&a, &n};
 		unsigned grid[3] = {(unsigned)((n + 7) / 8), 1, 1}, b256[3] = {256, 1, 1};
@@ -858,15 +870,23 @@ kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn
 		if ((st = kl__cuda_launch(ctx, d, f[BWD_DD], grid, b256, 0, argv2, KL_LAUNCH_PDL)) !=
 		    KL_OK)
 			return st;
-		kl_at_args fa;
-		at_args(&fa, s, dt, q, k, v, 0);
-		fa.ws = a.lse;
-		unsigned g2[3] = {(unsigned)nbt, (unsigned)((s->tq + WG_BM(WG_TWO) - 1) / WG_BM(WG_TWO)), 1};
-		unsigned b2[3] = {WG_THREADS(WG_TWO), 1, 1};
-		void *fargv[1] = {&fa};
-		if ((st = kl__cuda_launch(ctx, d, f[BWD_LSE], g2, b2, (unsigned)WG_SMEM(s->d, WG_TWO),
-		                          fargv, KL_LAUNCH_PDL)) != KL_OK)
-			return st;
+		if (lse) {
+			/* the forward wrote L this call (kl_attn_fa3 or kl_attn_wgmma) */
+			a.lse = lse;
+			atomic_fetch_add(&n_lse_reused, 1);
+		} else {
+			kl_at_args fa;
+			at_args(&fa, s, dt, q, k, v, 0);
+			fa.ws = a.lse;
+			unsigned g2[3] = {(unsigned)nbt,
+			                  (unsigned)((s->tq + WG_BM(WG_TWO) - 1) / WG_BM(WG_TWO)), 1};
+			unsigned b2[3] = {WG_THREADS(WG_TWO), 1, 1};
+			void *fargv[1] = {&fa};
+			if ((st = kl__cuda_launch(ctx, d, f[BWD_LSE], g2, b2,
+			                          (unsigned)WG_SMEM(s->d, WG_TWO), fargv,
+			                          KL_LAUNCH_PDL)) != KL_OK)
+				return st;
+		}
 	} else if (s->tq > 0) {
 		unsigned grid[3] = {(unsigned)nbt, (unsigned)nqb, 1};
 		if ((st = kl__cuda_launch(ctx, d, f[BWD_PRE], grid, block, BWD_SMEM_PRE(s->d), argv,

@@ -449,6 +449,8 @@ const char kl__cuda_attention_fa3_src[] =
         "\t\t\tl[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);\n"
         "\t\t\tlong long row = qrow + h * 8;\n"
         "\t\t\tif (row >= a.tq) continue;\n"
+        "\t\t\tif (a.lse && (lane & 3) == 0)\n"
+        "\t\t\t\ta.lse[(long long)(w % nbt) * a.tq + row] = l[h] > 0.f ? m[h] + log2f(l[h]) : QNAN;\n"
         "\t\t\tfloat inv = l[h] > 0.f ? 1.f / l[h] : QNAN;\n"
         "\t\t\tT *out = (T *)a.o + oo + row * a.o_rs;\n"
         "#pragma unroll\n"

@@ -379,14 +379,19 @@ extern const char kl__cuda_attention_fa3_src[];
  * memory). */
 char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma);
 /* One attention step (plan/plan.h) on the stream; q, k, v, len (0 when the
- * step has no lengths) and o are the buffers' bases. */
+ * step has no lengths) and o are the buffers' bases. lse (0: none): f32
+ * [batch * tq] where the kernel also writes each row's log2-sum-exp2 of its
+ * scaled scores when it is one that can (kl_attn_fa3, kl_attn_wgmma), which
+ * *lse_written then says (the backward's L, kl__cuda_attention_bwd_step). */
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                  CUdeviceptr len, CUdeviceptr o);
-/* Attention steps since the process began that ran kl_attn_fa3, and those
+                                  CUdeviceptr len, CUdeviceptr o, CUdeviceptr lse,
+                                  bool *lse_written);
+/* Attention steps since the process began that ran kl_attn_fa3, those
  * that chose it but fell back to the two-warpgroup kernel (an operand that
- * no tensor map describes, too many work items, too few registers). */
-void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks);
+ * no tensor map describes, too many work items, too few registers), and
+ * backward steps that read L as their forward wrote it. */
+void kl__cuda_attn_counts(long *fa3, long *fa3_fallbacks, long *lse_reused);
 /* The attention backward's source (attention_bwd_src.c), kl_attnb_wg's
  * (attention_bwd_wg_src.c, sm_90a), and the module's source for dtype dt
  * (f16, bf16) and head dim 64 or 128, behind the forward's (wgmma: for
@@ -397,10 +402,14 @@ extern const char kl__cuda_attention_bwd_wg_src[];
 char *kl__cuda_attention_bwd_source(kl_dtype dt, int head_dim, bool wgmma);
 /* One attention backward step (kl_attn_step.bwd) on the stream: q, k, v, the
  * forward's output o, its gradient g and the gradients' buffer out (dq, dk
- * and dv at the step's offsets and strides in it) are the buffers' bases. */
+ * and dv at the step's offsets and strides in it) are the buffers' bases.
+ * lse: the rows' L as the forward of these q and k wrote it this call
+ * (kl__cuda_attention_step), used where the backward is kl_attnb_wg instead
+ * of computing it again; 0: none. */
 kl_status kl__cuda_attention_bwd_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                       kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
-                                      CUdeviceptr o, CUdeviceptr g, CUdeviceptr out);
+                                      CUdeviceptr o, CUdeviceptr g, CUdeviceptr out,
+                                      CUdeviceptr lse);
 /* Frees the kernels and the workspace (device close does this). */
 void kl__cuda_attention_release(kl_cuda_dev *d);
 

@@ -170,6 +170,86 @@ static kl_status pick_slot(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 	return KL_OK;
 }
 
+/* The forward attention step whose rows' L the backward step s can read:
+ * the last one before s over the same q and k (buffers, offsets, strides,
+ * batch dims, sizes, scale and mask), without lengths, with no step between
+ * them writing q's or k's buffer; -1 when there is none. */
+static int32_t lse_source(const kl_program *p, int32_t s)
+{
+	const kl_attn_step *b = &p->steps[s].at;
+	for (int32_t f = s - 1; f >= 0; f--) {
+		const kl_step *fp = &p->steps[f];
+		for (int32_t w = 0; w < fp->nwrites; w++)
+			if (fp->writes[w] == b->q || fp->writes[w] == b->k)
+				return -1;
+		const kl_attn_step *a = &fp->at;
+		if (fp->kind != KL_STEP_ATTENTION || a->bwd || a->len >= 0 || a->q != b->q ||
+		    a->k != b->k || a->q_off != b->q_off || a->k_off != b->k_off ||
+		    a->q_rs != b->q_rs || a->q_cs != b->q_cs || a->k_rs != b->k_rs ||
+		    a->k_cs != b->k_cs || a->tq != b->tq || a->tk != b->tk || a->d != b->d ||
+		    a->causal != b->causal || a->scale != b->scale || a->nbatch != b->nbatch)
+			continue;
+		bool same = true;
+		for (int i = 0; i < a->nbatch; i++)
+			same = same && a->batch[i] == b->batch[i] && a->q_bs[i] == b->q_bs[i] &&
+			       a->k_bs[i] == b->k_bs[i];
+		if (same)
+			return f;
+	}
+	return -1;
+}
+
+/* rt->lse_link and the pairs' arrays (static programs only: the rows' count
+ * is then fixed, and a buffer once given to a captured graph never moves) */
+static kl_status lse_links(kl_ctx *ctx, kl_cuda_rt *rt, const kl_program *p)
+{
+	if (p->nsyms > 0 || p->nsteps <= 0)
+		return KL_OK;
+	rt->lse_link = calloc((size_t)p->nsteps, sizeof *rt->lse_link);
+	if (!rt->lse_link)
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	for (int32_t s = 0; s < p->nsteps; s++)
+		rt->lse_link[s] = -1;
+	for (int32_t s = 0; s < p->nsteps; s++) {
+		if (p->steps[s].kind != KL_STEP_ATTENTION || !p->steps[s].at.bwd)
+			continue;
+		int32_t f = lse_source(p, s);
+		if (f < 0)
+			continue;
+		if (rt->lse_link[f] < 0)
+			rt->lse_link[f] = rt->nlse++;
+		rt->lse_link[s] = rt->lse_link[f];
+	}
+	if (rt->nlse == 0)
+		return KL_OK;
+	rt->lse_buf = calloc((size_t)rt->nlse, sizeof *rt->lse_buf);
+	rt->lse_ok = calloc((size_t)rt->nlse, sizeof *rt->lse_ok);
+	if (!rt->lse_buf || !rt->lse_ok)
+		return kl__err(ctx, KL_ENOMEM, "kl_compile: out of memory");
+	return KL_OK;
+}
+
+/* The L buffer of forward attention step at (pair li), allocated at its
+ * first run; 0 where there is none (no pair, or a first run inside a
+ * capture, or no memory: the backward then computes L itself). */
+static CUdeviceptr lse_for(kl_ctx *ctx, kl_cuda_rt *rt, int32_t s, const kl_attn_step *at)
+{
+	int32_t li = rt->lse_link ? rt->lse_link[s] : -1;
+	if (li < 0)
+		return 0;
+	if (!rt->lse_buf[li] && !rt->dev->capturing) {
+		size_t rows = (size_t)at->tq;
+		for (int i = 0; i < at->nbatch; i++)
+			rows *= (size_t)at->batch[i];
+		CUdeviceptr p = 0;
+		if (rows > 0 && kl__cuda_malloc(ctx, rt->dev, rows * 4, &p) == KL_OK)
+			rt->lse_buf[li] = p;
+		else
+			kl_clear_error(ctx);
+	}
+	return rt->lse_buf[li];
+}
+
 static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *im)
 {
 	kl_cuda_rt *rt = calloc(1, sizeof *rt);
@@ -230,6 +310,9 @@ static kl_status load_module(kl_ctx *ctx, kl_compiled *c, const kl_cuda_image *i
 	int unroll = kl__cuda_dot_knobs().pw;
 	for (int32_t s = 0; s < c->prog.nsteps; s++)
 		rt->pts[s] = pointwise_points(&c->prog, &c->prog.steps[s], unroll);
+	kl_status lst = lse_links(ctx, rt, &c->prog);
+	if (lst != KL_OK)
+		return lst;
 	for (int32_t s = 0; s < c->prog.nsteps; s++) {
 		const kl_step *sp = &c->prog.steps[s];
 		if (sp->kind == KL_STEP_KERNEL)
@@ -416,6 +499,11 @@ void kl__cuda_rt_free(kl_compiled *c)
 	free(rt->mm_touch);
 	free(rt->sb);
 	free(rt->fit);
+	for (int32_t i = 0; i < rt->nlse; i++)
+		kl__cuda_free(rt->ctx, rt->dev, rt->lse_buf[i]);
+	free(rt->lse_link);
+	free(rt->lse_buf);
+	free(rt->lse_ok);
 	free(rt);
 	c->dev = NULL;
 }
@@ -523,24 +611,30 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (sp->kind == KL_STEP_ATTENTION && sp->at.bwd) {
 			const kl_attn_step *at = &sp->at;
+			int32_t li = rt->lse_link ? rt->lse_link[s] : -1;
 			st = kl__cuda_attention_bwd_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
 			                                 (CUdeviceptr)(uintptr_t)B[at->q],
 			                                 (CUdeviceptr)(uintptr_t)B[at->k],
 			                                 (CUdeviceptr)(uintptr_t)B[at->v],
 			                                 (CUdeviceptr)(uintptr_t)B[at->fo],
 			                                 (CUdeviceptr)(uintptr_t)B[at->go],
-			                                 (CUdeviceptr)(uintptr_t)B[at->o]);
+			                                 (CUdeviceptr)(uintptr_t)B[at->o],
+			                                 li >= 0 && rt->lse_ok[li] ? rt->lse_buf[li] : 0);
 			continue;
 		}
 		if (sp->kind == KL_STEP_ATTENTION) {
 			const kl_attn_step *at = &sp->at;
+			bool wrote = false;
 			st = kl__cuda_attention_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
 			                             (CUdeviceptr)(uintptr_t)B[at->q],
 			                             (CUdeviceptr)(uintptr_t)B[at->k],
 			                             (CUdeviceptr)(uintptr_t)B[at->v],
 			                             at->len >= 0 ? (CUdeviceptr)(uintptr_t)B[at->len]
 			                                          : 0,
-			                             (CUdeviceptr)(uintptr_t)B[at->o]);
+			                             (CUdeviceptr)(uintptr_t)B[at->o],
+			                             lse_for(ctx, rt, s, at), &wrote);
+			if (rt->lse_link && rt->lse_link[s] >= 0)
+				rt->lse_ok[rt->lse_link[s]] = wrote && st == KL_OK;
 			continue;
 		}
 		int64_t work = 0;

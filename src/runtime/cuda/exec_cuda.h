@@ -80,6 +80,16 @@ typedef struct kl_cuda_rt {
 	bool recording;       /* capturing: launch_steps notes each kernel's node */
 	bool *mm_touch;       /* per buffer: a matmul step reads or writes it */
 	bool *dirty;            /* per step, scratch */
+	/* the attention backward's L from its forward (attention_cuda.c): per
+	 * step, the pair (forward, backward over the same q and k) it belongs
+	 * to, or -1 (lse_link; NULL where the program has symbolic dims); per
+	 * pair, the rows' L in the device pool (lse_buf, 0 until the forward
+	 * first runs) and whether the forward wrote it in this call's launches
+	 * (lse_ok; its kernel may be one that cannot) */
+	int32_t *lse_link;
+	CUdeviceptr *lse_buf;
+	bool *lse_ok;
+	int32_t nlse;
 	void **sb;              /* per buffer, scratch: the addresses the graph uses */
 	/* counters of this variant */
 	uint64_t captures, replays, kernel_updates, copy_updates;
