@@ -200,10 +200,13 @@ static int32_t lse_source(const kl_program *p, int32_t s)
 }
 
 /* rt->lse_link and the pairs' arrays (static programs only: the rows' count
- * is then fixed, and a buffer once given to a captured graph never moves) */
+ * is then fixed, and a buffer once given to a captured graph never moves).
+ * KILN_CUDA_ATTN_LSE=0 pairs nothing (an A/B knob: every backward then
+ * computes L itself; read when the module loads). */
 static kl_status lse_links(kl_ctx *ctx, kl_cuda_rt *rt, const kl_program *p)
 {
-	if (p->nsyms > 0 || p->nsteps <= 0)
+	const char *e = getenv("KILN_CUDA_ATTN_LSE");
+	if (p->nsyms > 0 || p->nsteps <= 0 || (e && strcmp(e, "0") == 0))
 		return KL_OK;
 	rt->lse_link = calloc((size_t)p->nsteps, sizeof *rt->lse_link);
 	if (!rt->lse_link)
