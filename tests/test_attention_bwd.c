@@ -394,6 +394,75 @@ static void test_bwd_plan(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* the steps of a compiled forward + backward: the forward attention step
+ * and the backward one (-1 where there is none) */
+static void attn_steps(const kl_program *P, int32_t *sf, int32_t *sb)
+{
+	*sf = *sb = -1;
+	for (int32_t t = 0; t < P->nsteps; t++)
+		if (P->steps[t].kind == KL_STEP_ATTENTION) {
+			if (P->steps[t].at.bwd)
+				*sb = t;
+			else if (*sb < 0)
+				*sf = t;
+		}
+}
+
+/* the backward's L from the forward step over the same q and k
+ * (kl__attn_lse_source, which the CUDA runtime pairs): found with dense
+ * inputs; not where the backward's q offset or mask differs, past a step
+ * that writes k, for a step that is no backward, nor where k is permuted
+ * (each step then reads a copy of its own) */
+static void test_bwd_lse_source(void **state)
+{
+	(void)state;
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	const bcase *c = &CASES[5]; /* [2, 2] batch, 70 x 70, head dim 128, causal */
+	for (int dense = 1; dense >= 0; dense--) {
+		kl_tensor *in[4];
+		inputs_in(ctx, c, KL_F32, 91, in, dense);
+		for (int t = 0; t < 3; t++)
+			assert_int_equal(kl_set_requires_grad(in[t], true), KL_OK);
+		sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
+		kl_trace *tr = trace_bwd(ctx, in, &p);
+		kl_compiled *cc = NULL;
+		run_program(ctx, tr, NULL, factor_of(KL_F32, false), &cc);
+		kl_program *W = &cc->prog;
+		int32_t sf, sb;
+		attn_steps(W, &sf, &sb);
+		assert_true(sf >= 0 && sb > sf);
+		assert_int_equal(kl__attn_lse_source(W, sb), dense ? sf : -1);
+		if (dense) {
+			assert_int_equal(kl__attn_lse_source(W, sf), -1);
+			W->steps[sb].at.q_off++;
+			assert_int_equal(kl__attn_lse_source(W, sb), -1);
+			W->steps[sb].at.q_off--;
+			W->steps[sb].at.causal ^= 1;
+			assert_int_equal(kl__attn_lse_source(W, sb), -1);
+			W->steps[sb].at.causal ^= 1;
+			/* with a step between them: one that writes k breaks the
+			 * pair, one that writes another buffer does not */
+			kl_step three[3] = {W->steps[sf], W->steps[sf], W->steps[sb]};
+			three[1].kind = KL_STEP_KERNEL;
+			three[1].nwrites = 1;
+			three[1].writes[0] = W->steps[sb].at.k;
+			kl_program S;
+			memset(&S, 0, sizeof S);
+			S.steps = three;
+			S.nsteps = 3;
+			assert_int_equal(kl__attn_lse_source(&S, 2), -1);
+			three[1].writes[0] = W->steps[sb].at.o;
+			assert_int_equal(kl__attn_lse_source(&S, 2), 0);
+			assert_int_equal(kl__attn_lse_source(W, sb), sf);
+		}
+		kl__compiled_free(cc);
+		kl__trace_free(tr);
+		for (int t = 0; t < 4; t++)
+			kl_release(in[t]);
+	}
+	kl_ctx_free(ctx);
+}
+
 /* every dim dynamic: one compiled function at two batch sizes and two
  * sequence lengths (the sequence dims are specialised: the packed result's
  * Tq + 2 Tk is no product of symbols), each against the reference */
@@ -977,6 +1046,8 @@ static kl_ctx *gpu_ctx(void)
 
 /* on a GPU: every case's gradients (f16/bf16 at head dims 64 and 128 through
  * the kernels, the rest through the primitive expansion) in the default mode,
+ * four with dense operands whose backward reads L from its forward (on
+ * sm_90; KILN_CUDA_ATTN_LSE=0 turns that off),
  * then f16/bf16 again in each mode (KILN_CUDA_ATTN_BWD=wgmma: kl_attnb_wg on
  * sm_90, elsewhere the default; fused: kl_attnb_kv; split: kl_attnb_kv_split
  * and kl_attnb_dq_split; read at each launch) */
@@ -989,18 +1060,40 @@ static void test_cuda_bwd(void **state)
 		skip();
 	const kl_dtype dts[3] = {KL_BF16, KL_F16, KL_F32};
 	unsetenv("KILN_CUDA_ATTN_BWD");
-	long fa = 0, fb = 0, lr0 = 0, lr1 = 0;
-	kl__cuda_attn_counts(&fa, &fb, &lr0);
 	int bad = run_cases(ctx, dts, 3, true);
-	kl__cuda_attn_counts(&fa, &fb, &lr1);
-	/* on sm_90 the compiled forward + backward hands L over (the cases
-	 * compared above include rows that see no key, tq > tk causal) */
+	/* dense q, k and v (run_cases permutes k, so the forward and the
+	 * backward each read a copy of their own and nothing pairs them), in
+	 * bf16 and f16 at head dims 64 and 128: on sm_90 the compiled backward
+	 * reads L as its forward wrote it, and the gradients match the f64
+	 * reference (case 6, causal with 100 queries over 45 keys, has rows
+	 * that see no key: NaN L, NaN gradients as the reference says) */
+	const int dense_cases[4] = {3, 5, 2, 6};
 	const kl_cuda_dev *d = kl__cuda_dev_of(ctx);
-	print_message("test_attention_bwd: %ld backward steps read L from their forward\n",
-	              lr1 - lr0);
-	const char *ke = getenv("KILN_CUDA_ATTN_LSE");
-	if (d->cc_major == 9 && d->cc_minor == 0 && lr1 == lr0 && !(ke && strcmp(ke, "0") == 0))
-		fail_msg("no backward step read L from its forward on sm_90");
+	for (int i = 0; i < 4; i++) {
+		const bcase *c = &CASES[dense_cases[i]];
+		kl_dtype dt = i % 2 ? KL_F16 : KL_BF16;
+		kl_tensor *in[4];
+		inputs_in(ctx, c, dt, 4100 + (uint64_t)i, in, true);
+		for (int t = 0; t < 3; t++)
+			assert_int_equal(kl_set_requires_grad(in[t], true), KL_OK);
+		sdpa_p p = {c->causal, 1.0 / sqrt((double)c->d)};
+		kl_trace *tr = trace_bwd(ctx, in, &p);
+		long fa = 0, fb = 0, lr0 = 0, lr1 = 0;
+		kl__cuda_attn_counts(&fa, &fb, &lr0);
+		run_program(ctx, tr, NULL, factor_for(c, dt, true), NULL);
+		kl__cuda_attn_counts(&fa, &fb, &lr1);
+		const char *ke = getenv("KILN_CUDA_ATTN_LSE");
+		print_message("test_attention_bwd: dense case %d %s: %ld backward steps read L from "
+		              "their forward\n",
+		              dense_cases[i], kl_dtype_name(dt), lr1 - lr0);
+		if (d->cc_major == 9 && d->cc_minor == 0 && lr1 == lr0 &&
+		    !(ke && strcmp(ke, "0") == 0))
+			fail_msg("dense case %d: the backward did not read L from its forward on sm_90",
+			         dense_cases[i]);
+		kl__trace_free(tr);
+		for (int t = 0; t < 4; t++)
+			kl_release(in[t]);
+	}
 	const char *modes[3] = {"wgmma", "fused", "split"};
 	for (int m = 0; m < 3; m++) {
 		setenv("KILN_CUDA_ATTN_BWD", modes[m], 1);
@@ -1081,7 +1174,7 @@ static void test_cuda_bwd_bench(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-	        cmocka_unit_test(test_bwd_plan),         cmocka_unit_test(test_bwd_cpu),
+	        cmocka_unit_test(test_bwd_plan),         cmocka_unit_test(test_bwd_lse_source),         cmocka_unit_test(test_bwd_cpu),
 	        cmocka_unit_test(test_bwd_dynamic),      cmocka_unit_test(test_qkv_grad),
 	        cmocka_unit_test(test_qkv_dynamic),      cmocka_unit_test(test_qkv_plan_io),
 	        cmocka_unit_test(test_cuda_bwd_compile), cmocka_unit_test(test_cuda_bwd),

@@ -308,6 +308,11 @@ kl_status kl__program_validate(const kl_program *p, int ninputs, int noutputs, c
 /* Whether a kernel may write buffer w in place of buffer r (kl_step.inplace):
  * two temps, not one, of one dtype and shape */
 bool kl__inplace_bufs(const kl_buf *r, const kl_buf *w);
+/* The forward attention step whose rows' L the backward attention step s can
+ * read (the same q and k: buffers, offsets, strides, batch dims, sizes,
+ * scale, mask; no lengths; no step between them writes q's or k's buffer),
+ * or -1. The CUDA runtime pairs the two (runtime/cuda/exec_cuda.c). */
+int32_t kl__attn_lse_source(const kl_program *p, int32_t s);
 /* Serialize everything but the source (malloc'd buffer). */
 kl_status kl__program_serialize(const kl_program *p, uint8_t **out, size_t *len);
 /* Parse and validate; out's source is NULL. */

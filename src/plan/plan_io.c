@@ -594,6 +594,37 @@ static kl_status check_attention(const kl_program *p, int32_t s, char *err, size
 	return KL_OK;
 }
 
+/* The forward attention step whose rows' L the backward step s can read:
+ * the last one before s over the same q and k (buffers, offsets, strides,
+ * batch dims, sizes, scale and mask), without lengths, with no step between
+ * them writing q's or k's buffer; -1 when there is none. */
+int32_t kl__attn_lse_source(const kl_program *p, int32_t s)
+{
+	if (s < 0 || s >= p->nsteps || p->steps[s].kind != KL_STEP_ATTENTION || !p->steps[s].at.bwd)
+		return -1;
+	const kl_attn_step *b = &p->steps[s].at;
+	for (int32_t f = s - 1; f >= 0; f--) {
+		const kl_step *fp = &p->steps[f];
+		for (int32_t w = 0; w < fp->nwrites; w++)
+			if (fp->writes[w] == b->q || fp->writes[w] == b->k)
+				return -1;
+		const kl_attn_step *a = &fp->at;
+		if (fp->kind != KL_STEP_ATTENTION || a->bwd || a->len >= 0 || a->q != b->q ||
+		    a->k != b->k || a->q_off != b->q_off || a->k_off != b->k_off ||
+		    a->q_rs != b->q_rs || a->q_cs != b->q_cs || a->k_rs != b->k_rs ||
+		    a->k_cs != b->k_cs || a->tq != b->tq || a->tk != b->tk || a->d != b->d ||
+		    a->causal != b->causal || a->scale != b->scale || a->nbatch != b->nbatch)
+			continue;
+		bool same = true;
+		for (int i = 0; i < a->nbatch; i++)
+			same = same && a->batch[i] == b->batch[i] && a->q_bs[i] == b->q_bs[i] &&
+			       a->k_bs[i] == b->k_bs[i];
+		if (same)
+			return f;
+	}
+	return -1;
+}
+
 bool kl__inplace_bufs(const kl_buf *r, const kl_buf *w)
 {
 	if (r == w || r->role != KL_BUF_TEMP || w->role != KL_BUF_TEMP || r->dtype != w->dtype ||

@@ -170,35 +170,6 @@ static kl_status pick_slot(kl_ctx *ctx, kl_compiled *c, const int64_t *syms)
 	return KL_OK;
 }
 
-/* The forward attention step whose rows' L the backward step s can read:
- * the last one before s over the same q and k (buffers, offsets, strides,
- * batch dims, sizes, scale and mask), without lengths, with no step between
- * them writing q's or k's buffer; -1 when there is none. */
-static int32_t lse_source(const kl_program *p, int32_t s)
-{
-	const kl_attn_step *b = &p->steps[s].at;
-	for (int32_t f = s - 1; f >= 0; f--) {
-		const kl_step *fp = &p->steps[f];
-		for (int32_t w = 0; w < fp->nwrites; w++)
-			if (fp->writes[w] == b->q || fp->writes[w] == b->k)
-				return -1;
-		const kl_attn_step *a = &fp->at;
-		if (fp->kind != KL_STEP_ATTENTION || a->bwd || a->len >= 0 || a->q != b->q ||
-		    a->k != b->k || a->q_off != b->q_off || a->k_off != b->k_off ||
-		    a->q_rs != b->q_rs || a->q_cs != b->q_cs || a->k_rs != b->k_rs ||
-		    a->k_cs != b->k_cs || a->tq != b->tq || a->tk != b->tk || a->d != b->d ||
-		    a->causal != b->causal || a->scale != b->scale || a->nbatch != b->nbatch)
-			continue;
-		bool same = true;
-		for (int i = 0; i < a->nbatch; i++)
-			same = same && a->batch[i] == b->batch[i] && a->q_bs[i] == b->q_bs[i] &&
-			       a->k_bs[i] == b->k_bs[i];
-		if (same)
-			return f;
-	}
-	return -1;
-}
-
 /* rt->lse_link and the pairs' arrays (static programs only: the rows' count
  * is then fixed, and a buffer once given to a captured graph never moves).
  * KILN_CUDA_ATTN_LSE=0 pairs nothing (an A/B knob: every backward then
@@ -216,7 +187,7 @@ static kl_status lse_links(kl_ctx *ctx, kl_cuda_rt *rt, const kl_program *p)
 	for (int32_t s = 0; s < p->nsteps; s++) {
 		if (p->steps[s].kind != KL_STEP_ATTENTION || !p->steps[s].at.bwd)
 			continue;
-		int32_t f = lse_source(p, s);
+		int32_t f = kl__attn_lse_source(p, s);
 		if (f < 0)
 			continue;
 		if (rt->lse_link[f] < 0)
