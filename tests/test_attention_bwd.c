@@ -653,6 +653,10 @@ static void expect_qkv_plan(const kl_program *P, const qcase *c, bool want, cons
 				fail_msg("%s: the backward writes no packed [dq; dk; dv]", what);
 			continue;
 		}
+		/* q, k and v read where the product put them, by the forward and
+		 * the backward alike: the two pair for L (kl__attn_lse_source) */
+		if (kl__attn_lse_source(P, s) < 0)
+			fail_msg("%s: the backward step pairs with no forward step for L", what);
 		/* d(qkv) [B, T, 3HD], or per head [B, T, H, 3D] (its reshape) */
 		int64_t no = 1;
 		for (int d = 0; d < o->ndim; d++)
