@@ -203,12 +203,18 @@ static kl_status lse_links(kl_ctx *ctx, kl_cuda_rt *rt, const kl_program *p)
 	return KL_OK;
 }
 
+/* the pair step s belongs to (rt->lse_link), or -1 */
+static int32_t lse_pair(const kl_cuda_rt *rt, int32_t s)
+{
+	return rt->lse_link ? rt->lse_link[s] : -1;
+}
+
 /* The L buffer of forward attention step at (pair li), allocated at its
  * first run; 0 where there is none (no pair, or a first run inside a
  * capture, or no memory: the backward then computes L itself). */
 static CUdeviceptr lse_for(kl_ctx *ctx, kl_cuda_rt *rt, int32_t s, const kl_attn_step *at)
 {
-	int32_t li = rt->lse_link ? rt->lse_link[s] : -1;
+	int32_t li = lse_pair(rt, s);
 	if (li < 0)
 		return 0;
 	if (!rt->lse_buf[li] && !rt->dev->capturing) {
@@ -473,7 +479,7 @@ void kl__cuda_rt_free(kl_compiled *c)
 	free(rt->mm_touch);
 	free(rt->sb);
 	free(rt->fit);
-	for (int32_t i = 0; i < rt->nlse; i++)
+	for (int32_t i = 0; rt->lse_buf && i < rt->nlse; i++)
 		kl__cuda_free(rt->ctx, rt->dev, rt->lse_buf[i]);
 	free(rt->lse_link);
 	free(rt->lse_buf);
@@ -585,7 +591,7 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 		}
 		if (sp->kind == KL_STEP_ATTENTION && sp->at.bwd) {
 			const kl_attn_step *at = &sp->at;
-			int32_t li = rt->lse_link ? rt->lse_link[s] : -1;
+			int32_t li = lse_pair(rt, s);
 			st = kl__cuda_attention_bwd_step(ctx, rt->dev, at, p->bufs[at->o].dtype,
 			                                 (CUdeviceptr)(uintptr_t)B[at->q],
 			                                 (CUdeviceptr)(uintptr_t)B[at->k],
@@ -607,8 +613,8 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                                          : 0,
 			                             (CUdeviceptr)(uintptr_t)B[at->o],
 			                             lse_for(ctx, rt, s, at), &wrote);
-			if (rt->lse_link && rt->lse_link[s] >= 0)
-				rt->lse_ok[rt->lse_link[s]] = wrote && st == KL_OK;
+			if (lse_pair(rt, s) >= 0)
+				rt->lse_ok[lse_pair(rt, s)] = wrote && st == KL_OK;
 			continue;
 		}
 		int64_t work = 0;
