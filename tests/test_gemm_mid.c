@@ -1,8 +1,9 @@
-/* test_gemm_mid.c - kiln's f32 product for medium shapes on AVX-512
- * (backend/cpu/gemm_mid.c), alone and through kl__blas_gemm's dispatch:
- * rows, columns and depth around its tile (12 x 32), its blocks of B and
- * the 16 x 16 transposes of the packing (m 1-13, n 1-33 and past a block,
- * k 1-17, past 512 and past one and two blocks of 2048), B stored n x k or
+/* test_gemm_mid.c - kiln's f32 product for medium shapes on AVX-512 and
+ * AVX2 (backend/cpu/gemm_mid.c; each half the CPU runs), alone and
+ * through kl__blas_gemm's dispatch: rows, columns and depth around its
+ * tiles (12 x 32, 6 x 16), its blocks of B and the 16 x 16 and 8 x 8
+ * transposes of the packing (m 1-13, n 1-33 and past a block, k 1-17,
+ * past 512 and past one and two blocks of 2048), B stored n x k or
  * k x n, leading dimensions past the row, alpha and beta, on 1-3 threads,
  * against the product in double; C poisoned with NaN where beta is 0, the
  * columns past n untouched; A's rows 4 KiB apart (copied a row block at a
@@ -10,7 +11,7 @@
  * and the fused epilogue (residual, bias, activation); each also with B
  * packed ahead (kl__gemm_mid_pack, the weight's memory NaN afterwards, so
  * the product reads only the packing). Where the machine
- * has no AVX-512 the product declines (returns false) and the tests say so
+ * has neither the product declines (returns false) and the tests say so
  * and pass.
  */
 #include <math.h>
@@ -175,8 +176,10 @@ static void test_shapes(void **state)
 	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = KL_CPU, .nthreads = 3});
 	assert_non_null(ctx); /* the pool's threads */
 	uint64_t st = seed0;
-	const int ms[] = {1, 11, 12, 13, 25}, ns[] = {1, 16, 31, 32, 33, 290},
-	          ks[] = {1, 15, 16, 17, 530, 1100};
+	/* the AVX-512 half's tile is 12 x 32 and its transposes 16 x 16; the
+	 * AVX2 half's, 6 x 16 and 8 x 8 */
+	const int ms[] = {1, 5, 6, 7, 11, 12, 13, 25}, ns[] = {1, 8, 9, 15, 16, 17, 31, 32, 33, 290},
+	          ks[] = {1, 7, 8, 9, 15, 16, 17, 530, 1100};
 	int bad = 0, t = 0, declined = 0;
 	for (size_t mi = 0; mi < sizeof ms / sizeof ms[0]; mi++)
 		for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
@@ -248,7 +251,7 @@ static void test_shapes(void **state)
 		bad += check_case(&g, &st);
 	}
 	if (declined)
-		print_message("kl__gemm_mid_par declined %d cases (no AVX-512 here)\n", declined);
+		print_message("kl__gemm_mid_par declined %d cases (no AVX2 here)\n", declined);
 	kl_ctx_free(ctx);
 	assert_int_equal(bad, 0);
 }
@@ -344,5 +347,17 @@ int main(void)
 	        cmocka_unit_test(test_epilogue),
 	        cmocka_unit_test(test_specials),
 	};
-	return cmocka_run_group_tests(tests, NULL, NULL);
+	/* each half this CPU runs: the widest, then AVX2's where that was
+	 * AVX-512's */
+	int isa = kl__gemm_mid_force_isa(0), rc = 0;
+	printf("test_gemm_mid: the %s half\n", isa == 4 ? "AVX-512" : isa == 3 ? "AVX2" : "no");
+	rc |= cmocka_run_group_tests_name("widest", tests, NULL, NULL);
+	if (isa == 4) {
+		printf("test_gemm_mid: the AVX2 half\n");
+		if (kl__gemm_mid_force_isa(3) != 3)
+			return 1;
+		rc |= cmocka_run_group_tests_name("avx2", tests, NULL, NULL);
+		kl__gemm_mid_force_isa(0);
+	}
+	return rc;
 }

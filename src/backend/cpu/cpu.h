@@ -103,11 +103,12 @@ bool kl__gemm_small_fits(int m, int n, int k);
 void kl__gemm_small(const kl_gemm_small *g, int j0, int j1);
 void kl__gemm_small_par(int nt, const kl_gemm_small *g);
 
-/* kiln's own f32 product for medium shapes on AVX-512 (gemm_mid.c): the
- * same C = alpha A W^T + beta C and epilogue as kl_gemm_small's, with W
- * stored n x k, or k x n (C = alpha A W + beta C) where w_kn; B packed in
- * panels a call, the product split over nt threads. kl__gemm_mid_fits: the
- * shapes where it is ahead of OpenBLAS (never without AVX-512);
+/* kiln's own f32 product for medium shapes on AVX-512 or AVX2
+ * (gemm_mid.c): the same C = alpha A W^T + beta C and epilogue as
+ * kl_gemm_small's, with W stored n x k, or k x n (C = alpha A W + beta C)
+ * where w_kn; B packed in panels a call, the product split over nt
+ * threads. kl__gemm_mid_fits: the shapes where it is ahead of OpenBLAS
+ * (never without AVX2 and FMA);
  * kl__gemm_mid_par returns false (nothing done) where it cannot run. */
 bool kl__gemm_mid_fits(int m, int n, int k);
 bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn, const float *pre);
@@ -118,6 +119,11 @@ bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn, const float *pr
 size_t kl__gemm_mid_packed_floats(int n, int k);
 bool kl__gemm_mid_packed_fits(int m, int n, int k);
 bool kl__gemm_mid_pack(const kl_gemm_small *g, bool w_kn, float *dst);
+/* tests and measurements: 3 runs the AVX2 half where the CPU has AVX-512
+ * too, 1 none (OpenBLAS takes every product), 0 the widest again; returns
+ * the half now in use (4, 3, or 0: none). Packings made before are in the
+ * other half's layout: call it before any. */
+int kl__gemm_mid_force_isa(int level);
 
 /* e^x in float, branch-free so that loops over it vectorize (libm's expf
  * is a call per element). x = n ln2 + r with |r| <= ln2/2 (ln2 split in a
