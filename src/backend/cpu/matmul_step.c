@@ -171,7 +171,8 @@ static bool pack_fits(const mm_scratch *c, int64_t m, int64_t n, int64_t k)
 /* The packed weight for g (B as g->W holds it now), packed here when the
  * kept one is stale and this B was seen unchanged at the last call; NULL at
  * a first sight and where none can be kept (past KL_MM_PACK_MAX, out of
- * memory, no AVX-512): the product then runs as it would unpacked. */
+ * memory, neither AVX2 nor AVX-512): the product then runs as it would
+ * unpacked. */
 static const float *pack_get(const mm_scratch *c, const kl_gemm_small *g, bool w_kn)
 {
 	kl_mm_pack *pk = c->pk;
@@ -393,7 +394,7 @@ static kl_status gemm_one(const mm_scratch *c, const mm_args *x, const epi_args 
 			 * it is in L1 (mlp24: GELU's second pass over C had cost a
 			 * fifth of the step): a weight the plan keeps packed
 			 * (gemm_mid, B packed at the first call), few rows times a
-			 * row-major weight (gemm_small), or more rows on AVX-512
+			 * row-major weight (gemm_small), or more rows on AVX2 or AVX-512
 			 * (gemm_mid, B packed in panels each call); where none can
 			 * run, OpenBLAS below */
 			kl_gemm_small g = {
