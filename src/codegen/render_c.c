@@ -265,8 +265,8 @@ static const char prelude[] =
 	"KL_EXPSUM_FN(kl_expsum_bf16, uint16_t, kl_ld16_bf16, kl_bf2f)\n"
 	/* d[i] = s[i] * m rounded to f16 (as kl_f2h: vcvtps2ph rounds to
 	 * nearest even, NaN stays NaN): a row's last pass out of a row-local
-	 * array, one vector of 16 a step with AVX-512, of 8 with F16C (the
-	 * scalar loop left softmax f16 at 1.9x f32's time on the Zen 3) */
+	 * array, one vector of 16 a step with AVX-512, of 8 with AVX2 and F16C
+	 * (the scalar loop left softmax f16 at 1.9x f32's time on the Zen 3) */
 	"KL_FN void kl_scale_f16(uint16_t *restrict d, const float *restrict s, float m, int64_t n)\n"
 	"{\n"
 	"\tint64_t i = 0;\n"
@@ -277,13 +277,9 @@ static const char prelude[] =
 	"\t\tmemcpy(d + 16 * v, &h, sizeof h);\n"
 	"\t}\n"
 	"\ti = n / 16 * 16;\n"
-	"#elif defined(__F16C__) && defined(__AVX__) && defined(__GNUC__) && !defined(__clang__)\n"
-	"\ttypedef float kl_v8f __attribute__((vector_size(32)));\n"
-	"\ttypedef short kl_v8h __attribute__((vector_size(16)));\n"
+	"#elif defined(KL_V8)\n"
 	"\tfor (int64_t v = 0; v < n / 8; v++) {\n"
-	"\t\tkl_v8f x;\n"
-	"\t\tmemcpy(&x, s + 8 * v, sizeof x);\n"
-	"\t\tkl_v8h h = __builtin_ia32_vcvtps2ph256(x * m, 0);\n"
+	"\t\tkl_v8h h = __builtin_ia32_vcvtps2ph256(kl_ld8_f32(s + 8 * v) * m, 0);\n"
 	"\t\tmemcpy(d + 8 * v, &h, sizeof h);\n"
 	"\t}\n"
 	"\ti = n / 8 * 8;\n"

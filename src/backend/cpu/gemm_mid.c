@@ -229,11 +229,8 @@ bool kl__gemm_mid_pack(const kl_gemm_small *g, bool w_kn, float *dst)
 	if (!isa)
 		return false;
 	gm_job jb = {.g = *g, .isa = isa, .w_kn = w_kn};
-	/* a panel at a time, the whole depth: panel p lands at p nr k */
-	int nr = isa->nr;
-	for (int j = 0; j < g->n; j += nr)
-		isa->pack(&jb, dst + (size_t)j * (size_t)g->k, 0, g->k, j,
-		          g->n - j < nr ? g->n - j : nr);
+	/* every column, the whole depth: panel p lands at p nr k */
+	isa->pack(&jb, dst, 0, g->k, 0, g->n);
 	return true;
 #else
 	(void)g;
@@ -304,7 +301,8 @@ bool kl__gemm_mid_par(int nt, const kl_gemm_small *g, bool w_kn, const float *pr
 int kl__gemm_mid_force_isa(int level)
 {
 #ifdef GM_ON
-	__atomic_store_n(&gm_forced, level >= 1 && level <= 4 ? level : 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&gm_forced, level == 1 || level == 3 || level == 4 ? level : 0,
+	                 __ATOMIC_RELAXED);
 	const gm_isa *isa = gm_pick();
 	return !isa ? 0 : isa == &gm_isa_v4 ? 4 : 3;
 #else

@@ -613,8 +613,9 @@ static kl_status launch_steps(kl_ctx *ctx, kl_compiled *c, void *const *B, const
 			                                          : 0,
 			                             (CUdeviceptr)(uintptr_t)B[at->o],
 			                             lse_for(ctx, rt, s, at), &wrote);
-			if (lse_pair(rt, s) >= 0)
-				rt->lse_ok[lse_pair(rt, s)] = wrote && st == KL_OK;
+			int32_t fi = lse_pair(rt, s);
+			if (fi >= 0)
+				rt->lse_ok[fi] = wrote && st == KL_OK;
 			continue;
 		}
 		int64_t work = 0;
