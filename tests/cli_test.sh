@@ -178,6 +178,28 @@ grep -Eq "${row}default +[0-9.]+ (us|ms) +[0-9.]+ +[0-9.]+x +[0-9.]+ GB/s +[0-9]
 grep -Eq "${row}reduce-overhead\\* " "$work/table" ||
 	fail "table: reduce-overhead not marked as default"
 
+# --serve: one workload held ready, timed a batch per line read (what
+# bench/pair_ort.py drives); a bad line, mode or workload count is an error.
+printf '3\n1\nq\n' | "$kiln" bench --serve default --workload softmax >"$work/serve" ||
+	fail "bench --serve failed"
+grep -Eq "^ready softmax 4096x4096 f32 default ${num}$" "$work/serve" ||
+	{ cat "$work/serve"; fail "--serve: no ready line"; }
+grep -Eq "^3 ${num} ${num}$" "$work/serve" && grep -Eq "^1 ${num} ${num}$" "$work/serve" ||
+	{ cat "$work/serve"; fail "--serve: no batch lines"; }
+rc=0
+printf '2\nlots\n5\n' | "$kiln" bench --serve eager --workload relu_fma >"$work/serve" 2>"$work/err" ||
+	rc=$?
+((rc == 2)) && grep -q "not 'lots'" "$work/err" && ! grep -q '^5 ' "$work/serve" ||
+	fail "--serve: a bad request: exit $rc, $(cat "$work/err")"
+if "$kiln" bench --serve fast --workload relu_fma </dev/null >/dev/null 2>"$work/err"; then
+	fail "--serve with an unknown mode accepted"
+fi
+grep -q "not 'fast'" "$work/err" || fail "--serve fast: $(cat "$work/err")"
+if "$kiln" bench --serve default </dev/null >/dev/null 2>"$work/err"; then
+	fail "--serve without a workload accepted"
+fi
+grep -q "name it with --workload" "$work/err" || fail "--serve alone: $(cat "$work/err")"
+
 # --cold: a compile into an empty cache, then a second process's first call;
 # the cache directory it makes is gone afterwards.
 mkdir "$work/tmp"

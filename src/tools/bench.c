@@ -719,7 +719,7 @@ static void usage(FILE *f)
 	fprintf(f,
 	        "usage: kiln bench [--device cpu|cuda] [--json] [--workload NAME]... [--iters N]\n"
 	        "                  [--warmup N] [--threads N] [--list] [--cold] [--probe]\n"
-	        "                  [--profile]\n"
+	        "                  [--profile] [--serve MODE]\n"
 	        "\n"
 	        "Times each workload of the device's table in each mode it supports: a first\n"
 	        "call, then the median of repeated calls. Modes: eager, then kl_compile in\n"
@@ -754,7 +754,12 @@ static void usage(FILE *f)
 	        "  --list         list the device's workloads and exit\n"
 	        "  --probe        make a context for the device and exit: 0 when it works\n"
 	        "  --profile      after each default-mode row, kl_profile's table: each step\n"
-	        "                 of the compiled call timed alone (not with --json)\n",
+	        "                 of the compiled call timed alone (not with --json)\n"
+	        "  --serve MODE   one --workload in MODE (eager, default, ...), set up and\n"
+	        "                 called once, then timed on request for another process:\n"
+	        "                 reads a count N a line, runs N calls and answers\n"
+	        "                 \"N MEDIAN_MS MIN_MS\"; q or the end of input ends it\n"
+	        "                 (bench/pair_ort.py interleaves ONNX Runtime with it)\n",
 	        MIN_TIME_MS / 1e3, MIN_ITERS, GPU_WARMUP, GPU_MIN_BATCH, GPU_BATCH_MS, GPU_SAMPLES,
 	        GPU_WARMUP);
 }
@@ -840,6 +845,19 @@ static int parse_opts(int argc, char **argv, kt_opts *o, char *names, size_t cap
 				return fprintf(stderr,
 				               "kiln bench: unknown device '%s' (cpu, cuda)\n", v),
 				       -1;
+		} else if ((v = opt_value(argc, argv, &i, "--serve"))) {
+			int m = 0;
+			while (m < KT_NMODES && strcmp(kt_modes[m].name, v) != 0)
+				m++;
+			if (m == KT_NMODES)
+				return fprintf(stderr,
+				               "kiln bench: --serve wants a mode (eager, default, "
+				               "reduce-overhead, max-autotune, dynamic, "
+				               "compiled-forward), not '%s'\n",
+				               v),
+				       -1;
+			o->serve = true;
+			o->serve_mode = m;
 		} else if ((v = opt_value(argc, argv, &i, "--iters"))) {
 			if (!parse_count(v, &o->iters, 1))
 				return fprintf(stderr,
@@ -951,6 +969,8 @@ int kt_bench_main(int argc, char **argv)
 		return kt_first_call_child(&o);
 	if (o.cold)
 		return kt_cold_main(&o);
+	if (o.serve)
+		return kt_serve_main(&o);
 
 	kl_ctx *ctx = open_ctx(&o);
 	if (!ctx)

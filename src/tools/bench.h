@@ -22,6 +22,8 @@ typedef struct kt_opts {
 	bool cold;            /* measure a cold compile and a warm process's first call */
 	bool first_call_only; /* hidden: the child process of --cold */
 	bool profile;         /* kl_profile's table after each default-mode row */
+	bool serve;           /* --serve: one workload timed on request (bench_serve.c) */
+	int serve_mode;       /* its kt_mode */
 } kt_opts;
 
 /* One workload being measured in one mode. */
@@ -61,5 +63,7 @@ const char *kt_device_name(kl_device dev);
 /* bench_cold.c: --cold, and its child process (--first-call-only). */
 int kt_cold_main(const kt_opts *o);
 int kt_first_call_child(const kt_opts *o);
+/* bench_serve.c: --serve MODE */
+int kt_serve_main(const kt_opts *o);
 
 #endif /* KILN_BENCH_H */

@@ -1,0 +1,128 @@
+/* bench_serve.c - `kiln bench --serve MODE --workload W`: one workload, set up
+ * and called once (compiled, for a compiled mode), then timed on request, so
+ * that another process can interleave its own calls with kiln's in batches
+ * milliseconds apart (bench/pair_ort.py puts ONNX Runtime beside it). On a
+ * shared machine whose speed drifts from second to second, two whole runs
+ * one after the other measure the drift as much as the code; two batches a
+ * few milliseconds apart see the same machine.
+ *
+ * Protocol, a line each way: once ready, one line
+ *   ready WORKLOAD SHAPE DTYPE MODE FIRST_CALL_MS
+ * then for each line read holding a count N (1 to 100000), N calls and
+ *   N MEDIAN_MS MIN_MS
+ * (each call timed alone, as the table's CPU rows are); "q" or the end of
+ * the input ends it. A line that is neither is an error that ends it, said on
+ * stderr. Errors of the calls end it too (exit 1).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+
+static int cmp_ms(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* n calls timed alone into t; 0, or -1 with the error on the context */
+static int serve_batch(kt_run *r, const kt_mode_desc *m, bool gpu, int n, double *t)
+{
+	for (int i = 0; i < n; i++)
+		if ((t[i] = kt_timed_call(r, m, gpu, NULL)) < 0)
+			return -1;
+	qsort(t, (size_t)n, sizeof *t, cmp_ms);
+	return 0;
+}
+
+static int serve_loop(kt_run *r, const kt_mode_desc *m, bool gpu)
+{
+	enum { MAX_N = 100000 };
+	double *t = malloc(MAX_N * sizeof *t);
+	if (!t) {
+		fprintf(stderr, "kiln bench: --serve: out of memory\n");
+		return 1;
+	}
+	char line[64];
+	int rc = 0;
+	while (fgets(line, sizeof line, stdin)) {
+		line[strcspn(line, "\r\n")] = '\0';
+		if (!strcmp(line, "q"))
+			break;
+		char *end;
+		errno = 0;
+		long n = strtol(line, &end, 10);
+		if (errno || end == line || *end || n < 1 || n > MAX_N) {
+			fprintf(stderr, "kiln bench: --serve: expected a count of calls (1 to %d) or q, "
+			                "not '%s'\n", MAX_N, line);
+			rc = 2;
+			break;
+		}
+		if (serve_batch(r, m, gpu, (int)n, t) != 0) {
+			fprintf(stderr, "kiln bench: --serve %s: %s\n", r->w->name,
+			        kl_last_error(r->ctx));
+			rc = 1;
+			break;
+		}
+		printf("%ld %.6f %.6f\n", n, t[n / 2], t[0]);
+		fflush(stdout);
+	}
+	free(t);
+	return rc;
+}
+
+int kt_serve_main(const kt_opts *o)
+{
+	if (o->nonly != 1) {
+		fprintf(stderr, "kiln bench: --serve times one workload: name it with --workload\n");
+		return 2;
+	}
+	const kt_workload *w = kt_find_workload(o->device, o->only[0], strlen(o->only[0]));
+	const kt_mode_desc *m = &kt_modes[o->serve_mode];
+	if (!w)
+		return 2; /* parse_opts said why */
+	if (!(w->modes & KT_MODE_BIT(o->serve_mode))) {
+		fprintf(stderr, "kiln bench: --serve: %s does not run in mode %s\n", w->name,
+		        m->name);
+		return 2;
+	}
+	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = o->device, .nthreads = o->threads});
+	if (!ctx) {
+		const char *msg = kl_last_error(NULL);
+		fprintf(stderr, "kiln bench: %s\n",
+		        msg && *msg ? msg : "cannot create a context for the device");
+		return 1;
+	}
+	bool gpu = kl_ctx_device(ctx) == KL_CUDA;
+	kt_run r = {.ctx = ctx, .w = w};
+	kt_cost cost = {.state = &r.state};
+	double sum = 0, first = -1;
+	int rc = 0;
+	if (w->setup(ctx, w, r.in, &cost) != KL_OK) {
+		fprintf(stderr, "kiln bench: %s: setup failed: %s\n", w->name, kl_last_error(ctx));
+		rc = 1;
+	} else if ((first = kt_timed_call(&r, m, gpu, &sum)) < 0 ||
+	           kt_timed_call(&r, m, gpu, NULL) < 0) {
+		fprintf(stderr, "kiln bench: --serve %s: %s\n", w->name, kl_last_error(ctx));
+		rc = 1;
+	} else if (!isfinite(sum)) {
+		fprintf(stderr, "kiln bench: %s: the output holds non-finite values\n", w->name);
+		rc = 1;
+	} else {
+		printf("ready %s %s %s %s %.6f\n", w->name, cost.shape, kl_dtype_name(w->dtype),
+		       m->name, first);
+		fflush(stdout);
+		rc = serve_loop(&r, m, gpu);
+	}
+	if (r.fn)
+		kl_fn_free(r.fn);
+	for (int i = 0; i < w->nin; i++)
+		if (r.in[i])
+			kl_release(r.in[i]);
+	kt_state_free(&r.state);
+	kl_ctx_free(ctx);
+	return rc;
+}
