@@ -591,7 +591,7 @@ static int run_mode(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_row *
 	return 0;
 }
 
-static void release_inputs(kt_run *r)
+void kt_release_inputs(kt_run *r)
 {
 	for (int i = 0; i < r->w->nin; i++)
 		if (r->in[i]) {
@@ -610,7 +610,7 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 	if (w->setup(ctx, w, r.in, &cost) != KL_OK) {
 		fprintf(stderr, "kiln bench: %s: setup failed: %s\n", w->name, kl_last_error(ctx));
 		kl_clear_error(ctx);
-		release_inputs(&r);
+		kt_release_inputs(&r);
 		return 1;
 	}
 	double eager_ms = 0;
@@ -661,7 +661,7 @@ static int run_workload(kl_ctx *ctx, const kt_workload *w, const kt_opts *o, dou
 			fputs(prof, stdout);
 		free(prof);
 	}
-	release_inputs(&r);
+	kt_release_inputs(&r);
 	return failures;
 }
 
@@ -688,7 +688,7 @@ static double device_copy_bandwidth(kl_ctx *ctx, const kt_opts *o)
 	if (rc == 0 && r.fn)
 		row.kernels = kl_fn_last_kernels(r.fn);
 	kl_fn_free(r.fn);
-	release_inputs(&r);
+	kt_release_inputs(&r);
 	if (rc < 0)
 		fprintf(stderr, "kiln bench: %s: %s\n", w->name, kl_last_error(ctx));
 	kl_clear_error(ctx);
@@ -907,7 +907,7 @@ static bool selected(const kt_opts *o, const kt_workload *w)
 	return false;
 }
 
-static kl_ctx *open_ctx(const kt_opts *o)
+kl_ctx *kt_open_ctx(const kt_opts *o)
 {
 	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = o->device, .nthreads = o->threads});
 	if (!ctx) {
@@ -972,7 +972,7 @@ int kt_bench_main(int argc, char **argv)
 	if (o.serve)
 		return kt_serve_main(&o);
 
-	kl_ctx *ctx = open_ctx(&o);
+	kl_ctx *ctx = kt_open_ctx(&o);
 	if (!ctx)
 		return 1;
 	if (o.probe) {

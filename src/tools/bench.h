@@ -59,6 +59,10 @@ double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum);
 /* The first row named name (len bytes) that runs on dev, or NULL. */
 const kt_workload *kt_find_workload(kl_device dev, const char *name, size_t len);
 const char *kt_device_name(kl_device dev);
+/* A context for o's device and threads, or NULL (said on stderr). */
+kl_ctx *kt_open_ctx(const kt_opts *o);
+/* Release r's inputs and the setup's state (kt_state_free). */
+void kt_release_inputs(kt_run *r);
 
 /* bench_cold.c: --cold, and its child process (--first-call-only). */
 int kt_cold_main(const kt_opts *o);

@@ -53,14 +53,10 @@ typedef struct kt_first {
 static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 {
 	double t0 = kt_now_ms();
-	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = o->device, .nthreads = o->threads});
+	kl_ctx *ctx = kt_open_ctx(o);
 	double ctx_ms = kt_now_ms() - t0;
-	if (!ctx) {
-		const char *msg = kl_last_error(NULL);
-		fprintf(stderr, "kiln bench: %s\n",
-		        msg && *msg ? msg : "cannot create a context for the device");
+	if (!ctx)
 		return 1;
-	}
 	bool gpu = kl_ctx_device(ctx) == KL_CUDA;
 	kt_run r = {.ctx = ctx, .w = w};
 	kt_cost cost = {.state = &r.state};
@@ -90,10 +86,7 @@ static int first_call_ms(const kt_opts *o, const kt_workload *w, kt_first *f)
 		f->kernels = kl_fn_last_kernels(r.fn);
 		kl_fn_free(r.fn);
 	}
-	for (int i = 0; i < w->nin; i++)
-		if (r.in[i])
-			kl_release(r.in[i]);
-	kt_state_free(&r.state);
+	kt_release_inputs(&r);
 	kl_ctx_free(ctx);
 	return rc;
 }

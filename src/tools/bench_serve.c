@@ -89,13 +89,9 @@ int kt_serve_main(const kt_opts *o)
 		        m->name);
 		return 2;
 	}
-	kl_ctx *ctx = kl_ctx_new(&(kl_ctx_opts){.device = o->device, .nthreads = o->threads});
-	if (!ctx) {
-		const char *msg = kl_last_error(NULL);
-		fprintf(stderr, "kiln bench: %s\n",
-		        msg && *msg ? msg : "cannot create a context for the device");
+	kl_ctx *ctx = kt_open_ctx(o);
+	if (!ctx)
 		return 1;
-	}
 	bool gpu = kl_ctx_device(ctx) == KL_CUDA;
 	kt_run r = {.ctx = ctx, .w = w};
 	kt_cost cost = {.state = &r.state};
@@ -119,10 +115,7 @@ int kt_serve_main(const kt_opts *o)
 	}
 	if (r.fn)
 		kl_fn_free(r.fn);
-	for (int i = 0; i < w->nin; i++)
-		if (r.in[i])
-			kl_release(r.in[i]);
-	kt_state_free(&r.state);
+	kt_release_inputs(&r);
 	kl_ctx_free(ctx);
 	return rc;
 }
