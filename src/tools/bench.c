@@ -171,7 +171,7 @@ static int cmp_double(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
-static double median(double *v, int n)
+double kt_median(double *v, int n)
 {
 	qsort(v, (size_t)n, sizeof(*v), cmp_double);
 	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
@@ -495,7 +495,7 @@ static int time_host(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_row 
 		}
 	}
 	row->iters = n;
-	row->ms = median(t, n);
+	row->ms = kt_median(t, n);
 	free(t);
 	return 0;
 }
@@ -539,8 +539,8 @@ static int time_device(kt_run *r, const kt_mode_desc *m, const kt_opts *o, kt_ro
 		}
 	}
 	row->iters = total;
-	row->ms = median(t, n);
-	row->host_ms = median(h, n);
+	row->ms = kt_median(t, n);
+	row->host_ms = kt_median(h, n);
 	free(t);
 	return 0;
 }
@@ -764,7 +764,7 @@ static void usage(FILE *f)
 	        GPU_WARMUP);
 }
 
-static bool parse_count(const char *s, int *out, int min)
+bool kt_parse_count(const char *s, int *out, int min)
 {
 	char *end;
 	errno = 0;
@@ -849,27 +849,27 @@ static int parse_opts(int argc, char **argv, kt_opts *o, char *names, size_t cap
 			int m = 0;
 			while (m < KT_NMODES && strcmp(kt_modes[m].name, v) != 0)
 				m++;
-			if (m == KT_NMODES)
-				return fprintf(stderr,
-				               "kiln bench: --serve wants a mode (eager, default, "
-				               "reduce-overhead, max-autotune, dynamic, "
-				               "compiled-forward), not '%s'\n",
-				               v),
-				       -1;
+			if (m == KT_NMODES) {
+				fprintf(stderr, "kiln bench: --serve wants a mode (");
+				for (int k = 0; k < KT_NMODES; k++)
+					fprintf(stderr, "%s%s", k ? ", " : "", kt_modes[k].name);
+				fprintf(stderr, "), not '%s'\n", v);
+				return -1;
+			}
 			o->serve = true;
 			o->serve_mode = m;
 		} else if ((v = opt_value(argc, argv, &i, "--iters"))) {
-			if (!parse_count(v, &o->iters, 1))
+			if (!kt_parse_count(v, &o->iters, 1))
 				return fprintf(stderr,
 				               "kiln bench: --iters wants a count, not '%s'\n", v),
 				       -1;
 		} else if ((v = opt_value(argc, argv, &i, "--warmup"))) {
-			if (!parse_count(v, &o->warmup, 0))
+			if (!kt_parse_count(v, &o->warmup, 0))
 				return fprintf(stderr,
 				               "kiln bench: --warmup wants a count, not '%s'\n", v),
 				       -1;
 		} else if ((v = opt_value(argc, argv, &i, "--threads"))) {
-			if (!parse_count(v, &o->threads, 1))
+			if (!kt_parse_count(v, &o->threads, 1))
 				return fprintf(stderr,
 				               "kiln bench: --threads wants a count, not '%s'\n",
 				               v),

@@ -59,6 +59,10 @@ double kt_timed_call(kt_run *r, const kt_mode_desc *m, bool sync, double *sum);
 /* The first row named name (len bytes) that runs on dev, or NULL. */
 const kt_workload *kt_find_workload(kl_device dev, const char *name, size_t len);
 const char *kt_device_name(kl_device dev);
+/* The median of v[0, n) (sorted in place, so v[0] is then the least). */
+double kt_median(double *v, int n);
+/* A count from min to 1000000 in s (all of it); false if it is none. */
+bool kt_parse_count(const char *s, int *out, int min);
 /* A context for o's device and threads, or NULL (said on stderr). */
 kl_ctx *kt_open_ctx(const kt_opts *o);
 /* Release r's inputs and the setup's state (kt_state_free). */

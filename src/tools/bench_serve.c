@@ -8,13 +8,12 @@
  *
  * Protocol, a line each way: once ready, one line
  *   ready WORKLOAD SHAPE DTYPE MODE FIRST_CALL_MS
- * then for each line read holding a count N (1 to 100000), N calls and
+ * then for each line read holding a count N (1 to 1000000), N calls and
  *   N MEDIAN_MS MIN_MS
  * (each call timed alone, as the table's CPU rows are); "q" or the end of
  * the input ends it. A line that is neither is an error that ends it, said on
  * stderr. Errors of the calls end it too (exit 1).
  */
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,56 +21,41 @@
 
 #include "bench.h"
 
-static int cmp_ms(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return x < y ? -1 : x > y;
-}
-
-/* n calls timed alone into t; 0, or -1 with the error on the context */
-static int serve_batch(kt_run *r, const kt_mode_desc *m, bool gpu, int n, double *t)
-{
-	for (int i = 0; i < n; i++)
-		if ((t[i] = kt_timed_call(r, m, gpu, NULL)) < 0)
-			return -1;
-	qsort(t, (size_t)n, sizeof *t, cmp_ms);
-	return 0;
-}
-
+/* For each count read, that many calls timed alone and their median and
+ * least; 0 at q or the end of input, 2 at a bad line, 1 when a call fails */
 static int serve_loop(kt_run *r, const kt_mode_desc *m, bool gpu)
 {
-	enum { MAX_N = 100000 };
-	double *t = malloc(MAX_N * sizeof *t);
-	if (!t) {
-		fprintf(stderr, "kiln bench: --serve: out of memory\n");
-		return 1;
-	}
 	char line[64];
-	int rc = 0;
 	while (fgets(line, sizeof line, stdin)) {
 		line[strcspn(line, "\r\n")] = '\0';
 		if (!strcmp(line, "q"))
-			break;
-		char *end;
-		errno = 0;
-		long n = strtol(line, &end, 10);
-		if (errno || end == line || *end || n < 1 || n > MAX_N) {
-			fprintf(stderr, "kiln bench: --serve: expected a count of calls (1 to %d) or q, "
-			                "not '%s'\n", MAX_N, line);
-			rc = 2;
-			break;
+			return 0;
+		int n;
+		if (!kt_parse_count(line, &n, 1)) {
+			fprintf(stderr, "kiln bench: --serve: expected a count of calls (1 to 1000000) "
+			                "or q, not '%s'\n", line);
+			return 2;
 		}
-		if (serve_batch(r, m, gpu, (int)n, t) != 0) {
+		double *t = malloc((size_t)n * sizeof *t);
+		if (!t) {
+			fprintf(stderr, "kiln bench: --serve: out of memory\n");
+			return 1;
+		}
+		int i = 0;
+		while (i < n && (t[i] = kt_timed_call(r, m, gpu, NULL)) >= 0)
+			i++;
+		if (i < n) {
+			free(t);
 			fprintf(stderr, "kiln bench: --serve %s: %s\n", r->w->name,
 			        kl_last_error(r->ctx));
-			rc = 1;
-			break;
+			return 1;
 		}
-		printf("%ld %.6f %.6f\n", n, t[n / 2], t[0]);
+		double med = kt_median(t, n);
+		printf("%d %.6f %.6f\n", n, med, t[0]);
 		fflush(stdout);
+		free(t);
 	}
-	free(t);
-	return rc;
+	return 0;
 }
 
 int kt_serve_main(const kt_opts *o)
