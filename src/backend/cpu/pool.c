@@ -6,7 +6,8 @@
  * work, a spinning worker holds a core the thread it waits for needs, and a
  * compiled call of two dozen small products took 300x its quiet time; sleeping
  * at once costs a futex wake-up per region on a quiet machine (4-6x on the
- * small workloads). Here a worker spins briefly (SPIN_NS) after each region,
+ * small workloads). Here an idle worker spins (long on a quiet machine, briefly
+ * on a busy one: wait_next_region) after each region,
  * which catches the next region of a call, then sleeps on a futex. The work of
  * a region is cut into chunks that the caller and the workers claim one at a
  * time, so a worker the scheduler has not run yet delays nothing: the caller
@@ -20,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -27,15 +29,17 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "backend/cpu/cpu.h"
 
-/* How long an idle worker, or a caller waiting for the last chunk, spins
- * before it sleeps: longer than the gap between the regions of one call (a
- * few microseconds of serial glue), short against a scheduler's time slice. */
+/* How long a caller waiting for the last chunk, or an idle worker on a busy
+ * machine, spins before it sleeps: longer than the gap between the regions
+ * of one call (a few microseconds of serial glue), short against a
+ * scheduler's time slice. */
 #define SPIN_NS 50000
 /* The back-off from the pool on a busy machine (kl__par_for): a wait for
  * the last chunk past BACKOFF_MIN_NS (and twice the caller's own work)
@@ -137,13 +141,86 @@ static void run_chunks(uint32_t g)
 	}
 }
 
+/* An idle worker spins for the next region, then sleeps. On a quiet
+ * machine the spin is long (IDLE_SPIN_NS): a region whose worker sleeps
+ * starts with a futex wake of a halted core, which on a VM costs 50-100 us,
+ * and more once the host has seen the core idle for a while (a 2-thread
+ * DecoderLayer call took 4.5-7 ms after 100 ms of idling, 2.5 ms when called
+ * every 30 ms, 5 ms on one thread). Where other work wants the cores, a
+ * long spin takes their time (the DecoderLayer with two `yes` running: 8-9
+ * ms against 4.3-5 with short spins), so the spin is short (SPIN_NS) while
+ * the machine has more runnable threads than cores (sampled every
+ * BUSY_SAMPLE_NS from /proc/loadavg), and for SHORT_FOR_NS after a spin
+ * was preempted (two looks at the clock PREEMPT_NS apart) or a region
+ * backed off (kl__par_for). */
+#define IDLE_SPIN_NS 2000000
+#define PREEMPT_NS 200000
+#define SHORT_FOR_NS 100000000
+#define BUSY_SAMPLE_NS 5000000
+static _Atomic int64_t short_until; /* idle spins are short until then */
+
+/* More runnable threads than online cores, by /proc/loadavg's 4th field
+ * (running/total); false where it cannot be read. Sampled at most every
+ * BUSY_SAMPLE_NS. */
+static bool machine_busy(int64_t t)
+{
+	static _Atomic int64_t next;
+	static _Atomic int busy;
+	if (t < atomic_load_explicit(&next, memory_order_relaxed))
+		return atomic_load_explicit(&busy, memory_order_relaxed);
+	atomic_store_explicit(&next, t + BUSY_SAMPLE_NS, memory_order_relaxed);
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	char buf[128];
+	int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	ssize_t n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0)
+		return false;
+	buf[n] = 0;
+	/* "0.52 0.58 0.59 2/123 4567": the running count follows the third space */
+	const char *q = buf;
+	for (int sp = 0; sp < 3 && q; sp++)
+		if ((q = strchr(q, ' ')))
+			q++;
+	int b = q && ncpu > 0 && strtol(q, NULL, 10) > ncpu;
+	atomic_store_explicit(&busy, b, memory_order_relaxed);
+	return b;
+}
+
+static bool wait_next_region(uint32_t seen)
+{
+	int64_t t0 = now_ns(), last = t0;
+	int64_t limit = t0 < atomic_load_explicit(&short_until, memory_order_relaxed) ||
+	                                machine_busy(t0)
+	                        ? SPIN_NS
+	                        : IDLE_SPIN_NS;
+	for (int i = 1;; i++) {
+		if (atomic_load_explicit(&P.gen, memory_order_acquire) != seen)
+			return true;
+		cpu_relax();
+		if ((i & 63) == 0) {
+			int64_t t = now_ns();
+			if (t - last > PREEMPT_NS) {
+				atomic_store_explicit(&short_until, t + SHORT_FOR_NS,
+				                      memory_order_relaxed);
+				return false;
+			}
+			if (t - t0 > limit)
+				return false;
+			last = t;
+		}
+	}
+}
+
 static void *worker(void *p)
 {
 	int id = (int)(intptr_t)p;
 	in_region = 1; /* a region inside a chunk runs inline */
 	uint32_t seen = atomic_load(&P.gen);
 	for (;;) {
-		if (!spin_until_changed(&P.gen, seen)) {
+		if (!wait_next_region(seen)) {
 			atomic_fetch_add(&P.sleepers, 1);
 			while (atomic_load(&P.gen) == seen)
 				futex_wait(&P.gen, seen);
@@ -269,6 +346,7 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 		P.backoff = P.backoff ? (P.backoff < BACKOFF_MAX_NS ? 2 * P.backoff : P.backoff)
 		                      : BACKOFF_FIRST_NS;
 		P.serial_until = t2 + P.backoff;
+		atomic_store_explicit(&short_until, t2 + SHORT_FOR_NS, memory_order_relaxed);
 	} else {
 		P.backoff = 0;
 	}
