@@ -33,6 +33,7 @@
 #include "runtime/runtime_int.h"
 #ifdef KILN_HAVE_CUDA
 #include "backend/cuda/device.h"
+#include "core/half.h"
 #endif
 
 typedef struct acase {
@@ -1108,6 +1109,222 @@ static void test_cuda_sdpa_lengths(void **state)
 #endif
 }
 
+/* the decode kernels (kl_attn_dec with 16-byte loads, kl_attn_dec1 at an
+ * unaligned K and V, kl_attn_rows' splits with KILN_CUDA_ATTN_DEC=0, forced
+ * split counts) called as a plan step on a [B, T, H, D] cache, one query
+ * row (or three, causal) per (b, h): lengths T, past T (clamped), 1000 or
+ * T - 1, 1 and 0 (0 gives 0), NaN in K and V past each length (never read)
+ * and one NaN in V within b = 0 (its column NaN), the output poisoned with
+ * NaN first; against a float64 reference, |out - ref| within the output's
+ * rounding of |ref| plus 1e-4 (f64 1e-11) of sum p |v| / l */
+#ifdef KILN_HAVE_CUDA
+typedef struct dcase {
+	int64_t tk, d, dv, tq;
+	kl_dtype dt;
+	int64_t off; /* K and V's element offset: 1 breaks the 16-byte alignment */
+	bool causal;
+} dcase;
+
+static double dec_round(kl_dtype dt, double x)
+{
+	switch (dt) {
+	case KL_BF16: return kl__bf16_to_f32(kl__f64_to_bf16(x));
+	case KL_F16: return kl__f16_to_f32(kl__f64_to_f16(x));
+	case KL_F32: return (float)x;
+	default: return x;
+	}
+}
+
+static void dec_store(kl_dtype dt, void *p, int64_t i, double x)
+{
+	switch (dt) {
+	case KL_BF16: ((uint16_t *)p)[i] = kl__f64_to_bf16(x); break;
+	case KL_F16: ((uint16_t *)p)[i] = kl__f64_to_f16(x); break;
+	case KL_F32: ((float *)p)[i] = (float)x; break;
+	default: ((double *)p)[i] = x;
+	}
+}
+
+static double dec_load(kl_dtype dt, const void *p, int64_t i)
+{
+	switch (dt) {
+	case KL_BF16: return kl__bf16_to_f32(((const uint16_t *)p)[i]);
+	case KL_F16: return kl__f16_to_f32(((const uint16_t *)p)[i]);
+	case KL_F32: return ((const float *)p)[i];
+	default: return ((const double *)p)[i];
+	}
+}
+
+/* one case under the current KILN_CUDA_ATTN_DEC; the elements that fail */
+static int64_t decode_case(kl_ctx *ctx, const dcase *c, uint64_t seed)
+{
+	enum { B = 5, H = 3 };
+	kl_cuda_dev *dev = kl__cuda_dev_of(ctx);
+	int64_t tk = c->tk, d = c->d, dv = c->dv, tq = c->tq, off = c->off;
+	int32_t lens[B] = {(int32_t)tk, (int32_t)(tk + 5000), (int32_t)(tk > 1000 ? 1000 : tk - 1), 1,
+	                   0};
+	size_t es = kl_dtype_size(c->dt);
+	int64_t nq = B * tq * H * d, nk = B * tk * H * d + off, nv = B * tk * H * dv + off,
+	        no = B * tq * H * dv;
+	double *q = malloc(sizeof(double) * (size_t)nq), *k = malloc(sizeof(double) * (size_t)nk),
+	       *v = malloc(sizeof(double) * (size_t)nv), *ref = malloc(sizeof(double) * (size_t)no),
+	       *mag = malloc(sizeof(double) * (size_t)no);
+	void *hq = malloc((size_t)nq * es), *hk = malloc((size_t)nk * es),
+	     *hv = malloc((size_t)nv * es), *ho = malloc((size_t)no * es);
+	assert_true(q && k && v && ref && mag && hq && hk && hv && ho);
+	uint64_t rng = seed;
+	for (int64_t x = 0; x < nq; x++)
+		q[x] = dec_round(c->dt, kltest_uniform(&rng) * 4 - 2);
+	for (int64_t x = 0; x < nk; x++)
+		k[x] = dec_round(c->dt, kltest_uniform(&rng) * 2 - 1);
+	for (int64_t x = 0; x < nv; x++)
+		v[x] = dec_round(c->dt, kltest_uniform(&rng) * 2 - 1);
+	/* NaN past each length (clamped) in K and V; one in V within b = 0 */
+	for (int b = 0; b < B; b++)
+		for (int64_t j = lens[b] < tk ? lens[b] : tk; j < tk; j++)
+			for (int h = 0; h < H; h++) {
+				for (int64_t x = 0; x < d; x++)
+					k[off + ((b * tk + j) * H + h) * d + x] = NAN;
+				for (int64_t x = 0; x < dv; x++)
+					v[off + ((b * tk + j) * H + h) * dv + x] = NAN;
+			}
+	v[off + ((0 * tk + (tk > 3 ? 3 : 0)) * H + 1) * dv + dv - 1] = NAN;
+	double scale = 1 / sqrt((double)d);
+	double *sc = malloc(sizeof(double) * (size_t)(tk > 0 ? tk : 1));
+	for (int b = 0; b < B; b++)
+		for (int64_t i = 0; i < tq; i++)
+			for (int h = 0; h < H; h++) {
+				int64_t end = lens[b] < tk ? lens[b] : tk, kend = end;
+				if (c->causal) {
+					int64_t e = i + end - tq + 1;
+					kend = e < 0 ? 0 : e < end ? e : end;
+				}
+				double mx = -INFINITY, l = 0;
+				for (int64_t j = 0; j < kend; j++) {
+					double t = 0;
+					for (int64_t x = 0; x < d; x++)
+						t += q[((b * tq + i) * H + h) * d + x] *
+						     k[off + ((b * tk + j) * H + h) * d + x];
+					sc[j] = t * scale;
+					mx = sc[j] > mx ? sc[j] : mx;
+				}
+				for (int64_t j = 0; j < kend; j++)
+					l += (sc[j] = exp(sc[j] - mx));
+				for (int64_t x = 0; x < dv; x++) {
+					double o = 0, m = 0;
+					for (int64_t j = 0; j < kend; j++) {
+						double vv = v[off + ((b * tk + j) * H + h) * dv + x];
+						o += sc[j] * vv;
+						m += sc[j] * fabs(vv);
+					}
+					int64_t at = ((b * tq + i) * H + h) * dv + x;
+					ref[at] = kend > 0 ? o / l : 0;
+					mag[at] = kend > 0 ? m / l : 0;
+				}
+			}
+	for (int64_t x = 0; x < nq; x++)
+		dec_store(c->dt, hq, x, q[x]);
+	for (int64_t x = 0; x < nk; x++)
+		dec_store(c->dt, hk, x, k[x]);
+	for (int64_t x = 0; x < nv; x++)
+		dec_store(c->dt, hv, x, v[x]);
+	CUdeviceptr dq, dk, dvp, dO, dl;
+	assert_int_equal(kl__cuda_malloc(ctx, dev, (size_t)nq * es, &dq), KL_OK);
+	assert_int_equal(kl__cuda_malloc(ctx, dev, (size_t)nk * es, &dk), KL_OK);
+	assert_int_equal(kl__cuda_malloc(ctx, dev, (size_t)nv * es, &dvp), KL_OK);
+	assert_int_equal(kl__cuda_malloc(ctx, dev, (size_t)no * es, &dO), KL_OK);
+	assert_int_equal(kl__cuda_malloc(ctx, dev, sizeof lens, &dl), KL_OK);
+	assert_int_equal(kl__cuda_h2d(ctx, dev, dq, hq, (size_t)nq * es), KL_OK);
+	assert_int_equal(kl__cuda_h2d(ctx, dev, dk, hk, (size_t)nk * es), KL_OK);
+	assert_int_equal(kl__cuda_h2d(ctx, dev, dvp, hv, (size_t)nv * es), KL_OK);
+	assert_int_equal(kl__cuda_h2d(ctx, dev, dl, lens, sizeof lens), KL_OK);
+	assert_int_equal(kl__cuda_memset(ctx, dev, dO, 0xFF, (size_t)no * es), KL_OK); /* NaN */
+	kl_attn_step s;
+	memset(&s, 0, sizeof s);
+	s.tq = tq;
+	s.tk = tk;
+	s.d = d;
+	s.dv = dv;
+	s.nbatch = 2;
+	s.batch[0] = B;
+	s.batch[1] = H;
+	s.q_bs[0] = tq * H * d, s.q_bs[1] = d, s.q_rs = H * d, s.q_cs = 1;
+	s.k_bs[0] = tk * H * d, s.k_bs[1] = d, s.k_rs = H * d, s.k_cs = 1, s.k_off = off;
+	s.v_bs[0] = tk * H * dv, s.v_bs[1] = dv, s.v_rs = H * dv, s.v_cs = 1, s.v_off = off;
+	s.o_bs[0] = tq * H * dv, s.o_bs[1] = dv, s.o_rs = H * dv;
+	s.scale = scale;
+	s.causal = c->causal;
+	s.len = 0;
+	s.len_inner = 1;
+	s.len_dt = KL_I32;
+	s.len_st = 1;
+	s.fo = s.go = -1;
+	assert_int_equal(kl__cuda_attention_step(ctx, dev, &s, c->dt, dq, dk, dvp, dl, dO, 0, NULL),
+	                 KL_OK);
+	assert_int_equal(kl__cuda_d2h(ctx, dev, ho, dO, (size_t)no * es), KL_OK);
+	double rt = c->dt == KL_BF16 ? 1.0 / 256 : c->dt == KL_F16 ? 1.0 / 1024
+	            : c->dt == KL_F32 ? 1e-6 : 1e-12;
+	double ea = c->dt == KL_F64 ? 1e-11 : 1e-4;
+	int64_t bad = 0;
+	for (int64_t x = 0; x < no; x++) {
+		double o = dec_load(c->dt, ho, x), r = ref[x];
+		bool ok = isnan(r) ? isnan(o) : fabs(o - r) <= rt * fabs(r) + ea * mag[x];
+		if (!ok && bad++ < 4)
+			print_message("decode tk %lld d %lld/%lld tq %lld %s off %lld%s: [%lld] %.9g, "
+			              "want %.9g (scale %.3g)\n",
+			              (long long)tk, (long long)d, (long long)dv, (long long)tq,
+			              kl_dtype_name(c->dt), (long long)off, c->causal ? " causal" : "",
+			              (long long)x, o, r, mag[x]);
+	}
+	kl__cuda_free(ctx, dev, dq);
+	kl__cuda_free(ctx, dev, dk);
+	kl__cuda_free(ctx, dev, dvp);
+	kl__cuda_free(ctx, dev, dO);
+	kl__cuda_free(ctx, dev, dl);
+	free(q), free(k), free(v), free(ref), free(mag), free(sc);
+	free(hq), free(hk), free(hv), free(ho);
+	return bad;
+}
+#endif
+
+static void test_cuda_decode(void **state)
+{
+	(void)state;
+#ifdef KILN_HAVE_CUDA
+	kl_ctx *ctx = gpu_ctx();
+	if (!ctx)
+		skip();
+	static const dcase dc[] = {
+	        {1024, 128, 128, 1, KL_BF16, 0, false}, {1000, 128, 128, 1, KL_BF16, 0, true},
+	        {1024, 64, 64, 1, KL_BF16, 0, false},   {1000, 80, 80, 1, KL_BF16, 0, false},
+	        {1024, 128, 128, 1, KL_BF16, 1, false}, {1000, 80, 80, 1, KL_BF16, 1, true},
+	        {1024, 128, 128, 1, KL_F32, 0, false},  {1000, 64, 64, 1, KL_F32, 0, false},
+	        {1000, 80, 80, 1, KL_F32, 1, false},    {1024, 128, 128, 1, KL_F16, 0, false},
+	        {1000, 128, 128, 1, KL_F64, 0, false},  {1000, 80, 80, 1, KL_F64, 1, false},
+	        {1024, 256, 256, 1, KL_BF16, 0, false}, {1000, 256, 256, 1, KL_F64, 0, false},
+	        {1000, 128, 64, 3, KL_BF16, 0, true},   {1000, 128, 128, 3, KL_F32, 1, true},
+	        {37, 128, 128, 1, KL_BF16, 0, false},   {1, 128, 128, 1, KL_BF16, 0, false},
+	        {5000, 128, 128, 1, KL_BF16, 0, false}, {1000, 24, 16, 1, KL_BF16, 0, false},
+	};
+	static const char *const modes[] = {NULL, "0", "7", "1000"};
+	int64_t bad = 0;
+	for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
+		if (modes[mi])
+			setenv("KILN_CUDA_ATTN_DEC", modes[mi], 1);
+		else
+			unsetenv("KILN_CUDA_ATTN_DEC");
+		for (size_t ci = 0; ci < sizeof dc / sizeof dc[0]; ci++)
+			bad += decode_case(ctx, &dc[ci], 7000 + ci * 2 + mi);
+	}
+	unsetenv("KILN_CUDA_ATTN_DEC");
+	assert_int_equal(bad, 0);
+	kl_ctx_free(ctx);
+#else
+	print_message("test_attention: skipped, built without the CUDA backend\n");
+	skip();
+#endif
+}
+
 /* the attention modules go through the disk cache: a second context (a warm
  * process) loads them instead of compiling; a corrupt entry is rebuilt and
  * the results stay right */
@@ -1212,6 +1429,7 @@ int main(void)
 	        cmocka_unit_test(test_sdpa_default_scale),
 	        cmocka_unit_test(test_sdpa_compiled_cpu),  cmocka_unit_test(test_pattern_fused),
 	        cmocka_unit_test(test_sdpa_lengths_cpu),   cmocka_unit_test(test_cuda_sdpa_lengths),
+	        cmocka_unit_test(test_cuda_decode),
 	        cmocka_unit_test(test_pattern_refused),    cmocka_unit_test(test_program_io),
 	        cmocka_unit_test(test_cuda_kernels_compile), cmocka_unit_test(test_cuda_sdpa),
 	        cmocka_unit_test(test_cuda_attention_cache), cmocka_unit_test(test_cuda_sdpa_bench),

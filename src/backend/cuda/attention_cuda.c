@@ -3,9 +3,10 @@
  * variant once per device (NVRTC, kept until the device closes) and launches
  * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte
  * aligned operands take a tensor-core kernel: wgmma on sm_90 (compiled for
- * sm_90a), mma.sync elsewhere; one query row per batch (decode) splits the
- * keys across warps and merges them; everything else takes the general
- * kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
+ * sm_90a), mma.sync elsewhere; few query rows (decode) take kl_attn_dec
+ * (kl_attn_dec1 at any strides): a block per (row, split of the keys), the
+ * splits merged by kl_attn_combine (KILN_CUDA_ATTN_DEC=0: kl_attn_rows' warp
+ * per split, as before); everything else takes the general kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
  * that cannot take the step falls back as above). The mma.sync and
  * kl_attn_wgmma grids are x = batch (up to 2^31 - 1), y = query blocks (up
  * to 65535), the
@@ -56,6 +57,7 @@ typedef struct kl_at_args {
 	long long len_off, len_st, len_div;
 	int len_i32;
 	CUdeviceptr lse; /* kl_attn_wgmma, kl_attn_fa3: each row's L here too (0: not) */
+	int dg, dc;      /* kl_attn_dec, kl_attn_dec1: lanes a key, chunks a lane */
 } kl_at_args;
 
 #define BM 64    /* query rows per block, mma.sync kernel */
@@ -123,7 +125,7 @@ enum { BWD_PRE, BWD_KV, BWD_DQ, BWD_KV_SPLIT, BWD_DQ_SPLIT, BWD_WG, BWD_DD, BWD_
 
 typedef struct kl_cuda_attn {
 	kl_cuda_module *mod[4][NVAR];
-	CUfunction fn[4][NVAR][2]; /* general: rows, combine; mma: the kernel */
+	CUfunction fn[4][NVAR][4]; /* general: rows, combine, dec, dec1; else the kernel */
 	CUdeviceptr ws;
 	size_t ws_cap;
 	/* outgrown workspaces: a captured CUDA graph may still address one, so
@@ -150,6 +152,15 @@ static int dt_code(kl_dtype dt)
 	}
 }
 
+/* keys a lane group of kl_attn_dec (vec) or kl_attn_dec1 takes a round, per
+ * dtype code: its K and V chunks in flight a lane are 2 x keys x chunks
+ * (at most 8 / VEC of 16 bytes for kl_attn_dec, 8 elements for kl_attn_dec1),
+ * kept to ~64 registers */
+static int dec_unroll(int c, bool vec)
+{
+	return c == 1 ? 2 : vec && c != 0 ? 8 : 4;
+}
+
 char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 {
 	int c = dt_code(dt);
@@ -160,14 +171,15 @@ char *kl__cuda_attention_source(kl_dtype dt, int head_dim, int wgmma)
 	 * sources (and module cache keys) stay as they were */
 	const char *fa3 = wgmma == 3 ? kl__cuda_attention_fa3_src : "";
 	int k = wgmma == 3 ? WG_FA3 : wgmma == 2 ? WG_ONE : WG_TWO;
-	size_t n = strlen(kl__cuda_attention_src) + strlen(fa3) + 200;
+	size_t n = strlen(kl__cuda_attention_src) + strlen(fa3) + 256;
 	char *s = malloc(n);
 	if (s)
 		snprintf(s, n,
 		         "#define KL_AT_DT %d\n#define KL_AT_D %d\n#define KL_AT_WG %d\n"
-		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n%s",
+		         "#define KL_AT_BM %d\n#define KL_AT_TH %d\n#define KL_AT_WS %d\n"
+		         "#define KL_AT_DU %d\n#define KL_AT_DS %d\n%s",
 		         c, head_dim, wgmma == 3 ? 2 : wgmma ? 1 : 0, WG_BM(k), WG_THREADS(k),
-		         WG_STAGES, kl__cuda_attention_src);
+		         WG_STAGES, dec_unroll(c, true), dec_unroll(c, false), kl__cuda_attention_src);
 	if (s && wgmma == 3) {
 		size_t u = strlen(s);
 		snprintf(s + u, n - u, "#define KL_AT_BB %d\n#define KL_AT_PR %d\n#define KL_AT_CR %d\n%s",
@@ -208,11 +220,12 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 		free(src);
 		if (st != KL_OK)
 			return st;
-		CUfunction f[2] = {NULL, NULL};
+		CUfunction f[4] = {NULL, NULL, NULL, NULL};
 		if (var == VAR_GENERAL) {
-			st = kl__cuda_module_fn(ctx, m, "kl_attn_rows", &f[0]);
-			if (st == KL_OK)
-				st = kl__cuda_module_fn(ctx, m, "kl_attn_combine", &f[1]);
+			static const char *const names[4] = {"kl_attn_rows", "kl_attn_combine",
+			                                     "kl_attn_dec", "kl_attn_dec1"};
+			for (int i = 0; i < 4 && st == KL_OK; i++)
+				st = kl__cuda_module_fn(ctx, m, names[i], &f[i]);
 		} else {
 			st = kl__cuda_module_fn(ctx, m,
 			                        var_wg[var] == 3 ? "kl_attn_fa3"
@@ -246,11 +259,9 @@ static kl_status get_fns(kl_ctx *ctx, kl_cuda_dev *d, int c, int var, CUfunction
 		if (var_wg[var] == 3)
 			A->fa3_short[c][var] = !fa3_regs_ok(ctx, f[0]);
 		A->mod[c][var] = m;
-		A->fn[c][var][0] = f[0];
-		A->fn[c][var][1] = f[1];
+		memcpy(A->fn[c][var], f, sizeof f);
 	}
-	out[0] = A->fn[c][var][0];
-	out[1] = A->fn[c][var][1];
+	memcpy(out, A->fn[c][var], sizeof A->fn[c][var]);
 	return KL_OK;
 }
 
@@ -493,6 +504,84 @@ static int64_t at_args(kl_at_args *a, const kl_attn_step *s, kl_dtype dt, CUdevi
 	return nbt;
 }
 
+/* KILN_CUDA_ATTN_DEC: the decode kernels (kl_attn_dec, kl_attn_dec1) where
+ * the query rows are fewer than the SMs' warps: unset or 1 (splits of the
+ * keys picked below), 0 kl_attn_rows' warp per (row, split) as before (A/B),
+ * N > 1 N splits a row (capped at the keys), for tuning */
+static int dec_mode(kl_ctx *ctx)
+{
+	const char *e = getenv("KILN_CUDA_ATTN_DEC");
+	if (!e || !*e)
+		return 1;
+	char *end;
+	long n = strtol(e, &end, 10);
+	if (*end || n < 0 || n > 1024) {
+		kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_DEC=%.32s ignored (0, 1 or splits)", e);
+		return 1;
+	}
+	return (int)n;
+}
+
+/* can kl_attn_dec take a's K and V in 16-byte chunks? (unit column stride,
+ * whole chunks a row, every row and batch start 16-byte aligned) */
+static bool dec_vec(const kl_at_args *a, size_t es)
+{
+	int64_t vec = 16 / (int64_t)es;
+	if (a->k_cs != 1 || a->v_cs != 1 || a->d % vec || a->dv % vec || !al16(a->k) ||
+	    !al16(a->v) || (a->k_rs * (int64_t)es) % 16 || (a->v_rs * (int64_t)es) % 16)
+		return false;
+	for (int i = 0; i < a->nb; i++)
+		if (a->batch[i] > 1 &&
+		    ((a->k_bs[i] * (int64_t)es) % 16 || (a->v_bs[i] * (int64_t)es) % 16))
+			return false;
+	return true;
+}
+
+/* the decode step: a block of kl_attn_dec or kl_attn_dec1 per (row, split
+ * of the keys): as many splits as make 4 blocks an SM (all in flight at
+ * once, ~110 registers a thread), but no split under a quarter of a round
+ * (4 warps x 32 / dg groups x KL_AT_DU or KL_AT_DS keys); a long cache
+ * gives each split several rounds. Then kl_attn_combine where there are
+ * several. H100, 16 rows of 1024 keys, head dim 128 bf16: a round is 64
+ * keys, 33 splits of 31 */
+static kl_status decode_step(kl_ctx *ctx, kl_cuda_dev *d, kl_at_args *a, const kl_attn_step *s,
+                             kl_dtype dt, const CUfunction *f, int mode)
+{
+	size_t es = kl_dtype_size(dt);
+	bool vec = dec_vec(a, es);
+	int64_t per = vec ? 16 / (int64_t)es : 1; /* elements a chunk */
+	int64_t nch = ((s->d > s->dv ? s->d : s->dv) + per - 1) / per;
+	int g = 1;
+	while (g < 32 && g < nch)
+		g *= 2;
+	a->dg = g;
+	a->dc = (int)((nch + g - 1) / g);
+	int64_t round = 4 * (32 / g) * dec_unroll(dt_code(dt), vec), tk = s->tk > 0 ? s->tk : 1;
+	int64_t sms = d->sm_count > 0 ? d->sm_count : 1;
+	int64_t most = (tk + round / 4 - 1) / (round / 4);
+	int64_t ns = mode > 1 ? mode : (4 * sms + a->rows - 1) / a->rows;
+	ns = mode > 1 || ns < most ? ns : most;
+	ns = ns < tk ? ns : tk;
+	a->nsplit = (int)(ns < 1 ? 1 : ns);
+	kl_status st;
+	if (a->nsplit > 1) {
+		size_t need = (size_t)a->rows * (size_t)a->nsplit * (size_t)(s->dv + 2) *
+		              (dt == KL_F64 ? 8 : 4);
+		if ((st = ensure_ws(ctx, d, need, "the split-key workspace")) != KL_OK)
+			return st;
+		a->ws = d->attn->ws;
+	}
+	void *argv[1] = {a};
+	unsigned block[3] = {128, 1, 1};
+	unsigned grid[3] = {(unsigned)a->nsplit, (unsigned)a->rows, 1};
+	st = kl__cuda_launch(ctx, d, f[vec ? 2 : 3], grid, block, 0, argv, KL_LAUNCH_PDL);
+	if (st == KL_OK && a->nsplit > 1) {
+		unsigned g2[3] = {(unsigned)a->rows, 1, 1}; /* kl_attn_combine: a block a row */
+		st = kl__cuda_launch(ctx, d, f[1], g2, block, 0, argv, KL_LAUNCH_PDL);
+	}
+	return st;
+}
+
 kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_step *s,
                                   kl_dtype dt, CUdeviceptr q, CUdeviceptr k, CUdeviceptr v,
                                   CUdeviceptr len, CUdeviceptr o, CUdeviceptr lse,
@@ -520,7 +609,7 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	if (a.rows == 0 || s->dv == 0)
 		return KL_OK;
 	void *argv[1] = {&a};
-	CUfunction f[2];
+	CUfunction f[4];
 	int var = mma_variant(ctx, d, &a, s, dt);
 	kl_status st;
 	if (var == VAR_FA3_64 || var == VAR_FA3_128) {
@@ -592,9 +681,13 @@ kl_status kl__cuda_attention_step(kl_ctx *ctx, kl_cuda_dev *d, const kl_attn_ste
 	}
 	if ((st = get_fns(ctx, d, c, VAR_GENERAL, f)) != KL_OK)
 		return st;
-	/* few rows (decode): split the keys (16 or more a split) so that every
-	 * SM has warps */
-	int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 1) * 32;
+	int64_t sms = d->sm_count > 0 ? d->sm_count : 1;
+	int dec = dec_mode(ctx);
+	if (dec != 0 && a.rows < sms * 32 && a.rows <= 65535)
+		return decode_step(ctx, d, &a, s, dt, f, dec);
+	/* few rows (decode, KILN_CUDA_ATTN_DEC=0): split the keys (16 or more
+	 * a split) so that every SM has warps */
+	int64_t want = sms * 32;
 	if (a.rows < want && s->tk > 16) {
 		int64_t ns = (s->tk + 15) / 16, room = want / a.rows;
 		ns = ns < room ? ns : room;
