@@ -1331,6 +1331,116 @@ static void test_cuda_pw_unroll(void **state)
 	kl_ctx_free(ctx);
 }
 
+/* The SwiGLU backward (train_decoder's k10: from dY of silu(a) * b, da =
+ * dY b sig(a) (1 + a (1 - sig(a))) and db = dY silu(a), bf16, rounded to
+ * bf16 between the graph's ops) is issue-bound on an H100 unless its eight
+ * roundings and its sigmoid's reciprocal stay cheap: its PTX rounds with
+ * cvt.rn.bf16.f32 (not half.h's integer form) and takes 1 / (1 + z) as
+ * rcp.approx plus a Newton step (not rcp.rn.f32, whose range check and
+ * slow-path call cost six instructions a point and split the loop);
+ * unset and at KILN_CUDA_PW_UNROLL=2 (2 chunks a thread: the body's cost
+ * must not cut it to 1) every kernel fits 64 registers without spills. */
+static int b_swiglu_bwd(kl_tensor *const *in, kl_tensor **out, const void *p)
+{
+	(void)p;
+	kl_tensor *a = kl_detach(in[0]), *b = kl_detach(in[1]);
+	assert_int_equal(kl_set_requires_grad(a, true), KL_OK);
+	assert_int_equal(kl_set_requires_grad(b, true), KL_OK);
+	assert_int_equal(kl_backward(kl_mul(kl_silu(a), b), in[2]), KL_OK);
+	out[0] = kl_grad(a);
+	out[1] = kl_grad(b);
+	return 2;
+}
+
+/* the most registers any function of a ptxas -v log uses; *spill: some
+ * function spills */
+static int log_max_regs(const char *log, bool *spill)
+{
+	int most = 0;
+	*spill = false;
+	for (const char *q = strstr(log, "Used "); q; q = strstr(q + 1, "Used ")) {
+		int r;
+		if (sscanf(q, "Used %d registers", &r) == 1 && r > most)
+			most = r;
+	}
+	for (const char *q = strstr(log, " bytes spill stores"); q; q = strstr(q + 1, " bytes spill stores")) {
+		const char *d = q;
+		while (d > log && isdigit((unsigned char)d[-1]))
+			d--;
+		*spill |= atoi(d) != 0;
+	}
+	return most;
+}
+
+static void test_cuda_swiglu_backward(void **state)
+{
+	(void)state;
+	if (!nvrtc_ok())
+		skip();
+	char *saved = env_save("KILN_CUDA_PW_UNROLL");
+	kl_ctx *ctx = kl_ctx_new(NULL);
+	assert_non_null(ctx);
+	kl_tensor *in[3];
+	for (int i = 0; i < 3; i++)
+		in[i] = kltest_rand(ctx, KL_BF16, 2, (int64_t[]){64, 8192}, KLTEST_NORMAL,
+		                    KLTEST_CONTIG, 780 + (uint64_t)i);
+	static const char *const knobs[] = {NULL, "2"};
+	for (size_t t = 0; t < sizeof knobs / sizeof knobs[0]; t++) {
+		set_or_unset("KILN_CUDA_PW_UNROLL", knobs[t]);
+		kl_trace *tr = trace(ctx, b_swiglu_bwd, in, NULL);
+		assert_non_null(tr);
+		kl_lower_opts o = {.target = KL_TARGET_CUDA, .fusion = true};
+		kl_program P;
+		char err[512];
+		if (kl__lower(&tr->g, &o, &P, err, sizeof err) != KL_OK)
+			fail_msg("swiglu backward: lower: %s", err);
+		const char *sig = strstr(P.source, "= kl_sigmoidf(");
+		const char *kern = sig ? strstr(P.source, "__global__") : NULL;
+		/* the kernel holding the sigmoid: the last "__global__" before it */
+		for (const char *q = kern; q && q < sig; q = strstr(q + 1, "__global__"))
+			kern = q;
+		char want[64];
+		snprintf(want, sizeof want, "/* %s chunk%s a thread in flight */",
+		         knobs[t] ? knobs[t] : "1", knobs[t] ? "s" : "");
+		const char *fl = kern ? strstr(kern, want) : NULL;
+		if (!sig || !fl || fl > sig)
+			fail_msg("swiglu backward (KILN_CUDA_PW_UNROLL=%s): no \"%s\" in the sigmoid's "
+			         "kernel", knobs[t] ? knobs[t] : "unset", want);
+		kl_cuda_image im;
+		kl_nvrtc_opts no = {.arch = 90, .no_fmad = true, .ptxas_info = true, .want_ptx = true};
+		if (kl__nvrtc_compile(ctx, P.source, "swiglu_bwd", &no, &im) != KL_OK)
+			fail_msg("swiglu backward: %s\n%s", kl_last_error(ctx), im.log ? im.log : "");
+		assert_non_null(im.ptx_text);
+		assert_non_null(im.log);
+		bool spill;
+		int regs = log_max_regs(im.log, &spill);
+		/* a sigmoid (one ex2) a point and at least 3 roundings beside it
+		 * (k10: 8 and its store's; half.h's form leaves only the stores) */
+		int ncvt = 0, nex2 = 0;
+		for (const char *q = strstr(im.ptx_text, "cvt.rn.bf16.f32"); q;
+		     q = strstr(q + 1, "cvt.rn.bf16.f32"))
+			ncvt++;
+		for (const char *q = strstr(im.ptx_text, "ex2.approx"); q; q = strstr(q + 1, "ex2.approx"))
+			nex2++;
+		if (strstr(im.ptx_text, "rcp.rn.f32") || strstr(im.ptx_text, "div.rn.f32") ||
+		    !strstr(im.ptx_text, "rcp.approx.ftz.f32") || nex2 == 0 || ncvt <= 2 * nex2 ||
+		    regs == 0 || regs > 64 || spill)
+			fail_msg("swiglu backward (KILN_CUDA_PW_UNROLL=%s): rcp.rn %d, div.rn %d, "
+			         "rcp.approx %d, %d cvt.rn.bf16 for %d ex2, %d registers, spills %d\n%s",
+			         knobs[t] ? knobs[t] : "unset", !!strstr(im.ptx_text, "rcp.rn.f32"),
+			         !!strstr(im.ptx_text, "div.rn.f32"),
+			         !!strstr(im.ptx_text, "rcp.approx.ftz.f32"), ncvt, nex2, regs, spill,
+			         im.log);
+		kl__cuda_image_free(&im);
+		kl__program_free(&P);
+		kl__trace_free(tr);
+	}
+	for (int i = 0; i < 3; i++)
+		kl_release(in[i]);
+	env_restore("KILN_CUDA_PW_UNROLL", saved);
+	kl_ctx_free(ctx);
+}
+
 /* ---- more buffers than a kernel's parameters hold ----------------------------------- */
 
 /* MANY inputs, out[i] = in[i] * 2 + in[(i + 1) % MANY]: 2 * MANY buffers,
@@ -1725,6 +1835,7 @@ int main(void)
 	        cmocka_unit_test(test_cuda_dot_knobs),
 	        cmocka_unit_test(test_cuda_row_hold),
 	        cmocka_unit_test(test_cuda_pw_unroll),
+	        cmocka_unit_test(test_cuda_swiglu_backward),
 	        cmocka_unit_test(test_cuda_many_buffers),
 	        cmocka_unit_test(test_cuda_column_sums),
 	};

@@ -18,10 +18,15 @@
 	"/* sigmoid from z = exp(-|x|), which never overflows: 1 / (1 + z) for\n" \
 	" * x >= 0, z / (1 + z) below, chosen by a select. One exp and one\n" \
 	" * reciprocal a point and no branch: a GPU warp does not run both sides\n" \
-	" * when its signs differ, and the C compiler vectorizes it */\n" \
+	" * when its signs differ, and the C compiler vectorizes it. 1 + z is in\n" \
+	" * [1, 2] (or NaN): a target may define KL_RCP12 first, a correctly\n" \
+	" * rounded 1/d for that range without a general reciprocal's checks */\n" \
+	"#ifndef KL_RCP12\n" \
+	"#define KL_RCP12(d) (1.0f / (d))\n" \
+	"#endif\n" \
 	"KL_FN float kl_sigmoidf(float x)\n" \
 	"{\n" \
-	"\tfloat z = expf(-fabsf(x)), r = 1.0f / (1.0f + z);\n" \
+	"\tfloat z = expf(-fabsf(x)), r = KL_RCP12(1.0f + z);\n" \
 	"\treturn x >= 0.0f ? r : z * r;\n" \
 	"}\n" \
 	"KL_FN double kl_sigmoidd(double x)\n" \

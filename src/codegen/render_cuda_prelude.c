@@ -26,6 +26,17 @@ const char kl__render_cuda_prelude[] =
         "#define NAN __int_as_float(0x7fffffff)\n"
         "#define INFINITY __int_as_float(0x7f800000)\n"
         "#define KL_FN static __device__ __forceinline__\n"
+        /* the sigmoid's 1/d, d in [1, 2] or NaN: rcp.rn.f32's own fast path
+         * (MUFU.RCP, then one Newton step: the same instructions, so the same
+         * bits), without the range check, branch and slow-path call that
+         * `1.0f / d` carries for every d (six instructions a point) */
+        "KL_FN float kl_cu_rcp12(float d)\n"
+        "{\n"
+        "\tfloat r;\n"
+        "\tasm(\"rcp.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(d));\n"
+        "\treturn fmaf(r, -fmaf(d, r, -1.0f), r);\n"
+        "}\n"
+        "#define KL_RCP12 kl_cu_rcp12\n"
         "\n" KL_RENDER_HELPERS
         /* the C renderer's vectorizable stand-ins for libm: CUDA's own are fast */
         "KL_FN float kl_expf(float x) { return expf(x); }\n"
@@ -38,6 +49,14 @@ const char kl__render_cuda_prelude[] =
         "#define kl_h2f kl_cu_h2f\n"
         "#define kl_f2h kl_cu_f2h\n"
         "#define kl_f2bf kl_cu_f2bf\n"
+        /* a value rounded to f16 / bf16 and back (a cast between ops): the
+         * conversions above, 2 instructions where half.h's integer form
+         * takes 7 (a SwiGLU backward rounds 8 times a point); the same
+         * values, NaN payloads aside, which a 16-bit store makes canonical */
+        "KL_FN float kl_cu_rh(float f) { return kl_cu_h2f(kl_cu_f2h(f)); }\n"
+        "KL_FN float kl_cu_rbf(float f) { return __uint_as_float((uint32_t)kl_cu_f2bf(f) << 16); }\n"
+        "#define kl_rh kl_cu_rh\n"
+        "#define kl_rbf kl_cu_rbf\n"
         "/* a double to a 16-bit float in one rounding (f32 in between would round twice) */\n"
         "KL_FN uint16_t kl_d2h(double d) { uint16_t h; asm(\"cvt.rn.f16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
         "KL_FN uint16_t kl_d2bf(double d) { uint16_t h; asm(\"cvt.rn.bf16.f64 %0, %1;\" : \"=h\"(h) : \"d\"(d)); return h; }\n"
