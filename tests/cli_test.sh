@@ -199,6 +199,20 @@ if "$kiln" bench --serve default </dev/null >/dev/null 2>"$work/err"; then
 	fail "--serve without a workload accepted"
 fi
 grep -q "name it with --workload" "$work/err" || fail "--serve alone: $(cat "$work/err")"
+# --shape: the workload's row of that shape; an unknown one is an error
+printf '1\nq\n' | "$kiln" bench --serve eager --workload gpt2_block --shape 2x33x768,h12 \
+	>"$work/serve" || fail "bench --serve --shape failed"
+grep -Eq "^ready gpt2_block 2x33x768,h12 f32 eager ${num}$" "$work/serve" ||
+	{ cat "$work/serve"; fail "--serve --shape: not the 2x33 row"; }
+rc=0
+"$kiln" bench --serve eager --workload gpt2_block --shape 2x34x768 </dev/null >/dev/null \
+	2>"$work/err" || rc=$?
+((rc == 2)) && grep -q "no row of shape '2x34x768'" "$work/err" ||
+	fail "--shape of no row: exit $rc, $(cat "$work/err")"
+rc=0
+"$kiln" bench --shape 2x33x768,h12 </dev/null >/dev/null 2>"$work/err" || rc=$?
+((rc == 2)) && grep -q "only with --serve" "$work/err" ||
+	fail "--shape without --serve: exit $rc, $(cat "$work/err")"
 
 # --cold: a compile into an empty cache, then a second process's first call;
 # the cache directory it makes is gone afterwards.

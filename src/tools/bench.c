@@ -719,7 +719,7 @@ static void usage(FILE *f)
 	fprintf(f,
 	        "usage: kiln bench [--device cpu|cuda] [--json] [--workload NAME]... [--iters N]\n"
 	        "                  [--warmup N] [--threads N] [--list] [--cold] [--probe]\n"
-	        "                  [--profile] [--serve MODE]\n"
+	        "                  [--profile] [--serve MODE [--shape S]]\n"
 	        "\n"
 	        "Times each workload of the device's table in each mode it supports: a first\n"
 	        "call, then the median of repeated calls. Modes: eager, then kl_compile in\n"
@@ -759,7 +759,9 @@ static void usage(FILE *f)
 	        "                 called once, then timed on request for another process:\n"
 	        "                 reads a count N a line, runs N calls and answers\n"
 	        "                 \"N MEDIAN_MS MIN_MS\"; q or the end of input ends it\n"
-	        "                 (bench/pair_ort.py interleaves ONNX Runtime with it)\n",
+	        "                 (bench/pair_ort.py interleaves ONNX Runtime with it)\n"
+	        "  --shape S      with --serve: the workload's row whose shape column is S\n"
+	        "                 (default: its first row)\n",
 	        MIN_TIME_MS / 1e3, MIN_ITERS, GPU_WARMUP, GPU_MIN_BATCH, GPU_BATCH_MS, GPU_SAMPLES,
 	        GPU_WARMUP);
 }
@@ -803,6 +805,10 @@ static int check_names(const kt_opts *o)
 	if (o->profile && (o->json || o->cold)) {
 		fprintf(stderr, "kiln bench: --profile prints tables: not with %s\n",
 		        o->json ? "--json" : "--cold");
+		return -1;
+	}
+	if (o->serve_shape && !o->serve) {
+		fprintf(stderr, "kiln bench: --shape picks the row --serve times: only with --serve\n");
 		return -1;
 	}
 	for (int i = 0; i < o->nonly; i++) {
@@ -858,6 +864,8 @@ static int parse_opts(int argc, char **argv, kt_opts *o, char *names, size_t cap
 			}
 			o->serve = true;
 			o->serve_mode = m;
+		} else if ((v = opt_value(argc, argv, &i, "--shape"))) {
+			o->serve_shape = v;
 		} else if ((v = opt_value(argc, argv, &i, "--iters"))) {
 			if (!kt_parse_count(v, &o->iters, 1))
 				return fprintf(stderr,

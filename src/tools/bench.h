@@ -24,6 +24,7 @@ typedef struct kt_opts {
 	bool profile;         /* kl_profile's table after each default-mode row */
 	bool serve;           /* --serve: one workload timed on request (bench_serve.c) */
 	int serve_mode;       /* its kt_mode */
+	const char *serve_shape; /* --shape: which row of the workload (its shape column) */
 } kt_opts;
 
 /* One workload being measured in one mode. */

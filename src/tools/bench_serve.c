@@ -81,9 +81,30 @@ int kt_serve_main(const kt_opts *o)
 	kt_cost cost = {.state = &r.state};
 	double sum = 0, first = -1;
 	int rc = 0;
-	if (w->setup(ctx, w, r.in, &cost) != KL_OK) {
+	/* the row --shape names: the rows of one name are adjacent in the table */
+	kl_status st;
+	while ((st = w->setup(ctx, w, r.in, &cost)) == KL_OK && o->serve_shape &&
+	       strcmp(cost.shape, o->serve_shape) != 0) {
+		kt_release_inputs(&r);
+		if (w + 1 >= kt_workloads + kt_nworkloads || strcmp(w[1].name, w->name) != 0 ||
+		    !(w[1].devices & (1u << o->device))) {
+			fprintf(stderr, "kiln bench: --serve: %s has no row of shape '%s' on %s (see "
+			                "kiln bench --device %s --workload %s)\n",
+			        w->name, o->serve_shape, kt_device_name(o->device),
+			        kt_device_name(o->device), w->name);
+			kl_ctx_free(ctx);
+			return 2;
+		}
+		r = (kt_run){.ctx = ctx, .w = ++w};
+		cost = (kt_cost){.state = &r.state};
+	}
+	if (st != KL_OK) {
 		fprintf(stderr, "kiln bench: %s: setup failed: %s\n", w->name, kl_last_error(ctx));
 		rc = 1;
+	} else if (!(w->modes & KT_MODE_BIT(o->serve_mode))) {
+		fprintf(stderr, "kiln bench: --serve: %s %s does not run in mode %s\n", w->name,
+		        cost.shape, m->name);
+		rc = 2;
 	} else if ((first = kt_timed_call(&r, m, gpu, &sum)) < 0 ||
 	           kt_timed_call(&r, m, gpu, NULL) < 0) {
 		fprintf(stderr, "kiln bench: --serve %s: %s\n", w->name, kl_last_error(ctx));
