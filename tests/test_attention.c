@@ -1110,7 +1110,7 @@ static void test_cuda_sdpa_lengths(void **state)
 }
 
 /* the decode kernels (kl_attn_dec with 16-byte loads, kl_attn_dec1 at an
- * unaligned K and V, kl_attn_rows' splits with KILN_CUDA_ATTN_DEC=0, forced
+ * unaligned K and V, with KILN_CUDA_ATTN_DEC=1; kl_attn_rows' splits unset; forced
  * split counts) called as a plan step on a [B, T, H, D] cache, one query
  * row (or three, causal) per (b, h): lengths T, past T (clamped), 1000 or
  * T - 1, 1 and 0 (0 gives 0), NaN in K and V past each length (never read)
@@ -1306,7 +1306,7 @@ static void test_cuda_decode(void **state)
 	        {37, 128, 128, 1, KL_BF16, 0, false},   {1, 128, 128, 1, KL_BF16, 0, false},
 	        {5000, 128, 128, 1, KL_BF16, 0, false}, {1000, 24, 16, 1, KL_BF16, 0, false},
 	};
-	static const char *const modes[] = {NULL, "0", "7", "1000"};
+	static const char *const modes[] = {NULL, "1", "7", "1000"};
 	int64_t bad = 0;
 	for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
 		if (modes[mi])

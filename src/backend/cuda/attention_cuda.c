@@ -3,10 +3,11 @@
  * variant once per device (NVRTC, kept until the device closes) and launches
  * it on the stream. f16/bf16 with head dim 64 or 128, dense rows and 16-byte
  * aligned operands take a tensor-core kernel: wgmma on sm_90 (compiled for
- * sm_90a), mma.sync elsewhere; few query rows (decode) take kl_attn_dec
- * (kl_attn_dec1 at any strides): a block per (row, split of the keys), the
- * splits merged by kl_attn_combine (KILN_CUDA_ATTN_DEC=0: kl_attn_rows' warp
- * per split, as before); everything else takes the general kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
+ * sm_90a), mma.sync elsewhere; few query rows (decode) take kl_attn_rows'
+ * warp per (row, split of the keys), or with KILN_CUDA_ATTN_DEC=1 kl_attn_dec
+ * (kl_attn_dec1 at any strides: a block per (row, split), not yet run on a
+ * GPU, so not the default), the splits merged by kl_attn_combine; everything
+ * else takes the general kernel. KILN_ATTENTION_KERNEL=simple|mma|wgmma forces one (a forced kernel
  * that cannot take the step falls back as above). The mma.sync and
  * kl_attn_wgmma grids are x = batch (up to 2^31 - 1), y = query blocks (up
  * to 65535), the
@@ -505,19 +506,20 @@ static int64_t at_args(kl_at_args *a, const kl_attn_step *s, kl_dtype dt, CUdevi
 }
 
 /* KILN_CUDA_ATTN_DEC: the decode kernels (kl_attn_dec, kl_attn_dec1) where
- * the query rows are fewer than the SMs' warps: unset or 1 (splits of the
- * keys picked below), 0 kl_attn_rows' warp per (row, split) as before (A/B),
- * N > 1 N splits a row (capped at the keys), for tuning */
+ * the query rows are fewer than the SMs' warps: 1 (splits of the keys picked
+ * below), N > 1 N splits a row (capped at the keys), for tuning; unset or 0
+ * kl_attn_rows' warp per (row, split) until kl_attn_dec has passed
+ * test_cuda_decode on a GPU (it has only been compiled, 2026-12-08) */
 static int dec_mode(kl_ctx *ctx)
 {
 	const char *e = getenv("KILN_CUDA_ATTN_DEC");
 	if (!e || !*e)
-		return 1;
+		return 0;
 	char *end;
 	long n = strtol(e, &end, 10);
 	if (*end || n < 0 || n > 1024) {
 		kl__log(ctx, KL_LOG_FUSION, "KILN_CUDA_ATTN_DEC=%.32s ignored (0, 1 or splits)", e);
-		return 1;
+		return 0;
 	}
 	return (int)n;
 }
