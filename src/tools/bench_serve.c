@@ -67,12 +67,7 @@ int kt_serve_main(const kt_opts *o)
 	const kt_workload *w = kt_find_workload(o->device, o->only[0], strlen(o->only[0]));
 	const kt_mode_desc *m = &kt_modes[o->serve_mode];
 	if (!w)
-		return 2; /* parse_opts said why */
-	if (!(w->modes & KT_MODE_BIT(o->serve_mode))) {
-		fprintf(stderr, "kiln bench: --serve: %s does not run in mode %s\n", w->name,
-		        m->name);
-		return 2;
-	}
+		return 2; /* parse_opts said why; the row's mode is checked once --shape picked it */
 	kl_ctx *ctx = kt_open_ctx(o);
 	if (!ctx)
 		return 1;

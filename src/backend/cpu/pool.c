@@ -94,10 +94,19 @@ static int64_t now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Spin until *w differs from old, for at most SPIN_NS; true when it did. */
-static bool spin_until_changed(_Atomic uint32_t *w, uint32_t old)
+/* Idle spins are short (SPIN_NS) until then: set when a spin was preempted
+ * or a region backed off (wait_next_region, kl__par_for). */
+static _Atomic int64_t short_until;
+#define PREEMPT_NS 200000
+#define SHORT_FOR_NS 100000000
+
+/* Spin until *w differs from old, for at most limit ns; true when it did.
+ * A spin the scheduler interrupted (two looks at the clock PREEMPT_NS
+ * apart) means other work wants the core: it stops, and idle spins stay
+ * short for SHORT_FOR_NS. */
+static bool spin_until_changed(_Atomic uint32_t *w, uint32_t old, int64_t limit)
 {
-	int64_t t0 = 0;
+	int64_t t0 = 0, last = 0;
 	for (int i = 1;; i++) {
 		if (atomic_load_explicit(w, memory_order_acquire) != old)
 			return true;
@@ -106,8 +115,14 @@ static bool spin_until_changed(_Atomic uint32_t *w, uint32_t old)
 			int64_t t = now_ns();
 			if (!t0)
 				t0 = t;
-			else if (t - t0 > SPIN_NS)
+			if (last && t - last > PREEMPT_NS) {
+				atomic_store_explicit(&short_until, t + SHORT_FOR_NS,
+				                      memory_order_relaxed);
 				return false;
+			}
+			if (t - t0 > limit)
+				return false;
+			last = t;
 		}
 	}
 }
@@ -150,14 +165,9 @@ static void run_chunks(uint32_t g)
  * long spin takes their time (the DecoderLayer with two `yes` running: 8-9
  * ms against 4.3-5 with short spins), so the spin is short (SPIN_NS) while
  * the machine has more runnable threads than cores (sampled every
- * BUSY_SAMPLE_NS from /proc/loadavg), and for SHORT_FOR_NS after a spin
- * was preempted (two looks at the clock PREEMPT_NS apart) or a region
- * backed off (kl__par_for). */
+ * BUSY_SAMPLE_NS from /proc/loadavg) and while short_until holds. */
 #define IDLE_SPIN_NS 2000000
-#define PREEMPT_NS 200000
-#define SHORT_FOR_NS 100000000
 #define BUSY_SAMPLE_NS 5000000
-static _Atomic int64_t short_until; /* idle spins are short until then */
 
 /* More runnable threads than online cores, by /proc/loadavg's 4th field
  * (running/total); false where it cannot be read. Sampled at most every
@@ -191,27 +201,9 @@ static bool machine_busy(int64_t t)
 
 static bool wait_next_region(uint32_t seen)
 {
-	int64_t t0 = now_ns(), last = t0;
-	int64_t limit = t0 < atomic_load_explicit(&short_until, memory_order_relaxed) ||
-	                                machine_busy(t0)
-	                        ? SPIN_NS
-	                        : IDLE_SPIN_NS;
-	for (int i = 1;; i++) {
-		if (atomic_load_explicit(&P.gen, memory_order_acquire) != seen)
-			return true;
-		cpu_relax();
-		if ((i & 63) == 0) {
-			int64_t t = now_ns();
-			if (t - last > PREEMPT_NS) {
-				atomic_store_explicit(&short_until, t + SHORT_FOR_NS,
-				                      memory_order_relaxed);
-				return false;
-			}
-			if (t - t0 > limit)
-				return false;
-			last = t;
-		}
-	}
+	int64_t t = now_ns();
+	bool brief = t < atomic_load_explicit(&short_until, memory_order_relaxed) || machine_busy(t);
+	return spin_until_changed(&P.gen, seen, brief ? SPIN_NS : IDLE_SPIN_NS);
 }
 
 static void *worker(void *p)
@@ -328,7 +320,7 @@ void kl__par_for(int nt, int64_t n, kl_par_fn fn, void *arg)
 	/* the chunks others claimed: spin, then sleep until the last is done */
 	uint32_t d;
 	while ((d = atomic_load(&P.done)) != (uint32_t)nch) {
-		if (spin_until_changed(&P.done, d))
+		if (spin_until_changed(&P.done, d, SPIN_NS))
 			continue;
 		atomic_store(&P.waiting, 1);
 		d = atomic_load(&P.done);
